@@ -1,0 +1,67 @@
+"""`MoKConfig`: the knobs of a mok layer, validated once at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PRECISIONS = ("bf16", "mxfp8", "fp8_block")
+BACKENDS = ("auto", "triton", "reference")
+
+# Rows a precision needs H and I to be multiples of (SPEC §4).
+SIZE_ALIGNMENT = {"bf16": 8, "mxfp8": 32, "fp8_block": 128}
+
+
+@dataclass(frozen=True)
+class MoKConfig:
+    """How a mok layer runs. Frozen and hashable, so it can key workspace caches.
+
+    precision: "bf16" | "mxfp8" | "fp8_block" (SPEC §2).
+    backend: "triton" (fused GPU kernels), "reference" (pure PyTorch, any device), or
+        "auto": triton where it supports the call (CUDA tensors), else reference.
+    fwd_num_comm_sms / bwd_num_comm_sms: programs of the fused launch that move data
+        under expert parallelism (32 reach ~90% of NVLink for peer stores on H200).
+    minibatch_size: token rows per overlap step of the fused launch.
+    macrobatch_size: rows of the routed ring buffers under expert parallelism (bounds memory).
+    schedule_capacity_multiplier: worst-case share of all routes one rank may receive,
+        relative to an even split; sizes buffers and grids without a host sync. None means
+        the exact worst case (every route of every rank to one rank), which never overflows.
+    strict: check device-side error flags (capacity overflow, bad expert ids) right after
+        each call, at the cost of a host sync; otherwise they are raised by `check_errors`.
+    """
+
+    precision: str = "bf16"
+    backend: str = "auto"
+    fwd_num_comm_sms: int = 32
+    bwd_num_comm_sms: int = 32
+    minibatch_size: int = 1024
+    macrobatch_size: int = 65536
+    schedule_capacity_multiplier: float | None = None
+    strict: bool = False
+
+    def __post_init__(self):
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision: expected one of {PRECISIONS}, got {self.precision!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend: expected one of {BACKENDS}, got {self.backend!r}")
+        for name in ("fwd_num_comm_sms", "bwd_num_comm_sms", "minibatch_size", "macrobatch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        if self.macrobatch_size < self.minibatch_size:
+            raise ValueError(
+                f"macrobatch_size: expected >= minibatch_size ({self.minibatch_size}), got {self.macrobatch_size}"
+            )
+        multiplier = self.schedule_capacity_multiplier
+        if multiplier is not None and (
+            not isinstance(multiplier, (int, float)) or isinstance(multiplier, bool) or not multiplier >= 1.0
+        ):
+            raise ValueError(f"schedule_capacity_multiplier: expected None or a number >= 1, got {multiplier!r}")
+        if not isinstance(self.strict, bool):
+            raise TypeError(f"strict: expected a bool, got {type(self.strict).__name__}")
+
+    def receive_capacity(self, num_local_tokens: int, topk: int, world_size: int) -> int:
+        """Most routes (token rows) one rank may receive in one pass."""
+        routes_per_rank = num_local_tokens * topk
+        if self.schedule_capacity_multiplier is None:
+            return routes_per_rank * world_size
+        return min(routes_per_rank * world_size, int(routes_per_rank * self.schedule_capacity_multiplier))

@@ -1,0 +1,403 @@
+"""The functional API (SPEC §3.2): workspace, schedule, forward, backward, recompute.
+
+A call runs in four steps, each usable alone:
+
+    workspace = get_workspace(config, group, device=, num_local_tokens=, hidden_size=, topk=)
+    schedule  = build_schedule(workspace, config, topk_ids, num_local_experts=)
+    out, ctx  = forward(config, workspace, schedule, x, topk_weights,
+                        ws_gate, ws_up, ws_down, w_gate, w_up, w_down, swiglu_limit=)
+    grads     = backward(config, workspace, schedule, ctx, d_out, x, topk_weights,
+                         ws_gate, ws_up, ws_down, w_gate, w_up, w_down, swiglu_limit=)
+
+`moe(...)` bundles them into one autograd-aware call. Shared-expert weights may be None.
+
+Backends: "reference" runs `mok.reference` (fp32 math, any device, expert parallelism
+through `torch.distributed` collectives); "triton" runs the fused GPU kernels where they
+support the call. `MoKConfig.backend="auto"` picks triton when it can.
+
+Outputs follow SPEC §1: `out` and the gradients of x and of the weights are bf16, the
+router-weight gradient fp32. Errors found on the device (bad expert ids, capacity
+overflow) set the workspace's error flag; `check_errors(workspace)` raises them (a host
+sync), and `MoKConfig(strict=True)` calls it after every step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from mok import reference
+from mok.config import MoKConfig
+from mok.mxfp8 import mxfp8_dequantize, mxfp8_quantize
+from mok.reference import Gradients
+from mok.validation import check_layer_inputs, check_tensor, check_topk_ids_values
+
+__all__ = [
+    "Workspace",
+    "Schedule",
+    "ForwardContext",
+    "Gradients",
+    "MoKError",
+    "get_workspace",
+    "create_workspace",
+    "clear_workspace_cache",
+    "build_schedule",
+    "forward",
+    "backward",
+    "recompute_forward_context",
+    "check_errors",
+    "moe",
+]
+
+
+class MoKError(RuntimeError):
+    """A condition found on the device (capacity overflow, bad expert ids, a peer that never came)."""
+
+
+# Bits of the workspace's error flag.
+ERROR_BAD_EXPERT_ID = 1
+ERROR_CAPACITY_OVERFLOW = 2
+ERROR_PEER_TIMEOUT = 4
+_ERROR_MESSAGES = {
+    ERROR_BAD_EXPERT_ID: "topk_ids held an expert id out of range or repeated within a row",
+    ERROR_CAPACITY_OVERFLOW: "routing exceeded the schedule capacity (raise schedule_capacity_multiplier)",
+    ERROR_PEER_TIMEOUT: "a peer rank did not arrive within the spin bound",
+}
+
+
+# --------------------------------------------------------------------------- workspace
+
+
+@dataclass(frozen=True, eq=False)
+class Workspace:
+    """Per-(group, device, shape) state reused across calls: buffers, flags, the group.
+
+    num_local_tokens is the most tokens one call may bring on this rank.
+    """
+
+    device: torch.device
+    group: dist.ProcessGroup | None
+    world_size: int
+    rank: int
+    num_local_tokens: int
+    hidden_size: int
+    topk: int
+    error_flag: torch.Tensor  # [1] int32, bits ERROR_*; zeroed by check_errors
+    buffers: dict = field(default_factory=dict)
+
+
+_WORKSPACE_CACHE: dict[tuple, Workspace] = {}
+
+
+def _group_size_and_rank(group) -> tuple[int, int]:
+    if group is None:
+        return 1, 0
+    if not dist.is_initialized():
+        raise ValueError("group: expected an initialized torch.distributed process group, but none is initialized")
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def create_workspace(
+    config: MoKConfig,
+    group: dist.ProcessGroup | None,
+    *,
+    device: torch.device | str,
+    num_local_tokens: int,
+    hidden_size: int,
+    topk: int,
+) -> Workspace:
+    """A new workspace (uncached). Under a group of P > 1 ranks, checks that every rank
+    agrees on hidden_size and topk (a collective, once per workspace)."""
+    if not isinstance(config, MoKConfig):
+        raise TypeError(f"config: expected a MoKConfig, got {type(config).__name__}")
+    for name, value in (("num_local_tokens", num_local_tokens), ("hidden_size", hidden_size), ("topk", topk)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    world_size, rank = _group_size_and_rank(group)
+    if world_size > 1:
+        _check_same_across_ranks(group, {"hidden_size": hidden_size, "topk": topk}, device)
+    return Workspace(
+        device=device,
+        group=group,
+        world_size=world_size,
+        rank=rank,
+        num_local_tokens=num_local_tokens,
+        hidden_size=hidden_size,
+        topk=topk,
+        error_flag=torch.zeros(1, dtype=torch.int32, device=device),
+    )
+
+
+def _check_same_across_ranks(group, values: dict[str, int], device: torch.device) -> None:
+    mine = torch.tensor(list(values.values()), dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    for rank, theirs in enumerate(gathered):
+        for (name, value), other in zip(values.items(), theirs.tolist()):
+            if other != value:
+                raise ValueError(f"{name}: expected the same value on every rank, got {value} here and {other} on rank {rank}")
+
+
+def get_workspace(
+    config: MoKConfig,
+    group: dist.ProcessGroup | None,
+    *,
+    device: torch.device | str,
+    num_local_tokens: int,
+    hidden_size: int,
+    topk: int,
+) -> Workspace:
+    """The cached workspace for these arguments (created on first use)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (config, id(group) if group is not None else None, device, num_local_tokens, hidden_size, topk)
+    workspace = _WORKSPACE_CACHE.get(key)
+    if workspace is None:
+        workspace = create_workspace(
+            config, group, device=device, num_local_tokens=num_local_tokens, hidden_size=hidden_size, topk=topk
+        )
+        _WORKSPACE_CACHE[key] = workspace
+    return workspace
+
+
+def clear_workspace_cache() -> None:
+    """Drops every cached workspace (their buffers are freed once nothing else holds them)."""
+    _WORKSPACE_CACHE.clear()
+
+
+def check_errors(workspace: Workspace) -> None:
+    """Raises MoKError for any error flag the device set, then clears the flag (a host sync)."""
+    flags = int(workspace.error_flag.item())
+    if flags:
+        workspace.error_flag.zero_()
+        messages = [msg for bit, msg in _ERROR_MESSAGES.items() if flags & bit]
+        raise MoKError("mok: " + "; ".join(messages))
+
+
+# --------------------------------------------------------------------------- backend choice
+
+
+def _backend(config: MoKConfig, workspace: Workspace) -> str:
+    if config.precision == "fp8_block":
+        raise NotImplementedError("precision='fp8_block' is not implemented yet; use 'bf16' or 'mxfp8'")
+    if config.backend == "triton":
+        raise NotImplementedError("backend='triton' does not support this call yet; use backend='auto'")
+    return "reference"
+
+
+# --------------------------------------------------------------------------- schedule
+
+
+@dataclass(frozen=True, eq=False)
+class Schedule:
+    """Where every route goes this call. Built once, used by forward and backward.
+
+    topk_ids: [T, topk] global expert ids (int64). num_experts = num_local_experts · P.
+    """
+
+    topk_ids: torch.Tensor
+    num_local_experts: int
+    num_experts: int
+    backend: str
+
+
+def build_schedule(
+    workspace: Workspace, config: MoKConfig, topk_ids: torch.Tensor, *, num_local_experts: int
+) -> Schedule:
+    """Validates the routing and prepares what forward and backward need to move tokens."""
+    check_tensor("topk_ids", topk_ids, dtypes=(torch.int32, torch.int64), shape=(None, workspace.topk), device=workspace.device)
+    if topk_ids.shape[0] > workspace.num_local_tokens:
+        raise ValueError(
+            f"topk_ids: expected at most num_local_tokens={workspace.num_local_tokens} rows, got {topk_ids.shape[0]}"
+        )
+    if not isinstance(num_local_experts, int) or num_local_experts < 1:
+        raise ValueError(f"num_local_experts: expected a positive int, got {num_local_experts!r}")
+    num_experts = num_local_experts * workspace.world_size
+    backend = _backend(config, workspace)
+    check_topk_ids_values(topk_ids, num_experts)
+    return Schedule(topk_ids.long(), num_local_experts, num_experts, backend)
+
+
+# --------------------------------------------------------------------------- forward / backward
+
+
+@dataclass(frozen=True, eq=False)
+class ForwardContext:
+    """What forward leaves for backward. `saved` maps names to tensors; the reference
+    backend recomputes everything and saves nothing."""
+
+    backend: str
+    precision: str
+    saved: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def _mxfp8_round(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """t rounded through MXFP8 with blocks along `dim` (-1 or -2), returned in fp32."""
+    if dim == -1:
+        q, scale, _, _ = mxfp8_quantize(t, rowwise=True, colwise=False)
+        return mxfp8_dequantize(q, scale)
+    _, _, q_t, scale_t = mxfp8_quantize(t, rowwise=False, colwise=True)
+    return mxfp8_dequantize(q_t, scale_t).transpose(-1, -2)
+
+
+def _reference_operands(config: MoKConfig, x, w_gate, w_up, w_down):
+    """The routed GEMM operands as the reference backend uses them: as given in bf16; in
+    mxfp8, x and the routed weights rounded through MXFP8 along each GEMM's reduction
+    dimension (the reference backend keeps the intermediate h in fp32)."""
+    if config.precision == "bf16":
+        return x, w_gate, w_up, w_down
+    return _mxfp8_round(x, -1), _mxfp8_round(w_gate, -1), _mxfp8_round(w_up, -1), _mxfp8_round(w_down, -1)
+
+
+def _check_call(config, workspace, schedule, x, topk_weights, ws_gate, ws_up, ws_down, w_gate, w_up, w_down):
+    num_tokens, hidden, _, num_local_experts, topk = check_layer_inputs(
+        x, schedule.topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, precision=config.precision
+    )
+    if hidden != workspace.hidden_size:
+        raise ValueError(f"x: expected hidden size {workspace.hidden_size} (the workspace's), got {hidden}")
+    if num_local_experts != schedule.num_local_experts:
+        raise ValueError(
+            f"w_gate: expected {schedule.num_local_experts} local experts (the schedule's), got {num_local_experts}"
+        )
+    if x.device != workspace.device:
+        raise ValueError(f"x: expected a tensor on {workspace.device} (the workspace's device), got {x.device}")
+
+
+def _reference_call(fn, config, workspace, schedule, x, topk_weights, ws_gate, ws_up, ws_down, w_gate, w_up, w_down, swiglu_limit, *lead):
+    x_op, w_gate_op, w_up_op, w_down_op = _reference_operands(config, x, w_gate, w_up, w_down)
+    args = (*lead, x_op, schedule.topk_ids, topk_weights, w_gate_op, w_up_op, w_down_op, ws_gate, ws_up, ws_down)
+    if workspace.world_size > 1:
+        return getattr(reference, "ep_" + fn.__name__)(*args, swiglu_limit=swiglu_limit, group=workspace.group)
+    return fn(*args, swiglu_limit=swiglu_limit)
+
+
+def forward(
+    config: MoKConfig,
+    workspace: Workspace,
+    schedule: Schedule,
+    x: torch.Tensor,  # [T, H] bf16
+    topk_weights: torch.Tensor,  # [T, topk] fp32
+    ws_gate: torch.Tensor | None,  # [I_s, H] bf16
+    ws_up: torch.Tensor | None,  # [I_s, H] bf16
+    ws_down: torch.Tensor | None,  # [H, I_s] bf16
+    w_gate: torch.Tensor,  # [E_l, I, H]
+    w_up: torch.Tensor,  # [E_l, I, H]
+    w_down: torch.Tensor,  # [E_l, H, I]
+    swiglu_limit: float | None = None,
+) -> tuple[torch.Tensor, ForwardContext]:
+    """The layer's output [T, H] bf16 and the context backward needs."""
+    _check_call(config, workspace, schedule, x, topk_weights, ws_gate, ws_up, ws_down, w_gate, w_up, w_down)
+    out = _reference_call(
+        reference.moe_forward, config, workspace, schedule, x, topk_weights, ws_gate, ws_up, ws_down,
+        w_gate, w_up, w_down, swiglu_limit,
+    )
+    return out.to(torch.bfloat16), ForwardContext(schedule.backend, config.precision)
+
+
+def recompute_forward_context(
+    config: MoKConfig,
+    workspace: Workspace,
+    schedule: Schedule,
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    ws_gate: torch.Tensor | None,
+    ws_up: torch.Tensor | None,
+    ws_down: torch.Tensor | None,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    swiglu_limit: float | None = None,
+) -> ForwardContext:
+    """The context `forward` returned for these inputs, rebuilt for activation
+    checkpointing (bitwise equal to the original)."""
+    return forward(
+        config, workspace, schedule, x, topk_weights, ws_gate, ws_up, ws_down, w_gate, w_up, w_down, swiglu_limit
+    )[1]
+
+
+def backward(
+    config: MoKConfig,
+    workspace: Workspace,
+    schedule: Schedule,
+    context: ForwardContext,
+    d_out: torch.Tensor,  # [T, H] bf16
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    ws_gate: torch.Tensor | None,
+    ws_up: torch.Tensor | None,
+    ws_down: torch.Tensor | None,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    swiglu_limit: float | None = None,
+) -> Gradients:
+    """Every gradient in SPEC §1's order: d_x, d_topk_weights, routed then shared weights."""
+    _check_call(config, workspace, schedule, x, topk_weights, ws_gate, ws_up, ws_down, w_gate, w_up, w_down)
+    if not isinstance(context, ForwardContext) or context.precision != config.precision:
+        raise ValueError("context: expected the ForwardContext that forward returned under this config")
+    check_tensor("d_out", d_out, dtypes=(torch.bfloat16, torch.float32), shape=tuple(x.shape), device=x.device)
+    grads = _reference_call(
+        reference.moe_backward, config, workspace, schedule, x, topk_weights, ws_gate, ws_up, ws_down,
+        w_gate, w_up, w_down, swiglu_limit, d_out,
+    )
+    return Gradients(*(g if g is None or i == 1 else g.to(torch.bfloat16) for i, g in enumerate(grads)))
+
+
+# --------------------------------------------------------------------------- autograd
+
+
+class _MoELayer(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, config, group, swiglu_limit, x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down):
+        num_tokens, hidden = x.shape
+        workspace = get_workspace(
+            config, group, device=x.device, num_local_tokens=num_tokens, hidden_size=hidden, topk=topk_ids.shape[1]
+        )
+        schedule = build_schedule(workspace, config, topk_ids, num_local_experts=w_gate.shape[0])
+        shared = (ws_gate, ws_up, ws_down)
+        out, context = forward(config, workspace, schedule, x, topk_weights, *shared, w_gate, w_up, w_down, swiglu_limit)
+        ctx.save_for_backward(x, topk_weights, w_gate, w_up, w_down, *shared)
+        ctx.state = (config, workspace, schedule, context, swiglu_limit)
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        x, topk_weights, w_gate, w_up, w_down, *shared = ctx.saved_tensors
+        config, workspace, schedule, context, swiglu_limit = ctx.state
+        grads = backward(
+            config, workspace, schedule, context, d_out.contiguous(), x, topk_weights, *shared,
+            w_gate, w_up, w_down, swiglu_limit,
+        )
+        return (
+            None, None, None, grads.d_x, None, grads.d_topk_weights, grads.d_w_gate, grads.d_w_up, grads.d_w_down,
+            grads.d_ws_gate, grads.d_ws_up, grads.d_ws_down,
+        )
+
+
+def moe(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    ws_gate: torch.Tensor | None = None,
+    ws_up: torch.Tensor | None = None,
+    ws_down: torch.Tensor | None = None,
+    *,
+    config: MoKConfig | None = None,
+    swiglu_limit: float | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """The whole layer as one autograd-aware call: out [T, H] bf16."""
+    config = MoKConfig() if config is None else config
+    if not isinstance(config, MoKConfig):
+        raise TypeError(f"config: expected a MoKConfig or None, got {type(config).__name__}")
+    check_layer_inputs(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, precision=config.precision)
+    return _MoELayer.apply(config, group, swiglu_limit, x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)

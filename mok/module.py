@@ -1,0 +1,117 @@
+"""`MoKMoE`: the whole MoE layer as an `nn.Module` that owns its expert weights."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mok.config import MoKConfig
+from mok.functional import moe
+
+
+class MoKMoE(nn.Module):
+    """Routed SwiGLU experts (plus an optional shared expert) behind a router you supply.
+
+    forward(x [..., H] bf16, topk_ids [..., topk], topk_weights [..., topk] fp32) -> [..., H] bf16
+
+    Parameters follow `nn.Linear`'s [out, in] layout and SPEC §1's names: `w_gate`,
+    `w_up` [E_l, I, H], `w_down` [E_l, H, I] for this rank's E_l = num_experts / P local
+    experts, and `ws_gate`, `ws_up` [I_s, H], `ws_down` [H, I_s] with a shared expert.
+    Under `ep_group`, `topk_ids` hold global expert ids and tokens travel to the ranks
+    that own their experts.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        num_experts: int,
+        topk: int,
+        shared_intermediate_size: int = 0,
+        precision: str = "bf16",
+        ep_group: dist.ProcessGroup | None = None,
+        config: MoKConfig | None = None,
+        swiglu_limit: float | None = None,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+    ):
+        super().__init__()
+        for name, value in (
+            ("hidden_size", hidden_size),
+            ("intermediate_size", intermediate_size),
+            ("num_experts", num_experts),
+            ("topk", topk),
+        ):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        if not isinstance(shared_intermediate_size, int) or shared_intermediate_size < 0:
+            raise ValueError(f"shared_intermediate_size: expected an int >= 0, got {shared_intermediate_size!r}")
+        if topk > num_experts:
+            raise ValueError(f"topk: expected at most num_experts ({num_experts}), got {topk}")
+        if swiglu_limit is not None and not swiglu_limit > 0:
+            raise ValueError(f"swiglu_limit: expected None or a positive number, got {swiglu_limit!r}")
+        if dtype != torch.bfloat16:
+            raise TypeError(f"dtype: expected torch.bfloat16 (the layer's parameter dtype), got {dtype}")
+        config = MoKConfig(precision=precision) if config is None else config
+        if not isinstance(config, MoKConfig):
+            raise TypeError(f"config: expected a MoKConfig or None, got {type(config).__name__}")
+        if config.precision != precision:
+            config = MoKConfig(**{**config.__dict__, "precision": precision})
+        world_size = 1 if ep_group is None else dist.get_world_size(ep_group)
+        if num_experts % world_size:
+            raise ValueError(f"num_experts: expected a multiple of the ep_group size ({world_size}), got {num_experts}")
+
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.num_experts, self.num_local_experts, self.topk = num_experts, num_experts // world_size, topk
+        self.shared_intermediate_size = shared_intermediate_size
+        self.precision, self.ep_group, self.config, self.swiglu_limit = precision, ep_group, config, swiglu_limit
+
+        def param(*shape):
+            return nn.Parameter(torch.empty(*shape, device=device, dtype=dtype))
+
+        H, I, E_l, I_s = hidden_size, intermediate_size, self.num_local_experts, shared_intermediate_size
+        self.w_gate, self.w_up, self.w_down = param(E_l, I, H), param(E_l, I, H), param(E_l, H, I)
+        if I_s:
+            self.ws_gate, self.ws_up, self.ws_down = param(I_s, H), param(I_s, H), param(H, I_s)
+        else:
+            self.ws_gate = self.ws_up = self.ws_down = None
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """`nn.Linear`'s default: uniform in ±1/sqrt(fan_in), fan_in = the weight's last dim."""
+        for weight in self.parameters():
+            bound = 1.0 / math.sqrt(weight.shape[-1])
+            weight.uniform_(-bound, bound)
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != self.hidden_size:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"x: expected a tensor of shape [..., {self.hidden_size}], got {shape}")
+        lead = x.shape[:-1]
+        out = moe(
+            x.reshape(-1, self.hidden_size).contiguous(),
+            topk_ids.reshape(-1, topk_ids.shape[-1]).contiguous(),
+            topk_weights.reshape(-1, topk_weights.shape[-1]).contiguous(),
+            self.w_gate,
+            self.w_up,
+            self.w_down,
+            self.ws_gate,
+            self.ws_up,
+            self.ws_down,
+            config=self.config,
+            swiglu_limit=self.swiglu_limit,
+            group=self.ep_group,
+        )
+        return out.view(*lead, self.hidden_size)
+
+    def extra_repr(self) -> str:
+        return (
+            f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
+            f"num_experts={self.num_experts} ({self.num_local_experts} local), topk={self.topk}, "
+            f"shared_intermediate_size={self.shared_intermediate_size}, precision={self.precision!r}"
+        )

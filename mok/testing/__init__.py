@@ -1,0 +1,27 @@
+"""Testing helpers shipped with mok, used by its tests and its benchmark alike.
+
+One definition of each accuracy statistic of SPEC §2 (relative L1 error, cosine), a
+mismatch report that says where and by how much, and seeded input generators.
+"""
+
+from mok.testing.errors import (
+    assert_close_to_reference,
+    cosine_similarity,
+    max_rel_err,
+    mismatch_report,
+    relative_error,
+    TOLERANCES,
+)
+from mok.testing.inputs import MoEInputs, make_inputs, make_topk_ids
+
+__all__ = [
+    "TOLERANCES",
+    "MoEInputs",
+    "assert_close_to_reference",
+    "cosine_similarity",
+    "make_inputs",
+    "make_topk_ids",
+    "max_rel_err",
+    "mismatch_report",
+    "relative_error",
+]

@@ -1,0 +1,76 @@
+"""MoKMoE: parameters, init, autograd against the reference, shapes, errors."""
+
+import math
+
+import pytest
+import torch
+
+import mok
+from mok import reference
+from mok.testing import assert_close_to_reference, make_topk_ids
+
+
+def test_parameters_named_and_shaped_as_spec():
+    layer = mok.MoKMoE(64, 32, 6, 2, shared_intermediate_size=48)
+    shapes = {n: tuple(p.shape) for n, p in layer.named_parameters()}
+    assert shapes == {
+        "w_gate": (6, 32, 64), "w_up": (6, 32, 64), "w_down": (6, 64, 32),
+        "ws_gate": (48, 64), "ws_up": (48, 64), "ws_down": (64, 48),
+    }
+    for name, p in layer.named_parameters():
+        bound = 1 / math.sqrt(p.shape[-1])
+        assert p.dtype == torch.bfloat16
+        assert p.abs().max() <= bound * 1.01 and p.abs().max() > bound * 0.5, name
+    assert [n for n, _ in mok.MoKMoE(64, 32, 6, 2).named_parameters()] == ["w_gate", "w_up", "w_down"]
+
+
+def test_module_autograd_matches_reference():
+    torch.manual_seed(0)
+    B, S, H, I, E, topk = 2, 9, 64, 32, 8, 2
+    layer = mok.MoKMoE(H, I, E, topk, shared_intermediate_size=32, swiglu_limit=1.0)
+    x = torch.randn(B, S, H).bfloat16().requires_grad_()
+    ids = make_topk_ids(B * S, E, topk).view(B, S, topk)
+    w = torch.randn(B, S, topk).requires_grad_()
+    out = layer(x, ids, w)
+    assert out.shape == (B, S, H) and out.dtype == torch.bfloat16
+    d_out = torch.randn_like(out)
+    out.backward(d_out)
+    params = [layer.w_gate, layer.w_up, layer.w_down, layer.ws_gate, layer.ws_up, layer.ws_down]
+    args = (x.detach().view(-1, H), ids.view(-1, topk), w.detach().view(-1, topk), *[p.detach() for p in params])
+    ref_out = reference.moe_forward(*args, swiglu_limit=1.0)
+    ref = reference.moe_backward(d_out.view(-1, H), *args, swiglu_limit=1.0)
+    assert_close_to_reference(out.view(-1, H), ref_out, name="out")
+    assert_close_to_reference(x.grad.view(-1, H), ref.d_x, name="d_x", check_cosine=True)
+    assert_close_to_reference(w.grad.view(-1, topk), ref.d_topk_weights, name="d_topk_weights", check_cosine=True)
+    for p, r, name in zip(params, ref[2:], ref._fields[2:]):
+        assert p.grad is not None and p.grad.dtype == torch.bfloat16, name
+        assert_close_to_reference(p.grad, r, name=name, check_cosine=True)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(hidden_size=0), ValueError, r"^hidden_size: expected a positive int"),
+        (dict(topk=9), ValueError, r"^topk: expected at most num_experts \(8\)"),
+        (dict(shared_intermediate_size=-1), ValueError, r"^shared_intermediate_size"),
+        (dict(precision="int8"), ValueError, r"^precision: expected one of"),
+        (dict(swiglu_limit=-1.0), ValueError, r"^swiglu_limit"),
+        (dict(dtype=torch.float32), TypeError, r"^dtype: expected torch.bfloat16"),
+    ],
+)
+def test_constructor_errors(kwargs, error, match):
+    args = dict(hidden_size=64, intermediate_size=32, num_experts=8, topk=2)
+    args.update(kwargs)
+    with pytest.raises(error, match=match):
+        mok.MoKMoE(**args)
+
+
+def test_forward_rejects_wrong_hidden():
+    layer = mok.MoKMoE(64, 32, 4, 2)
+    with pytest.raises(ValueError, match=r"^x: expected a tensor of shape \[\.\.\., 64\]"):
+        layer(torch.randn(3, 32).bfloat16(), torch.zeros(3, 2, dtype=torch.long), torch.rand(3, 2))
+
+
+def test_precision_reaches_config():
+    layer = mok.MoKMoE(64, 64, 4, 2, precision="mxfp8", config=mok.MoKConfig(minibatch_size=512))
+    assert layer.config.precision == "mxfp8" and layer.config.minibatch_size == 512
