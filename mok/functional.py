@@ -29,7 +29,11 @@ import torch
 import torch.distributed as dist
 
 from mok import reference
+from mok import ops
 from mok.config import MoKConfig
+from mok.kernels.common import interpreting
+from mok.kernels.grouped_gemm import routing_block_m
+from mok.kernels.common import ERROR_BAD_EXPERT_ID, ERROR_CAPACITY_OVERFLOW, ERROR_PEER_TIMEOUT
 from mok.mxfp8 import mxfp8_dequantize, mxfp8_quantize
 from mok.reference import Gradients
 from mok.validation import check_layer_inputs, check_tensor, check_topk_ids_values
@@ -56,10 +60,6 @@ class MoKError(RuntimeError):
     """A condition found on the device (capacity overflow, bad expert ids, a peer that never came)."""
 
 
-# Bits of the workspace's error flag.
-ERROR_BAD_EXPERT_ID = 1
-ERROR_CAPACITY_OVERFLOW = 2
-ERROR_PEER_TIMEOUT = 4
 _ERROR_MESSAGES = {
     ERROR_BAD_EXPERT_ID: "topk_ids held an expert id out of range or repeated within a row",
     ERROR_CAPACITY_OVERFLOW: "routing exceeded the schedule capacity (raise schedule_capacity_multiplier)",
@@ -183,11 +183,27 @@ def check_errors(workspace: Workspace) -> None:
 # --------------------------------------------------------------------------- backend choice
 
 
+def _triton_unsupported(config: MoKConfig, workspace: Workspace) -> str | None:
+    """Why the triton backend cannot run this call, or None when it can."""
+    if workspace.device.type != "cuda" and not interpreting():
+        return f"it runs on CUDA devices (or under TRITON_INTERPRET=1), not {workspace.device}"
+    if workspace.world_size > 1:
+        return "expert parallelism (a group of more than one rank) is not implemented in it yet"
+    if config.precision != "bf16":
+        return f"precision={config.precision!r} is not implemented in it yet"
+    return None
+
+
 def _backend(config: MoKConfig, workspace: Workspace) -> str:
     if config.precision == "fp8_block":
         raise NotImplementedError("precision='fp8_block' is not implemented yet; use 'bf16' or 'mxfp8'")
+    reason = _triton_unsupported(config, workspace)
     if config.backend == "triton":
-        raise NotImplementedError("backend='triton' does not support this call yet; use backend='auto'")
+        if reason is not None:
+            raise NotImplementedError(f"backend='triton' cannot run this call: {reason}; use backend='auto'")
+        return "triton"
+    if config.backend == "auto" and reason is None and workspace.device.type == "cuda":
+        return "triton"
     return "reference"
 
 
@@ -198,30 +214,48 @@ def _backend(config: MoKConfig, workspace: Workspace) -> str:
 class Schedule:
     """Where every route goes this call. Built once, used by forward and backward.
 
-    topk_ids: [T, topk] global expert ids (int64). num_experts = num_local_experts · P.
+    topk_ids: [T, topk] global expert ids. num_experts = num_local_experts · P.
+    On the triton backend, `routing` holds the device schedule of the routed experts and
+    `shared_routing` the one of the shared expert (every token to one expert), both as
+    the tensors of `mok.ops.routing_schedule`, and `block_m` the M tile they pad to.
     """
 
     topk_ids: torch.Tensor
     num_local_experts: int
     num_experts: int
     backend: str
+    routing: tuple[torch.Tensor, ...] | None = None
+    shared_routing: tuple[torch.Tensor, ...] | None = None
+    block_m: int = 0
 
 
 def build_schedule(
     workspace: Workspace, config: MoKConfig, topk_ids: torch.Tensor, *, num_local_experts: int
 ) -> Schedule:
-    """Validates the routing and prepares what forward and backward need to move tokens."""
+    """Validates the routing and prepares what forward and backward need to move tokens.
+
+    On the triton backend no data leaves the device: bad expert ids set the workspace's
+    error flag (raised by `check_errors`, or at once with `MoKConfig(strict=True)`)."""
     check_tensor("topk_ids", topk_ids, dtypes=(torch.int32, torch.int64), shape=(None, workspace.topk), device=workspace.device)
-    if topk_ids.shape[0] > workspace.num_local_tokens:
-        raise ValueError(
-            f"topk_ids: expected at most num_local_tokens={workspace.num_local_tokens} rows, got {topk_ids.shape[0]}"
-        )
+    num_tokens = topk_ids.shape[0]
+    if num_tokens > workspace.num_local_tokens:
+        raise ValueError(f"topk_ids: expected at most num_local_tokens={workspace.num_local_tokens} rows, got {num_tokens}")
     if not isinstance(num_local_experts, int) or num_local_experts < 1:
         raise ValueError(f"num_local_experts: expected a positive int, got {num_local_experts!r}")
     num_experts = num_local_experts * workspace.world_size
+    if workspace.topk > num_experts:
+        raise ValueError(f"topk_ids: expected topk <= num_experts ({num_experts}), got topk={workspace.topk}")
     backend = _backend(config, workspace)
-    check_topk_ids_values(topk_ids, num_experts)
-    return Schedule(topk_ids.long(), num_local_experts, num_experts, backend)
+    if backend == "reference":
+        check_topk_ids_values(topk_ids, num_experts)
+        return Schedule(topk_ids.long(), num_local_experts, num_experts, backend)
+    block_m = routing_block_m()
+    routing = ops.routing_schedule(topk_ids, workspace.error_flag, num_local_experts, block_m)
+    all_tokens = torch.zeros(num_tokens, 1, dtype=torch.int32, device=topk_ids.device)  # [T, 1]: one shared expert
+    shared_routing = ops.routing_schedule(all_tokens, workspace.error_flag, 1, block_m)
+    if config.strict:
+        check_errors(workspace)
+    return Schedule(topk_ids, num_local_experts, num_experts, backend, routing, shared_routing, block_m)
 
 
 # --------------------------------------------------------------------------- forward / backward
@@ -277,6 +311,27 @@ def _reference_call(fn, config, workspace, schedule, x, topk_weights, ws_gate, w
     return fn(*args, swiglu_limit=swiglu_limit)
 
 
+def _expert_mlp(x, w_gate, w_up, w_down, routing, block_m, topk, num_slots, swiglu_limit, store_gate_up):
+    """y [num_slots, H] of the experts in `routing`, plus the h and g,u they computed."""
+    h, gate_up = ops.gate_up_swiglu(x, w_gate, w_up, *routing, block_m, topk, swiglu_limit, store_gate_up)
+    y = ops.down_scatter(h, w_down, *routing, block_m, num_slots)
+    return y, h, gate_up
+
+
+def _triton_forward(schedule, x, topk_weights, shared, routed, swiglu_limit, store_gate_up):
+    num_tokens, topk = topk_weights.shape
+    y, h, gate_up = _expert_mlp(x, *routed, schedule.routing, schedule.block_m, topk, num_tokens * topk, swiglu_limit, store_gate_up)
+    saved = {"y": y, "h": h, "gate_up": gate_up}
+    y_shared = None
+    if shared[0] is not None:
+        ws_gate, ws_up, ws_down = (w.unsqueeze(0) for w in shared)  # one expert of the grouped GEMMs
+        y_shared, saved["h_shared"], saved["gate_up_shared"] = _expert_mlp(
+            x, ws_gate, ws_up, ws_down, schedule.shared_routing, schedule.block_m, 1, num_tokens, swiglu_limit, store_gate_up
+        )
+        saved["y_shared"] = y_shared
+    return ops.combine(y, topk_weights, y_shared), saved
+
+
 def forward(
     config: MoKConfig,
     workspace: Workspace,
@@ -290,9 +345,17 @@ def forward(
     w_up: torch.Tensor,  # [E_l, I, H]
     w_down: torch.Tensor,  # [E_l, H, I]
     swiglu_limit: float | None = None,
+    *,
+    needs_backward: bool = True,
 ) -> tuple[torch.Tensor, ForwardContext]:
-    """The layer's output [T, H] bf16 and the context backward needs."""
+    """The layer's output [T, H] bf16 and the context backward needs (with
+    `needs_backward=False` the triton backend skips saving the pre-activations)."""
     _check_call(config, workspace, schedule, x, topk_weights, ws_gate, ws_up, ws_down, w_gate, w_up, w_down)
+    if schedule.backend == "triton":
+        out, saved = _triton_forward(schedule, x, topk_weights, (ws_gate, ws_up, ws_down), (w_gate, w_up, w_down), swiglu_limit, needs_backward)
+        if config.strict:
+            check_errors(workspace)
+        return out, ForwardContext(schedule.backend, config.precision, saved)
     out = _reference_call(
         reference.moe_forward, config, workspace, schedule, x, topk_weights, ws_gate, ws_up, ws_down,
         w_gate, w_up, w_down, swiglu_limit,
@@ -361,7 +424,10 @@ class _MoELayer(torch.autograd.Function):
         )
         schedule = build_schedule(workspace, config, topk_ids, num_local_experts=w_gate.shape[0])
         shared = (ws_gate, ws_up, ws_down)
-        out, context = forward(config, workspace, schedule, x, topk_weights, *shared, w_gate, w_up, w_down, swiglu_limit)
+        out, context = forward(
+            config, workspace, schedule, x, topk_weights, *shared, w_gate, w_up, w_down, swiglu_limit,
+            needs_backward=any(ctx.needs_input_grad),
+        )
         ctx.save_for_backward(x, topk_weights, w_gate, w_up, w_down, *shared)
         ctx.state = (config, workspace, schedule, context, swiglu_limit)
         return out

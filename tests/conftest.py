@@ -17,3 +17,19 @@ def _fresh_workspaces():
 
     yield
     mok.clear_workspace_cache()
+
+
+def _kernel_devices():
+    """Where Triton kernels can run here: the CPU under TRITON_INTERPRET=1, else CUDA."""
+    from mok.kernels.common import interpreting
+
+    if interpreting():
+        return ["cpu"]
+    return ["cuda"] if torch.cuda.is_available() else []
+
+
+def pytest_generate_tests(metafunc):
+    if "kernel_device" in metafunc.fixturenames:
+        devices = _kernel_devices()
+        params = devices or [pytest.param("none", marks=pytest.mark.skip(reason="no CUDA and TRITON_INTERPRET unset"))]
+        metafunc.parametrize("kernel_device", params)

@@ -1,0 +1,73 @@
+"""Combine: each token's output from its routes' unweighted expert outputs.
+
+    out[t] = bf16( y_shared[t] + Σ_j w[t,j] · y[t·topk + j] )     fp32, ascending j
+
+Legend: T tokens, H hidden, topk routes per token. `y` holds one bf16 row per route
+slot (written by the down GEMM), `y_shared` the shared expert's bf16 output or nothing.
+The sum runs in one program per (token block, hidden block) in a fixed order: the
+result is deterministic and equals SPEC §1's definition bit for bit at fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mok.kernels.common import interpreting, round_to_bf16
+
+
+@triton.jit
+def weighted_route_sum(y_ptr, w_ptr, tokens, h_offs, mask, topk, stride_y_s, acc):
+    """acc + Σ_j w[t,j]·y[t·topk+j] over ascending j, for a [tokens, h_offs] block."""
+    for j in range(topk):
+        w = tl.load(w_ptr + tokens * topk + j, mask=tokens >= 0, other=0.0)
+        slot = (tokens.to(tl.int64) * topk + j)[:, None]
+        y = tl.load(y_ptr + slot * stride_y_s + h_offs[None, :], mask=mask, other=0.0)
+        acc += w[:, None] * y.to(tl.float32)
+    return acc
+
+
+@triton.jit
+def _combine_kernel(
+    y_ptr, topk_weights_ptr, y_shared_ptr, out_ptr,
+    num_tokens, hidden, topk,
+    stride_y_s, stride_shared_t, stride_out_t,
+    HAS_SHARED: tl.constexpr, INTERPRETER: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h_offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = (tokens < num_tokens)[:, None] & (h_offs < hidden)[None, :]
+    tokens = tl.where(tokens < num_tokens, tokens, -1)
+    rows = tl.where(tokens >= 0, tokens, 0).to(tl.int64)[:, None]
+    acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+    if HAS_SHARED:
+        acc += tl.load(y_shared_ptr + rows * stride_shared_t + h_offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    acc = weighted_route_sum(y_ptr, topk_weights_ptr, tokens, h_offs, mask, topk, stride_y_s, acc)
+    tl.store(out_ptr + rows * stride_out_t + h_offs[None, :], round_to_bf16(acc, INTERPRETER), mask=mask)
+
+
+def combine(
+    y: torch.Tensor,  # [T·topk, H] bf16
+    topk_weights: torch.Tensor,  # [T, topk] fp32
+    y_shared: torch.Tensor | None = None,  # [T, H] bf16
+) -> torch.Tensor:
+    """out [T, H] bf16."""
+    num_tokens, topk = topk_weights.shape
+    hidden = y.shape[1]
+    if y.shape != (num_tokens * topk, hidden) or y.stride(1) != 1:
+        raise ValueError(f"y: expected a [{num_tokens * topk}, H] tensor with unit column stride, got {list(y.shape)}")
+    if topk_weights.dtype != torch.float32 or not topk_weights.is_contiguous():
+        raise ValueError(f"topk_weights: expected a contiguous fp32 tensor, got {topk_weights.dtype}")
+    if y_shared is not None and (y_shared.shape != (num_tokens, hidden) or y_shared.stride(1) != 1):
+        raise ValueError(f"y_shared: expected a [{num_tokens}, {hidden}] tensor, got {list(y_shared.shape)}")
+    out = torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=y.device)  # [T, H]
+    block_t, block_h = 16, min(512, triton.next_power_of_2(hidden))
+    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(hidden, block_h))
+    _combine_kernel[grid](
+        y, topk_weights, y if y_shared is None else y_shared, out,
+        num_tokens, hidden, topk,
+        y.stride(0), 0 if y_shared is None else y_shared.stride(0), out.stride(0),
+        HAS_SHARED=y_shared is not None, INTERPRETER=interpreting(), BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4,
+    )
+    return out

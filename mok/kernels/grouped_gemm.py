@@ -1,0 +1,254 @@
+"""Grouped GEMMs of the expert MLPs over the expert-sorted row layout of `schedule.py`.
+
+    gate/up:  h[r] = silu(x[src(r) // topk] · Wg[e]ᵀ) · (x[src(r) // topk] · Wu[e]ᵀ)   (fp32, stored bf16)
+    down:     y[src(r)] = h[r] · Wd[e]ᵀ                                              (unweighted, bf16)
+
+Legend: r a row of the sorted layout, src(r) = row_source[r] = t·topk + j (−1: padding),
+e = tile_expert[r // BLOCK_M], H hidden, I intermediate size, E_l local experts.
+
+The gate/up kernel gathers token rows by index inside its loads (no permuted copy of x)
+and keeps two accumulators, so g and u never leave registers before SwiGLU; with
+`swiglu_limit` L it applies g ← min(g, L), u ← clamp(u, −L, L) in fp32. When the
+backward needs them it also stores the pre-activations g and u ([rows, 2, I] bf16), so
+the backward recomputes h from them instead of redoing the gate/up GEMM.
+The down kernel scatters each row's y straight into its combine slot src(r), so no
+un-permute pass exists. Padding rows compute zeros and store nothing.
+
+Every output element is computed by one program with a fixed K loop: deterministic.
+Caller contract: the schedule was built for these tensors with the same BLOCK_M.
+Tile configs are chosen per shape class by `_gemm_config` (measured on H200, see
+BENCHMARKS.md); the key never includes per-expert counts, which change every step.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mok.kernels.common import interpreting, round_to_bf16
+from mok.kernels.schedule import RoutingSchedule
+from mok.kernels.swiglu import swiglu_forward
+
+
+@triton.jit
+def tile_coordinates(pid, max_m_tiles, num_n_tiles, GROUP_M: tl.constexpr):
+    """(m_tile, n_tile) of program `pid`, walking GROUP_M row tiles per column sweep so
+    consecutive programs reuse the same weight tiles from L2."""
+    tiles_per_group = GROUP_M * num_n_tiles
+    group = pid // tiles_per_group
+    first_m = group * GROUP_M
+    group_rows = min(max_m_tiles - first_m, GROUP_M)
+    m_tile = first_m + (pid % tiles_per_group) % group_rows
+    n_tile = (pid % tiles_per_group) // group_rows
+    return m_tile, n_tile
+
+
+@triton.jit
+def gather_gate_up_tile(
+    x_ptr, w_gate_ptr, w_up_ptr, token, row_valid, expert, n_offs,
+    hidden, inter, stride_x_t, stride_w_e, stride_w_i,
+    BLOCK_K: tl.constexpr, INTERPRETER: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """g, u [BLOCK_M, BLOCK_N] fp32 for token rows `token` against expert `expert`'s
+    weight rows `n_offs`, reducing over the hidden dimension."""
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_offs = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + token.to(tl.int64)[:, None] * stride_x_t + k_offs[None, :]
+    w_offs = expert.to(tl.int64) * stride_w_e + n_offs[None, :].to(tl.int64) * stride_w_i + k_offs[:, None]
+    n_valid = n_offs < inter
+    for k0 in range(0, hidden, BLOCK_K):
+        k_valid = k0 + k_offs < hidden
+        a = tl.load(a_ptrs + k0, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
+        b_mask = k_valid[:, None] & n_valid[None, :]
+        b_gate = tl.load(w_gate_ptr + w_offs + k0, mask=b_mask, other=0.0)
+        b_up = tl.load(w_up_ptr + w_offs + k0, mask=b_mask, other=0.0)
+        if INTERPRETER:  # the interpreter's bf16 tl.dot is wrong (DESIGN §6); fp32 is exact
+            a, b_gate, b_up = a.to(tl.float32), b_gate.to(tl.float32), b_up.to(tl.float32)
+        acc_gate = tl.dot(a, b_gate, acc_gate)
+        acc_up = tl.dot(a, b_up, acc_up)
+    return acc_gate, acc_up
+
+
+@triton.jit
+def _gate_up_swiglu_kernel(
+    # pointers
+    x_ptr, w_gate_ptr, w_up_ptr, h_ptr, gate_up_ptr,
+    # schedule
+    row_source_ptr, tile_expert_ptr, num_rows_ptr,
+    # sizes
+    hidden, inter, topk, max_m_tiles, swiglu_limit,
+    # strides
+    stride_x_t, stride_w_e, stride_w_i, stride_h_r, stride_gu_r,
+    # meta
+    HAS_LIMIT: tl.constexpr, STORE_GATE_UP: tl.constexpr, INTERPRETER: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    m_tile, n_tile = tile_coordinates(tl.program_id(0), max_m_tiles, tl.cdiv(inter, BLOCK_N), GROUP_M)
+    if m_tile * BLOCK_M >= tl.load(num_rows_ptr):
+        return
+    expert = tl.load(tile_expert_ptr + m_tile)
+    rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    source = tl.load(row_source_ptr + rows)
+    row_valid = source >= 0
+    token = tl.where(row_valid, source // topk, 0)
+    n_offs = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    gate, up = gather_gate_up_tile(
+        x_ptr, w_gate_ptr, w_up_ptr, token, row_valid, expert, n_offs, hidden, inter,
+        stride_x_t, stride_w_e, stride_w_i, BLOCK_K, INTERPRETER, BLOCK_M, BLOCK_N,
+    )
+    out_mask = n_offs[None, :] < inter
+    rows64 = rows.to(tl.int64)[:, None]
+    h = swiglu_forward(gate, up, swiglu_limit, HAS_LIMIT)
+    tl.store(h_ptr + rows64 * stride_h_r + n_offs[None, :], round_to_bf16(h, INTERPRETER), mask=out_mask)
+    if STORE_GATE_UP:
+        gu_ptrs = gate_up_ptr + rows64 * stride_gu_r + n_offs[None, :]
+        tl.store(gu_ptrs, round_to_bf16(gate, INTERPRETER), mask=out_mask)
+        tl.store(gu_ptrs + inter, round_to_bf16(up, INTERPRETER), mask=out_mask)
+
+
+@triton.jit
+def sorted_rows_tile(
+    a_ptr, w_ptr, rows, expert, n_offs, reduce_dim, n_dim, stride_a_r, stride_w_e, stride_w_n,
+    BLOCK_K: tl.constexpr, INTERPRETER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """a[rows] · W[expert][n_offs]ᵀ [BLOCK_M, BLOCK_N] fp32 over contiguous sorted rows."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_offs = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_a_r + k_offs[None, :]
+    w_ptrs = w_ptr + expert.to(tl.int64) * stride_w_e + n_offs[None, :].to(tl.int64) * stride_w_n + k_offs[:, None]
+    n_valid = n_offs < n_dim
+    for k0 in range(0, reduce_dim, BLOCK_K):
+        k_valid = k0 + k_offs < reduce_dim
+        a = tl.load(a_ptrs + k0, mask=k_valid[None, :], other=0.0)
+        b = tl.load(w_ptrs + k0, mask=k_valid[:, None] & n_valid[None, :], other=0.0)
+        if INTERPRETER:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _down_scatter_kernel(
+    # pointers
+    h_ptr, w_down_ptr, y_ptr,
+    # schedule
+    row_source_ptr, tile_expert_ptr, num_rows_ptr,
+    # sizes
+    hidden, inter, max_m_tiles,
+    # strides
+    stride_h_r, stride_w_e, stride_w_h, stride_y_s,
+    # meta
+    INTERPRETER: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    m_tile, n_tile = tile_coordinates(tl.program_id(0), max_m_tiles, tl.cdiv(hidden, BLOCK_N), GROUP_M)
+    if m_tile * BLOCK_M >= tl.load(num_rows_ptr):
+        return
+    expert = tl.load(tile_expert_ptr + m_tile)
+    rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_offs = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    y = sorted_rows_tile(
+        h_ptr, w_down_ptr, rows, expert, n_offs, inter, hidden, stride_h_r, stride_w_e, stride_w_h,
+        BLOCK_K, INTERPRETER, BLOCK_M, BLOCK_N,
+    )
+    source = tl.load(row_source_ptr + rows)
+    slot = tl.where(source >= 0, source, 0).to(tl.int64)
+    mask = (source >= 0)[:, None] & (n_offs[None, :] < hidden)
+    tl.store(y_ptr + slot[:, None] * stride_y_s + n_offs[None, :], round_to_bf16(y, INTERPRETER), mask=mask)
+
+
+# --------------------------------------------------------------------------- configs
+
+
+def gemm_config(kind: str, n_dim: int, reduce_dim: int) -> dict:
+    """Tile config for a GEMM of output width n_dim and reduction reduce_dim.
+
+    H200, bf16: 128×128 tiles with two accumulators (gate/up) and 128×256 for the
+    single-accumulator down GEMM keep the tensor cores fed at 8 warps (BASELINE.md's
+    Triton probe: 128×256×64, 8 warps, 3 stages was best for the fused-gather GEMM).
+    Under the interpreter, small tiles keep the CPU tests fast.
+    """
+    if interpreting():
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1)
+    if kind == "gate_up":
+        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+    return dict(BLOCK_M=128, BLOCK_N=256 if n_dim >= 2048 else 128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+
+
+def routing_block_m() -> int:
+    """The M tile every grouped GEMM of a schedule uses (the schedule pads experts to it)."""
+    return gemm_config("gate_up", 0, 0)["BLOCK_M"]
+
+
+# --------------------------------------------------------------------------- launchers
+
+
+def _check_weights(name: str, w: torch.Tensor, shape: tuple[int, ...], device: torch.device) -> None:
+    if w.dtype != torch.bfloat16 or tuple(w.shape) != shape or not w.is_contiguous() or w.device != device:
+        raise ValueError(
+            f"{name}: expected a contiguous bf16 tensor of shape {list(shape)} on {device}, "
+            f"got {w.dtype} {list(w.shape)} on {w.device}"
+        )
+
+
+def gate_up_swiglu(
+    x: torch.Tensor,  # [T, H] bf16
+    w_gate: torch.Tensor,  # [E_l, I, H] bf16
+    w_up: torch.Tensor,  # [E_l, I, H] bf16
+    schedule: RoutingSchedule,
+    topk: int,
+    swiglu_limit: float | None = None,
+    store_gate_up: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """h [capacity_rows, I] bf16 in the schedule's sorted layout, and g,u [capacity_rows, 2, I]
+    bf16 when `store_gate_up`. Rows past the schedule's `num_rows` are left unwritten."""
+    num_experts, inter, hidden = w_gate.shape
+    if x.dim() != 2 or x.shape[1] != hidden or x.dtype != torch.bfloat16 or not x.is_contiguous():
+        raise ValueError(f"x: expected a contiguous bf16 [T, {hidden}] tensor, got {x.dtype} {list(x.shape)}")
+    _check_weights("w_gate", w_gate, (schedule.num_local_experts, inter, hidden), x.device)
+    _check_weights("w_up", w_up, tuple(w_gate.shape), x.device)
+    cfg = gemm_config("gate_up", inter, hidden)
+    if cfg["BLOCK_M"] != schedule.block_m:
+        raise ValueError(f"schedule: expected block_m {cfg['BLOCK_M']}, got {schedule.block_m}")
+    rows = schedule.capacity_rows
+    h = torch.empty(rows, inter, dtype=torch.bfloat16, device=x.device)  # [capacity_rows, I]
+    gate_up = torch.empty(rows, 2, inter, dtype=torch.bfloat16, device=x.device) if store_gate_up else None
+    grid = (schedule.max_tiles * triton.cdiv(inter, cfg["BLOCK_N"]),)
+    _gate_up_swiglu_kernel[grid](
+        x, w_gate, w_up, h, h if gate_up is None else gate_up,
+        schedule.row_source, schedule.tile_expert, schedule.num_rows,
+        hidden, inter, topk, schedule.max_tiles, 0.0 if swiglu_limit is None else float(swiglu_limit),
+        x.stride(0), w_gate.stride(0), w_gate.stride(1), h.stride(0), 2 * inter,
+        HAS_LIMIT=swiglu_limit is not None, STORE_GATE_UP=store_gate_up, INTERPRETER=interpreting(), **cfg,
+    )
+    return h, gate_up
+
+
+def down_scatter(
+    h: torch.Tensor,  # [capacity_rows, I] bf16
+    w_down: torch.Tensor,  # [E_l, H, I] bf16
+    schedule: RoutingSchedule,
+    num_slots: int,
+) -> torch.Tensor:
+    """y [num_slots, H] bf16: each sorted row's unweighted output stored at its slot
+    row_source[r]. Slots no route points to are left unwritten."""
+    num_experts, hidden, inter = w_down.shape
+    if h.dim() != 2 or h.shape != (schedule.capacity_rows, inter) or h.dtype != torch.bfloat16:
+        raise ValueError(f"h: expected a bf16 [{schedule.capacity_rows}, {inter}] tensor, got {h.dtype} {list(h.shape)}")
+    _check_weights("w_down", w_down, (schedule.num_local_experts, hidden, inter), h.device)
+    cfg = gemm_config("down", hidden, inter)
+    if cfg["BLOCK_M"] != schedule.block_m:
+        raise ValueError(f"schedule: expected block_m {cfg['BLOCK_M']}, got {schedule.block_m}")
+    y = torch.empty(num_slots, hidden, dtype=torch.bfloat16, device=h.device)  # [T·topk, H]
+    grid = (schedule.max_tiles * triton.cdiv(hidden, cfg["BLOCK_N"]),)
+    _down_scatter_kernel[grid](
+        h, w_down, y,
+        schedule.row_source, schedule.tile_expert, schedule.num_rows,
+        hidden, inter, schedule.max_tiles,
+        h.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0),
+        INTERPRETER=interpreting(), **cfg,
+    )
+    return y

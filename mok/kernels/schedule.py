@@ -1,0 +1,202 @@
+"""Schedule: where each route's row goes in the expert-sorted, tile-padded layout.
+
+    row_source[r] = t·topk + j   for the route (t, j) placed at row r,   −1 for padding
+
+Legend: T tokens, topk routes per token, E_l local experts, BLOCK_M the GEMM's M tile.
+Rows are grouped by expert (ascending); each expert's rows are padded up to a multiple
+of BLOCK_M, so every M tile of a grouped GEMM belongs to exactly one expert; inside an
+expert the routes keep ascending t·topk + j. Everything stays on the device: capacities
+come from the host (T·topk + E_l·(BLOCK_M − 1) rows at most), counts never leave the GPU.
+
+Two launches over token chunks (a counting sort without atomics, hence deterministic):
+1. `_count_routes_kernel`: per chunk and expert, how many of the chunk's tokens route
+   there; flags expert ids out of range or repeated within a row.
+2. `_place_routes_kernel`: every chunk sums the counts of the chunks before it, places its
+   routes; chunk 0 also writes the per-expert offsets, the tile→expert table and the
+   padding rows.
+
+Because ids are distinct within a row, a token routes to an expert at most once, so the
+rank of route (t, j) inside its expert is the number of earlier tokens that route there:
+an exclusive prefix sum over tokens of a [tokens, experts] membership matrix.
+
+Caller contract: `topk_ids` [T, topk] int32/int64 on the device. Outputs are fully
+rewritten every call (safe to reuse across calls and under CUDA graphs). Bad ids set bit
+ERROR_BAD_EXPERT_ID of `error_flag` and are left out of the schedule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from mok.kernels.common import ERROR_BAD_EXPERT_ID, TOKENS_PER_CHUNK
+
+# Membership matrices are [SUB_TOKENS, EXPERTS_PAD]; keep them near 8K elements so they
+# stay in registers whatever the expert count.
+_MEMBERSHIP_ELEMENTS = 8192
+
+
+@dataclass(frozen=True, eq=False)
+class RoutingSchedule:
+    """Device tensors of one schedule and the host-known capacities that sized them."""
+
+    row_source: torch.Tensor  # [capacity_rows] int32: t·topk + j, or −1 for padding
+    tile_expert: torch.Tensor  # [max_tiles] int32: local expert of each M tile, −1 past the end
+    expert_offsets: torch.Tensor  # [E_l + 1] int32: first padded row of each expert
+    expert_counts: torch.Tensor  # [E_l] int32: routes per expert (unpadded)
+    num_rows: torch.Tensor  # [1] int32: padded rows in use (= expert_offsets[E_l])
+    block_m: int
+    capacity_rows: int
+    num_local_experts: int
+
+    @property
+    def max_tiles(self) -> int:
+        return self.capacity_rows // self.block_m
+
+
+@triton.jit
+def _route_membership(topk_ids_ptr, token0, num_tokens, topk, num_experts,
+                      SUB_TOKENS: tl.constexpr, EXPERTS_PAD: tl.constexpr):
+    """[SUB_TOKENS, EXPERTS_PAD] int32: 1 where token0 + row routes to that expert; and
+    a [SUB_TOKENS] flag of rows with bad ids (out of range or repeated)."""
+    tokens = token0 + tl.arange(0, SUB_TOKENS)
+    in_range = tokens < num_tokens
+    experts = tl.arange(0, EXPERTS_PAD)
+    member = tl.zeros((SUB_TOKENS, EXPERTS_PAD), dtype=tl.int32)
+    bad = tl.zeros((SUB_TOKENS,), dtype=tl.int1)
+    for j in range(topk):
+        ids = tl.load(topk_ids_ptr + tokens.to(tl.int64) * topk + j, mask=in_range, other=0).to(tl.int32)
+        bad = bad | (in_range & ((ids < 0) | (ids >= num_experts)))
+        member += (in_range[:, None] & (ids[:, None] == experts[None, :])).to(tl.int32)
+    bad = bad | (tl.max(member, axis=1) > 1)
+    member = tl.where(bad[:, None], 0, member)
+    return member, bad
+
+
+@triton.jit
+def _count_routes_kernel(
+    topk_ids_ptr,  # [T, topk]
+    chunk_counts_ptr,  # [num_chunks, EXPERTS_PAD] int32, out
+    error_flag_ptr,  # [1] int32
+    num_tokens, topk, num_experts,
+    SUB_TOKENS: tl.constexpr, TOKENS_PER_CHUNK: tl.constexpr, EXPERTS_PAD: tl.constexpr,
+):
+    chunk = tl.program_id(0)
+    counts = tl.zeros((EXPERTS_PAD,), dtype=tl.int32)
+    any_bad = tl.zeros((SUB_TOKENS,), dtype=tl.int1)
+    for sub in range(0, TOKENS_PER_CHUNK, SUB_TOKENS):
+        member, bad = _route_membership(topk_ids_ptr, chunk * TOKENS_PER_CHUNK + sub, num_tokens, topk,
+                                        num_experts, SUB_TOKENS, EXPERTS_PAD)
+        counts += tl.sum(member, axis=0)
+        any_bad = any_bad | bad
+    tl.store(chunk_counts_ptr + chunk * EXPERTS_PAD + tl.arange(0, EXPERTS_PAD), counts)
+    if tl.max(any_bad.to(tl.int32), axis=0) > 0:
+        tl.atomic_or(error_flag_ptr, ERROR_BAD_EXPERT_ID)
+
+
+@triton.jit
+def _place_routes_kernel(
+    topk_ids_ptr,  # [T, topk]
+    chunk_counts_ptr,  # [num_chunks, EXPERTS_PAD] int32
+    row_source_ptr,  # [capacity_rows] int32, out
+    tile_expert_ptr,  # [max_tiles] int32, out
+    expert_offsets_ptr,  # [E_l + 1] int32, out
+    expert_counts_ptr,  # [E_l] int32, out
+    num_rows_ptr,  # [1] int32, out
+    num_tokens, topk, num_experts, num_chunks, max_tiles,
+    BLOCK_M: tl.constexpr, SUB_TOKENS: tl.constexpr, TOKENS_PER_CHUNK: tl.constexpr,
+    EXPERTS_PAD: tl.constexpr, TILES_PER_STEP: tl.constexpr,
+):
+    chunk = tl.program_id(0)
+    experts = tl.arange(0, EXPERTS_PAD)
+    # Routes of earlier chunks per expert, and totals: a fixed-order sum over chunks.
+    before = tl.zeros((EXPERTS_PAD,), dtype=tl.int32)
+    totals = tl.zeros((EXPERTS_PAD,), dtype=tl.int32)
+    for c in range(num_chunks):
+        counts = tl.load(chunk_counts_ptr + c * EXPERTS_PAD + experts)
+        totals += counts
+        before += tl.where(c < chunk, counts, 0)
+    padded = tl.cdiv(totals, BLOCK_M) * BLOCK_M
+    padded_end = tl.cumsum(padded, axis=0)
+    padded_start = padded_end - padded
+
+    base = padded_start + before  # next free row of each expert for this chunk
+    for sub in range(0, TOKENS_PER_CHUNK, SUB_TOKENS):
+        token0 = chunk * TOKENS_PER_CHUNK + sub
+        member, bad = _route_membership(topk_ids_ptr, token0, num_tokens, topk, num_experts,
+                                        SUB_TOKENS, EXPERTS_PAD)
+        rank = tl.cumsum(member, axis=0) - member + base[None, :]
+        tokens = token0 + tl.arange(0, SUB_TOKENS)
+        ok = (tokens < num_tokens) & ~bad
+        for j in range(topk):
+            ids = tl.load(topk_ids_ptr + tokens.to(tl.int64) * topk + j, mask=ok, other=-1).to(tl.int32)
+            row = tl.sum(tl.where(ids[:, None] == experts[None, :], rank, 0), axis=1)
+            tl.store(row_source_ptr + row, tokens * topk + j, mask=ok)
+        base += tl.sum(member, axis=0)
+
+    if chunk == 0:
+        is_expert = experts < num_experts
+        num_rows = tl.sum(padded, axis=0)
+        tl.store(expert_offsets_ptr + experts, padded_start, mask=is_expert)
+        tl.store(expert_offsets_ptr + num_experts, num_rows)
+        tl.store(expert_counts_ptr + experts, totals, mask=is_expert)
+        tl.store(num_rows_ptr, num_rows)
+        # Padding rows: each expert has fewer than BLOCK_M of them, after its real rows.
+        pad = tl.arange(0, BLOCK_M)
+        for e in range(num_experts):
+            pad_start = tl.sum(tl.where(experts == e, padded_start + totals, 0), axis=0)
+            pad_end = tl.sum(tl.where(experts == e, padded_end, 0), axis=0)
+            tl.store(row_source_ptr + pad_start + pad, -1, mask=pad_start + pad < pad_end)
+        # Tile → expert: the first expert whose padded rows end after the tile's first row.
+        for tile0 in range(0, max_tiles, TILES_PER_STEP):
+            tiles = tile0 + tl.arange(0, TILES_PER_STEP)
+            first_row = tiles * BLOCK_M
+            owner = tl.sum(((first_row[:, None] >= padded_end[None, :]) & is_expert[None, :]).to(tl.int32), axis=1)
+            owner = tl.where(first_row < num_rows, owner, -1)
+            tl.store(tile_expert_ptr + tiles, owner, mask=tiles < max_tiles)
+
+
+def capacity_rows(num_routes: int, num_local_experts: int, block_m: int) -> int:
+    """Padded rows the schedule may need at most: every expert may waste BLOCK_M − 1."""
+    return triton.cdiv(num_routes + num_local_experts * (block_m - 1), block_m) * block_m
+
+
+def build_routing_schedule(
+    topk_ids: torch.Tensor,  # [T, topk] int32/int64
+    num_local_experts: int,
+    block_m: int,
+    error_flag: torch.Tensor,  # [1] int32
+) -> RoutingSchedule:
+    """Builds the schedule of DESIGN §3.1 for one GPU (every expert is local)."""
+    if topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int32, torch.int64) or not topk_ids.is_contiguous():
+        raise ValueError(f"topk_ids: expected a contiguous [T, topk] int32/int64 tensor, got {topk_ids.dtype} {tuple(topk_ids.shape)}")
+    if block_m < 1 or block_m & (block_m - 1):
+        raise ValueError(f"block_m: expected a power of two, got {block_m}")
+    num_tokens, topk = topk_ids.shape
+    device = topk_ids.device
+    experts_pad = triton.next_power_of_2(num_local_experts)
+    sub_tokens = max(1, min(TOKENS_PER_CHUNK, _MEMBERSHIP_ELEMENTS // experts_pad))
+    num_chunks = triton.cdiv(num_tokens, TOKENS_PER_CHUNK)
+    rows = capacity_rows(num_tokens * topk, num_local_experts, block_m)
+    max_tiles = rows // block_m
+
+    chunk_counts = torch.empty(num_chunks, experts_pad, dtype=torch.int32, device=device)  # [chunks, E_pad]
+    row_source = torch.empty(rows, dtype=torch.int32, device=device)  # [capacity_rows]
+    tile_expert = torch.empty(max_tiles, dtype=torch.int32, device=device)  # [max_tiles]
+    expert_offsets = torch.empty(num_local_experts + 1, dtype=torch.int32, device=device)  # [E_l + 1]
+    expert_counts = torch.empty(num_local_experts, dtype=torch.int32, device=device)  # [E_l]
+    num_rows = torch.empty(1, dtype=torch.int32, device=device)
+
+    meta = dict(SUB_TOKENS=sub_tokens, TOKENS_PER_CHUNK=TOKENS_PER_CHUNK, EXPERTS_PAD=experts_pad)
+    _count_routes_kernel[(num_chunks,)](
+        topk_ids, chunk_counts, error_flag, num_tokens, topk, num_local_experts, **meta
+    )
+    _place_routes_kernel[(num_chunks,)](
+        topk_ids, chunk_counts, row_source, tile_expert, expert_offsets, expert_counts, num_rows,
+        num_tokens, topk, num_local_experts, num_chunks, max_tiles,
+        BLOCK_M=block_m, TILES_PER_STEP=max(16, _MEMBERSHIP_ELEMENTS // experts_pad // 4), **meta,
+    )
+    return RoutingSchedule(row_source, tile_expert, expert_offsets, expert_counts, num_rows, block_m, rows, num_local_experts)

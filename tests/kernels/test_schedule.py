@@ -1,0 +1,90 @@
+"""The routing schedule kernel against a PyTorch statement of the same order, bit for bit."""
+
+import pytest
+import torch
+
+from mok.kernels.common import ERROR_BAD_EXPERT_ID
+from mok.kernels.schedule import build_routing_schedule, capacity_rows
+from mok.testing import make_topk_ids
+
+
+def schedule_in_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """Experts ascending, each expert's routes by ascending t·topk+j, padded to block_m."""
+    flat = topk_ids.reshape(-1).long().cpu()
+    counts = torch.bincount(flat, minlength=num_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), padded.cumsum(0)])
+    rows = int(offsets[-1])
+    row_source = torch.full((rows,), -1, dtype=torch.int32)
+    for e in range(num_experts):
+        routes = (flat == e).nonzero().flatten()
+        row_source[offsets[e] : offsets[e] + routes.numel()] = routes.int()
+    tile_expert = torch.repeat_interleave(torch.arange(num_experts), padded // block_m).int()
+    return counts.int(), offsets.int(), row_source, tile_expert
+
+
+CASES = [
+    # (T, E, topk, skew, block_m)
+    (1, 4, 1, 0.0, 16),
+    (37, 5, 2, 0.0, 16),
+    (300, 6, 3, 3.0, 16),  # skewed: late experts get nothing
+    (129, 8, 8, 0.0, 32),  # topk = E
+    (1000, 128, 8, 0.0, 128),
+    (257, 3, 1, 0.0, 64),
+]
+
+
+@pytest.mark.parametrize("T, E, topk, skew, block_m", CASES)
+def test_schedule_bit_exact(kernel_device, T, E, topk, skew, block_m):
+    gen = torch.Generator().manual_seed(T + E)
+    ids = make_topk_ids(T, E, topk, gen, skew=skew).to(kernel_device)
+    flag = torch.zeros(1, dtype=torch.int32, device=kernel_device)
+    s = build_routing_schedule(ids.int() if T % 2 else ids, E, block_m, flag)
+    counts, offsets, row_source, tile_expert = schedule_in_torch(ids, E, block_m)
+    ctx = f"{T=} {E=} {topk=} {skew=} {block_m=}"
+    num_rows = int(s.num_rows)
+    assert int(flag) == 0, ctx
+    assert s.capacity_rows == capacity_rows(T * topk, E, block_m) and s.capacity_rows >= num_rows, ctx
+    assert torch.equal(s.expert_counts.cpu(), counts), ctx
+    assert torch.equal(s.expert_offsets.cpu(), offsets), ctx
+    assert num_rows == int(offsets[-1]), ctx
+    assert torch.equal(s.row_source[:num_rows].cpu(), row_source), ctx
+    assert torch.equal(s.tile_expert[: num_rows // block_m].cpu(), tile_expert), ctx
+    assert (s.tile_expert[num_rows // block_m :] == -1).all(), ctx
+
+
+def test_all_tokens_to_one_expert(kernel_device):
+    T, E = 70, 4
+    ids = torch.full((T, 1), 2, dtype=torch.int64, device=kernel_device)
+    flag = torch.zeros(1, dtype=torch.int32, device=kernel_device)
+    s = build_routing_schedule(ids, E, 16, flag)
+    assert s.expert_counts.tolist() == [0, 0, 70, 0]
+    assert s.expert_offsets.tolist() == [0, 0, 0, 80, 80]
+    assert s.row_source[:70].tolist() == list(range(70)) and s.row_source[70:80].tolist() == [-1] * 10
+    assert s.tile_expert[:5].tolist() == [2] * 5
+
+
+@pytest.mark.parametrize("bad", ["out_of_range", "negative", "repeated"])
+def test_bad_ids_set_the_error_flag(kernel_device, bad):
+    T, E = 40, 6
+    ids = make_topk_ids(T, E, 2, torch.Generator().manual_seed(0))
+    if bad == "out_of_range":
+        ids[17, 1] = E
+    elif bad == "negative":
+        ids[3, 0] = -2
+    else:
+        ids[25, 1] = ids[25, 0]
+    flag = torch.zeros(1, dtype=torch.int32, device=kernel_device)
+    s = build_routing_schedule(ids.to(kernel_device), E, 16, flag)
+    assert int(flag) & ERROR_BAD_EXPERT_ID, bad
+    # The bad row is left out; every other route is placed exactly once.
+    placed = s.row_source[: int(s.num_rows)].cpu()
+    placed = placed[placed >= 0]
+    assert placed.numel() == T * 2 - 2 and placed.unique().numel() == placed.numel(), bad
+
+
+def test_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="^topk_ids: expected a contiguous"):
+        build_routing_schedule(torch.zeros(4, 2), 4, 16, torch.zeros(1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="^block_m: expected a power of two"):
+        build_routing_schedule(torch.zeros(4, 2, dtype=torch.long), 4, 24, torch.zeros(1, dtype=torch.int32))

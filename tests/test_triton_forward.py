@@ -1,0 +1,87 @@
+"""The triton backend's forward through the functional API and the module, against the
+reference on the odd cases: T = 1, ragged T, experts with no tokens, all tokens to one
+expert, topk = 1 and topk = E, a shared expert, the SwiGLU clamp, signed router weights."""
+
+import pytest
+import torch
+
+import mok
+from mok import reference
+from mok.testing import assert_close_to_reference, make_inputs
+
+CASES = {
+    # name: (T, H, I, E, topk, I_s, limit, ids)
+    "one token": (1, 32, 16, 4, 2, 0, None, None),
+    "ragged T + shared": (37, 64, 48, 5, 2, 32, None, None),
+    "clamp": (21, 32, 32, 4, 2, 16, 0.6, None),
+    "topk = 1": (19, 32, 16, 3, 1, 0, None, None),
+    "topk = E": (13, 32, 16, 4, 4, 0, None, None),
+    "all to one expert": (23, 32, 16, 4, 1, 0, None, "one"),
+    "empty experts": (30, 48, 32, 8, 2, 0, None, "low"),
+}
+
+
+def _ids(kind, T, E, topk):
+    if kind == "one":
+        return torch.full((T, topk), 3, dtype=torch.int64)
+    if kind == "low":  # only experts 0..topk+1 get tokens
+        return torch.stack([torch.randperm(topk + 2)[:topk] for _ in range(T)])
+    return None
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_triton_forward_matches_reference(kernel_device, case):
+    T, H, I, E, topk, I_s, limit, kind = CASES[case]
+    inp = make_inputs(T, H, I, E, topk, I_s, seed=len(case), device=kernel_device, signed_weights=True, topk_ids=_ids(kind, T, E, topk))
+    config = mok.MoKConfig(backend="triton", strict=True)
+    out = mok.moe(inp.x, inp.topk_ids, inp.topk_weights, *inp.weights, config=config, swiglu_limit=limit)
+    ref = reference.moe_forward(inp.x, inp.topk_ids, inp.topk_weights, *inp.weights, swiglu_limit=limit)
+    assert out.dtype == torch.bfloat16 and out.device.type == kernel_device
+    assert_close_to_reference(out, ref, name="out", context=f"{case}: {T=} {H=} {I=} {E=} {topk=} {I_s=} {limit=}")
+
+
+def test_triton_forward_run_twice_bitwise(kernel_device):
+    inp = make_inputs(45, 64, 32, 6, 2, 32, seed=7, device=kernel_device)
+    config = mok.MoKConfig(backend="triton")
+    runs = [mok.moe(inp.x, inp.topk_ids, inp.topk_weights, *inp.weights, config=config) for _ in range(3)]
+    assert all(torch.equal(runs[0], r) for r in runs[1:])
+
+
+def test_triton_context_and_recompute(kernel_device):
+    inp = make_inputs(33, 32, 32, 4, 2, 16, seed=3, device=kernel_device)
+    config = mok.MoKConfig(backend="triton")
+    ws = mok.get_workspace(config, None, device=inp.x.device, num_local_tokens=33, hidden_size=32, topk=2)
+    sched = mok.build_schedule(ws, config, inp.topk_ids, num_local_experts=4)
+    args = (inp.x, inp.topk_weights, inp.ws_gate, inp.ws_up, inp.ws_down, inp.w_gate, inp.w_up, inp.w_down)
+    _, ctx = mok.forward(config, ws, sched, *args)
+    again = mok.recompute_forward_context(config, ws, sched, *args)
+    assert ctx.saved.keys() == again.saved.keys() and {"y", "h", "gate_up", "y_shared"} <= ctx.saved.keys()
+    # Rows past the schedule's num_rows are never written: compare the rows in use.
+    rows = int(sched.routing[4])
+    for name in ctx.saved:
+        a, b = ctx.saved[name], again.saved[name]
+        if name in ("h", "gate_up"):
+            a, b = a[:rows], b[:rows]
+        if name in ("h_shared", "gate_up_shared"):
+            a, b = a[:33], b[:33]
+        assert torch.equal(a, b), name
+
+
+def test_bad_ids_raise_in_strict_mode(kernel_device):
+    inp = make_inputs(10, 32, 16, 4, 2, device=kernel_device)
+    ids = inp.topk_ids.clone()
+    ids[4, 0] = 9
+    with pytest.raises(mok.MoKError, match="out of range or repeated"):
+        mok.moe(inp.x, ids, inp.topk_weights, *inp.weights, config=mok.MoKConfig(backend="triton", strict=True))
+    # Without strict mode the flag waits for check_errors.
+    config = mok.MoKConfig(backend="triton")
+    mok.moe(inp.x, ids, inp.topk_weights, *inp.weights, config=config)
+    ws = mok.get_workspace(config, None, device=inp.x.device, num_local_tokens=10, hidden_size=32, topk=2)
+    with pytest.raises(mok.MoKError):
+        mok.check_errors(ws)
+
+
+def test_triton_backend_refuses_what_it_cannot_run():
+    inp = make_inputs(8, 64, 64, 4, 2)
+    with pytest.raises(NotImplementedError, match="backend=.triton. cannot run this call"):
+        mok.moe(inp.x, inp.topk_ids, inp.topk_weights, *inp.weights, config=mok.MoKConfig(backend="triton", precision="mxfp8"))
