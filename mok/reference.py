@@ -265,12 +265,17 @@ def _all_to_all_rows(rows: torch.Tensor, send_counts, recv_counts, group) -> tor
 
 def _ep_dispatch(x, topk_ids, num_local_experts, group) -> _EPRoutes:
     num_ranks = dist.get_world_size(group)
+    num_experts = num_local_experts * num_ranks
     ids = topk_ids.reshape(-1).long()  # [T*topk] global expert of route t*topk+j
-    if ids.numel() and (ids.min() < 0 or ids.max() >= num_local_experts * num_ranks):
+    # 0. Every rank learns whether any rank has an id out of range, so all raise together
+    #    instead of some waiting forever on a peer that raised.
+    bad = ((ids < 0) | (ids >= num_experts)).any().int().reshape(1)  # [1]
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
+    if bad.item():
+        got = f"values in [{ids.min().item()}, {ids.max().item()}] here" if ids.numel() else "none here"
         raise ValueError(
-            f"topk_ids: expected global expert ids in [0, {num_local_experts * num_ranks}) "
-            f"(E_l={num_local_experts} local experts × P={num_ranks} ranks), "
-            f"got values in [{ids.min().item()}, {ids.max().item()}]"
+            f"topk_ids: expected global expert ids in [0, {num_experts}) on every rank "
+            f"(E_l={num_local_experts} local experts × P={num_ranks} ranks), got {got}"
         )
     # 1. Group routes by destination rank, ascending t*topk+j within each (stable sort).
     dest = ids // num_local_experts  # [T*topk]

@@ -202,15 +202,17 @@ def gate_up_swiglu(
     topk: int,
     swiglu_limit: float | None = None,
     store_gate_up: bool = False,
+    tile_config: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """h [capacity_rows, I] bf16 in the schedule's sorted layout, and g,u [capacity_rows, 2, I]
-    bf16 when `store_gate_up`. Rows past the schedule's `num_rows` are left unwritten."""
+    bf16 when `store_gate_up`. Rows past the schedule's `num_rows` are left unwritten.
+    `tile_config` overrides `gemm_config` (for tuning)."""
     num_experts, inter, hidden = w_gate.shape
     if x.dim() != 2 or x.shape[1] != hidden or x.dtype != torch.bfloat16 or not x.is_contiguous():
         raise ValueError(f"x: expected a contiguous bf16 [T, {hidden}] tensor, got {x.dtype} {list(x.shape)}")
     _check_weights("w_gate", w_gate, (schedule.num_local_experts, inter, hidden), x.device)
     _check_weights("w_up", w_up, tuple(w_gate.shape), x.device)
-    cfg = gemm_config("gate_up", inter, hidden)
+    cfg = tile_config or gemm_config("gate_up", inter, hidden)
     if cfg["BLOCK_M"] != schedule.block_m:
         raise ValueError(f"schedule: expected block_m {cfg['BLOCK_M']}, got {schedule.block_m}")
     rows = schedule.capacity_rows
@@ -232,6 +234,7 @@ def down_scatter(
     w_down: torch.Tensor,  # [E_l, H, I] bf16
     schedule: RoutingSchedule,
     num_slots: int,
+    tile_config: dict | None = None,
 ) -> torch.Tensor:
     """y [num_slots, H] bf16: each sorted row's unweighted output stored at its slot
     row_source[r]. Slots no route points to are left unwritten."""
@@ -239,7 +242,7 @@ def down_scatter(
     if h.dim() != 2 or h.shape != (schedule.capacity_rows, inter) or h.dtype != torch.bfloat16:
         raise ValueError(f"h: expected a bf16 [{schedule.capacity_rows}, {inter}] tensor, got {h.dtype} {list(h.shape)}")
     _check_weights("w_down", w_down, (schedule.num_local_experts, hidden, inter), h.device)
-    cfg = gemm_config("down", hidden, inter)
+    cfg = tile_config or gemm_config("down", hidden, inter)
     if cfg["BLOCK_M"] != schedule.block_m:
         raise ValueError(f"schedule: expected block_m {cfg['BLOCK_M']}, got {schedule.block_m}")
     y = torch.empty(num_slots, hidden, dtype=torch.bfloat16, device=h.device)  # [T·topk, H]

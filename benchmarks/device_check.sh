@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One call on a GPU machine: versions, GPU tests, kernel tuning sweep, benchmark.
+#   usage: bash benchmarks/device_check.sh [STEPS]   STEPS ⊂ {tests,tune,bench,sanitize} (default: tests bench)
+# Writes logs, JSON records and plots under $OUT (or ./bench_out).
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET
+OUT=${OUT:-bench_out}
+mkdir -p "$OUT"
+steps=${*:-tests bench}
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.used --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton, sys; print(sys.version.split()[0], torch.__version__, triton.__version__)" | tee -a "$OUT/gpu.txt"
+for step in $steps; do
+  case $step in
+    tests) python3 -m pytest -q -x -p no:cacheprovider tests/kernels tests/test_triton_forward.py tests/test_gpu_forward.py 2>&1 | tee "$OUT/tests.log" ;;
+    tune) python3 benchmarks/tune_gemm.py --out "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log" ;;
+    bench) python3 -m mok.bench --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" ;;
+    sanitize) PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --print-limit 20 \
+        python3 -m pytest -q -x -p no:cacheprovider tests/kernels 2>&1 | tail -40 | tee "$OUT/sanitize.log" ;;
+    *) echo "unknown step $step"; exit 2 ;;
+  esac
+done

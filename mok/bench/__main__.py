@@ -1,0 +1,242 @@
+"""`python -m mok.bench`: check mok and the baselines against the reference, then time them.
+
+Examples:
+    python -m mok.bench                                   # tiny on CPU; the 3 GPU presets on CUDA
+    python -m mok.bench --preset qwen3-30b --pass fwd+bwd
+    python -m mok.bench --tokens 37 --hidden 64 --intermediate 32 --experts 4 --topk 2 --no-write
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import shlex
+import site
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from mok.bench import report, runner
+from mok.bench.baselines import sonicmoe_available
+from mok.bench.presets import GPU_PRESETS, PRESETS, Preset
+from mok.config import PRECISIONS, SIZE_ALIGNMENT
+
+# Custom shape flags -> Preset fields; unspecified ones default to the `tiny` preset's
+# (except the shared expert: none unless --shared-intermediate is given).
+SHAPE_FLAGS = {
+    "tokens": "num_tokens",
+    "hidden": "hidden_size",
+    "intermediate": "intermediate_size",
+    "experts": "num_experts",
+    "topk": "topk",
+    "shared_intermediate": "shared_intermediate_size",
+}
+# (warmup, reps): GPU runs take milliseconds each; the CPU reference backend is slow.
+DEFAULT_REPS = {"cuda": (10, 50), "cpu": (2, 5)}
+
+
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _split(values: Sequence[str] | None) -> list[str]:
+    """Repeated and comma-separated values, in order, without duplicates."""
+    return list(dict.fromkeys(v.strip() for value in values or () for v in value.split(",") if v.strip()))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m mok.bench",
+        description="Check mok and the baselines against the fp32 reference, then time them (DESIGN §7).",
+    )
+    what = p.add_argument_group("what to run")
+    what.add_argument("--preset", action="append", metavar="NAME[,NAME]",
+                      help=f"preset(s): {', '.join(PRESETS)}, or custom (default: tiny without CUDA, "
+                           f"{', '.join(GPU_PRESETS)} with it)")
+    what.add_argument("--pass", dest="passes", choices=("fwd", "fwd+bwd", "both"), default="both",
+                      help="fwd: the training forward; fwd+bwd: forward and backward (default: both)")
+    what.add_argument("--precision", action="append", metavar="P[,P]",
+                      help=f"mok precision(s): {', '.join(PRECISIONS)} (default bf16); baselines always run bf16")
+    what.add_argument("--impl", action="append", metavar="NAME[,NAME]",
+                      help=f"implementations: {', '.join(runner.IMPLS)} (default: mok, torch-eager, and on CUDA "
+                           "torch-compile, plus sonicmoe when importable)")
+    what.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                      help="auto: CUDA when available (default: auto)")
+    shape = p.add_argument_group("custom shape (any of these implies --preset custom; the rest default to tiny's, "
+                                  "no shared expert unless --shared-intermediate)")
+    shape.add_argument("--tokens", type=_int_at_least(1), metavar="T")
+    shape.add_argument("--hidden", type=_int_at_least(1), metavar="H")
+    shape.add_argument("--intermediate", type=_int_at_least(1), metavar="I")
+    shape.add_argument("--experts", type=_int_at_least(1), metavar="E")
+    shape.add_argument("--topk", type=_int_at_least(1), metavar="K")
+    shape.add_argument("--shared-intermediate", type=_int_at_least(0), metavar="I_S")
+    how = p.add_argument_group("how")
+    how.add_argument("--warmup", type=_int_at_least(0), help="untimed runs first (default: 10 on CUDA, 2 on CPU)")
+    how.add_argument("--reps", type=_int_at_least(1),
+                     help="timed runs, median reported (default: 50 on CUDA, 5 on CPU)")
+    how.add_argument("--seed", type=int, default=0, help="input seed; d_out uses seed+1 (default: 0)")
+    how.add_argument("--sonicmoe-site", type=Path, metavar="DIR",
+                     help="a site dir holding the sonic-moe bundle (e.g. /tmp/site), added before import")
+    out = p.add_argument_group("output")
+    out.add_argument("--out", type=Path, default=Path("benchmarks/results"),
+                     help="folder for the JSON and PNG (default: benchmarks/results)")
+    out.add_argument("--tag", help="the <what> of <gpu>-<yyyymmdd>-<what>.json (default: the preset names)")
+    out.add_argument("--no-write", action="store_true", help="print the table only, write no files")
+    out.add_argument("--no-plot", action="store_true", help="write no PNG")
+    return p
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    presets: tuple[Preset, ...]
+    passes: tuple[str, ...]
+    precisions: tuple[str, ...]
+    impls: tuple[str, ...]
+    device: str
+    warmup: int
+    reps: int
+    seed: int
+
+
+def _custom_preset(args, parser, precisions) -> Preset:
+    tiny = PRESETS["tiny"]
+    fields = {field: getattr(args, flag) for flag, field in SHAPE_FLAGS.items() if getattr(args, flag) is not None}
+    preset = dataclasses.replace(tiny, **{"name": "custom", "shared_intermediate_size": 0, **fields})
+    if preset.topk > preset.num_experts:
+        parser.error(f"--topk: expected at most --experts ({preset.num_experts}), got {preset.topk}")
+    align = max(SIZE_ALIGNMENT[p] for p in ("bf16", *precisions))
+    for flag, size in (("--hidden", preset.hidden_size), ("--intermediate", preset.intermediate_size)):
+        if size % align:
+            parser.error(f"{flag}: expected a multiple of {align} (for precision {', '.join(precisions)}), got {size}")
+    if preset.shared_intermediate_size % SIZE_ALIGNMENT["bf16"]:
+        parser.error(f"--shared-intermediate: expected 0 or a multiple of 8, got {preset.shared_intermediate_size}")
+    return preset
+
+
+def parse_settings(argv: Sequence[str] | None = None) -> tuple[Settings, argparse.Namespace]:
+    """Parses and validates the command line (argparse errors exit with status 2)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available here")
+    device = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
+    if args.sonicmoe_site is not None:
+        if not args.sonicmoe_site.is_dir():
+            parser.error(f"--sonicmoe-site: expected a directory, got {args.sonicmoe_site}")
+        site.addsitedir(str(args.sonicmoe_site))
+
+    precisions = _split(args.precision) or ["bf16"]
+    bad = [p for p in precisions if p not in PRECISIONS]
+    if bad:
+        parser.error(f"--precision: expected one of {', '.join(PRECISIONS)}, got {', '.join(bad)}")
+
+    names = _split(args.preset)
+    custom_given = any(getattr(args, flag) is not None for flag in SHAPE_FLAGS)
+    if custom_given and "custom" not in names:
+        names.append("custom")
+    if not names:
+        names = list(GPU_PRESETS) if device == "cuda" else ["tiny"]
+    bad = [n for n in names if n not in PRESETS and n != "custom"]
+    if bad:
+        parser.error(f"--preset: expected names from {', '.join([*PRESETS, 'custom'])}, got {', '.join(bad)}")
+    if "custom" in names and not custom_given:
+        parser.error("--preset custom: give its shape with --tokens/--hidden/--intermediate/--experts/--topk/"
+                     "--shared-intermediate")
+    presets = tuple(_custom_preset(args, parser, precisions) if n == "custom" else PRESETS[n] for n in names)
+    for preset in presets:
+        align = max(SIZE_ALIGNMENT[p] for p in precisions)
+        if preset.name != "custom" and (preset.hidden_size % align or preset.intermediate_size % align):
+            parser.error(f"--precision: preset {preset.name} has H/I not multiples of {align}")
+
+    impls = _split(args.impl)
+    if not impls:
+        impls = ["mok", "torch-eager"]
+        if device == "cuda":
+            impls.append("torch-compile")
+            if sonicmoe_available():
+                impls.append("sonicmoe")
+    bad = [i for i in impls if i not in runner.IMPLS]
+    if bad:
+        parser.error(f"--impl: expected names from {', '.join(runner.IMPLS)}, got {', '.join(bad)}")
+
+    warmup, reps = DEFAULT_REPS[device]
+    settings = Settings(
+        presets=presets,
+        passes=runner.PASSES if args.passes == "both" else (args.passes,),
+        precisions=tuple(precisions),
+        impls=tuple(impls),
+        device=device,
+        warmup=warmup if args.warmup is None else args.warmup,
+        reps=reps if args.reps is None else args.reps,
+        seed=args.seed,
+    )
+    return settings, args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the benchmark; 0 when every implementation that ran passed its check, else 1."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    settings, args = parse_settings(argv)
+    console = Console()
+    if not console.is_terminal:  # piped or captured: don't squeeze the table into 80 columns
+        console = Console(width=200)
+    info = report.machine_info(settings.device)
+    cases = runner.plan(settings.presets, settings.impls, settings.precisions, settings.passes)
+    title = (f"mok.bench on {info['gpu']} · torch {info['torch']} · triton {info['triton']} · "
+             f"warmup {settings.warmup}, median of {settings.reps}")
+    progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+    with progress:
+        task = progress.add_task("starting", total=runner.num_steps(cases))
+
+        def step(description: str) -> None:
+            progress.update(task, description=description, advance=1)
+
+        results = runner.run(cases, warmup=settings.warmup, reps=settings.reps, seed=settings.seed,
+                             device=settings.device, progress=step)
+    report.print_table(results, console, title=title, cuda=settings.device == "cuda")
+
+    if not args.no_write:
+        date = datetime.date.today()
+        what = args.tag or "_".join(p.name for p in settings.presets)
+        stem = report.output_stem(args.out, info["gpu"], date, what)
+        rec_settings = {
+            "device": settings.device,
+            "passes": list(settings.passes),
+            "precisions": list(settings.precisions),
+            "impls": list(settings.impls),
+            "warmup": settings.warmup,
+            "reps": settings.reps,
+            "seed": settings.seed,
+            "presets": [dataclasses.asdict(p) for p in settings.presets],
+            "timing": "CUDA events per run (perf_counter on CPU); fwd = training forward with autograd on; "
+                      "fwd+bwd = forward + torch.autograd.grad(out, leaves, d_out)",
+            "peak_mem_gb": "inputs resident + the pass's own peak (CUDA allocator)",
+        }
+        command = "python -m mok.bench" + (" " + shlex.join(argv) if argv else "")
+        rec = report.record(results, info, command, rec_settings, date)
+        path = report.write_json(rec, stem.with_suffix(".json"))
+        console.print(f"wrote {path}")
+        if not args.no_plot:
+            png = report.plot_speedup(results, stem.with_suffix(".png"), title=title)
+            if png is not None:
+                console.print(f"wrote {png}")
+    return 1 if any(r.status in ("FAIL", "error") for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""Timing and peak-memory helpers shared by the benchmark and by kernel tests.
+
+`time_ms(fn, warmup=, reps=, device=)` runs `fn` `warmup` times untimed, then `reps` times
+timed one by one, and returns statistics in milliseconds. On CUDA each run is bracketed by
+a pair of CUDA events recorded on the current stream (the GPU's own clock, no host sync
+inside the timed loop: launches queue ahead, as in training); elsewhere it uses
+`time.perf_counter` around each run (CPU work is synchronous).
+
+`PeakMemory(device)` is a context manager that reports the CUDA caching allocator's peak
+inside the block (`torch.cuda.max_memory_allocated` after `reset_peak_memory_stats`),
+both absolute and relative to what was allocated on entry. On CPU it reports None.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["time_ms", "percentile", "PeakMemory"]
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """The q-th percentile (0..100) of ascending values, linear interpolation (numpy's default)."""
+    if not sorted_values:
+        raise ValueError("percentile: expected at least one value")
+    pos = (len(sorted_values) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def _is_cuda(device: torch.device | str | None) -> bool:
+    if device is None:
+        return torch.cuda.is_available()
+    return torch.device(device).type == "cuda"
+
+
+def time_ms(
+    fn: Callable[[], object],
+    *,
+    warmup: int = 10,
+    reps: int = 50,
+    device: torch.device | str | None = None,
+    setup: Callable[[], object] | None = None,
+) -> dict[str, float]:
+    """Milliseconds per call of `fn`: {median, min, max, mean, p20, p80, reps}.
+
+    `setup`, when given, runs before every call outside the timed region (e.g. to zero
+    gradients). `fn`'s return value is dropped right after each call, so its memory can be
+    reused by the next one. `device` None means CUDA when available.
+    """
+    if warmup < 0 or reps < 1:
+        raise ValueError(f"warmup: expected >= 0 and reps >= 1, got warmup={warmup} reps={reps}")
+    cuda = _is_cuda(device)
+    for _ in range(warmup):
+        if setup is not None:
+            setup()
+        fn()
+    times: list[float] = []
+    if cuda:
+        torch.cuda.synchronize()
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+        for start, end in events:
+            if setup is not None:
+                setup()
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize()
+        times = [start.elapsed_time(end) for start, end in events]
+    else:
+        for _ in range(reps):
+            if setup is not None:
+                setup()
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    return {
+        "median": percentile(times, 50),
+        "min": times[0],
+        "max": times[-1],
+        "mean": sum(times) / len(times),
+        "p20": percentile(times, 20),
+        "p80": percentile(times, 80),
+        "reps": float(reps),
+    }
+
+
+class PeakMemory:
+    """Peak CUDA memory inside a `with` block, in GB (1e9 bytes); None off CUDA.
+
+    `peak_gb`: the allocator's peak while the block ran (everything resident included);
+    `delta_gb`: that peak minus what was allocated on entry, i.e. what the block itself needed.
+    """
+
+    def __init__(self, device: torch.device | str | None = None):
+        self.cuda = _is_cuda(device)
+        self.device = torch.device(device) if device is not None else None
+        self.peak_gb: float | None = None
+        self.delta_gb: float | None = None
+        self._base = 0
+
+    def __enter__(self) -> PeakMemory:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device)
+            self.peak_gb = peak / 1e9
+            self.delta_gb = (peak - self._base) / 1e9

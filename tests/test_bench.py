@@ -1,0 +1,236 @@
+"""`python -m mok.bench` in-process on CPU, and the torch baseline against the reference."""
+
+import json
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mok import reference
+from mok.bench import __main__ as cli
+from mok.bench import report, runner
+from mok.bench.baselines import torch_moe
+from mok.reference import Gradients
+from mok.testing import TOLERANCES, cosine_similarity, make_inputs, make_topk_ids, relative_error
+from mok.testing.timing import PeakMemory, percentile, time_ms
+
+FAST = ["--reps", "1", "--warmup", "0"]
+CUSTOM = ["--tokens", "37", "--hidden", "64", "--intermediate", "32", "--experts", "4", "--topk", "2"]
+
+
+def _grouped_modes():
+    modes = [False]
+    try:  # torch's CPU fallback of _grouped_mm runs the same code path the GPU takes
+        torch._grouped_mm(torch.ones(2, 8, dtype=torch.bfloat16), torch.ones(1, 8, 8, dtype=torch.bfloat16),
+                          offs=torch.tensor([2], dtype=torch.int32))
+        modes.append(True)
+    except (AttributeError, RuntimeError, NotImplementedError):
+        pass
+    return modes
+
+
+@pytest.mark.parametrize("grouped", _grouped_modes())
+@pytest.mark.parametrize("shared", [0, 32])
+@pytest.mark.parametrize("topk", [1, 2])
+def test_torch_eager_matches_reference(grouped, shared, topk):
+    T, H, I, E = 37, 64, 32, 5  # noqa: E741 (SPEC's names)
+    # Ids drawn from E-1 experts and shifted: expert 0 gets no token.
+    ids = make_topk_ids(T, E - 1, topk, torch.Generator().manual_seed(3)) + 1
+    inp = make_inputs(T, H, I, E, topk, shared, seed=7, topk_ids=ids, signed_weights=True)
+    leaves = [t.detach().requires_grad_() for t in (inp.x, inp.topk_weights, *inp.weights) if t is not None]
+    d_out = torch.randn(T, H, generator=torch.Generator().manual_seed(1)).bfloat16()
+    out = torch_moe(leaves[0], inp.topk_ids, leaves[1], *leaves[2:], grouped=grouped)
+    grads = torch.autograd.grad(out, leaves, d_out)
+    ref_out = reference.moe_forward(inp.x, inp.topk_ids, inp.topk_weights, *inp.weights)
+    ref_grads = reference.moe_backward(d_out, inp.x, inp.topk_ids, inp.topk_weights, *inp.weights)
+    ctx = f"{T=} {H=} {I=} {E=} {topk=} {shared=} {grouped=}"
+    max_err, min_cos = TOLERANCES["bf16"]
+    assert out.dtype == torch.bfloat16 and out.shape == (T, H), ctx
+    assert relative_error(out, ref_out) <= max_err, ctx
+    grads = tuple(grads) + (None,) * (len(ref_grads) - len(grads))  # no shared expert: no shared leaves
+    for name, got, want in zip(Gradients._fields, grads, ref_grads, strict=True):
+        if want is None:
+            assert got is None, f"{name} {ctx}"
+            continue
+        err, cos = relative_error(got, want), cosine_similarity(got, want)
+        assert err <= max_err and cos >= min_cos, f"{name}: rel_err {err:.3e} cosine {cos:.7f} {ctx}"
+    d_w_gate, d_w_up, d_w_down = grads[2:5]
+    for name, g in (("d_w_gate", d_w_gate), ("d_w_up", d_w_up), ("d_w_down", d_w_down)):
+        assert torch.count_nonzero(g[0]) == 0, f"{name} of the expert with no token is not zero {ctx}"
+    assert grads[1].dtype == torch.float32 and grads[0].dtype == torch.bfloat16, ctx
+
+
+def _run(tmp_path, *args):
+    rc = cli.main([*args, *FAST, "--out", str(tmp_path)])
+    (path,) = tmp_path.glob("*.json")
+    return rc, json.loads(path.read_text()), path
+
+
+@pytest.mark.parametrize("args", [["--preset", "tiny"], CUSTOM], ids=["tiny", "custom"])
+def test_cli_writes_record_and_plot(tmp_path, args):
+    rc, rec, path = _run(tmp_path, *args)
+    assert rc == 0
+    for key in ("gpu", "num_gpus", "torch", "triton", "date", "command", "results"):
+        assert key in rec, key
+    assert rec["gpu"] == "cpu" and rec["num_gpus"] == 1 and "--reps 1" in rec["command"]
+    assert path.name.startswith("cpu-") and path.with_suffix(".png").exists()
+    preset = "tiny" if "--preset" in args else "custom"
+    rows = {(r["impl"], r["pass"]): r for r in rec["results"]}
+    assert len(rows) == len(rec["results"]) == 4  # default CPU impls: mok, torch-eager; two passes each
+    for impl in ("mok", "torch-eager"):
+        for pass_ in ("fwd", "fwd+bwd"):
+            r = rows[(impl, pass_)]
+            assert r["status"] == "ok", r
+            assert r["preset"] == preset and r["precision"] == "bf16" and r["ep"] == 1
+            assert r["ms"] > 0 and r["tflops"] > 0 and r["max_rel_err"] <= 0.01
+            assert "peak_mem_gb" in r
+    assert rows[("torch-eager", "fwd")]["speedup_vs_torch_eager"] == pytest.approx(1.0)
+    if preset == "custom":
+        (shape,) = rec["settings"]["presets"]
+        dims = (shape["num_tokens"], shape["hidden_size"], shape["topk"], shape["shared_intermediate_size"])
+        assert dims == (37, 64, 2, 0)
+
+
+def test_wrong_impl_is_reported_fail_and_not_timed(tmp_path, monkeypatch):
+    calls = []
+
+    def make_broken(inp, precision):
+        def forward():
+            calls.append(1)
+            return torch_moe(inp.x, inp.topk_ids, inp.topk_weights, *inp.weights) * 1.05  # 5% off: over the bar
+
+        leaves = tuple(t for t in (inp.x, inp.topk_weights, *inp.weights) if t is not None)
+        return runner.Impl(forward, leaves, lambda g: tuple(g) + (None,) * (8 - len(g)))
+
+    monkeypatch.setitem(runner.IMPLS, "broken", runner.ImplSpec(make_broken, "bf16"))
+    rc, rec, _ = _run(tmp_path, *CUSTOM, "--impl", "torch-eager,broken")
+    assert rc == 1
+    broken = [r for r in rec["results"] if r["impl"] == "broken"]
+    assert [r["pass"] for r in broken] == ["fwd", "fwd+bwd"]
+    for r in broken:
+        assert r["status"] == "FAIL" and r["ms"] is None and r["tflops"] is None, r
+        assert "out rel_err" in r["message"] and r["max_rel_err"] > 0.01
+    assert len(calls) == 1  # the check's one run; never timed
+    assert all(r["status"] == "ok" for r in rec["results"] if r["impl"] == "torch-eager")
+
+
+def test_unavailable_impl_is_skipped_not_fatal(tmp_path, monkeypatch):
+    def make_missing(inp, precision):
+        raise runner.Skip("not installed here")
+
+    monkeypatch.setitem(runner.IMPLS, "missing", runner.ImplSpec(make_missing, "bf16"))
+    rc, rec, _ = _run(tmp_path, *CUSTOM, "--impl", "missing,torch-eager", "--pass", "fwd", "--no-plot")
+    assert rc == 0
+    (missing,) = [r for r in rec["results"] if r["impl"] == "missing"]
+    assert missing["status"] == "skipped" and missing["message"] == "not installed here" and missing["ms"] is None
+    assert not list(tmp_path.glob("*.png"))
+
+
+def test_no_write_and_second_run_does_not_overwrite(tmp_path):
+    quick = [*CUSTOM, *FAST, "--impl", "torch-eager", "--pass", "fwd", "--out", str(tmp_path)]
+    assert cli.main([*quick, "--no-write"]) == 0
+    assert not list(tmp_path.iterdir())
+    for _ in range(2):
+        assert cli.main([*quick, "--tag", "t"]) == 0
+    names = sorted(p.name for p in tmp_path.glob("*.json"))
+    assert len(names) == 2 and any(n.endswith("-t-2.json") for n in names), names
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--topk", "5", "--experts", "4"],
+        ["--hidden", "60"],
+        ["--preset", "nope"],
+        ["--preset", "custom"],
+        ["--impl", "mok,nope"],
+        ["--precision", "fp4"],
+        ["--reps", "0"],
+        ["--warmup", "-1"],
+        ["--pass", "bwd"],
+        ["--tokens", "x"],
+    ],
+)
+def test_bad_arguments_are_argparse_errors(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.parse_settings(argv)
+    assert exc.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_settings_defaults_on_cpu():
+    settings, _ = cli.parse_settings(["--precision", "bf16,mxfp8", "--preset", "tiny", "--preset", "tiny"])
+    assert settings.device == "cpu" and [p.name for p in settings.presets] == ["tiny"]
+    assert settings.impls == ("mok", "torch-eager") and settings.passes == ("fwd", "fwd+bwd")
+    assert (settings.warmup, settings.reps) == cli.DEFAULT_REPS["cpu"]
+    cases = runner.plan(settings.presets, settings.impls, settings.precisions, settings.passes)
+    # Baseline first and in bf16 only; mok once per precision.
+    assert [(c.impl, c.precision) for c in cases] == [("torch-eager", "bf16"), ("mok", "bf16"), ("mok", "mxfp8")]
+
+
+def test_timing_helpers_on_cpu():
+    stats = time_ms(lambda: sum(range(1000)), warmup=1, reps=5, device="cpu")
+    assert set(stats) >= {"median", "min", "p20", "p80"} and 0 <= stats["min"] <= stats["median"] <= stats["max"]
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5 and percentile([5.0], 20) == 5.0
+    with PeakMemory("cpu") as mem:
+        pass
+    assert mem.peak_gb is None and mem.delta_gb is None
+
+
+def test_gpu_slug():
+    assert report.gpu_slug("NVIDIA H200") == "h200"
+    assert report.gpu_slug("NVIDIA H100 80GB HBM3") == "h100-80gb-hbm3"
+    assert report.gpu_slug("cpu") == "cpu"
+
+
+def _fake_general_routing(x, router_scores, token_indices, expert_indices, w1, b1, w2, b2, E, stream_id,
+                          activation_type, is_inference_mode_enabled=False, concat_layout=False):
+    """SonicMoE's documented contract in plain torch: w1 (2I, H, E) with interleaved gate/up
+    rows and stride order (2, 0, 1), w2 (H, I, E), routes in ascending token order."""
+    assert w1.stride(2) == max(w1.stride()) and w2.stride(2) == max(w2.stride()), "stride order (2, 0, 1)"
+    assert token_indices.dtype == expert_indices.dtype == torch.int32 and router_scores.dtype == torch.float32
+    assert bool((token_indices[1:] >= token_indices[:-1]).all()), "token_indices sorted ascending"
+    assert activation_type == "swiglu" and b1 is None and b2 is None and w2.shape[-1] == E
+    w1_e = w1.permute(2, 0, 1)[expert_indices.long()]  # [M, 2I, H]
+    w2_e = w2.permute(2, 0, 1)[expert_indices.long()]  # [M, H, I]
+    z = (w1_e @ x[token_indices.long()][:, :, None]).squeeze(-1)  # [M, 2I]
+    a = F.silu(z[:, 0::2]) * z[:, 1::2]  # [M, I]
+    y = (w2_e @ a[:, :, None]).squeeze(-1)  # [M, H]
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    out = out.index_add(0, token_indices.long(), router_scores[:, None] * y.float())
+    return out.bfloat16(), None
+
+
+def _install_fake_sonicmoe(monkeypatch, fn):
+    module = types.ModuleType("sonicmoe")
+    module.__version__ = "fake"
+    module.moe_general_routing_inputs = fn
+    enums = types.ModuleType("sonicmoe.enums")
+    enums.ActivationType = types.SimpleNamespace(SWIGLU="swiglu")
+    monkeypatch.setitem(sys.modules, "sonicmoe", module)
+    monkeypatch.setitem(sys.modules, "sonicmoe.enums", enums)
+
+
+def test_sonicmoe_wrapper_maps_weights_and_gradients(tmp_path, monkeypatch):
+    # A fake that follows SonicMoE's documented layout checks our interleaving, views and
+    # gradient mapping on CPU (the real package needs a Hopper GPU).
+    _install_fake_sonicmoe(monkeypatch, _fake_general_routing)
+    rc, rec, _ = _run(tmp_path, *CUSTOM, "--shared-intermediate", "16", "--impl", "torch-eager,sonicmoe")
+    assert rc == 0
+    rows = [r for r in rec["results"] if r["impl"] == "sonicmoe"]
+    assert [r["status"] for r in rows] == ["ok", "ok"], rows
+    assert rows[1]["max_rel_err"] <= 0.01 and rows[1]["min_cosine"] >= 0.9999
+    assert rows[0]["extra"]["sonicmoe_version"] == "fake" and rows[0]["message"] == "shared expert in torch"
+
+
+def test_sonicmoe_api_mismatch_or_absence_is_a_skip(tmp_path, monkeypatch):
+    _install_fake_sonicmoe(monkeypatch, lambda x, router_logits, w1, w2: None)  # some other API
+    rc, rec, _ = _run(tmp_path, *CUSTOM, "--impl", "torch-eager,sonicmoe", "--pass", "fwd")
+    (row,) = [r for r in rec["results"] if r["impl"] == "sonicmoe"]
+    assert rc == 0 and row["status"] == "skipped" and "does not take" in row["message"], row
+    monkeypatch.setitem(sys.modules, "sonicmoe", None)  # import fails, as on a machine without it
+    rc, rec, _ = _run(tmp_path / "2", *CUSTOM, "--impl", "sonicmoe", "--pass", "fwd")
+    (row,) = rec["results"]
+    assert rc == 0 and row["status"] == "skipped" and "Error" in row["message"], row
