@@ -10,13 +10,16 @@ mkdir -p "$OUT"
 steps=${*:-tests bench}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.used --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, sys; print(sys.version.split()[0], torch.__version__, triton.__version__)" | tee -a "$OUT/gpu.txt"
+T=${STEP_TIMEOUT:-300}
 for step in $steps; do
+  echo "== $step ($(date +%T))"
   case $step in
-    tests) python3 -m pytest -q -x -p no:cacheprovider tests/kernels tests/test_triton_forward.py tests/test_gpu_forward.py 2>&1 | tee "$OUT/tests.log" ;;
-    tune) python3 benchmarks/tune_gemm.py --out "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log" ;;
-    bench) python3 -m mok.bench --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" ;;
+    tests) timeout $T python3 -m pytest -q -p no:cacheprovider tests/kernels tests/test_triton_forward.py tests/test_gpu_forward.py 2>&1 | tee "$OUT/tests.log" ;;
+    tune) timeout $T python3 benchmarks/tune_gemm.py --out "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log" ;;
+    bench) timeout $T python3 -m mok.bench --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" ;;
     sanitize) PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --print-limit 20 \
         python3 -m pytest -q -x -p no:cacheprovider tests/kernels 2>&1 | tail -40 | tee "$OUT/sanitize.log" ;;
+    sonic) tar -xJf .bundle/sonicmoe-site.tar.xz -C /tmp && BENCH_ARGS="${BENCH_ARGS:-} --sonicmoe-site /tmp/site" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done
