@@ -34,6 +34,8 @@ import triton.language as tl
 
 from mok.kernels.common import ERROR_BAD_EXPERT_ID, TOKENS_PER_CHUNK
 
+_BAD_ID_BIT = tl.constexpr(ERROR_BAD_EXPERT_ID)  # kernels read only constexpr globals
+
 # Membership matrices are [SUB_TOKENS, EXPERTS_PAD]; keep them near 8K elements so they
 # stay in registers whatever the expert count.
 _MEMBERSHIP_ELEMENTS = 8192
@@ -94,7 +96,7 @@ def _count_routes_kernel(
         any_bad = any_bad | bad
     tl.store(chunk_counts_ptr + chunk * EXPERTS_PAD + tl.arange(0, EXPERTS_PAD), counts)
     if tl.max(any_bad.to(tl.int32), axis=0) > 0:
-        tl.atomic_or(error_flag_ptr, ERROR_BAD_EXPERT_ID)
+        tl.atomic_or(error_flag_ptr, _BAD_ID_BIT)
 
 
 @triton.jit
