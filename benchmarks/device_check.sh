@@ -9,6 +9,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-bench_out}
 mkdir -p "$OUT"
 steps=${*:-tests bench}
+PROFILE_ARGS=${PROFILE_ARGS:-}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.used --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, sys; print(sys.version.split()[0], torch.__version__, triton.__version__)" | tee -a "$OUT/gpu.txt"
 T=${STEP_TIMEOUT:-300}
@@ -18,6 +19,7 @@ for step in $steps; do
     tests) timeout $T python3 -m pytest -q -p no:cacheprovider tests/kernels tests/test_triton_forward.py tests/test_gpu_forward.py 2>&1 | tee "$OUT/tests.log" ;;
     tune) timeout $T python3 benchmarks/tune_gemm.py --out "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log" ;;
     bench) timeout $T python3 -m mok.bench --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" ;;
+    profile) for p in ${PROFILE_PRESETS:-qwen3-30b}; do timeout $T python3 benchmarks/profile_layer.py --preset $p $PROFILE_ARGS; done 2>&1 | grep -v -i warn | tee "$OUT/profile.log" ;;
     sanitize) PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --print-limit 20 \
         python3 -m pytest -q -x -p no:cacheprovider tests/kernels 2>&1 | tail -40 | tee "$OUT/sanitize.log" ;;
     sonic) tar -xJf .bundle/sonicmoe-site.tar.xz -C /tmp && BENCH_ARGS="${BENCH_ARGS:-} --sonicmoe-site /tmp/site" ;;

@@ -351,14 +351,21 @@ def forward(
     """The layer's output [T, H] bf16 and the context backward needs (with
     `needs_backward=False` the triton backend skips saving the pre-activations)."""
     _check_call(config, workspace, schedule, x, topk_weights, ws_gate, ws_up, ws_down, w_gate, w_up, w_down)
+    return _forward_checked(
+        config, workspace, schedule, x, topk_weights, (ws_gate, ws_up, ws_down), (w_gate, w_up, w_down),
+        swiglu_limit, needs_backward,
+    )
+
+
+def _forward_checked(config, workspace, schedule, x, topk_weights, shared, routed, swiglu_limit, needs_backward):
+    """`forward` after its argument checks (`moe` checks once for both)."""
     if schedule.backend == "triton":
-        out, saved = _triton_forward(schedule, x, topk_weights, (ws_gate, ws_up, ws_down), (w_gate, w_up, w_down), swiglu_limit, needs_backward)
+        out, saved = _triton_forward(schedule, x, topk_weights, shared, routed, swiglu_limit, needs_backward)
         if config.strict:
             check_errors(workspace)
         return out, ForwardContext(schedule.backend, config.precision, saved)
     out = _reference_call(
-        reference.moe_forward, config, workspace, schedule, x, topk_weights, ws_gate, ws_up, ws_down,
-        w_gate, w_up, w_down, swiglu_limit,
+        reference.moe_forward, config, workspace, schedule, x, topk_weights, *shared, *routed, swiglu_limit,
     )
     return out.to(torch.bfloat16), ForwardContext(schedule.backend, config.precision)
 
@@ -384,6 +391,43 @@ def recompute_forward_context(
     )[1]
 
 
+def _expert_mlp_backward(d_out, x, topk_weights, weights, gate_up, h, routing, block_m, topk, num_slots, swiglu_limit):
+    """dx_slots [num_slots, H] and the bf16 weight gradients of the experts in `routing`
+    (plus d_topk_weights [T, topk] fp32 when `topk_weights` is given, else an empty tensor)."""
+    w_gate, w_up, w_down = weights
+    d_gate_up, d_topk_weights = ops.down_dgrad_swiglu(d_out, topk_weights, gate_up, w_down, *routing, block_m, topk, swiglu_limit)
+    dx_slots = ops.gate_up_dgrad_scatter(d_gate_up, w_gate, w_up, *routing, block_m, num_slots)
+    d_w_gate, d_w_up = ops.gate_up_wgrad(d_gate_up, x, *routing, block_m, topk)
+    d_w_down = ops.down_wgrad(d_out, topk_weights, h, *routing, block_m, topk)
+    return dx_slots, d_topk_weights, (d_w_gate, d_w_up, d_w_down)
+
+
+def _triton_backward(schedule, saved, d_out, x, topk_weights, shared, routed, swiglu_limit) -> Gradients:
+    """DESIGN §3's backward on one GPU, no host sync: per expert group, down dgrad + SwiGLU
+    backward + router-weight gradient, gate/up dgrad into route slots, wgrad GEMMs; then
+    d_x = dx_shared + Σ_j dx_slots (the combine with unit weights, ascending j). Reads the
+    forward's g,u and h (not y: the router-weight gradient is ⟨dOut·Wd, h⟩ over I)."""
+    num_tokens, topk = topk_weights.shape
+    if saved.get("gate_up") is None or saved["gate_up"].shape[0] == 0:
+        raise ValueError("context: expected the pre-activations a forward with needs_backward=True saves")
+    d_out = d_out.to(torch.bfloat16)  # a GEMM operand (no copy when it already is bf16)
+    dx_slots, d_topk_weights, routed_grads = _expert_mlp_backward(
+        d_out, x, topk_weights, routed, saved["gate_up"], saved["h"], schedule.routing, schedule.block_m,
+        topk, num_tokens * topk, swiglu_limit,
+    )
+    dx_shared, shared_grads = None, (None, None, None)
+    if shared[0] is not None:
+        shared_experts = tuple(w.unsqueeze(0) for w in shared)  # one expert of the grouped GEMMs
+        dx_shared, _, grads = _expert_mlp_backward(
+            d_out, x, None, shared_experts, saved["gate_up_shared"], saved["h_shared"], schedule.shared_routing,
+            schedule.block_m, 1, num_tokens, swiglu_limit,
+        )
+        shared_grads = tuple(g.squeeze(0) for g in grads)
+    ones = torch.ones(num_tokens, topk, dtype=torch.float32, device=x.device)  # [T, topk]: unweighted sum
+    d_x = ops.combine(dx_slots, ones, dx_shared)
+    return Gradients(d_x, d_topk_weights, *routed_grads, *shared_grads)
+
+
 def backward(
     config: MoKConfig,
     workspace: Workspace,
@@ -405,6 +449,12 @@ def backward(
     if not isinstance(context, ForwardContext) or context.precision != config.precision:
         raise ValueError("context: expected the ForwardContext that forward returned under this config")
     check_tensor("d_out", d_out, dtypes=(torch.bfloat16, torch.float32), shape=tuple(x.shape), device=x.device)
+    if schedule.backend == "triton":
+        if context.backend != "triton":
+            raise ValueError(f"context: expected a context of the triton backend (the schedule's), got {context.backend!r}")
+        return _triton_backward(
+            schedule, context.saved, d_out, x, topk_weights, (ws_gate, ws_up, ws_down), (w_gate, w_up, w_down), swiglu_limit
+        )
     grads = _reference_call(
         reference.moe_backward, config, workspace, schedule, x, topk_weights, ws_gate, ws_up, ws_down,
         w_gate, w_up, w_down, swiglu_limit, d_out,
@@ -424,9 +474,9 @@ class _MoELayer(torch.autograd.Function):
         )
         schedule = build_schedule(workspace, config, topk_ids, num_local_experts=w_gate.shape[0])
         shared = (ws_gate, ws_up, ws_down)
-        out, context = forward(
-            config, workspace, schedule, x, topk_weights, *shared, w_gate, w_up, w_down, swiglu_limit,
-            needs_backward=any(ctx.needs_input_grad),
+        out, context = _forward_checked(
+            config, workspace, schedule, x, topk_weights, shared, (w_gate, w_up, w_down), swiglu_limit,
+            any(ctx.needs_input_grad),
         )
         ctx.save_for_backward(x, topk_weights, w_gate, w_up, w_down, *shared)
         ctx.state = (config, workspace, schedule, context, swiglu_limit)

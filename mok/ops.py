@@ -4,11 +4,18 @@ Fake implementations state each op's shape contract from host-known sizes only (
 schedule's capacities), which is what lets `torch.compile(fullgraph=True)` trace a mok
 layer and CUDA graphs capture it: no output shape depends on routing data.
 
+In eager mode the wrappers below call the launchers directly: going through the
+dispatcher costs tens of microseconds per op in Python, which a layer of a few short
+launches notices. Under `torch.compile` they call the registered op, so the compiled
+graph holds `mok::<name>` nodes.
+
 The schedule travels as five tensors (row_source, tile_expert, expert_offsets,
 expert_counts, num_rows); `routing_tensors` / `routing_from_tensors` convert.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -28,10 +35,30 @@ def routing_from_tensors(row_source, tile_expert, expert_offsets, expert_counts,
     )
 
 
+def _custom_op(name: str, mutates_args: tuple[str, ...] = ()):
+    """Registers the decorated function as `mok::<name>`; returns a wrapper that runs it
+    directly in eager mode and as the op while torch.compile traces. `wrapper.op` is the
+    registered op (for `register_fake`)."""
+
+    def register(fn):
+        op = torch.library.custom_op(f"mok::{name}", fn, mutates_args=mutates_args)
+
+        @functools.wraps(fn)
+        def wrapper(*args):
+            if torch.compiler.is_compiling():
+                return op(*args)
+            return fn(*args)
+
+        wrapper.op = op
+        return wrapper
+
+    return register
+
+
 # --------------------------------------------------------------------------- schedule
 
 
-@torch.library.custom_op("mok::routing_schedule", mutates_args=("error_flag",))
+@_custom_op("routing_schedule", ("error_flag",))
 def routing_schedule(
     topk_ids: torch.Tensor, error_flag: torch.Tensor, num_local_experts: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -39,7 +66,7 @@ def routing_schedule(
     return routing_tensors(build_routing_schedule(topk_ids, num_local_experts, block_m, error_flag))
 
 
-@routing_schedule.register_fake
+@routing_schedule.op.register_fake
 def _(topk_ids, error_flag, num_local_experts, block_m):
     rows = capacity_rows(topk_ids.shape[0] * topk_ids.shape[1], num_local_experts, block_m)
     new = topk_ids.new_empty
@@ -55,7 +82,7 @@ def _(topk_ids, error_flag, num_local_experts, block_m):
 # --------------------------------------------------------------------------- grouped GEMMs
 
 
-@torch.library.custom_op("mok::gate_up_swiglu", mutates_args=())
+@_custom_op("gate_up_swiglu", ())
 def gate_up_swiglu(
     x: torch.Tensor,
     w_gate: torch.Tensor,
@@ -78,13 +105,13 @@ def gate_up_swiglu(
     return h, gate_up
 
 
-@gate_up_swiglu.register_fake
+@gate_up_swiglu.op.register_fake
 def _(x, w_gate, w_up, row_source, tile_expert, expert_offsets, expert_counts, num_rows, block_m, topk, swiglu_limit, store_gate_up):
     rows, inter = row_source.shape[0], w_gate.shape[1]
     return x.new_empty(rows, inter), x.new_empty(rows if store_gate_up else 0, 2, inter)
 
 
-@torch.library.custom_op("mok::down_scatter", mutates_args=())
+@_custom_op("down_scatter", ())
 def down_scatter(
     h: torch.Tensor,
     w_down: torch.Tensor,
@@ -101,7 +128,7 @@ def down_scatter(
     return grouped_gemm.down_scatter(h, w_down, routing, num_slots)
 
 
-@down_scatter.register_fake
+@down_scatter.op.register_fake
 def _(h, w_down, row_source, tile_expert, expert_offsets, expert_counts, num_rows, block_m, num_slots):
     return h.new_empty(num_slots, w_down.shape[1])
 
@@ -109,12 +136,167 @@ def _(h, w_down, row_source, tile_expert, expert_offsets, expert_counts, num_row
 # --------------------------------------------------------------------------- combine
 
 
-@torch.library.custom_op("mok::combine", mutates_args=())
+@_custom_op("combine", ())
 def combine(y: torch.Tensor, topk_weights: torch.Tensor, y_shared: torch.Tensor | None) -> torch.Tensor:
     """out [T, H] bf16 = y_shared + Σ_j w·y, fp32, ascending j."""
     return combine_kernels.combine(y, topk_weights, y_shared)
 
 
-@combine.register_fake
+@combine.op.register_fake
 def _(y, topk_weights, y_shared):
     return y.new_empty(topk_weights.shape[0], y.shape[1])
+
+
+# --------------------------------------------------------------------------- backward: dgrad
+
+from mok.kernels import dgrad, wgrad  # noqa: E402  (the backward section keeps its imports here)
+
+
+@_custom_op("down_dgrad_swiglu", ())
+def down_dgrad_swiglu(
+    d_out: torch.Tensor,
+    topk_weights: torch.Tensor | None,
+    gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    row_source: torch.Tensor,
+    tile_expert: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    expert_counts: torch.Tensor,
+    num_rows: torch.Tensor,
+    block_m: int,
+    topk: int,
+    swiglu_limit: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """d_gate_up [rows, 2, I] bf16 and d_topk_weights [T, topk] fp32 (an empty [0] fp32
+    when topk_weights is None: the shared expert has no router weight)."""
+    routing = routing_from_tensors(row_source, tile_expert, expert_offsets, expert_counts, num_rows, block_m)
+    d_gate_up, d_topk_weights = dgrad.down_dgrad_swiglu(d_out, topk_weights, gate_up, w_down, routing, topk, swiglu_limit)
+    if d_topk_weights is None:
+        d_topk_weights = d_out.new_empty(0, dtype=torch.float32)
+    return d_gate_up, d_topk_weights
+
+
+@down_dgrad_swiglu.op.register_fake
+def _(d_out, topk_weights, gate_up, w_down, row_source, tile_expert, expert_offsets, expert_counts, num_rows, block_m, topk, swiglu_limit):
+    shape = (0,) if topk_weights is None else tuple(topk_weights.shape)
+    return gate_up.new_empty(gate_up.shape), d_out.new_empty(shape, dtype=torch.float32)
+
+
+@_custom_op("gate_up_dgrad_scatter", ())
+def gate_up_dgrad_scatter(
+    d_gate_up: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    row_source: torch.Tensor,
+    tile_expert: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    expert_counts: torch.Tensor,
+    num_rows: torch.Tensor,
+    block_m: int,
+    num_slots: int,
+) -> torch.Tensor:
+    """dx_slots [num_slots, H] bf16: d_g·Wg + d_u·Wu of each route, in its slot."""
+    routing = routing_from_tensors(row_source, tile_expert, expert_offsets, expert_counts, num_rows, block_m)
+    return dgrad.gate_up_dgrad_scatter(d_gate_up, w_gate, w_up, routing, num_slots)
+
+
+@gate_up_dgrad_scatter.op.register_fake
+def _(d_gate_up, w_gate, w_up, row_source, tile_expert, expert_offsets, expert_counts, num_rows, block_m, num_slots):
+    return d_gate_up.new_empty(num_slots, w_gate.shape[2])
+
+
+# --------------------------------------------------------------------------- backward: wgrad
+
+
+@_custom_op("down_wgrad", ())
+def down_wgrad(
+    d_out: torch.Tensor,
+    topk_weights: torch.Tensor | None,
+    h: torch.Tensor,
+    row_source: torch.Tensor,
+    tile_expert: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    expert_counts: torch.Tensor,
+    num_rows: torch.Tensor,
+    block_m: int,
+    topk: int,
+) -> torch.Tensor:
+    """d_w_down [E_l, H, I] bf16 = Σ_rows (w·dOut)ᵀ h per expert, fp32 accumulation."""
+    routing = routing_from_tensors(row_source, tile_expert, expert_offsets, expert_counts, num_rows, block_m)
+    return wgrad.down_wgrad(d_out, topk_weights, h, routing, topk)
+
+
+@down_wgrad.op.register_fake
+def _(d_out, topk_weights, h, row_source, tile_expert, expert_offsets, expert_counts, num_rows, block_m, topk):
+    return h.new_empty(expert_counts.shape[0], d_out.shape[1], h.shape[1])
+
+
+@_custom_op("down_wgrad_accumulate", ("main_grad",))
+def down_wgrad_accumulate(
+    main_grad: torch.Tensor,
+    d_out: torch.Tensor,
+    topk_weights: torch.Tensor | None,
+    h: torch.Tensor,
+    row_source: torch.Tensor,
+    tile_expert: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    expert_counts: torch.Tensor,
+    num_rows: torch.Tensor,
+    block_m: int,
+    topk: int,
+) -> None:
+    """main_grad [E_l, H, I] fp32/bf16 += d_w_down, in place (Megatron-style main_grad)."""
+    routing = routing_from_tensors(row_source, tile_expert, expert_offsets, expert_counts, num_rows, block_m)
+    wgrad.down_wgrad(d_out, topk_weights, h, routing, topk, main_grad=main_grad)
+
+
+@down_wgrad_accumulate.op.register_fake
+def _(main_grad, d_out, topk_weights, h, row_source, tile_expert, expert_offsets, expert_counts, num_rows, block_m, topk):
+    return None
+
+
+@_custom_op("gate_up_wgrad", ())
+def gate_up_wgrad(
+    d_gate_up: torch.Tensor,
+    x: torch.Tensor,
+    row_source: torch.Tensor,
+    tile_expert: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    expert_counts: torch.Tensor,
+    num_rows: torch.Tensor,
+    block_m: int,
+    topk: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d_w_gate, d_w_up) [E_l, I, H] bf16 = Σ_rows d_gᵀ x, d_uᵀ x per expert, fp32 accumulation."""
+    routing = routing_from_tensors(row_source, tile_expert, expert_offsets, expert_counts, num_rows, block_m)
+    return wgrad.gate_up_wgrad(d_gate_up, x, routing, topk)
+
+
+@gate_up_wgrad.op.register_fake
+def _(d_gate_up, x, row_source, tile_expert, expert_offsets, expert_counts, num_rows, block_m, topk):
+    shape = (expert_counts.shape[0], d_gate_up.shape[2], x.shape[1])
+    return d_gate_up.new_empty(shape), d_gate_up.new_empty(shape)
+
+
+@_custom_op("gate_up_wgrad_accumulate", ("main_grad_gate", "main_grad_up"))
+def gate_up_wgrad_accumulate(
+    main_grad_gate: torch.Tensor,
+    main_grad_up: torch.Tensor,
+    d_gate_up: torch.Tensor,
+    x: torch.Tensor,
+    row_source: torch.Tensor,
+    tile_expert: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    expert_counts: torch.Tensor,
+    num_rows: torch.Tensor,
+    block_m: int,
+    topk: int,
+) -> None:
+    """main_grad_gate, main_grad_up [E_l, I, H] fp32/bf16 += d_w_gate, d_w_up, in place."""
+    routing = routing_from_tensors(row_source, tile_expert, expert_offsets, expert_counts, num_rows, block_m)
+    wgrad.gate_up_wgrad(d_gate_up, x, routing, topk, main_grad_gate, main_grad_up)
+
+
+@gate_up_wgrad_accumulate.op.register_fake
+def _(main_grad_gate, main_grad_up, d_gate_up, x, row_source, tile_expert, expert_offsets, expert_counts, num_rows, block_m, topk):
+    return None

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from mok.kernels.common import interpreting, round_to_bf16
 from mok.kernels.schedule import RoutingSchedule
@@ -45,26 +46,40 @@ def tile_coordinates(pid, max_m_tiles, num_n_tiles, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def load_weight_tile(w, expert, n0, k0, n_dim, k_dim, stride_w_e, stride_w_n,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr):
+    """[BLOCK_K, BLOCK_N] tile of W[expert]ᵀ, W[expert] an [n_dim, k_dim] row-major matrix.
+
+    With USE_TMA, `w` is a tensor descriptor over all experts' rows ([E·n_dim, k_dim]):
+    rows past this expert's n_dim belong to the next expert (or are zero past the end);
+    callers mask them at the store. Otherwise `w` is a pointer and loads are masked."""
+    if USE_TMA:
+        tile = w.load([expert * n_dim + n0, k0]).T
+    else:
+        n_offs = n0 + tl.arange(0, BLOCK_N)
+        k_offs = k0 + tl.arange(0, BLOCK_K)
+        ptrs = w + expert.to(tl.int64) * stride_w_e + n_offs[None, :].to(tl.int64) * stride_w_n + k_offs[:, None]
+        tile = tl.load(ptrs, mask=(k_offs < k_dim)[:, None] & (n_offs < n_dim)[None, :], other=0.0)
+    return tile
+
+
+@triton.jit
 def gather_gate_up_tile(
-    x_ptr, w_gate_ptr, w_up_ptr, token, row_valid, expert, n_offs,
+    x_ptr, w_gate, w_up, token, row_valid, expert, n0,
     hidden, inter, stride_x_t, stride_w_e, stride_w_i,
-    BLOCK_K: tl.constexpr, INTERPRETER: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_TMA: tl.constexpr, INTERPRETER: tl.constexpr,
 ):
-    """g, u [BLOCK_M, BLOCK_N] fp32 for token rows `token` against expert `expert`'s
-    weight rows `n_offs`, reducing over the hidden dimension."""
+    """g, u [BLOCK_M, BLOCK_N] fp32 for token rows `token` (gathered from x inside the
+    loads) against rows n0.. of expert `expert`'s gate and up weights, reducing over H."""
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_offs = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + token.to(tl.int64)[:, None] * stride_x_t + k_offs[None, :]
-    w_offs = expert.to(tl.int64) * stride_w_e + n_offs[None, :].to(tl.int64) * stride_w_i + k_offs[:, None]
-    n_valid = n_offs < inter
     for k0 in range(0, hidden, BLOCK_K):
-        k_valid = k0 + k_offs < hidden
-        a = tl.load(a_ptrs + k0, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
-        b_mask = k_valid[:, None] & n_valid[None, :]
-        b_gate = tl.load(w_gate_ptr + w_offs + k0, mask=b_mask, other=0.0)
-        b_up = tl.load(w_up_ptr + w_offs + k0, mask=b_mask, other=0.0)
+        a = tl.load(a_ptrs + k0, mask=row_valid[:, None] & (k0 + k_offs < hidden)[None, :], other=0.0)
+        b_gate = load_weight_tile(w_gate, expert, n0, k0, inter, hidden, stride_w_e, stride_w_i, BLOCK_N, BLOCK_K, USE_TMA)
+        b_up = load_weight_tile(w_up, expert, n0, k0, inter, hidden, stride_w_e, stride_w_i, BLOCK_N, BLOCK_K, USE_TMA)
         if INTERPRETER:  # the interpreter's bf16 tl.dot is wrong (DESIGN §6); fp32 is exact
             a, b_gate, b_up = a.to(tl.float32), b_gate.to(tl.float32), b_up.to(tl.float32)
         acc_gate = tl.dot(a, b_gate, acc_gate)
@@ -75,7 +90,7 @@ def gather_gate_up_tile(
 @triton.jit
 def _gate_up_swiglu_kernel(
     # pointers
-    x_ptr, w_gate_ptr, w_up_ptr, h_ptr, gate_up_ptr,
+    x_ptr, w_gate, w_up, h_ptr, gate_up_ptr,
     # schedule
     row_source_ptr, tile_expert_ptr, num_rows_ptr,
     # sizes
@@ -83,7 +98,7 @@ def _gate_up_swiglu_kernel(
     # strides
     stride_x_t, stride_w_e, stride_w_i, stride_h_r, stride_gu_r,
     # meta
-    HAS_LIMIT: tl.constexpr, STORE_GATE_UP: tl.constexpr, INTERPRETER: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, STORE_GATE_UP: tl.constexpr, USE_TMA: tl.constexpr, INTERPRETER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     m_tile, n_tile = tile_coordinates(tl.program_id(0), max_m_tiles, tl.cdiv(inter, BLOCK_N), GROUP_M)
@@ -96,8 +111,8 @@ def _gate_up_swiglu_kernel(
     token = tl.where(row_valid, source // topk, 0)
     n_offs = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     gate, up = gather_gate_up_tile(
-        x_ptr, w_gate_ptr, w_up_ptr, token, row_valid, expert, n_offs, hidden, inter,
-        stride_x_t, stride_w_e, stride_w_i, BLOCK_K, INTERPRETER, BLOCK_M, BLOCK_N,
+        x_ptr, w_gate, w_up, token, row_valid, expert, n_tile * BLOCK_N, hidden, inter,
+        stride_x_t, stride_w_e, stride_w_i, BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, INTERPRETER,
     )
     out_mask = n_offs[None, :] < inter
     rows64 = rows.to(tl.int64)[:, None]
@@ -111,29 +126,31 @@ def _gate_up_swiglu_kernel(
 
 @triton.jit
 def sorted_rows_tile(
-    a_ptr, w_ptr, rows, expert, n_offs, reduce_dim, n_dim, stride_a_r, stride_w_e, stride_w_n,
-    BLOCK_K: tl.constexpr, INTERPRETER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    a, w, m0, expert, n0, reduce_dim, n_dim, stride_a_r, stride_w_e, stride_w_n,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_TMA: tl.constexpr, INTERPRETER: tl.constexpr,
 ):
-    """a[rows] · W[expert][n_offs]ᵀ [BLOCK_M, BLOCK_N] fp32 over contiguous sorted rows."""
+    """a[m0 : m0+BLOCK_M] · W[expert][n0 : n0+BLOCK_N]ᵀ, [BLOCK_M, BLOCK_N] fp32, over
+    contiguous sorted rows (`a` a descriptor of [rows, reduce_dim] with USE_TMA)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_offs = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_a_r + k_offs[None, :]
-    w_ptrs = w_ptr + expert.to(tl.int64) * stride_w_e + n_offs[None, :].to(tl.int64) * stride_w_n + k_offs[:, None]
-    n_valid = n_offs < n_dim
     for k0 in range(0, reduce_dim, BLOCK_K):
-        k_valid = k0 + k_offs < reduce_dim
-        a = tl.load(a_ptrs + k0, mask=k_valid[None, :], other=0.0)
-        b = tl.load(w_ptrs + k0, mask=k_valid[:, None] & n_valid[None, :], other=0.0)
+        if USE_TMA:
+            a_tile = a.load([m0, k0])
+        else:
+            a_ptrs = a + (m0 + tl.arange(0, BLOCK_M)).to(tl.int64)[:, None] * stride_a_r + (k0 + k_offs)[None, :]
+            a_tile = tl.load(a_ptrs, mask=(k0 + k_offs < reduce_dim)[None, :], other=0.0)
+        b = load_weight_tile(w, expert, n0, k0, n_dim, reduce_dim, stride_w_e, stride_w_n, BLOCK_N, BLOCK_K, USE_TMA)
         if INTERPRETER:
-            a, b = a.to(tl.float32), b.to(tl.float32)
-        acc = tl.dot(a, b, acc)
+            a_tile, b = a_tile.to(tl.float32), b.to(tl.float32)
+        acc = tl.dot(a_tile, b, acc)
     return acc
 
 
 @triton.jit
 def _down_scatter_kernel(
     # pointers
-    h_ptr, w_down_ptr, y_ptr,
+    h, w_down, y_ptr,
     # schedule
     row_source_ptr, tile_expert_ptr, num_rows_ptr,
     # sizes
@@ -141,7 +158,7 @@ def _down_scatter_kernel(
     # strides
     stride_h_r, stride_w_e, stride_w_h, stride_y_s,
     # meta
-    INTERPRETER: tl.constexpr,
+    USE_TMA: tl.constexpr, INTERPRETER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     m_tile, n_tile = tile_coordinates(tl.program_id(0), max_m_tiles, tl.cdiv(hidden, BLOCK_N), GROUP_M)
@@ -151,8 +168,8 @@ def _down_scatter_kernel(
     rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     n_offs = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     y = sorted_rows_tile(
-        h_ptr, w_down_ptr, rows, expert, n_offs, inter, hidden, stride_h_r, stride_w_e, stride_w_h,
-        BLOCK_K, INTERPRETER, BLOCK_M, BLOCK_N,
+        h, w_down, m_tile * BLOCK_M, expert, n_tile * BLOCK_N, inter, hidden, stride_h_r, stride_w_e, stride_w_h,
+        BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, INTERPRETER,
     )
     source = tl.load(row_source_ptr + rows)
     slot = tl.where(source >= 0, source, 0).to(tl.int64)
@@ -172,10 +189,18 @@ def gemm_config(kind: str, n_dim: int, reduce_dim: int) -> dict:
     Under the interpreter, small tiles keep the CPU tests fast.
     """
     if interpreting():
-        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1)
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1, USE_TMA=True)
     if kind == "gate_up":
-        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
-    return dict(BLOCK_M=128, BLOCK_N=256 if n_dim >= 2048 else 128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, USE_TMA=True)
+    return dict(BLOCK_M=128, BLOCK_N=256 if n_dim >= 2048 else 128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, USE_TMA=True)
+
+
+def _operand(t: torch.Tensor, block_rows: int, block_cols: int, use_tma: bool):
+    """`t` as a kernel operand: a TMA descriptor over its rows ([..., cols] flattened to 2-D)
+    with that block shape, or the tensor itself for pointer loads."""
+    if not use_tma:
+        return t
+    return TensorDescriptor.from_tensor(t.reshape(-1, t.shape[-1]), [block_rows, block_cols])
 
 
 def routing_block_m() -> int:
@@ -219,8 +244,9 @@ def gate_up_swiglu(
     h = torch.empty(rows, inter, dtype=torch.bfloat16, device=x.device)  # [capacity_rows, I]
     gate_up = torch.empty(rows, 2, inter, dtype=torch.bfloat16, device=x.device) if store_gate_up else None
     grid = (schedule.max_tiles * triton.cdiv(inter, cfg["BLOCK_N"]),)
+    w_gate_op, w_up_op = (_operand(w, cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["USE_TMA"]) for w in (w_gate, w_up))
     _gate_up_swiglu_kernel[grid](
-        x, w_gate, w_up, h, h if gate_up is None else gate_up,
+        x, w_gate_op, w_up_op, h, h if gate_up is None else gate_up,
         schedule.row_source, schedule.tile_expert, schedule.num_rows,
         hidden, inter, topk, schedule.max_tiles, 0.0 if swiglu_limit is None else float(swiglu_limit),
         x.stride(0), w_gate.stride(0), w_gate.stride(1), h.stride(0), 2 * inter,
@@ -248,7 +274,9 @@ def down_scatter(
     y = torch.empty(num_slots, hidden, dtype=torch.bfloat16, device=h.device)  # [T·topk, H]
     grid = (schedule.max_tiles * triton.cdiv(hidden, cfg["BLOCK_N"]),)
     _down_scatter_kernel[grid](
-        h, w_down, y,
+        _operand(h, cfg["BLOCK_M"], cfg["BLOCK_K"], cfg["USE_TMA"]),
+        _operand(w_down, cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["USE_TMA"]),
+        y,
         schedule.row_source, schedule.tile_expert, schedule.num_rows,
         hidden, inter, schedule.max_tiles,
         h.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0),

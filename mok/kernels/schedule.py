@@ -8,12 +8,12 @@ of BLOCK_M, so every M tile of a grouped GEMM belongs to exactly one expert; ins
 expert the routes keep ascending t·topk + j. Everything stays on the device: capacities
 come from the host (T·topk + E_l·(BLOCK_M − 1) rows at most), counts never leave the GPU.
 
-Two launches over token chunks (a counting sort without atomics, hence deterministic):
-1. `_count_routes_kernel`: per chunk and expert, how many of the chunk's tokens route
-   there; flags expert ids out of range or repeated within a row.
-2. `_place_routes_kernel`: every chunk sums the counts of the chunks before it, places its
-   routes; chunk 0 also writes the per-expert offsets, the tile→expert table and the
-   padding rows.
+Three launches, a counting sort without atomics on data (hence deterministic):
+1. `_count_routes_kernel` (one program per token chunk): how many of the chunk's tokens
+   route to each expert; flags expert ids out of range or repeated within a row.
+2. `_scan_counts_kernel` (one program): prefix sums over chunks and experts, the
+   per-expert offsets, the tile→expert table and the padding rows.
+3. `_place_routes_kernel` (one program per chunk): writes each route's source into its row.
 
 Because ids are distinct within a row, a token routes to an expert at most once, so the
 rank of route (t, j) inside its expert is the number of earlier tokens that route there:
@@ -100,32 +100,71 @@ def _count_routes_kernel(
 
 
 @triton.jit
-def _place_routes_kernel(
-    topk_ids_ptr,  # [T, topk]
+def _scan_counts_kernel(
     chunk_counts_ptr,  # [num_chunks, EXPERTS_PAD] int32
-    row_source_ptr,  # [capacity_rows] int32, out
+    chunk_base_ptr,  # [num_chunks, EXPERTS_PAD] int32, out: first row of each expert for each chunk
+    row_source_ptr,  # [capacity_rows] int32, out (padding rows only)
     tile_expert_ptr,  # [max_tiles] int32, out
     expert_offsets_ptr,  # [E_l + 1] int32, out
     expert_counts_ptr,  # [E_l] int32, out
     num_rows_ptr,  # [1] int32, out
-    num_tokens, topk, num_experts, num_chunks, max_tiles,
-    BLOCK_M: tl.constexpr, SUB_TOKENS: tl.constexpr, TOKENS_PER_CHUNK: tl.constexpr,
-    EXPERTS_PAD: tl.constexpr, TILES_PER_STEP: tl.constexpr,
+    num_experts, num_chunks, max_tiles,
+    BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr, CHUNKS_PER_STEP: tl.constexpr,
+    EXPERTS_PER_STEP: tl.constexpr, TILES_PER_STEP: tl.constexpr,
 ):
-    chunk = tl.program_id(0)
+    """One program: prefix sums over chunks and experts, the tile table, the padding rows."""
     experts = tl.arange(0, EXPERTS_PAD)
-    # Routes of earlier chunks per expert, and totals: a fixed-order sum over chunks.
-    before = tl.zeros((EXPERTS_PAD,), dtype=tl.int32)
+    is_expert = experts < num_experts
     totals = tl.zeros((EXPERTS_PAD,), dtype=tl.int32)
-    for c in range(num_chunks):
-        counts = tl.load(chunk_counts_ptr + c * EXPERTS_PAD + experts)
-        totals += counts
-        before += tl.where(c < chunk, counts, 0)
+    for c0 in range(0, num_chunks, CHUNKS_PER_STEP):
+        chunks = c0 + tl.arange(0, CHUNKS_PER_STEP)
+        offs = chunks[:, None] * EXPERTS_PAD + experts[None, :]
+        counts = tl.load(chunk_counts_ptr + offs, mask=(chunks < num_chunks)[:, None], other=0)
+        tl.store(chunk_base_ptr + offs, tl.cumsum(counts, axis=0) - counts + totals[None, :],
+                 mask=(chunks < num_chunks)[:, None])
+        totals += tl.sum(counts, axis=0)
     padded = tl.cdiv(totals, BLOCK_M) * BLOCK_M
     padded_end = tl.cumsum(padded, axis=0)
     padded_start = padded_end - padded
+    num_rows = tl.sum(padded, axis=0)
+    tl.store(expert_offsets_ptr + experts, padded_start, mask=is_expert)
+    tl.store(expert_offsets_ptr + num_experts, num_rows)
+    tl.store(expert_counts_ptr + experts, totals, mask=is_expert)
+    tl.store(num_rows_ptr, num_rows)
+    # Tile → expert: the number of experts whose padded rows end at or before the tile.
+    for tile0 in range(0, max_tiles, TILES_PER_STEP):
+        tiles = tile0 + tl.arange(0, TILES_PER_STEP)
+        first_row = tiles * BLOCK_M
+        owner = tl.sum(((first_row[:, None] >= padded_end[None, :]) & is_expert[None, :]).to(tl.int32), axis=1)
+        tl.store(tile_expert_ptr + tiles, tl.where(first_row < num_rows, owner, -1), mask=tiles < max_tiles)
+    # Padding rows (fewer than BLOCK_M per expert, after its real rows), a block of experts
+    # at a time, re-reading what this program stored above.
+    tl.debug_barrier()
+    pad = tl.arange(0, BLOCK_M)
+    for e0 in range(0, num_experts, EXPERTS_PER_STEP):
+        block = e0 + tl.arange(0, EXPERTS_PER_STEP)
+        in_block = block < num_experts
+        start = tl.load(expert_offsets_ptr + block, mask=in_block, other=0)
+        count = tl.load(expert_counts_ptr + block, mask=in_block, other=0)
+        end = start + tl.cdiv(count, BLOCK_M) * BLOCK_M
+        rows = (start + count)[:, None] + pad[None, :]
+        tl.store(row_source_ptr + rows, -1, mask=in_block[:, None] & (rows < end[:, None]))
 
-    base = padded_start + before  # next free row of each expert for this chunk
+
+@triton.jit
+def _place_routes_kernel(
+    topk_ids_ptr,  # [T, topk]
+    chunk_base_ptr,  # [num_chunks, EXPERTS_PAD] int32
+    expert_offsets_ptr,  # [E_l + 1] int32
+    row_source_ptr,  # [capacity_rows] int32, out
+    num_tokens, topk, num_experts,
+    SUB_TOKENS: tl.constexpr, TOKENS_PER_CHUNK: tl.constexpr, EXPERTS_PAD: tl.constexpr,
+):
+    chunk = tl.program_id(0)
+    experts = tl.arange(0, EXPERTS_PAD)
+    # Next free row of each expert for this chunk's routes.
+    base = tl.load(expert_offsets_ptr + experts, mask=experts < num_experts, other=0)
+    base += tl.load(chunk_base_ptr + chunk * EXPERTS_PAD + experts)
     for sub in range(0, TOKENS_PER_CHUNK, SUB_TOKENS):
         token0 = chunk * TOKENS_PER_CHUNK + sub
         member, bad = _route_membership(topk_ids_ptr, token0, num_tokens, topk, num_experts,
@@ -138,27 +177,6 @@ def _place_routes_kernel(
             row = tl.sum(tl.where(ids[:, None] == experts[None, :], rank, 0), axis=1)
             tl.store(row_source_ptr + row, tokens * topk + j, mask=ok)
         base += tl.sum(member, axis=0)
-
-    if chunk == 0:
-        is_expert = experts < num_experts
-        num_rows = tl.sum(padded, axis=0)
-        tl.store(expert_offsets_ptr + experts, padded_start, mask=is_expert)
-        tl.store(expert_offsets_ptr + num_experts, num_rows)
-        tl.store(expert_counts_ptr + experts, totals, mask=is_expert)
-        tl.store(num_rows_ptr, num_rows)
-        # Padding rows: each expert has fewer than BLOCK_M of them, after its real rows.
-        pad = tl.arange(0, BLOCK_M)
-        for e in range(num_experts):
-            pad_start = tl.sum(tl.where(experts == e, padded_start + totals, 0), axis=0)
-            pad_end = tl.sum(tl.where(experts == e, padded_end, 0), axis=0)
-            tl.store(row_source_ptr + pad_start + pad, -1, mask=pad_start + pad < pad_end)
-        # Tile → expert: the first expert whose padded rows end after the tile's first row.
-        for tile0 in range(0, max_tiles, TILES_PER_STEP):
-            tiles = tile0 + tl.arange(0, TILES_PER_STEP)
-            first_row = tiles * BLOCK_M
-            owner = tl.sum(((first_row[:, None] >= padded_end[None, :]) & is_expert[None, :]).to(tl.int32), axis=1)
-            owner = tl.where(first_row < num_rows, owner, -1)
-            tl.store(tile_expert_ptr + tiles, owner, mask=tiles < max_tiles)
 
 
 def capacity_rows(num_routes: int, num_local_experts: int, block_m: int) -> int:
@@ -186,6 +204,7 @@ def build_routing_schedule(
     max_tiles = rows // block_m
 
     chunk_counts = torch.empty(num_chunks, experts_pad, dtype=torch.int32, device=device)  # [chunks, E_pad]
+    chunk_base = torch.empty_like(chunk_counts)  # [chunks, E_pad]
     row_source = torch.empty(rows, dtype=torch.int32, device=device)  # [capacity_rows]
     tile_expert = torch.empty(max_tiles, dtype=torch.int32, device=device)  # [max_tiles]
     expert_offsets = torch.empty(num_local_experts + 1, dtype=torch.int32, device=device)  # [E_l + 1]
@@ -193,12 +212,15 @@ def build_routing_schedule(
     num_rows = torch.empty(1, dtype=torch.int32, device=device)
 
     meta = dict(SUB_TOKENS=sub_tokens, TOKENS_PER_CHUNK=TOKENS_PER_CHUNK, EXPERTS_PAD=experts_pad)
-    _count_routes_kernel[(num_chunks,)](
-        topk_ids, chunk_counts, error_flag, num_tokens, topk, num_local_experts, **meta
+    _count_routes_kernel[(num_chunks,)](topk_ids, chunk_counts, error_flag, num_tokens, topk, num_local_experts, **meta)
+    per_step = max(1, _MEMBERSHIP_ELEMENTS // experts_pad)
+    _scan_counts_kernel[(1,)](
+        chunk_counts, chunk_base, row_source, tile_expert, expert_offsets, expert_counts, num_rows,
+        num_local_experts, num_chunks, max_tiles,
+        BLOCK_M=block_m, EXPERTS_PAD=experts_pad, CHUNKS_PER_STEP=per_step,
+        EXPERTS_PER_STEP=max(1, _MEMBERSHIP_ELEMENTS // block_m), TILES_PER_STEP=per_step, num_warps=8,
     )
     _place_routes_kernel[(num_chunks,)](
-        topk_ids, chunk_counts, row_source, tile_expert, expert_offsets, expert_counts, num_rows,
-        num_tokens, topk, num_local_experts, num_chunks, max_tiles,
-        BLOCK_M=block_m, TILES_PER_STEP=max(16, _MEMBERSHIP_ELEMENTS // experts_pad // 4), **meta,
+        topk_ids, chunk_base, expert_offsets, row_source, num_tokens, topk, num_local_experts, **meta
     )
     return RoutingSchedule(row_source, tile_expert, expert_offsets, expert_counts, num_rows, block_m, rows, num_local_experts)

@@ -1,0 +1,325 @@
+"""Data-gradient (dgrad) grouped GEMMs of the expert MLPs, with fused epilogues.
+
+    down dgrad:   a[r]   = dOut[t] · Wd[e]                         [I]   fp32, unweighted
+                  d_h[r] = w[t,j] · a[r]                                 (w applied in fp32, here)
+                  d_g[r], d_u[r] = swiglu_backward(d_h[r], g[r], u[r])   (clamp masks with a limit L)
+                  route_partials[t·topk+j, n] = Σ_{i in N tile n} a[r,i] · h[r,i]
+    router-weight gradient:
+                  d_topk_weights[t,j] = Σ_n route_partials[t·topk+j, n]   (ascending n, fp32)
+                                      = ⟨dOut[t], y[t·topk+j]⟩ = ⟨dOut[t]·Wd[e], h[r]⟩
+    gate/up dgrad: dx_slots[t·topk+j] = d_g[r] · Wg[e] + d_u[r] · Wu[e]  [H]  one fp32 accumulator
+
+Legend: r a row of the expert-sorted layout of `schedule.py`, src(r) = row_source[r] =
+t·topk + j (−1: padding), e = tile_expert[r // BLOCK_M], T tokens, H hidden, I
+intermediate size, topk routes per token, E_l local experts. g, u are the pre-activations
+the forward stored ([rows, 2, I] bf16); h = silu(min(g, L)) · clamp(u, −L, L) is
+recomputed from them in fp32.
+
+The down dgrad gathers dOut rows by token inside its loads (no `w·dOut` buffer, no
+permuted copy) and applies the router weight to the fp32 accumulator, so `d_h` carries a
+single bf16 rounding (at the d_gate_up store). The router-weight gradient is the row-dot
+⟨dOut[t]·Wd[e], h[r]⟩ over I, which equals ⟨dOut[t], y⟩: each program writes the partial
+dot of its N tile, a second tiny launch sums them in ascending tile order. It never
+divides by w, so it is exact for any sign of w, and it does not need the forward's `y`.
+The shared expert runs the same kernels on its own schedule (every token to one expert,
+topk = 1) with HAS_WEIGHTS = False: no weight, no partials.
+
+Padding rows (src = −1) get exact zeros in d_gate_up (the wgrad kernels also mask them
+out of both operands, so neither side relies on the other). Rows past the schedule's
+`num_rows` are not written. dx_slots rows no route points to are not written.
+
+Caller contract: the schedule was built with the same BLOCK_M as these kernels' tiles
+(checked); `gate_up` holds the forward's pre-activations for every row below `num_rows`.
+Every output element is computed by one program with a fixed K loop, the partial sums
+are added in a fixed order, and nothing uses atomics: deterministic run to run.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mok.kernels.common import interpreting, round_to_bf16
+from mok.kernels.grouped_gemm import routing_block_m, tile_coordinates
+from mok.kernels.schedule import RoutingSchedule
+from mok.kernels.swiglu import swiglu_backward
+
+# --------------------------------------------------------------------------- configs
+
+
+def dgrad_config(kind: str, n_dim: int, reduce_dim: int) -> dict:
+    """Tile config of a dgrad GEMM (`kind` "down" or "gate_up") of output width n_dim.
+
+    BLOCK_M is the schedule's M tile (`routing_block_m`): the rows of an M tile must
+    belong to one expert. H200, bf16 (untuned starting point, to be measured):
+    128×128×64, 8 warps, 3 stages; "gate_up" streams two A and two B tiles per K step
+    (64 KiB of shared memory per stage), which rules out 128×256 at 3 stages; "down"
+    keeps g, u and the accumulator live in its epilogue, so it stays at 128×128 too.
+    Under the interpreter, small tiles keep the CPU tests fast. The key never includes
+    per-expert counts (they change every step).
+    """
+    if interpreting():
+        return dict(BLOCK_M=routing_block_m(), BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1)
+    return dict(BLOCK_M=routing_block_m(), BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+
+
+# --------------------------------------------------------------------------- jit helpers
+
+
+@triton.jit
+def gathered_rows_times_weight(
+    a_ptr, a_row, row_valid, w_ptr, expert, n_offs, reduce_dim, n_dim,
+    stride_a_r, stride_w_e, stride_w_k,
+    BLOCK_K: tl.constexpr, INTERPRETER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """a[a_row] · W[expert][:, n_offs] [BLOCK_M, BLOCK_N] fp32, where W[expert] is a
+    row-major [reduce_dim, n_dim] matrix (unit stride along n): the "nn" product of a
+    dgrad. Rows with row_valid false read zeros."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_offs = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_row.to(tl.int64)[:, None] * stride_a_r + k_offs[None, :]
+    w_ptrs = w_ptr + expert.to(tl.int64) * stride_w_e + k_offs[:, None].to(tl.int64) * stride_w_k + n_offs[None, :]
+    n_valid = n_offs < n_dim
+    for k0 in range(0, reduce_dim, BLOCK_K):
+        k_valid = k0 + k_offs < reduce_dim
+        a = tl.load(a_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
+        b = tl.load(w_ptrs, mask=k_valid[:, None] & n_valid[None, :], other=0.0)
+        if INTERPRETER:  # the interpreter's bf16 tl.dot is wrong (DESIGN §6); fp32 is exact
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_w_k
+    return acc
+
+
+@triton.jit
+def gate_up_dgrad_tile(
+    d_gate_up_ptr, rows, w_gate_ptr, w_up_ptr, expert, n_offs, inter, hidden,
+    stride_dgu_r, stride_w_e, stride_w_i,
+    BLOCK_K: tl.constexpr, INTERPRETER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """d_g[rows] · Wg[expert][:, n_offs] + d_u[rows] · Wu[expert][:, n_offs] [BLOCK_M, BLOCK_N]
+    fp32, one accumulator, K loop over I. d_g, d_u are the two halves of d_gate_up rows."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_offs = tl.arange(0, BLOCK_K)
+    a_ptrs = d_gate_up_ptr + rows.to(tl.int64)[:, None] * stride_dgu_r + k_offs[None, :]
+    w_offs = expert.to(tl.int64) * stride_w_e + k_offs[:, None].to(tl.int64) * stride_w_i + n_offs[None, :]
+    n_valid = n_offs < hidden
+    for k0 in range(0, inter, BLOCK_K):
+        k_valid = k0 + k_offs < inter
+        a_gate = tl.load(a_ptrs, mask=k_valid[None, :], other=0.0)
+        a_up = tl.load(a_ptrs + inter, mask=k_valid[None, :], other=0.0)
+        b_mask = k_valid[:, None] & n_valid[None, :]
+        b_gate = tl.load(w_gate_ptr + w_offs, mask=b_mask, other=0.0)
+        b_up = tl.load(w_up_ptr + w_offs, mask=b_mask, other=0.0)
+        if INTERPRETER:
+            a_gate, a_up = a_gate.to(tl.float32), a_up.to(tl.float32)
+            b_gate, b_up = b_gate.to(tl.float32), b_up.to(tl.float32)
+        acc = tl.dot(a_gate, b_gate, acc)
+        acc = tl.dot(a_up, b_up, acc)
+        a_ptrs += BLOCK_K
+        w_offs += BLOCK_K * stride_w_i
+    return acc
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _down_dgrad_swiglu_kernel(
+    # pointers
+    d_out_ptr, topk_weights_ptr, gate_up_ptr, w_down_ptr, d_gate_up_ptr, route_partials_ptr,
+    # schedule
+    row_source_ptr, tile_expert_ptr, num_rows_ptr,
+    # sizes
+    hidden, inter, topk, max_m_tiles, swiglu_limit,
+    # strides
+    stride_dout_t, stride_w_e, stride_w_h, stride_gu_r, stride_dgu_r,
+    # meta
+    HAS_WEIGHTS: tl.constexpr, HAS_LIMIT: tl.constexpr, INTERPRETER: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    num_n_tiles = tl.cdiv(inter, BLOCK_N)
+    m_tile, n_tile = tile_coordinates(tl.program_id(0), max_m_tiles, num_n_tiles, GROUP_M)
+    if m_tile * BLOCK_M >= tl.load(num_rows_ptr):
+        return
+    expert = tl.load(tile_expert_ptr + m_tile)
+    rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    source = tl.load(row_source_ptr + rows)
+    row_valid = source >= 0
+    slot = tl.where(row_valid, source, 0)
+    token = slot // topk
+    n_offs = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    # a = dOut[t] · Wd[e] over H, unweighted: Wd[e] is [H, I], so its rows are the K dim.
+    d_out_wd = gathered_rows_times_weight(
+        d_out_ptr, token, row_valid, w_down_ptr, expert, n_offs, hidden, inter,
+        stride_dout_t, stride_w_e, stride_w_h, BLOCK_K, INTERPRETER, BLOCK_M, BLOCK_N,
+    )
+    out_mask = (n_offs < inter)[None, :]
+    rows64 = rows.to(tl.int64)[:, None]
+    gu_ptrs = gate_up_ptr + rows64 * stride_gu_r + n_offs[None, :]
+    gate = tl.load(gu_ptrs, mask=out_mask, other=0.0).to(tl.float32)
+    up = tl.load(gu_ptrs + inter, mask=out_mask, other=0.0).to(tl.float32)
+    if HAS_WEIGHTS:
+        w = tl.load(topk_weights_ptr + slot, mask=row_valid, other=0.0)
+        d_h = w[:, None] * d_out_wd
+    else:
+        d_h = d_out_wd
+    d_gate, d_up, h = swiglu_backward(d_h, gate, up, swiglu_limit, HAS_LIMIT)
+    # Padding rows: exact zeros whatever the saved g, u hold there.
+    d_gate = tl.where(row_valid[:, None], d_gate, 0.0)
+    d_up = tl.where(row_valid[:, None], d_up, 0.0)
+    dgu_ptrs = d_gate_up_ptr + rows64 * stride_dgu_r + n_offs[None, :]
+    tl.store(dgu_ptrs, round_to_bf16(d_gate, INTERPRETER), mask=out_mask)
+    tl.store(dgu_ptrs + inter, round_to_bf16(d_up, INTERPRETER), mask=out_mask)
+    if HAS_WEIGHTS:
+        # ⟨dOut[t]·Wd[e], h[r]⟩ over this N tile (columns past I are zero on both sides).
+        partial = tl.sum(d_out_wd * h, axis=1)
+        tl.store(route_partials_ptr + slot.to(tl.int64) * num_n_tiles + n_tile, partial, mask=row_valid)
+
+
+@triton.jit
+def _sum_route_partials_kernel(
+    route_partials_ptr, d_topk_weights_ptr, num_slots, num_parts,
+    BLOCK_S: tl.constexpr,
+):
+    """d_topk_weights[s] = Σ_p route_partials[s, p], ascending p, fp32."""
+    slots = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    valid = slots < num_slots
+    acc = tl.zeros((BLOCK_S,), dtype=tl.float32)
+    for p in range(num_parts):
+        acc += tl.load(route_partials_ptr + slots.to(tl.int64) * num_parts + p, mask=valid, other=0.0)
+    tl.store(d_topk_weights_ptr + slots, acc, mask=valid)
+
+
+@triton.jit
+def _gate_up_dgrad_scatter_kernel(
+    # pointers
+    d_gate_up_ptr, w_gate_ptr, w_up_ptr, dx_ptr,
+    # schedule
+    row_source_ptr, tile_expert_ptr, num_rows_ptr,
+    # sizes
+    hidden, inter, max_m_tiles,
+    # strides
+    stride_dgu_r, stride_w_e, stride_w_i, stride_dx_s,
+    # meta
+    INTERPRETER: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    m_tile, n_tile = tile_coordinates(tl.program_id(0), max_m_tiles, tl.cdiv(hidden, BLOCK_N), GROUP_M)
+    if m_tile * BLOCK_M >= tl.load(num_rows_ptr):
+        return
+    expert = tl.load(tile_expert_ptr + m_tile)
+    rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_offs = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Each output row depends only on its own d_gate_up row: padding rows cannot leak.
+    dx = gate_up_dgrad_tile(
+        d_gate_up_ptr, rows, w_gate_ptr, w_up_ptr, expert, n_offs, inter, hidden,
+        stride_dgu_r, stride_w_e, stride_w_i, BLOCK_K, INTERPRETER, BLOCK_M, BLOCK_N,
+    )
+    source = tl.load(row_source_ptr + rows)
+    slot = tl.where(source >= 0, source, 0).to(tl.int64)
+    mask = (source >= 0)[:, None] & (n_offs[None, :] < hidden)
+    tl.store(dx_ptr + slot[:, None] * stride_dx_s + n_offs[None, :], round_to_bf16(dx, INTERPRETER), mask=mask)
+
+
+# --------------------------------------------------------------------------- launchers
+
+
+def _check_bf16(name: str, t: torch.Tensor, shape: tuple[int, ...], device: torch.device) -> None:
+    if t.dtype != torch.bfloat16 or tuple(t.shape) != shape or not t.is_contiguous() or t.device != device:
+        raise ValueError(
+            f"{name}: expected a contiguous bf16 tensor of shape {list(shape)} on {device}, "
+            f"got {t.dtype} {list(t.shape)} on {t.device}"
+        )
+
+
+def _check_block_m(cfg: dict, schedule: RoutingSchedule) -> None:
+    if cfg["BLOCK_M"] != schedule.block_m:
+        raise ValueError(f"schedule: expected block_m {cfg['BLOCK_M']}, got {schedule.block_m}")
+
+
+def down_dgrad_swiglu(
+    d_out: torch.Tensor,  # [T, H] bf16
+    topk_weights: torch.Tensor | None,  # [T, topk] fp32; None: unweighted (the shared expert)
+    gate_up: torch.Tensor,  # [capacity_rows, 2, I] bf16, the forward's g, u
+    w_down: torch.Tensor,  # [E_l, H, I] bf16
+    schedule: RoutingSchedule,
+    topk: int,
+    swiglu_limit: float | None = None,
+    tile_config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(d_gate_up [capacity_rows, 2, I] bf16, d_topk_weights [T, topk] fp32 or None).
+
+    d_gate_up holds (d_g, d_u) per sorted row, exact zeros in padding rows; rows past the
+    schedule's `num_rows` are left unwritten. d_topk_weights is returned when
+    `topk_weights` is given (routed experts) and None otherwise (shared expert)."""
+    num_experts, hidden, inter = w_down.shape
+    device = d_out.device
+    if d_out.dim() != 2 or d_out.shape[1] != hidden or d_out.dtype != torch.bfloat16 or not d_out.is_contiguous():
+        raise ValueError(f"d_out: expected a contiguous bf16 [T, {hidden}] tensor, got {d_out.dtype} {list(d_out.shape)}")
+    num_tokens = d_out.shape[0]
+    if topk_weights is not None and (
+        topk_weights.dtype != torch.float32 or tuple(topk_weights.shape) != (num_tokens, topk)
+        or not topk_weights.is_contiguous() or topk_weights.device != device
+    ):
+        raise ValueError(
+            f"topk_weights: expected a contiguous fp32 tensor of shape [{num_tokens}, {topk}] on {device}, "
+            f"got {topk_weights.dtype} {list(topk_weights.shape)} on {topk_weights.device}"
+        )
+    _check_bf16("w_down", w_down, (schedule.num_local_experts, hidden, inter), device)
+    _check_bf16("gate_up", gate_up, (schedule.capacity_rows, 2, inter), device)
+    cfg = tile_config or dgrad_config("down", inter, hidden)
+    _check_block_m(cfg, schedule)
+    num_n_tiles = triton.cdiv(inter, cfg["BLOCK_N"])
+    d_gate_up = torch.empty_like(gate_up)  # [capacity_rows, 2, I] bf16
+    weighted = topk_weights is not None
+    num_slots = num_tokens * topk
+    # [T·topk, I / BLOCK_N] fp32: every slot a placed route points to is fully written.
+    route_partials = torch.empty(num_slots if weighted else 0, num_n_tiles, dtype=torch.float32, device=device)
+    grid = (schedule.max_tiles * num_n_tiles,)
+    _down_dgrad_swiglu_kernel[grid](
+        d_out, topk_weights if weighted else d_out, gate_up, w_down, d_gate_up, route_partials if weighted else d_gate_up,
+        schedule.row_source, schedule.tile_expert, schedule.num_rows,
+        hidden, inter, topk, schedule.max_tiles, 0.0 if swiglu_limit is None else float(swiglu_limit),
+        d_out.stride(0), w_down.stride(0), w_down.stride(1), gate_up.stride(0), d_gate_up.stride(0),
+        HAS_WEIGHTS=weighted, HAS_LIMIT=swiglu_limit is not None, INTERPRETER=interpreting(), **cfg,
+    )
+    if not weighted:
+        return d_gate_up, None
+    d_topk_weights = torch.empty(num_tokens, topk, dtype=torch.float32, device=device)  # [T, topk] fp32
+    block_s = 128
+    _sum_route_partials_kernel[(triton.cdiv(num_slots, block_s),)](
+        route_partials, d_topk_weights, num_slots, num_n_tiles, BLOCK_S=block_s, num_warps=4,
+    )
+    return d_gate_up, d_topk_weights
+
+
+def gate_up_dgrad_scatter(
+    d_gate_up: torch.Tensor,  # [capacity_rows, 2, I] bf16
+    w_gate: torch.Tensor,  # [E_l, I, H] bf16
+    w_up: torch.Tensor,  # [E_l, I, H] bf16
+    schedule: RoutingSchedule,
+    num_slots: int,
+    tile_config: dict | None = None,
+) -> torch.Tensor:
+    """dx_slots [num_slots, H] bf16: each sorted row's d_g·Wg[e] + d_u·Wu[e] stored at its
+    slot row_source[r]. Slots no route points to are left unwritten."""
+    num_experts, inter, hidden = w_gate.shape
+    device = d_gate_up.device
+    _check_bf16("d_gate_up", d_gate_up, (schedule.capacity_rows, 2, inter), device)
+    _check_bf16("w_gate", w_gate, (schedule.num_local_experts, inter, hidden), device)
+    _check_bf16("w_up", w_up, tuple(w_gate.shape), device)
+    cfg = tile_config or dgrad_config("gate_up", hidden, inter)
+    _check_block_m(cfg, schedule)
+    dx = torch.empty(num_slots, hidden, dtype=torch.bfloat16, device=device)  # [T·topk, H] bf16
+    grid = (schedule.max_tiles * triton.cdiv(hidden, cfg["BLOCK_N"]),)
+    _gate_up_dgrad_scatter_kernel[grid](
+        d_gate_up, w_gate, w_up, dx,
+        schedule.row_source, schedule.tile_expert, schedule.num_rows,
+        hidden, inter, schedule.max_tiles,
+        d_gate_up.stride(0), w_gate.stride(0), w_gate.stride(1), dx.stride(0),
+        INTERPRETER=interpreting(), **cfg,
+    )
+    return dx
