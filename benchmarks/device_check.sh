@@ -16,7 +16,7 @@ T=${STEP_TIMEOUT:-300}
 for step in $steps; do
   echo "== $step ($(date +%T))"
   case $step in
-    tests) timeout $T python3 -m pytest -q -p no:cacheprovider tests/kernels tests/test_triton_forward.py tests/test_gpu_forward.py 2>&1 | tee "$OUT/tests.log" ;;
+    tests) timeout $T python3 -m pytest -q -p no:cacheprovider tests/kernels tests/test_triton_forward.py tests/test_triton_backward.py tests/test_gpu_forward.py 2>&1 | tee "$OUT/tests.log" ;;
     tune) timeout $T python3 benchmarks/tune_gemm.py --out "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log" ;;
     bench) timeout $T python3 -m mok.bench --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" ;;
     profile) for p in ${PROFILE_PRESETS:-qwen3-30b}; do timeout $T python3 benchmarks/profile_layer.py --preset $p $PROFILE_ARGS; done 2>&1 | grep -v -i warn | tee "$OUT/profile.log" ;;

@@ -230,9 +230,16 @@ class Schedule:
 
 
 def build_schedule(
-    workspace: Workspace, config: MoKConfig, topk_ids: torch.Tensor, *, num_local_experts: int
+    workspace: Workspace,
+    config: MoKConfig,
+    topk_ids: torch.Tensor,
+    *,
+    num_local_experts: int,
+    has_shared_expert: bool = True,
 ) -> Schedule:
     """Validates the routing and prepares what forward and backward need to move tokens.
+    `has_shared_expert=False` skips the shared expert's schedule (forward then refuses
+    shared-expert weights).
 
     On the triton backend no data leaves the device: bad expert ids set the workspace's
     error flag (raised by `check_errors`, or at once with `MoKConfig(strict=True)`)."""
@@ -251,8 +258,10 @@ def build_schedule(
         return Schedule(topk_ids.long(), num_local_experts, num_experts, backend)
     block_m = routing_block_m()
     routing = ops.routing_schedule(topk_ids, workspace.error_flag, num_local_experts, block_m)
-    all_tokens = torch.zeros(num_tokens, 1, dtype=torch.int32, device=topk_ids.device)  # [T, 1]: one shared expert
-    shared_routing = ops.routing_schedule(all_tokens, workspace.error_flag, 1, block_m)
+    shared_routing = None
+    if has_shared_expert:
+        all_tokens = torch.zeros(num_tokens, 1, dtype=torch.int32, device=topk_ids.device)  # [T, 1]: one expert
+        shared_routing = ops.routing_schedule(all_tokens, workspace.error_flag, 1, block_m)
     if config.strict:
         check_errors(workspace)
     return Schedule(topk_ids, num_local_experts, num_experts, backend, routing, shared_routing, block_m)
@@ -301,6 +310,8 @@ def _check_call(config, workspace, schedule, x, topk_weights, ws_gate, ws_up, ws
         )
     if x.device != workspace.device:
         raise ValueError(f"x: expected a tensor on {workspace.device} (the workspace's device), got {x.device}")
+    if ws_gate is not None and schedule.backend == "triton" and schedule.shared_routing is None:
+        raise ValueError("ws_gate: the schedule was built with has_shared_expert=False, so it takes no shared expert")
 
 
 def _reference_call(fn, config, workspace, schedule, x, topk_weights, ws_gate, ws_up, ws_down, w_gate, w_up, w_down, swiglu_limit, *lead):
@@ -318,18 +329,19 @@ def _expert_mlp(x, w_gate, w_up, w_down, routing, block_m, topk, num_slots, swig
     return y, h, gate_up
 
 
-def _triton_forward(schedule, x, topk_weights, shared, routed, swiglu_limit, store_gate_up):
+def _triton_forward(schedule, x, topk_weights, shared, routed, swiglu_limit, needs_backward):
+    """out and what the backward reads: h and the pre-activations g, u of every routed row
+    (and of the shared expert), 6·I bytes per route; nothing without `needs_backward`."""
     num_tokens, topk = topk_weights.shape
-    y, h, gate_up = _expert_mlp(x, *routed, schedule.routing, schedule.block_m, topk, num_tokens * topk, swiglu_limit, store_gate_up)
-    saved = {"y": y, "h": h, "gate_up": gate_up}
+    y, h, gate_up = _expert_mlp(x, *routed, schedule.routing, schedule.block_m, topk, num_tokens * topk, swiglu_limit, needs_backward)
+    saved = {"h": h, "gate_up": gate_up}
     y_shared = None
     if shared[0] is not None:
         ws_gate, ws_up, ws_down = (w.unsqueeze(0) for w in shared)  # one expert of the grouped GEMMs
         y_shared, saved["h_shared"], saved["gate_up_shared"] = _expert_mlp(
-            x, ws_gate, ws_up, ws_down, schedule.shared_routing, schedule.block_m, 1, num_tokens, swiglu_limit, store_gate_up
+            x, ws_gate, ws_up, ws_down, schedule.shared_routing, schedule.block_m, 1, num_tokens, swiglu_limit, needs_backward
         )
-        saved["y_shared"] = y_shared
-    return ops.combine(y, topk_weights, y_shared), saved
+    return ops.combine(y, topk_weights, y_shared), saved if needs_backward else {}
 
 
 def forward(
@@ -472,7 +484,9 @@ class _MoELayer(torch.autograd.Function):
         workspace = get_workspace(
             config, group, device=x.device, num_local_tokens=num_tokens, hidden_size=hidden, topk=topk_ids.shape[1]
         )
-        schedule = build_schedule(workspace, config, topk_ids, num_local_experts=w_gate.shape[0])
+        schedule = build_schedule(
+            workspace, config, topk_ids, num_local_experts=w_gate.shape[0], has_shared_expert=ws_gate is not None
+        )
         shared = (ws_gate, ws_up, ws_down)
         out, context = _forward_checked(
             config, workspace, schedule, x, topk_weights, shared, (w_gate, w_up, w_down), swiglu_limit,

@@ -16,11 +16,12 @@ the forward stored ([rows, 2, I] bf16); h = silu(min(g, L)) · clamp(u, −L, L)
 recomputed from them in fp32.
 
 The down dgrad gathers dOut rows by token inside its loads (no `w·dOut` buffer, no
-permuted copy) and applies the router weight to the fp32 accumulator, so `d_h` carries a
-single bf16 rounding (at the d_gate_up store). The router-weight gradient is the row-dot
-⟨dOut[t]·Wd[e], h[r]⟩ over I, which equals ⟨dOut[t], y⟩: each program writes the partial
-dot of its N tile, a second tiny launch sums them in ascending tile order. It never
-divides by w, so it is exact for any sign of w, and it does not need the forward's `y`.
+permuted copy) and applies the router weight to the fp32 accumulator: d_h never exists
+in bf16, and d_g, d_u carry a single bf16 rounding (at the d_gate_up store). The
+router-weight gradient is the row-dot ⟨dOut[t]·Wd[e], h[r]⟩ over I, which equals
+⟨dOut[t], y⟩: each program writes the partial dot of its N tile, a second tiny launch
+sums them in ascending tile order. It never divides by w, so it is exact for any sign
+of w, and it needs neither the forward's `y` nor a pass over [T·topk, H].
 The shared expert runs the same kernels on its own schedule (every token to one expert,
 topk = 1) with HAS_WEIGHTS = False: no weight, no partials.
 
@@ -258,7 +259,9 @@ def down_dgrad_swiglu(
     num_experts, hidden, inter = w_down.shape
     device = d_out.device
     if d_out.dim() != 2 or d_out.shape[1] != hidden or d_out.dtype != torch.bfloat16 or not d_out.is_contiguous():
-        raise ValueError(f"d_out: expected a contiguous bf16 [T, {hidden}] tensor, got {d_out.dtype} {list(d_out.shape)}")
+        raise ValueError(
+            f"d_out: expected a contiguous bf16 [T, {hidden}] tensor, got {d_out.dtype} {list(d_out.shape)}"
+        )
     num_tokens = d_out.shape[0]
     if topk_weights is not None and (
         topk_weights.dtype != torch.float32 or tuple(topk_weights.shape) != (num_tokens, topk)
@@ -280,7 +283,8 @@ def down_dgrad_swiglu(
     route_partials = torch.empty(num_slots if weighted else 0, num_n_tiles, dtype=torch.float32, device=device)
     grid = (schedule.max_tiles * num_n_tiles,)
     _down_dgrad_swiglu_kernel[grid](
-        d_out, topk_weights if weighted else d_out, gate_up, w_down, d_gate_up, route_partials if weighted else d_gate_up,
+        d_out, topk_weights if weighted else d_out, gate_up, w_down, d_gate_up,
+        route_partials if weighted else d_gate_up,  # unused without weights (HAS_WEIGHTS=False)
         schedule.row_source, schedule.tile_expert, schedule.num_rows,
         hidden, inter, topk, schedule.max_tiles, 0.0 if swiglu_limit is None else float(swiglu_limit),
         d_out.stride(0), w_down.stride(0), w_down.stride(1), gate_up.stride(0), d_gate_up.stride(0),

@@ -183,15 +183,17 @@ def _down_scatter_kernel(
 def gemm_config(kind: str, n_dim: int, reduce_dim: int) -> dict:
     """Tile config for a GEMM of output width n_dim and reduction reduce_dim.
 
-    H200, bf16: 128×128 tiles with two accumulators (gate/up) and 128×256 for the
-    single-accumulator down GEMM keep the tensor cores fed at 8 warps (BASELINE.md's
-    Triton probe: 128×256×64, 8 warps, 3 stages was best for the fused-gather GEMM).
-    Under the interpreter, small tiles keep the CPU tests fast.
+    H200, bf16, chosen by `benchmarks/tune_gemm.py` on the three GPU presets (record in
+    benchmarks/results/h200-20261130-gemm-tiles.json): 128×128 tiles with two
+    accumulators for gate/up and 128×256 for the single-accumulator down GEMM at 8
+    warps; TMA loads of the weights beat pointer loads by 2–25%; 128×64 / 64×128 tiles
+    at 4 warps lose 15%. Under the interpreter, small tiles keep the CPU tests fast.
     """
     if interpreting():
         return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1, USE_TMA=True)
-    if kind == "gate_up":
-        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, USE_TMA=True)
+    if kind == "gate_up":  # 4 stages: +2–4% at I ≤ 2048, −4% at mixtral's I = 14336 (H200 sweep)
+        stages = 4 if n_dim <= 2048 else 3
+        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=stages, USE_TMA=True)
     return dict(BLOCK_M=128, BLOCK_N=256 if n_dim >= 2048 else 128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, USE_TMA=True)
 
 

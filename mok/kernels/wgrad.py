@@ -213,7 +213,9 @@ def down_wgrad(
     if main_grad is not None:
         _check("main_grad", main_grad, _MAIN_GRAD_DTYPES, (experts, hidden, inter), device)
     cfg = tile_config or wgrad_config("down", hidden, inter)
-    out = main_grad if main_grad is not None else torch.empty(experts, hidden, inter, dtype=torch.bfloat16, device=device)  # [E_l, H, I]
+    out = main_grad
+    if out is None:
+        out = torch.empty(experts, hidden, inter, dtype=torch.bfloat16, device=device)  # [E_l, H, I]
     grid = (experts * triton.cdiv(hidden, cfg["BLOCK_M"]) * triton.cdiv(inter, cfg["BLOCK_N"]),)
     _down_wgrad_kernel[grid](
         d_out, d_out if topk_weights is None else topk_weights, h, out,
