@@ -46,29 +46,17 @@ def tile_coordinates(pid, max_m_tiles, num_n_tiles, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def load_weight_tile(w, expert, n0, k0, n_dim, k_dim, stride_w_e, stride_w_n,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr):
-    """[BLOCK_K, BLOCK_N] tile of W[expert]ᵀ, W[expert] an [n_dim, k_dim] row-major matrix.
-
-    With USE_TMA, `w` is a tensor descriptor over all experts' rows ([E·n_dim, k_dim]):
-    rows past this expert's n_dim belong to the next expert (or are zero past the end);
-    callers mask them at the store. Otherwise `w` is a pointer and loads are masked."""
-    if USE_TMA:
-        tile = w.load([expert * n_dim + n0, k0]).T
-    else:
-        n_offs = n0 + tl.arange(0, BLOCK_N)
-        k_offs = k0 + tl.arange(0, BLOCK_K)
-        ptrs = w + expert.to(tl.int64) * stride_w_e + n_offs[None, :].to(tl.int64) * stride_w_n + k_offs[:, None]
-        tile = tl.load(ptrs, mask=(k_offs < k_dim)[:, None] & (n_offs < n_dim)[None, :], other=0.0)
-    return tile
+def load_weight_tile(w_desc, expert, n0, k0, n_dim):
+    """[BLOCK_K, BLOCK_N] tile of W[expert]ᵀ through a TMA descriptor over all experts' rows
+    ([E·n_dim, k_dim], block [BLOCK_N, BLOCK_K]). Rows past this expert's n_dim belong to
+    the next expert (zeros past the last): callers mask those columns at the store."""
+    return w_desc.load([expert * n_dim + n0, k0]).T
 
 
 @triton.jit
 def gather_gate_up_tile(
-    x_ptr, w_gate, w_up, token, row_valid, expert, n0,
-    hidden, inter, stride_x_t, stride_w_e, stride_w_i,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_TMA: tl.constexpr, INTERPRETER: tl.constexpr,
+    x_ptr, w_gate_desc, w_up_desc, token, row_valid, expert, n0, hidden, inter, stride_x_t,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETER: tl.constexpr,
 ):
     """g, u [BLOCK_M, BLOCK_N] fp32 for token rows `token` (gathered from x inside the
     loads) against rows n0.. of expert `expert`'s gate and up weights, reducing over H."""
@@ -78,8 +66,8 @@ def gather_gate_up_tile(
     a_ptrs = x_ptr + token.to(tl.int64)[:, None] * stride_x_t + k_offs[None, :]
     for k0 in range(0, hidden, BLOCK_K):
         a = tl.load(a_ptrs + k0, mask=row_valid[:, None] & (k0 + k_offs < hidden)[None, :], other=0.0)
-        b_gate = load_weight_tile(w_gate, expert, n0, k0, inter, hidden, stride_w_e, stride_w_i, BLOCK_N, BLOCK_K, USE_TMA)
-        b_up = load_weight_tile(w_up, expert, n0, k0, inter, hidden, stride_w_e, stride_w_i, BLOCK_N, BLOCK_K, USE_TMA)
+        b_gate = load_weight_tile(w_gate_desc, expert, n0, k0, inter)
+        b_up = load_weight_tile(w_up_desc, expert, n0, k0, inter)
         if INTERPRETER:  # the interpreter's bf16 tl.dot is wrong (DESIGN §6); fp32 is exact
             a, b_gate, b_up = a.to(tl.float32), b_gate.to(tl.float32), b_up.to(tl.float32)
         acc_gate = tl.dot(a, b_gate, acc_gate)
@@ -90,15 +78,15 @@ def gather_gate_up_tile(
 @triton.jit
 def _gate_up_swiglu_kernel(
     # pointers
-    x_ptr, w_gate, w_up, h_ptr, gate_up_ptr,
+    x_ptr, w_gate_desc, w_up_desc, h_ptr, gate_up_ptr,
     # schedule
     row_source_ptr, tile_expert_ptr, num_rows_ptr,
     # sizes
     hidden, inter, topk, max_m_tiles, swiglu_limit,
     # strides
-    stride_x_t, stride_w_e, stride_w_i, stride_h_r, stride_gu_r,
+    stride_x_t, stride_h_r, stride_gu_r,
     # meta
-    HAS_LIMIT: tl.constexpr, STORE_GATE_UP: tl.constexpr, USE_TMA: tl.constexpr, INTERPRETER: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, STORE_GATE_UP: tl.constexpr, INTERPRETER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     m_tile, n_tile = tile_coordinates(tl.program_id(0), max_m_tiles, tl.cdiv(inter, BLOCK_N), GROUP_M)
@@ -111,8 +99,8 @@ def _gate_up_swiglu_kernel(
     token = tl.where(row_valid, source // topk, 0)
     n_offs = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     gate, up = gather_gate_up_tile(
-        x_ptr, w_gate, w_up, token, row_valid, expert, n_tile * BLOCK_N, hidden, inter,
-        stride_x_t, stride_w_e, stride_w_i, BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, INTERPRETER,
+        x_ptr, w_gate_desc, w_up_desc, token, row_valid, expert, n_tile * BLOCK_N, hidden, inter, stride_x_t,
+        BLOCK_M, BLOCK_N, BLOCK_K, INTERPRETER,
     )
     out_mask = n_offs[None, :] < inter
     rows64 = rows.to(tl.int64)[:, None]
@@ -126,39 +114,33 @@ def _gate_up_swiglu_kernel(
 
 @triton.jit
 def sorted_rows_tile(
-    a, w, m0, expert, n0, reduce_dim, n_dim, stride_a_r, stride_w_e, stride_w_n,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_TMA: tl.constexpr, INTERPRETER: tl.constexpr,
+    a_desc, w_desc, m0, expert, n0, reduce_dim, n_dim,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETER: tl.constexpr,
 ):
     """a[m0 : m0+BLOCK_M] · W[expert][n0 : n0+BLOCK_N]ᵀ, [BLOCK_M, BLOCK_N] fp32, over
-    contiguous sorted rows (`a` a descriptor of [rows, reduce_dim] with USE_TMA)."""
+    contiguous sorted rows; both operands through TMA descriptors."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_offs = tl.arange(0, BLOCK_K)
     for k0 in range(0, reduce_dim, BLOCK_K):
-        if USE_TMA:
-            a_tile = a.load([m0, k0])
-        else:
-            a_ptrs = a + (m0 + tl.arange(0, BLOCK_M)).to(tl.int64)[:, None] * stride_a_r + (k0 + k_offs)[None, :]
-            a_tile = tl.load(a_ptrs, mask=(k0 + k_offs < reduce_dim)[None, :], other=0.0)
-        b = load_weight_tile(w, expert, n0, k0, n_dim, reduce_dim, stride_w_e, stride_w_n, BLOCK_N, BLOCK_K, USE_TMA)
+        a = a_desc.load([m0, k0])
+        b = load_weight_tile(w_desc, expert, n0, k0, n_dim)
         if INTERPRETER:
-            a_tile, b = a_tile.to(tl.float32), b.to(tl.float32)
-        acc = tl.dot(a_tile, b, acc)
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        acc = tl.dot(a, b, acc)
     return acc
 
 
 @triton.jit
 def _down_scatter_kernel(
     # pointers
-    h, w_down, y_ptr,
+    h_desc, w_down_desc, y_ptr,
     # schedule
     row_source_ptr, tile_expert_ptr, num_rows_ptr,
     # sizes
     hidden, inter, max_m_tiles,
     # strides
-    stride_h_r, stride_w_e, stride_w_h, stride_y_s,
+    stride_y_s,
     # meta
-    USE_TMA: tl.constexpr, INTERPRETER: tl.constexpr,
+    INTERPRETER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     m_tile, n_tile = tile_coordinates(tl.program_id(0), max_m_tiles, tl.cdiv(hidden, BLOCK_N), GROUP_M)
@@ -168,8 +150,8 @@ def _down_scatter_kernel(
     rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     n_offs = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     y = sorted_rows_tile(
-        h, w_down, m_tile * BLOCK_M, expert, n_tile * BLOCK_N, inter, hidden, stride_h_r, stride_w_e, stride_w_h,
-        BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, INTERPRETER,
+        h_desc, w_down_desc, m_tile * BLOCK_M, expert, n_tile * BLOCK_N, inter, hidden,
+        BLOCK_M, BLOCK_N, BLOCK_K, INTERPRETER,
     )
     source = tl.load(row_source_ptr + rows)
     slot = tl.where(source >= 0, source, 0).to(tl.int64)
@@ -190,18 +172,17 @@ def gemm_config(kind: str, n_dim: int, reduce_dim: int) -> dict:
     at 4 warps lose 15%. Under the interpreter, small tiles keep the CPU tests fast.
     """
     if interpreting():
-        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1, USE_TMA=True)
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1)
     if kind == "gate_up":  # 4 stages: +2–4% at I ≤ 2048, −4% at mixtral's I = 14336 (H200 sweep)
         stages = 4 if n_dim <= 2048 else 3
-        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=stages, USE_TMA=True)
-    return dict(BLOCK_M=128, BLOCK_N=256 if n_dim >= 2048 else 128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, USE_TMA=True)
+        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=stages)
+    return dict(BLOCK_M=128, BLOCK_N=256 if n_dim >= 2048 else 128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
 
 
-def _operand(t: torch.Tensor, block_rows: int, block_cols: int, use_tma: bool):
-    """`t` as a kernel operand: a TMA descriptor over its rows ([..., cols] flattened to 2-D)
-    with that block shape, or the tensor itself for pointer loads."""
-    if not use_tma:
-        return t
+def _descriptor(t: torch.Tensor, block_rows: int, block_cols: int) -> TensorDescriptor:
+    """A TMA descriptor over the rows of `t` ([..., cols] flattened to 2-D) with that block.
+    TMA needs 16-byte row strides: bf16 sizes that are multiples of 8, which
+    `mok.validation` requires."""
     return TensorDescriptor.from_tensor(t.reshape(-1, t.shape[-1]), [block_rows, block_cols])
 
 
@@ -246,12 +227,12 @@ def gate_up_swiglu(
     h = torch.empty(rows, inter, dtype=torch.bfloat16, device=x.device)  # [capacity_rows, I]
     gate_up = torch.empty(rows, 2, inter, dtype=torch.bfloat16, device=x.device) if store_gate_up else None
     grid = (schedule.max_tiles * triton.cdiv(inter, cfg["BLOCK_N"]),)
-    w_gate_op, w_up_op = (_operand(w, cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["USE_TMA"]) for w in (w_gate, w_up))
+    w_gate_desc, w_up_desc = (_descriptor(w, cfg["BLOCK_N"], cfg["BLOCK_K"]) for w in (w_gate, w_up))
     _gate_up_swiglu_kernel[grid](
-        x, w_gate_op, w_up_op, h, h if gate_up is None else gate_up,
+        x, w_gate_desc, w_up_desc, h, h if gate_up is None else gate_up,
         schedule.row_source, schedule.tile_expert, schedule.num_rows,
         hidden, inter, topk, schedule.max_tiles, 0.0 if swiglu_limit is None else float(swiglu_limit),
-        x.stride(0), w_gate.stride(0), w_gate.stride(1), h.stride(0), 2 * inter,
+        x.stride(0), h.stride(0), 2 * inter,
         HAS_LIMIT=swiglu_limit is not None, STORE_GATE_UP=store_gate_up, INTERPRETER=interpreting(), **cfg,
     )
     return h, gate_up
@@ -276,12 +257,12 @@ def down_scatter(
     y = torch.empty(num_slots, hidden, dtype=torch.bfloat16, device=h.device)  # [T·topk, H]
     grid = (schedule.max_tiles * triton.cdiv(hidden, cfg["BLOCK_N"]),)
     _down_scatter_kernel[grid](
-        _operand(h, cfg["BLOCK_M"], cfg["BLOCK_K"], cfg["USE_TMA"]),
-        _operand(w_down, cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["USE_TMA"]),
+        _descriptor(h, cfg["BLOCK_M"], cfg["BLOCK_K"]),
+        _descriptor(w_down, cfg["BLOCK_N"], cfg["BLOCK_K"]),
         y,
         schedule.row_source, schedule.tile_expert, schedule.num_rows,
         hidden, inter, schedule.max_tiles,
-        h.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0),
+        y.stride(0),
         INTERPRETER=interpreting(), **cfg,
     )
     return y
