@@ -12,11 +12,13 @@ from mok.testing.errors import (
     relative_error,
     TOLERANCES,
 )
-from mok.testing.inputs import MoEInputs, make_inputs, make_topk_ids
+from mok.testing.inputs import ODD_CASES, MoEInputs, OddCase, make_inputs, make_topk_ids
 
 __all__ = [
+    "ODD_CASES",
     "TOLERANCES",
     "MoEInputs",
+    "OddCase",
     "assert_close_to_reference",
     "cosine_similarity",
     "make_inputs",

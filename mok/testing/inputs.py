@@ -84,3 +84,40 @@ def make_inputs(
         randn(E, H, I, scale=I**-0.5),
         *shared,
     )
+
+
+@dataclass(frozen=True)
+class OddCase:
+    """A small layer shape that exercises an edge of the schedule or the kernels."""
+
+    num_tokens: int
+    hidden_size: int
+    intermediate_size: int
+    num_experts: int
+    topk: int
+    shared_intermediate_size: int = 0
+    swiglu_limit: float | None = None
+    routing: str = "random"  # "random" | "one expert" (all to expert 3) | "few experts" (only topk + 2 used)
+
+    def inputs(self, *, seed: int = 0, device: torch.device | str = "cpu") -> MoEInputs:
+        """Inputs with signed router weights (the router-weight gradient must not care)."""
+        gen = torch.Generator().manual_seed(seed)
+        T, E, topk = self.num_tokens, self.num_experts, self.topk
+        ids = None
+        if self.routing == "one expert":
+            ids = torch.full((T, topk), 3, dtype=torch.int64)
+        elif self.routing == "few experts":
+            ids = torch.stack([torch.randperm(topk + 2, generator=gen)[:topk] for _ in range(T)])
+        return make_inputs(T, self.hidden_size, self.intermediate_size, E, topk, self.shared_intermediate_size,
+                           seed=seed, device=device, signed_weights=True, topk_ids=ids)
+
+
+ODD_CASES: dict[str, OddCase] = {
+    "one token": OddCase(1, 32, 16, 4, 2),
+    "ragged T + shared": OddCase(37, 64, 48, 5, 2, 32),
+    "clamp + shared": OddCase(21, 32, 32, 4, 2, 16, swiglu_limit=0.6),
+    "topk = 1": OddCase(19, 32, 16, 3, 1),
+    "topk = E": OddCase(13, 32, 16, 4, 4),
+    "all to one expert": OddCase(23, 32, 16, 4, 1, routing="one expert"),
+    "empty experts": OddCase(30, 48, 32, 8, 2, routing="few experts"),
+}
