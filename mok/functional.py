@@ -403,18 +403,30 @@ def recompute_forward_context(
     )[1]
 
 
-def _expert_mlp_backward(d_out, x, topk_weights, weights, gate_up, h, routing, block_m, topk, num_slots, swiglu_limit):
-    """dx_slots [num_slots, H] and the bf16 weight gradients of the experts in `routing`
-    (plus d_topk_weights [T, topk] fp32 when `topk_weights` is given, else an empty tensor)."""
+def _expert_mlp_backward(d_out, x, topk_weights, weights, gate_up, h, routing, block_m, topk, num_slots, swiglu_limit,
+                         main_grads=(None, None, None)):
+    """dx_slots [num_slots, H] and the weight gradients of the experts in `routing` (plus
+    d_topk_weights [T, topk] fp32 when `topk_weights` is given, else an empty tensor). A
+    weight with a `main_grads` buffer gets its gradient added into it, in place, and the
+    buffer stands in its place among the returned gradients."""
     w_gate, w_up, w_down = weights
+    main_gate, main_up, main_down = main_grads
     d_gate_up, d_topk_weights = ops.down_dgrad_swiglu(d_out, topk_weights, gate_up, w_down, *routing, block_m, topk, swiglu_limit)
     dx_slots = ops.gate_up_dgrad_scatter(d_gate_up, w_gate, w_up, *routing, block_m, num_slots)
-    d_w_gate, d_w_up = ops.gate_up_wgrad(d_gate_up, x, *routing, block_m, topk)
-    d_w_down = ops.down_wgrad(d_out, topk_weights, h, *routing, block_m, topk)
+    if main_gate is None:
+        d_w_gate, d_w_up = ops.gate_up_wgrad(d_gate_up, x, *routing, block_m, topk)
+    else:
+        ops.gate_up_wgrad_accumulate(main_gate, main_up, d_gate_up, x, *routing, block_m, topk)
+        d_w_gate, d_w_up = main_gate, main_up
+    if main_down is None:
+        d_w_down = ops.down_wgrad(d_out, topk_weights, h, *routing, block_m, topk)
+    else:
+        ops.down_wgrad_accumulate(main_down, d_out, topk_weights, h, *routing, block_m, topk)
+        d_w_down = main_down
     return dx_slots, d_topk_weights, (d_w_gate, d_w_up, d_w_down)
 
 
-def _triton_backward(schedule, saved, d_out, x, topk_weights, shared, routed, swiglu_limit) -> Gradients:
+def _triton_backward(schedule, saved, d_out, x, topk_weights, shared, routed, swiglu_limit, main_grads) -> Gradients:
     """DESIGN §3's backward on one GPU, no host sync: per expert group, down dgrad + SwiGLU
     backward + router-weight gradient, gate/up dgrad into route slots, wgrad GEMMs; then
     d_x = dx_shared + Σ_j dx_slots (the combine with unit weights, ascending j). Reads the
@@ -425,7 +437,7 @@ def _triton_backward(schedule, saved, d_out, x, topk_weights, shared, routed, sw
     d_out = d_out.to(torch.bfloat16)  # a GEMM operand (no copy when it already is bf16)
     dx_slots, d_topk_weights, routed_grads = _expert_mlp_backward(
         d_out, x, topk_weights, routed, saved["gate_up"], saved["h"], schedule.routing, schedule.block_m,
-        topk, num_tokens * topk, swiglu_limit,
+        topk, num_tokens * topk, swiglu_limit, tuple(main_grads.get(n) for n in _ROUTED),
     )
     dx_shared, shared_grads = None, (None, None, None)
     if shared[0] is not None:
@@ -433,6 +445,7 @@ def _triton_backward(schedule, saved, d_out, x, topk_weights, shared, routed, sw
         dx_shared, _, grads = _expert_mlp_backward(
             d_out, x, None, shared_experts, saved["gate_up_shared"], saved["h_shared"], schedule.shared_routing,
             schedule.block_m, 1, num_tokens, swiglu_limit,
+            tuple(None if main_grads.get(n) is None else main_grads[n].unsqueeze(0) for n in _SHARED),
         )
         shared_grads = tuple(g.squeeze(0) for g in grads)
     ones = torch.ones(num_tokens, topk, dtype=torch.float32, device=x.device)  # [T, topk]: unweighted sum
@@ -455,9 +468,17 @@ def backward(
     w_up: torch.Tensor,
     w_down: torch.Tensor,
     swiglu_limit: float | None = None,
+    *,
+    main_grads: dict[str, torch.Tensor] | None = None,
 ) -> Gradients:
-    """Every gradient in SPEC §1's order: d_x, d_topk_weights, routed then shared weights."""
+    """Every gradient in SPEC §1's order: d_x, d_topk_weights, routed then shared weights.
+
+    `main_grads` maps weight names ("w_gate", "w_up", "w_down", "ws_gate", "ws_up",
+    "ws_down") to fp32 or bf16 buffers of the weight's shape: those gradients are added
+    into the buffers in place (Megatron's main_grad), in fp32, and the buffers are returned
+    in their places. "w_gate" and "w_up" (and "ws_gate", "ws_up") go together."""
     _check_call(config, workspace, schedule, x, topk_weights, ws_gate, ws_up, ws_down, w_gate, w_up, w_down)
+    main_grads = _check_main_grads(main_grads, dict(zip(_ROUTED + _SHARED, (w_gate, w_up, w_down, ws_gate, ws_up, ws_down))))
     if not isinstance(context, ForwardContext) or context.precision != config.precision:
         raise ValueError("context: expected the ForwardContext that forward returned under this config")
     check_tensor("d_out", d_out, dtypes=(torch.bfloat16, torch.float32), shape=tuple(x.shape), device=x.device)
@@ -465,13 +486,44 @@ def backward(
         if context.backend != "triton":
             raise ValueError(f"context: expected a context of the triton backend (the schedule's), got {context.backend!r}")
         return _triton_backward(
-            schedule, context.saved, d_out, x, topk_weights, (ws_gate, ws_up, ws_down), (w_gate, w_up, w_down), swiglu_limit
+            schedule, context.saved, d_out, x, topk_weights, (ws_gate, ws_up, ws_down), (w_gate, w_up, w_down),
+            swiglu_limit, main_grads,
         )
     grads = _reference_call(
         reference.moe_backward, config, workspace, schedule, x, topk_weights, ws_gate, ws_up, ws_down,
         w_gate, w_up, w_down, swiglu_limit, d_out,
     )
-    return Gradients(*(g if g is None or i == 1 else g.to(torch.bfloat16) for i, g in enumerate(grads)))
+    out = []
+    for name, grad in zip(Gradients._fields, grads):
+        buffer = main_grads.get(name.removeprefix("d_"))
+        if buffer is not None:
+            out.append(buffer.add_(grad))
+        else:
+            out.append(grad if grad is None or name == "d_topk_weights" else grad.to(torch.bfloat16))
+    return Gradients(*out)
+
+
+_ROUTED = ("w_gate", "w_up", "w_down")
+_SHARED = ("ws_gate", "ws_up", "ws_down")
+
+
+def _check_main_grads(main_grads, weights: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
+    if main_grads is None:
+        return {}
+    if not isinstance(main_grads, dict):
+        raise TypeError(f"main_grads: expected a dict of weight name to buffer, got {type(main_grads).__name__}")
+    for name, buffer in main_grads.items():
+        if name not in weights:
+            raise ValueError(f"main_grads: expected keys among {tuple(weights)}, got {name!r}")
+        weight = weights[name]
+        if weight is None:
+            raise ValueError(f"main_grads[{name!r}]: the layer has no {name} (no shared expert)")
+        check_tensor(f"main_grads[{name!r}]", buffer, dtypes=(torch.float32, torch.bfloat16),
+                     shape=tuple(weight.shape), device=weight.device)
+    for gate, up in (("w_gate", "w_up"), ("ws_gate", "ws_up")):
+        if (gate in main_grads) != (up in main_grads):
+            raise ValueError(f"main_grads: expected {gate!r} and {up!r} together (one kernel computes both)")
+    return main_grads
 
 
 # --------------------------------------------------------------------------- autograd

@@ -154,3 +154,33 @@ def test_gpu_backward_no_host_sync_and_cuda_graph():
     torch.cuda.synchronize()
     for name, a, b in zip(eager._fields, eager, captured):
         assert torch.equal(a, b), f"{name}: graph replay differs from eager"
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_main_grads_accumulate_in_place(kernel_device, backend, dtype):
+    T, H, I, E, topk, I_s = 17, 32, 32, 4, 2, 16
+    inp = make_inputs(T, H, I, E, topk, I_s, seed=2, device=kernel_device)
+    config = mok.MoKConfig(backend=backend)
+    ws = mok.get_workspace(config, None, device=inp.x.device, num_local_tokens=T, hidden_size=H, topk=topk)
+    sched = mok.build_schedule(ws, config, inp.topk_ids, num_local_experts=E)
+    args = (inp.x, inp.topk_weights, inp.ws_gate, inp.ws_up, inp.ws_down, inp.w_gate, inp.w_up, inp.w_down)
+    _, ctx = mok.forward(config, ws, sched, *args)
+    d_out = torch.randn(T, H, generator=torch.Generator().manual_seed(0)).bfloat16().to(kernel_device)
+    plain = mok.backward(config, ws, sched, ctx, d_out, *args)
+    names = ("w_gate", "w_up", "w_down", "ws_gate", "ws_up")
+    start = {n: (torch.randn_like(getattr(plain, "d_" + n), dtype=torch.float32) * getattr(plain, "d_" + n).float().std()).to(dtype) for n in names}
+    buffers = {n: t.clone() for n, t in start.items()}
+    grads = mok.backward(config, ws, sched, ctx, d_out, *args, main_grads=buffers)
+    ctx_msg = f"{backend=} {dtype=} {T=} {H=} {I=} {E=} {topk=} {I_s=}"
+    for n in names:
+        got = getattr(grads, "d_" + n)
+        assert got.data_ptr() == buffers[n].data_ptr() and got.dtype == dtype, f"{n} {ctx_msg}"
+        assert_close_to_reference(buffers[n].float() - start[n].float(), getattr(plain, "d_" + n), name=n, context=ctx_msg)
+    assert torch.equal(grads.d_x, plain.d_x) and grads.d_ws_down.data_ptr() != plain.d_ws_down.data_ptr()
+    with pytest.raises(ValueError, match=r"^main_grads: expected 'w_gate' and 'w_up' together"):
+        mok.backward(config, ws, sched, ctx, d_out, *args, main_grads={"w_gate": buffers["w_gate"]})
+    with pytest.raises(ValueError, match=r"^main_grads: expected keys among"):
+        mok.backward(config, ws, sched, ctx, d_out, *args, main_grads={"router": buffers["w_gate"]})
+    with pytest.raises(ValueError, match=r"^main_grads\['w_down'\]: expected shape \[4, 32, 32\]"):
+        mok.backward(config, ws, sched, ctx, d_out, *args, main_grads={"w_down": buffers["w_gate"][:, :16]})

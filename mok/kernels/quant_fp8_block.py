@@ -1,0 +1,227 @@
+"""FP8 block quantization kernels (SPEC §2 `fp8_block`), bit-exact with `mok.fp8_block`.
+
+    scale_b = max(amax_b, 448 · 2^-126) / 448,    q[i] = e4m3_rne_saturate(x[i] / scale_b)
+
+with amax over a 1×128 block (activations, `quantize_fp8_block_activations`) or a 128×128
+block (weights, `quantize_fp8_block_weights`, both orientations from one read). NaN/Inf
+blocks: scale NaN, elements the E4M3 NaN byte 0x7F. Ragged edge blocks use their valid
+elements only (masked loads with 0, which never raises an amax). See `mok.fp8_block` for
+why each rule.
+
+Legend: M activation rows, K the GEMM's reduction dim (last), N a weight's output dim,
+E experts (the grid's third axis for a 3-D weight).
+
+Caller contract: inputs bf16/fp32 with unit last-dim stride; outputs are allocated here and
+every element of them is written (no zeroing needed). Reads nothing else, no sync.
+Determinism: each output element is a pure function of its block; no atomics.
+
+Exactness on each path:
+- amax on the integer bits of |x| (NaN wins; `tl.max` on floats may drop NaN on the GPU).
+- both divisions are `tl.div_rn` (correctly rounded; plain `/` lowers to an approximate
+  division on NVIDIA). The scale is ≥ 2^-126, a normal number, so no denormal flush can
+  touch it. (A subnormal *input* element divided by the 2^-126 floor is the one place a
+  flush-to-zero division would differ; the tests include such a block.)
+- fp32 -> E4M3: the GPU's cast is RNE with satfinite (and we clamp to ±448 first, as the
+  reference does). The interpreter of triton 3.6 does not round to nearest even (it rounds
+  half up, lets the carry corrupt the exponent, never saturates and truncates subnormals:
+  see `_convert_float` in triton/runtime/interpreter.py), so under it the bytes are built
+  from the fp32 bits by `_e4m3_rne_bytes`, selected by the constexpr INTERPRETER flag. The
+  same function mangles bf16 subnormals on the way up to fp32: `_to_fp32` widens by bits.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mok.fp8_block import FP8_BLOCK
+from mok.kernels.common import interpreting
+
+__all__ = ["quantize_fp8_block_activations", "quantize_fp8_block_weights"]
+
+# Kernels may read only constexpr globals (the GPU compiler rejects plain Python globals).
+_E4M3_MAX = tl.constexpr(448.0)
+_AMAX_FLOOR = tl.constexpr(448.0 * 2.0**-126)  # / 448 == 2^-126, the zero-block scale
+_FP32_ABS_MASK = tl.constexpr(0x7FFFFFFF)
+_FP32_INF_BITS = tl.constexpr(0x7F800000)
+_E4M3_NAN_BYTE = tl.constexpr(0x7F)
+
+# Tile configs. Untuned: the quantizers are memory bound and read each element once.
+# Activations: 32 rows × one 128-wide K block per program (32 scales, 4 KiB of fp8 out);
+# enough programs for any realistic M·K/4096, and few enough under the interpreter.
+_ACT_BLOCK_M = 32
+# Weights: one 128×128 block per program (the scale's granularity; the transposed store
+# needs the whole block's amax first).
+_WEIGHT_BLOCK = FP8_BLOCK
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+@triton.jit
+def _e4m3_rne_bytes(x):
+    """fp32 with |x| ≤ 448 (NaN allowed) -> E4M3 bytes (uint8), round to nearest even, from bits.
+
+    Normal results (|x| ≥ 2^-6): RNE of the 23-bit mantissa to 3 bits by integer add (the
+    carry runs into the exponent, correctly), then rebias 127 -> 7. Subnormal results: RNE of
+    |x| · 2^9 to an integer 0..8 with the 2^23 magic number (byte 8 is 2^-6, the smallest
+    normal, which is the right carry). Sign copied; NaN -> 0x7F.
+    """
+    bits = x.to(tl.uint32, bitcast=True)
+    sign = ((bits >> 24) & 0x80).to(tl.uint32)
+    mag_bits = bits & _FP32_ABS_MASK
+    is_nan = mag_bits > _FP32_INF_BITS
+    mag = tl.where(is_nan, 0.0, mag_bits.to(tl.float32, bitcast=True))  # keeps NaN out of the int cast
+    rounded = mag_bits + 0x7FFFF + ((mag_bits >> 20) & 1)  # RNE at bit 20
+    normal_byte = (rounded >> 20) - ((127 - 7) << 3)
+    sub_byte = ((mag * 512.0 + 8388608.0) - 8388608.0).to(tl.uint32)  # exact in fp32 (NumPy here)
+    byte = tl.where(mag >= 0.015625, normal_byte, sub_byte) | sign
+    byte = tl.where(is_nan, _E4M3_NAN_BYTE, byte)
+    return byte.to(tl.uint8)
+
+
+@triton.jit
+def _to_fp32(x, INTERPRETER: tl.constexpr):
+    """bf16/fp32 -> fp32, exactly. The GPU's upcast is exact; the interpreter of triton 3.6
+    mangles bf16 subnormals (seen on CPU: 1e-39 -> 4.4e-39), so under it a bf16 is widened
+    by its bits: the fp32 with the same top 16 bits."""
+    if INTERPRETER and x.dtype == tl.bfloat16:
+        return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _quantize_tile(x, amax_bits, INTERPRETER: tl.constexpr):
+    """(fp32 tile, int32 |x|-bit amax broadcastable to it) -> (uint8 E4M3 tile, fp32 scale)."""
+    non_finite = amax_bits >= _FP32_INF_BITS
+    amax = tl.maximum(amax_bits.to(tl.float32, bitcast=True), _AMAX_FLOOR)
+    scale = tl.div_rn(amax, tl.full(amax.shape, _E4M3_MAX, tl.float32))
+    scale = tl.where(non_finite, float("nan"), scale)
+    scaled = tl.div_rn(x, scale)
+    # Saturate like the reference's clamp; `where` keeps NaN a NaN.
+    scaled = tl.where(scaled > _E4M3_MAX, _E4M3_MAX, tl.where(scaled < -_E4M3_MAX, -_E4M3_MAX, scaled))
+    if INTERPRETER:
+        q = _e4m3_rne_bytes(scaled)
+    else:
+        q = scaled.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+    q = tl.where(non_finite, _E4M3_NAN_BYTE, q).to(tl.uint8)
+    return q, scale
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _quantize_act_1x128_kernel(
+    # pointers
+    x_ptr, q_ptr, scale_ptr,  # [M, K] bf16/fp32, [M, K] uint8 (e4m3 bytes), [M, ⌈K/128⌉] fp32
+    # sizes
+    M, K, num_k_blocks,
+    # strides
+    stride_x_m, stride_q_m,
+    # meta
+    INTERPRETER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    kb = tl.program_id(1)
+    cols = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+    row_ok = rows < M
+    mask = row_ok[:, None] & (cols < K)[None, :]
+    rows64 = rows.to(tl.int64)[:, None]
+    x = tl.load(x_ptr + rows64 * stride_x_m + cols[None, :], mask=mask, other=0.0)
+    x = _to_fp32(x, INTERPRETER)  # [BM, BK] fp32
+    amax_bits = tl.max(x.to(tl.int32, bitcast=True) & _FP32_ABS_MASK, axis=1)  # [BM] int32
+    q, scale = _quantize_tile(x, amax_bits[:, None], INTERPRETER)  # [BM, BK] uint8, [BM, 1] fp32
+    tl.store(q_ptr + rows64 * stride_q_m + cols[None, :], q, mask=mask)
+    tl.store(scale_ptr + rows.to(tl.int64) * num_k_blocks + kb, tl.reshape(scale, (BLOCK_M,)), mask=row_ok)
+
+
+@triton.jit
+def _quantize_weight_128x128_kernel(
+    # pointers
+    w_ptr, q_ptr, scale_ptr, q_t_ptr, scale_t_ptr,  # w [E, N, K]; q [E, N, K], q_t [E, K, N] uint8;
+    #                                                 scale [E, ⌈N/128⌉, ⌈K/128⌉], scale_t transposed, fp32
+    # sizes
+    N, K, num_n_blocks, num_k_blocks,
+    # strides
+    stride_w_e, stride_w_n,
+    # meta
+    INTERPRETER: tl.constexpr, BLOCK: tl.constexpr,
+):
+    nb, kb, e = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    n_offs = nb * BLOCK + tl.arange(0, BLOCK)
+    k_offs = kb * BLOCK + tl.arange(0, BLOCK)
+    mask = (n_offs < N)[:, None] & (k_offs < K)[None, :]
+    w = tl.load(
+        w_ptr + e * stride_w_e + n_offs.to(tl.int64)[:, None] * stride_w_n + k_offs[None, :], mask=mask, other=0.0
+    )
+    w = _to_fp32(w, INTERPRETER)  # [BLOCK(n), BLOCK(k)] fp32
+    amax_bits = tl.max(tl.max(w.to(tl.int32, bitcast=True) & _FP32_ABS_MASK, axis=1), axis=0)  # scalar int32
+    q, scale = _quantize_tile(w, amax_bits, INTERPRETER)  # [BLOCK, BLOCK] uint8, scalar fp32
+
+    nk = N.to(tl.int64) * K
+    tl.store(q_ptr + e * nk + n_offs.to(tl.int64)[:, None] * K + k_offs[None, :], q, mask=mask)
+    # The transpose's block is this block transposed: same amax, same bytes. Transposing the
+    # tile in registers keeps the q_t store contiguous along its last dim (N).
+    mask_t = (k_offs < K)[:, None] & (n_offs < N)[None, :]
+    tl.store(q_t_ptr + e * nk + k_offs.to(tl.int64)[:, None] * N + n_offs[None, :], tl.trans(q), mask=mask_t)
+    num_blocks = num_n_blocks * num_k_blocks
+    tl.store(scale_ptr + e * num_blocks + nb * num_k_blocks + kb, scale)
+    tl.store(scale_t_ptr + e * num_blocks + kb * num_n_blocks + nb, scale)
+
+
+# --------------------------------------------------------------------------- launchers
+
+
+def _check_input(name: str, t: object, dims: tuple[int, ...], layout: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"{name}: expected dtype torch.bfloat16 or torch.float32, got {t.dtype}")
+    if t.dim() not in dims:
+        raise ValueError(f"{name}: expected a {layout} tensor, got shape {tuple(t.shape)}")
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name}: expected unit stride along the last dim, got strides {t.stride()}")
+
+
+def quantize_fp8_block_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] bf16/fp32 -> (q [M, K] float8_e4m3fn, scale [M, ⌈K/128⌉] fp32); 1×128 blocks."""
+    _check_input("x", x, (2,), "2-D [M, K]")
+    M, K = x.shape
+    num_k_blocks = triton.cdiv(K, FP8_BLOCK)
+    q = torch.empty(M, K, dtype=torch.uint8, device=x.device)  # [M, K] e4m3 bytes
+    scale = torch.empty(M, num_k_blocks, dtype=torch.float32, device=x.device)  # [M, ⌈K/128⌉]
+    if M > 0 and K > 0:
+        grid = (triton.cdiv(M, _ACT_BLOCK_M), num_k_blocks)
+        _quantize_act_1x128_kernel[grid](
+            x, q, scale,
+            M, K, num_k_blocks,
+            x.stride(0), q.stride(0),
+            INTERPRETER=interpreting(), BLOCK_M=_ACT_BLOCK_M, BLOCK_K=FP8_BLOCK, num_warps=4,
+        )
+    return q.view(torch.float8_e4m3fn), scale
+
+
+def quantize_fp8_block_weights(
+    w: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [N, K] or [E, N, K] bf16/fp32 -> (q, scale, q_t, scale_t) as `mok.fp8_block_quantize`."""
+    _check_input("w", w, (2, 3), "2-D [N, K] or 3-D [E, N, K]")
+    squeeze = w.dim() == 2
+    w3 = w.unsqueeze(0) if squeeze else w  # [E, N, K]
+    E, N, K = w3.shape
+    nb, kb = triton.cdiv(N, FP8_BLOCK), triton.cdiv(K, FP8_BLOCK)
+    q = torch.empty(E, N, K, dtype=torch.uint8, device=w.device)  # [E, N, K] e4m3 bytes
+    q_t = torch.empty(E, K, N, dtype=torch.uint8, device=w.device)  # [E, K, N] e4m3 bytes
+    scale = torch.empty(E, nb, kb, dtype=torch.float32, device=w.device)  # [E, ⌈N/128⌉, ⌈K/128⌉]
+    scale_t = torch.empty(E, kb, nb, dtype=torch.float32, device=w.device)  # [E, ⌈K/128⌉, ⌈N/128⌉]
+    if E > 0 and N > 0 and K > 0:
+        _quantize_weight_128x128_kernel[(nb, kb, E)](
+            w3, q, scale, q_t, scale_t,
+            N, K, nb, kb,
+            w3.stride(0), w3.stride(1),
+            INTERPRETER=interpreting(), BLOCK=_WEIGHT_BLOCK, num_warps=8,
+        )
+    outs = (q.view(torch.float8_e4m3fn), scale, q_t.view(torch.float8_e4m3fn), scale_t)
+    return tuple(t.squeeze(0) for t in outs) if squeeze else outs
