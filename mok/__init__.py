@@ -22,6 +22,7 @@ from mok.functional import (
     moe,
     recompute_forward_context,
 )
+from mok.fp8_block import fp8_block_dequantize, fp8_block_quantize
 from mok.module import MoKMoE
 from mok.mxfp8 import mxfp8_dequantize, mxfp8_quantize
 
@@ -41,6 +42,8 @@ __all__ = [
     "clear_workspace_cache",
     "create_workspace",
     "forward",
+    "fp8_block_dequantize",
+    "fp8_block_quantize",
     "get_workspace",
     "moe",
     "mxfp8_dequantize",
