@@ -300,3 +300,46 @@ def gate_up_wgrad_accumulate(
 @gate_up_wgrad_accumulate.op.register_fake
 def _(main_grad_gate, main_grad_up, d_gate_up, x, row_source, tile_expert, expert_offsets, expert_counts, num_rows, block_m, topk):
     return None
+
+
+# --------------------------------------------------------------------------- mxfp8 quantize
+
+from mok.kernels import quant  # noqa: E402  (appended section keeps its imports here)
+
+
+@_custom_op("mxfp8_quantize", ())
+def _mxfp8_quantize(
+    t: torch.Tensor, rowwise: bool, colwise: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, scale, q_t, scale_t) of `quant.mxfp8_quantize_triton`; a pair not asked for is an
+    empty [0] tensor of its dtype (custom ops cannot return None)."""
+    q, scale, q_t, scale_t = quant.mxfp8_quantize_triton(t, rowwise, colwise)
+    empty = lambda dtype: t.new_empty(0, dtype=dtype)  # noqa: E731
+    return (
+        empty(torch.float8_e4m3fn) if q is None else q,
+        empty(torch.uint8) if scale is None else scale,
+        empty(torch.float8_e4m3fn) if q_t is None else q_t,
+        empty(torch.uint8) if scale_t is None else scale_t,
+    )
+
+
+@_mxfp8_quantize.op.register_fake
+def _(t, rowwise, colwise):
+    quant.validate_mxfp8_quantize_args(t, rowwise, colwise)
+    *lead, M, N = t.shape
+    new = t.new_empty
+    return (
+        new(*lead, M, N, dtype=torch.float8_e4m3fn) if rowwise else new(0, dtype=torch.float8_e4m3fn),
+        new(*lead, M, N // 32, dtype=torch.uint8) if rowwise else new(0, dtype=torch.uint8),
+        new(*lead, N, M, dtype=torch.float8_e4m3fn) if colwise else new(0, dtype=torch.float8_e4m3fn),
+        new(*lead, N, M // 32, dtype=torch.uint8) if colwise else new(0, dtype=torch.uint8),
+    )
+
+
+def mxfp8_quantize(
+    t: torch.Tensor, rowwise: bool = True, colwise: bool = False
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """`mok::mxfp8_quantize`: the Triton quantizer, with `mok.mxfp8.mxfp8_quantize`'s signature
+    and outputs (the pair not asked for is None again); bit-exact with it."""
+    q, scale, q_t, scale_t = _mxfp8_quantize(t, rowwise, colwise)
+    return (q if rowwise else None, scale if rowwise else None, q_t if colwise else None, scale_t if colwise else None)
