@@ -21,19 +21,9 @@ from mok.fp8_block import (
     fp8_block_quantize,
     fp8_block_quantize_activations,
 )
+from mok.testing.fp8 import E4M3_POSITIVE_VALUES, e4m3_decode
 
-
-def _e4m3_decode(byte: int) -> float:
-    sign = -1.0 if byte & 0x80 else 1.0
-    e, m = (byte >> 3) & 0xF, byte & 0x7
-    if e == 0xF and m == 0x7:
-        return math.nan
-    if e == 0:
-        return sign * m * 2.0**-9
-    return sign * (1.0 + m / 8.0) * 2.0 ** (e - 7)
-
-
-_POS = torch.tensor([_e4m3_decode(b) for b in range(0x7F)], dtype=torch.float64)  # bytes 0..126, increasing
+_POS = E4M3_POSITIVE_VALUES  # bytes 0..126, increasing
 
 
 def _ref_e4m3_bytes(v: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+
 from mok.mxfp8 import (
     E4M3_MAX,
     MX_BLOCK,
@@ -22,22 +23,12 @@ from mok.mxfp8 import (
     mxfp8_dequantize,
     mxfp8_quantize,
 )
+from mok.testing.fp8 import E4M3_POSITIVE_VALUES, e4m3_decode
 
 # ----------------------------------------------------------------- independent reference
 
 
-def _e4m3_decode(byte: int) -> float:
-    """E4M3 (fn variant: bias 7, no inf, S.1111.111 NaN) byte -> value, from the bit layout."""
-    sign = -1.0 if byte & 0x80 else 1.0
-    e, m = (byte >> 3) & 0xF, byte & 0x7
-    if e == 0xF and m == 0x7:
-        return math.nan
-    if e == 0:
-        return sign * m * 2.0**-9
-    return sign * (1.0 + m / 8.0) * 2.0 ** (e - 7)
-
-
-_POS_VALUES = np.array([_e4m3_decode(b) for b in range(0x7F)])  # bytes 0..126: 0 .. 448, increasing
+_POS_VALUES = E4M3_POSITIVE_VALUES.numpy()  # bytes 0..126: 0 .. 448, increasing
 assert np.all(np.diff(_POS_VALUES) > 0) and _POS_VALUES[-1] == 448.0
 
 
@@ -162,7 +153,7 @@ def test_dequantize_is_exact_product():
     x = _block_scaled_randn(_gen(2), 32, 128, -130, 119)
     q, scale, _, _ = mxfp8_quantize(x)
     d = mxfp8_dequantize(q, scale).double()
-    vals = torch.tensor([_e4m3_decode(b) for b in range(256)], dtype=torch.float64)[q.view(torch.uint8).long()]
+    vals = torch.tensor([e4m3_decode(b) for b in range(256)], dtype=torch.float64)[q.view(torch.uint8).long()]
     want = vals * 2.0 ** (scale.double() - 127).repeat_interleave(32, dim=-1)
     assert torch.equal(d, want), f"max diff {(d - want).abs().max().item()}"
 
