@@ -324,8 +324,8 @@ def _reference_call(fn, config, workspace, schedule, x, topk_weights, ws_gate, w
 
 def _expert_mlp(x, w_gate, w_up, w_down, routing, block_m, topk, num_slots, swiglu_limit, store_gate_up):
     """y [num_slots, H] of the experts in `routing`, plus the h and g,u they computed."""
-    h, gate_up = ops.gate_up_swiglu(x, w_gate, w_up, *routing, block_m, topk, swiglu_limit, store_gate_up)
-    y = ops.down_scatter(h, w_down, *routing, block_m, num_slots)
+    h, gate_up = ops.gate_up_swiglu(x, w_gate, w_up, routing, block_m, topk, swiglu_limit, store_gate_up)
+    y = ops.down_scatter(h, w_down, routing, block_m, num_slots)
     return y, h, gate_up
 
 
@@ -411,17 +411,17 @@ def _expert_mlp_backward(d_out, x, topk_weights, weights, gate_up, h, routing, b
     buffer stands in its place among the returned gradients."""
     w_gate, w_up, w_down = weights
     main_gate, main_up, main_down = main_grads
-    d_gate_up, d_topk_weights = ops.down_dgrad_swiglu(d_out, topk_weights, gate_up, w_down, *routing, block_m, topk, swiglu_limit)
-    dx_slots = ops.gate_up_dgrad_scatter(d_gate_up, w_gate, w_up, *routing, block_m, num_slots)
+    d_gate_up, d_topk_weights = ops.down_dgrad_swiglu(d_out, topk_weights, gate_up, w_down, routing, block_m, topk, swiglu_limit)
+    dx_slots = ops.gate_up_dgrad_scatter(d_gate_up, w_gate, w_up, routing, block_m, num_slots)
     if main_gate is None:
-        d_w_gate, d_w_up = ops.gate_up_wgrad(d_gate_up, x, *routing, block_m, topk)
+        d_w_gate, d_w_up = ops.gate_up_wgrad(d_gate_up, x, routing, block_m, topk)
     else:
-        ops.gate_up_wgrad_accumulate(main_gate, main_up, d_gate_up, x, *routing, block_m, topk)
+        ops.gate_up_wgrad_accumulate(main_gate, main_up, d_gate_up, x, routing, block_m, topk)
         d_w_gate, d_w_up = main_gate, main_up
     if main_down is None:
-        d_w_down = ops.down_wgrad(d_out, topk_weights, h, *routing, block_m, topk)
+        d_w_down = ops.down_wgrad(d_out, topk_weights, h, routing, block_m, topk)
     else:
-        ops.down_wgrad_accumulate(main_down, d_out, topk_weights, h, *routing, block_m, topk)
+        ops.down_wgrad_accumulate(main_down, d_out, topk_weights, h, routing, block_m, topk)
         d_w_down = main_down
     return dx_slots, d_topk_weights, (d_w_gate, d_w_up, d_w_down)
 

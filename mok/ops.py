@@ -9,8 +9,9 @@ dispatcher costs tens of microseconds per op in Python, which a layer of a few s
 launches notices. Under `torch.compile` they call the registered op, so the compiled
 graph holds `mok::<name>` nodes.
 
-The schedule travels as five tensors (row_source, tile_expert, expert_offsets,
-expert_counts, num_rows); `routing_tensors` / `routing_from_tensors` convert.
+The schedule travels as one list of five tensors (row_source, tile_expert,
+expert_offsets, expert_counts, num_rows); `routing_tensors` / `routing_from_tensors`
+convert.
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ from mok.kernels import grouped_gemm
 from mok.kernels.schedule import RoutingSchedule, build_routing_schedule, capacity_rows
 
 
-def routing_tensors(schedule: RoutingSchedule) -> tuple[torch.Tensor, ...]:
-    return (schedule.row_source, schedule.tile_expert, schedule.expert_offsets, schedule.expert_counts, schedule.num_rows)
+def routing_tensors(schedule: RoutingSchedule) -> list[torch.Tensor]:
+    """[row_source, tile_expert, expert_offsets, expert_counts, num_rows] of a schedule."""
+    return [schedule.row_source, schedule.tile_expert, schedule.expert_offsets, schedule.expert_counts, schedule.num_rows]
 
 
-def routing_from_tensors(row_source, tile_expert, expert_offsets, expert_counts, num_rows, block_m: int) -> RoutingSchedule:
+def routing_from_tensors(schedule_tensors: list[torch.Tensor], block_m: int) -> RoutingSchedule:
+    row_source, tile_expert, expert_offsets, expert_counts, num_rows = schedule_tensors
     return RoutingSchedule(
         row_source, tile_expert, expert_offsets, expert_counts, num_rows,
         block_m=block_m, capacity_rows=row_source.shape[0], num_local_experts=expert_counts.shape[0],
@@ -63,7 +66,7 @@ def routing_schedule(
     topk_ids: torch.Tensor, error_flag: torch.Tensor, num_local_experts: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(row_source, tile_expert, expert_offsets, expert_counts, num_rows) of `schedule.py`."""
-    return routing_tensors(build_routing_schedule(topk_ids, num_local_experts, block_m, error_flag))
+    return tuple(routing_tensors(build_routing_schedule(topk_ids, num_local_experts, block_m, error_flag)))
 
 
 @routing_schedule.op.register_fake
@@ -87,18 +90,14 @@ def gate_up_swiglu(
     x: torch.Tensor,
     w_gate: torch.Tensor,
     w_up: torch.Tensor,
-    row_source: torch.Tensor,
-    tile_expert: torch.Tensor,
-    expert_offsets: torch.Tensor,
-    expert_counts: torch.Tensor,
-    num_rows: torch.Tensor,
+    schedule_tensors: list[torch.Tensor],
     block_m: int,
     topk: int,
     swiglu_limit: float | None,
     store_gate_up: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """h [rows, I] bf16 and gate_up [rows, 2, I] bf16 (an empty [0, 2, I] when not stored)."""
-    routing = routing_from_tensors(row_source, tile_expert, expert_offsets, expert_counts, num_rows, block_m)
+    routing = routing_from_tensors(schedule_tensors, block_m)
     h, gate_up = grouped_gemm.gate_up_swiglu(x, w_gate, w_up, routing, topk, swiglu_limit, store_gate_up)
     if gate_up is None:
         gate_up = h.new_empty(0, 2, h.shape[1])
@@ -106,8 +105,8 @@ def gate_up_swiglu(
 
 
 @gate_up_swiglu.op.register_fake
-def _(x, w_gate, w_up, row_source, tile_expert, expert_offsets, expert_counts, num_rows, block_m, topk, swiglu_limit, store_gate_up):
-    rows, inter = row_source.shape[0], w_gate.shape[1]
+def _(x, w_gate, w_up, schedule_tensors, block_m, topk, swiglu_limit, store_gate_up):
+    rows, inter = schedule_tensors[0].shape[0], w_gate.shape[1]
     return x.new_empty(rows, inter), x.new_empty(rows if store_gate_up else 0, 2, inter)
 
 
@@ -115,21 +114,17 @@ def _(x, w_gate, w_up, row_source, tile_expert, expert_offsets, expert_counts, n
 def down_scatter(
     h: torch.Tensor,
     w_down: torch.Tensor,
-    row_source: torch.Tensor,
-    tile_expert: torch.Tensor,
-    expert_offsets: torch.Tensor,
-    expert_counts: torch.Tensor,
-    num_rows: torch.Tensor,
+    schedule_tensors: list[torch.Tensor],
     block_m: int,
     num_slots: int,
 ) -> torch.Tensor:
     """y [num_slots, H] bf16, each route's unweighted expert output in its slot."""
-    routing = routing_from_tensors(row_source, tile_expert, expert_offsets, expert_counts, num_rows, block_m)
+    routing = routing_from_tensors(schedule_tensors, block_m)
     return grouped_gemm.down_scatter(h, w_down, routing, num_slots)
 
 
 @down_scatter.op.register_fake
-def _(h, w_down, row_source, tile_expert, expert_offsets, expert_counts, num_rows, block_m, num_slots):
+def _(h, w_down, schedule_tensors, block_m, num_slots):
     return h.new_empty(num_slots, w_down.shape[1])
 
 
@@ -158,18 +153,14 @@ def down_dgrad_swiglu(
     topk_weights: torch.Tensor | None,
     gate_up: torch.Tensor,
     w_down: torch.Tensor,
-    row_source: torch.Tensor,
-    tile_expert: torch.Tensor,
-    expert_offsets: torch.Tensor,
-    expert_counts: torch.Tensor,
-    num_rows: torch.Tensor,
+    schedule_tensors: list[torch.Tensor],
     block_m: int,
     topk: int,
     swiglu_limit: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """d_gate_up [rows, 2, I] bf16 and d_topk_weights [T, topk] fp32 (an empty [0] fp32
     when topk_weights is None: the shared expert has no router weight)."""
-    routing = routing_from_tensors(row_source, tile_expert, expert_offsets, expert_counts, num_rows, block_m)
+    routing = routing_from_tensors(schedule_tensors, block_m)
     d_gate_up, d_topk_weights = dgrad.down_dgrad_swiglu(d_out, topk_weights, gate_up, w_down, routing, topk, swiglu_limit)
     if d_topk_weights is None:
         d_topk_weights = d_out.new_empty(0, dtype=torch.float32)
@@ -177,7 +168,7 @@ def down_dgrad_swiglu(
 
 
 @down_dgrad_swiglu.op.register_fake
-def _(d_out, topk_weights, gate_up, w_down, row_source, tile_expert, expert_offsets, expert_counts, num_rows, block_m, topk, swiglu_limit):
+def _(d_out, topk_weights, gate_up, w_down, schedule_tensors, block_m, topk, swiglu_limit):
     shape = (0,) if topk_weights is None else tuple(topk_weights.shape)
     return gate_up.new_empty(gate_up.shape), d_out.new_empty(shape, dtype=torch.float32)
 
@@ -187,21 +178,17 @@ def gate_up_dgrad_scatter(
     d_gate_up: torch.Tensor,
     w_gate: torch.Tensor,
     w_up: torch.Tensor,
-    row_source: torch.Tensor,
-    tile_expert: torch.Tensor,
-    expert_offsets: torch.Tensor,
-    expert_counts: torch.Tensor,
-    num_rows: torch.Tensor,
+    schedule_tensors: list[torch.Tensor],
     block_m: int,
     num_slots: int,
 ) -> torch.Tensor:
     """dx_slots [num_slots, H] bf16: d_g·Wg + d_u·Wu of each route, in its slot."""
-    routing = routing_from_tensors(row_source, tile_expert, expert_offsets, expert_counts, num_rows, block_m)
+    routing = routing_from_tensors(schedule_tensors, block_m)
     return dgrad.gate_up_dgrad_scatter(d_gate_up, w_gate, w_up, routing, num_slots)
 
 
 @gate_up_dgrad_scatter.op.register_fake
-def _(d_gate_up, w_gate, w_up, row_source, tile_expert, expert_offsets, expert_counts, num_rows, block_m, num_slots):
+def _(d_gate_up, w_gate, w_up, schedule_tensors, block_m, num_slots):
     return d_gate_up.new_empty(num_slots, w_gate.shape[2])
 
 
@@ -213,22 +200,18 @@ def down_wgrad(
     d_out: torch.Tensor,
     topk_weights: torch.Tensor | None,
     h: torch.Tensor,
-    row_source: torch.Tensor,
-    tile_expert: torch.Tensor,
-    expert_offsets: torch.Tensor,
-    expert_counts: torch.Tensor,
-    num_rows: torch.Tensor,
+    schedule_tensors: list[torch.Tensor],
     block_m: int,
     topk: int,
 ) -> torch.Tensor:
     """d_w_down [E_l, H, I] bf16 = Σ_rows (w·dOut)ᵀ h per expert, fp32 accumulation."""
-    routing = routing_from_tensors(row_source, tile_expert, expert_offsets, expert_counts, num_rows, block_m)
+    routing = routing_from_tensors(schedule_tensors, block_m)
     return wgrad.down_wgrad(d_out, topk_weights, h, routing, topk)
 
 
 @down_wgrad.op.register_fake
-def _(d_out, topk_weights, h, row_source, tile_expert, expert_offsets, expert_counts, num_rows, block_m, topk):
-    return h.new_empty(expert_counts.shape[0], d_out.shape[1], h.shape[1])
+def _(d_out, topk_weights, h, schedule_tensors, block_m, topk):
+    return h.new_empty(schedule_tensors[3].shape[0], d_out.shape[1], h.shape[1])
 
 
 @_custom_op("down_wgrad_accumulate", ("main_grad",))
@@ -237,21 +220,17 @@ def down_wgrad_accumulate(
     d_out: torch.Tensor,
     topk_weights: torch.Tensor | None,
     h: torch.Tensor,
-    row_source: torch.Tensor,
-    tile_expert: torch.Tensor,
-    expert_offsets: torch.Tensor,
-    expert_counts: torch.Tensor,
-    num_rows: torch.Tensor,
+    schedule_tensors: list[torch.Tensor],
     block_m: int,
     topk: int,
 ) -> None:
     """main_grad [E_l, H, I] fp32/bf16 += d_w_down, in place (Megatron-style main_grad)."""
-    routing = routing_from_tensors(row_source, tile_expert, expert_offsets, expert_counts, num_rows, block_m)
+    routing = routing_from_tensors(schedule_tensors, block_m)
     wgrad.down_wgrad(d_out, topk_weights, h, routing, topk, main_grad=main_grad)
 
 
 @down_wgrad_accumulate.op.register_fake
-def _(main_grad, d_out, topk_weights, h, row_source, tile_expert, expert_offsets, expert_counts, num_rows, block_m, topk):
+def _(main_grad, d_out, topk_weights, h, schedule_tensors, block_m, topk):
     return None
 
 
@@ -259,22 +238,18 @@ def _(main_grad, d_out, topk_weights, h, row_source, tile_expert, expert_offsets
 def gate_up_wgrad(
     d_gate_up: torch.Tensor,
     x: torch.Tensor,
-    row_source: torch.Tensor,
-    tile_expert: torch.Tensor,
-    expert_offsets: torch.Tensor,
-    expert_counts: torch.Tensor,
-    num_rows: torch.Tensor,
+    schedule_tensors: list[torch.Tensor],
     block_m: int,
     topk: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(d_w_gate, d_w_up) [E_l, I, H] bf16 = Σ_rows d_gᵀ x, d_uᵀ x per expert, fp32 accumulation."""
-    routing = routing_from_tensors(row_source, tile_expert, expert_offsets, expert_counts, num_rows, block_m)
+    routing = routing_from_tensors(schedule_tensors, block_m)
     return wgrad.gate_up_wgrad(d_gate_up, x, routing, topk)
 
 
 @gate_up_wgrad.op.register_fake
-def _(d_gate_up, x, row_source, tile_expert, expert_offsets, expert_counts, num_rows, block_m, topk):
-    shape = (expert_counts.shape[0], d_gate_up.shape[2], x.shape[1])
+def _(d_gate_up, x, schedule_tensors, block_m, topk):
+    shape = (schedule_tensors[3].shape[0], d_gate_up.shape[2], x.shape[1])
     return d_gate_up.new_empty(shape), d_gate_up.new_empty(shape)
 
 
@@ -284,21 +259,17 @@ def gate_up_wgrad_accumulate(
     main_grad_up: torch.Tensor,
     d_gate_up: torch.Tensor,
     x: torch.Tensor,
-    row_source: torch.Tensor,
-    tile_expert: torch.Tensor,
-    expert_offsets: torch.Tensor,
-    expert_counts: torch.Tensor,
-    num_rows: torch.Tensor,
+    schedule_tensors: list[torch.Tensor],
     block_m: int,
     topk: int,
 ) -> None:
     """main_grad_gate, main_grad_up [E_l, I, H] fp32/bf16 += d_w_gate, d_w_up, in place."""
-    routing = routing_from_tensors(row_source, tile_expert, expert_offsets, expert_counts, num_rows, block_m)
+    routing = routing_from_tensors(schedule_tensors, block_m)
     wgrad.gate_up_wgrad(d_gate_up, x, routing, topk, main_grad_gate, main_grad_up)
 
 
 @gate_up_wgrad_accumulate.op.register_fake
-def _(main_grad_gate, main_grad_up, d_gate_up, x, row_source, tile_expert, expert_offsets, expert_counts, num_rows, block_m, topk):
+def _(main_grad_gate, main_grad_up, d_gate_up, x, schedule_tensors, block_m, topk):
     return None
 
 
