@@ -133,7 +133,7 @@ def plot_speedup(results: Sequence[Result], path: Path, title: str = "") -> Path
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     ax.set_xticks(range(len(groups)), groups, fontsize=8)
     ax.set_ylabel("speedup over torch-eager (higher is better)")
-    ax.set_title(title, fontsize=9)
+    ax.set_title(title.replace(" · warmup", "\nwarmup"), fontsize=9)  # two lines: fits the figure
     ax.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
