@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import torch
 
-from mok.mxfp8 import E4M3_MAX, E4M3_NAN_BYTE, e4m3_rne_saturate
+from mok.mxfp8 import E4M3_MAX, E4M3_NAN_BYTE, check_dtype, check_float_input, e4m3_rne_saturate
 
 __all__ = [
     "FP8_BLOCK",
@@ -66,7 +66,6 @@ FP8_BLOCK_MIN_SCALE = 2.0**-126  # fp32's smallest normal: the scale of an all-z
 # Floor applied to amax before the division: (448 · 2^-126) / 448 == 2^-126 exactly.
 _AMAX_FLOOR = E4M3_MAX * FP8_BLOCK_MIN_SCALE
 
-_INPUT_DTYPES = (torch.bfloat16, torch.float32)
 _FP32_ABS_MASK = 0x7FFFFFFF
 _FP32_INF_BITS = 0x7F800000  # |x| bits ≥ this: ±Inf or NaN
 _BLOCK_SHAPES = ((1, FP8_BLOCK), (FP8_BLOCK, FP8_BLOCK))
@@ -74,15 +73,6 @@ _BLOCK_SHAPES = ((1, FP8_BLOCK), (FP8_BLOCK, FP8_BLOCK))
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def _check_float_tensor(name: str, t: object, dims: tuple[int, ...], layout: str) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in _INPUT_DTYPES:
-        raise TypeError(f"{name}: expected dtype torch.bfloat16 or torch.float32, got {t.dtype}")
-    if t.dim() not in dims:
-        raise ValueError(f"{name}: expected a {layout} tensor, got shape {tuple(t.shape)}")
 
 
 def _quantize_blocks(t: torch.Tensor, block_r: int, block_c: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,7 +116,7 @@ def fp8_block_quantize(
       scale_t [..., ⌈K/128⌉, ⌈N/128⌉]     fp32
     Zero blocks get scale 2^-126; NaN/Inf blocks scale NaN and NaN elements (module docstring).
     """
-    _check_float_tensor("w", w, (2, 3), "2-D [N, K] or 3-D [E, N, K]")
+    check_float_input("w", w, (2, 3), "2-D [N, K] or 3-D [E, N, K]")
     q, scale = _quantize_blocks(w, FP8_BLOCK, FP8_BLOCK)  # [..., N, K], [..., ⌈N/128⌉, ⌈K/128⌉]
     # Same blocks, same amax, same per-element divisions: the transpose's quantization is the
     # transpose of this one, bit for bit.
@@ -140,7 +130,7 @@ def fp8_block_quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch
 
     Returns `(q [M, K] float8_e4m3fn, scale [M, ⌈K/128⌉] fp32)`, contiguous.
     """
-    _check_float_tensor("x", x, (2,), "2-D [M, K]")
+    check_float_input("x", x, (2,), "2-D [M, K]")
     return _quantize_blocks(x, 1, FP8_BLOCK)
 
 
@@ -153,12 +143,8 @@ def fp8_block_dequantize(
     the activation pair with `block=(1, 128)` and either weight pair with `block=(128, 128)`.
     NaN scales give NaN blocks.
     """
-    if not isinstance(q, torch.Tensor) or q.dtype != torch.float8_e4m3fn:
-        got = q.dtype if isinstance(q, torch.Tensor) else type(q).__name__
-        raise TypeError(f"q: expected dtype torch.float8_e4m3fn, got {got}")
-    if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32:
-        got = scale.dtype if isinstance(scale, torch.Tensor) else type(scale).__name__
-        raise TypeError(f"scale: expected dtype torch.float32, got {got}")
+    check_dtype("q", q, (torch.float8_e4m3fn,))
+    check_dtype("scale", scale, (torch.float32,))
     block = tuple(block) if isinstance(block, (tuple, list)) else block
     if block not in _BLOCK_SHAPES:
         raise ValueError(f"block: expected (1, {FP8_BLOCK}) or ({FP8_BLOCK}, {FP8_BLOCK}), got {block}")

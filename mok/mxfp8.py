@@ -97,13 +97,25 @@ def e8m0_to_fp32(scale: torch.Tensor) -> torch.Tensor:
     return torch.where(scale == E8M0_NAN, torch.full_like(value, float("nan")), value)
 
 
-def _check_input(t: object) -> None:
+def check_dtype(name: str, t: object, dtypes: tuple[torch.dtype, ...], note: str = "") -> None:
+    """TypeError naming `name` unless `t` is a tensor of one of `dtypes` (shared by the
+    quantizers of both low-precision formats)."""
+    if not isinstance(t, torch.Tensor) or t.dtype not in dtypes:
+        got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+        raise TypeError(f"{name}: expected dtype {' or '.join(map(str, dtypes))}{note}, got {got}")
+
+
+def check_float_input(name: str, t: object, dims: tuple[int, ...], layout: str) -> None:
+    """A bf16/fp32 tensor with one of the ranks `dims` (`layout` names them in the error)."""
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"t: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in _INPUT_DTYPES:
-        raise TypeError(f"t: expected dtype torch.bfloat16 or torch.float32, got {t.dtype}")
-    if t.dim() not in (2, 3):
-        raise ValueError(f"t: expected a 2-D [M, N] or 3-D [E, M, N] tensor, got shape {tuple(t.shape)}")
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    check_dtype(name, t, _INPUT_DTYPES)
+    if t.dim() not in dims:
+        raise ValueError(f"{name}: expected a {layout} tensor, got shape {tuple(t.shape)}")
+
+
+def _check_input(t: object) -> None:
+    check_float_input("t", t, (2, 3), "2-D [M, N] or 3-D [E, M, N]")
 
 
 def _check_block_dim(name: str, size: int, shape: tuple[int, ...]) -> None:
@@ -188,12 +200,8 @@ def mxfp8_dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     the very top, where an input |x| ≥ 1.9375 · 2^127 (within 3% of fp32 max) was rounded up
     to 256 · 2^120 = 2^128 and so dequantizes to ±Inf, the correctly rounded fp32 result.
     """
-    if not isinstance(q, torch.Tensor) or q.dtype != torch.float8_e4m3fn:
-        got = q.dtype if isinstance(q, torch.Tensor) else type(q).__name__
-        raise TypeError(f"q: expected dtype torch.float8_e4m3fn, got {got}")
-    if not isinstance(scale, torch.Tensor) or scale.dtype != torch.uint8:
-        got = scale.dtype if isinstance(scale, torch.Tensor) else type(scale).__name__
-        raise TypeError(f"scale: expected dtype torch.uint8 (E8M0), got {got}")
+    check_dtype("q", q, (torch.float8_e4m3fn,))
+    check_dtype("scale", scale, (torch.uint8,), " (E8M0)")
     if q.dim() not in (2, 3):
         raise ValueError(f"q: expected a 2-D [R, K] or 3-D [E, R, K] tensor, got shape {tuple(q.shape)}")
     *lead, K = q.shape

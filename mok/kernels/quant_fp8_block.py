@@ -37,6 +37,7 @@ import triton.language as tl
 
 from mok.fp8_block import FP8_BLOCK
 from mok.kernels.common import interpreting
+from mok.mxfp8 import check_float_input
 
 __all__ = ["quantize_fp8_block_activations", "quantize_fp8_block_weights"]
 
@@ -175,12 +176,8 @@ def _quantize_weight_128x128_kernel(
 
 
 def _check_input(name: str, t: object, dims: tuple[int, ...], layout: str) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in (torch.bfloat16, torch.float32):
-        raise TypeError(f"{name}: expected dtype torch.bfloat16 or torch.float32, got {t.dtype}")
-    if t.dim() not in dims:
-        raise ValueError(f"{name}: expected a {layout} tensor, got shape {tuple(t.shape)}")
+    """The reference's checks, plus unit stride along the last dim (the kernels assume it)."""
+    check_float_input(name, t, dims, layout)
     if t.shape[-1] > 1 and t.stride(-1) != 1:
         raise ValueError(f"{name}: expected unit stride along the last dim, got strides {t.stride()}")
 
