@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: versions, GPU tests, kernel tuning sweep, benchmark.
-#   usage: bash benchmarks/device_check.sh [STEPS]   STEPS ⊂ {tests,tune,bench,sanitize} (default: tests bench)
+#   usage: bash benchmarks/device_check.sh [STEPS]   STEPS ⊂ {tests,tune,profile,bench,sonic,sanitize} (default: tests bench)
+#   env: STEP_TIMEOUT, TUNE_ARGS, PROFILE_PRESETS, PROFILE_ARGS, BENCH_ARGS
 # Writes logs, JSON records and plots under $OUT (or ./bench_out).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -17,7 +18,7 @@ for step in $steps; do
   echo "== $step ($(date +%T))"
   case $step in
     tests) timeout $T python3 -m pytest -q -p no:cacheprovider tests/kernels tests/test_triton_forward.py tests/test_triton_backward.py tests/test_gpu_forward.py 2>&1 | tee "$OUT/tests.log" ;;
-    tune) timeout $T python3 benchmarks/tune_gemm.py --out "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log" ;;
+    tune) timeout $T python3 benchmarks/tune_gemm.py --out "$OUT/tune.json" ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.log" ;;
     bench) timeout $T python3 -m mok.bench --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" ;;
     profile) for p in ${PROFILE_PRESETS:-qwen3-30b}; do timeout $T python3 benchmarks/profile_layer.py --preset $p $PROFILE_ARGS; done 2>&1 | grep -v -i warn | tee "$OUT/profile.log" ;;
     sanitize) PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --print-limit 20 \

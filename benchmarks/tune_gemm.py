@@ -1,9 +1,11 @@
 """Times the grouped-GEMM kernels over candidate tile configs on the GPU presets.
 
-    python benchmarks/tune_gemm.py [--preset qwen3-30b ...] [--out FILE.json]
+    python benchmarks/tune_gemm.py [--preset qwen3-30b ...] [--kernel down_wgrad ...] [--out FILE.json]
 
 Each config runs on the preset's real shape with random routing; TFLOPS count only the
-routed rows (T·topk), so padding and masked tiles show up as lost throughput.
+routed rows (T·topk), so padding and masked tiles show up as lost throughput. Kernels:
+the forward's gate_up and down, and the backward's down_dgrad (with the SwiGLU backward
+epilogue), gate_up_dgrad, down_wgrad and gate_up_wgrad.
 """
 
 from __future__ import annotations
@@ -14,26 +16,52 @@ import json
 import torch
 
 from mok.bench.presets import GPU_PRESETS, PRESETS
+from mok.kernels.dgrad import down_dgrad_swiglu, gate_up_dgrad_scatter
 from mok.kernels.grouped_gemm import down_scatter, gate_up_swiglu
 from mok.kernels.schedule import build_routing_schedule
+from mok.kernels.wgrad import down_wgrad, gate_up_wgrad
 from mok.testing import make_inputs
 from mok.testing.timing import time_ms
 
-GATE_UP = [
-    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
-    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4),
-    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=16, num_warps=8, num_stages=4),
-]
-DOWN = [
-    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
-    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4),
-    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4),
-]
+
+def _configs(*tiles, group_m: bool = True) -> list[dict]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_stages) tuples as configs at 8 warps."""
+    extra = dict(GROUP_M=8) if group_m else {}
+    return [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=8, num_stages=s, **extra) for m, n, k, s in tiles]
+
+
+CONFIGS = {
+    "gate_up": _configs((128, 128, 64, 3), (128, 128, 64, 4)),
+    "down": _configs((128, 256, 64, 3), (128, 256, 64, 4), (128, 128, 64, 4)),
+    "down_dgrad": _configs((128, 128, 64, 3), (128, 128, 64, 4), (128, 64, 64, 4)),
+    "gate_up_dgrad": _configs((128, 128, 64, 3), (128, 128, 32, 4), (128, 256, 32, 3)),
+    "down_wgrad": _configs((128, 256, 64, 3), (128, 256, 64, 4), (128, 128, 64, 4), group_m=False),
+    "gate_up_wgrad": _configs((128, 128, 64, 3), (128, 128, 64, 4), (128, 128, 32, 4), group_m=False),
+}
+# GEMM FLOPs per routed row, in units of H·I (gate/up GEMMs do two products).
+FLOPS_PER_ROUTE_HI = {"gate_up": 4, "down": 2, "down_dgrad": 2, "gate_up_dgrad": 4, "down_wgrad": 2, "gate_up_wgrad": 4}
+
+
+def _kernel_call(kind, cfg, inp, sched, topk, operands):
+    """A no-argument call of kernel `kind` with tile config `cfg` on the preset's operands."""
+    routes = inp.topk_ids.numel()
+    calls = {
+        "gate_up": lambda: gate_up_swiglu(inp.x, inp.w_gate, inp.w_up, sched, topk, tile_config=cfg),
+        "down": lambda: down_scatter(operands["h"], inp.w_down, sched, routes, tile_config=cfg),
+        "down_dgrad": lambda: down_dgrad_swiglu(operands["d_out"], inp.topk_weights, operands["gate_up"], inp.w_down,
+                                                sched, topk, tile_config=cfg),
+        "gate_up_dgrad": lambda: gate_up_dgrad_scatter(operands["gate_up"], inp.w_gate, inp.w_up, sched, routes,
+                                                       tile_config=cfg),
+        "down_wgrad": lambda: down_wgrad(operands["d_out"], operands["h"], sched, topk, tile_config=cfg),
+        "gate_up_wgrad": lambda: gate_up_wgrad(operands["gate_up"], inp.x, sched, topk, tile_config=cfg),
+    }
+    return calls[kind]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--preset", action="append", choices=list(GPU_PRESETS))
+    parser.add_argument("--kernel", action="append", choices=list(CONFIGS))
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     results = []
@@ -42,23 +70,28 @@ def main() -> None:
         T, H, I, E, topk = p.num_tokens, p.hidden_size, p.intermediate_size, p.num_experts, p.topk
         inp = make_inputs(T, H, I, E, topk, seed=0, device="cuda")
         flag = torch.zeros(1, dtype=torch.int32, device="cuda")
-        routes = T * topk
-        for kind, configs, flops in (("gate_up", GATE_UP, 4.0 * routes * H * I), ("down", DOWN, 2.0 * routes * H * I)):
-            for cfg in configs:
-                sched = build_routing_schedule(inp.topk_ids, E, cfg["BLOCK_M"], flag)
-                if kind == "gate_up":
-                    fn = lambda: gate_up_swiglu(inp.x, inp.w_gate, inp.w_up, sched, topk, tile_config=cfg)  # noqa: E731
-                else:
-                    h = torch.randn(sched.capacity_rows, I, device="cuda").bfloat16()
-                    fn = lambda: down_scatter(h, inp.w_down, sched, routes, tile_config=cfg)  # noqa: E731
+        block_m = 128  # every config here keeps the schedule's M tile
+        sched = build_routing_schedule(inp.topk_ids, E, block_m, flag)
+        operands = {  # [rows, ...] sorted-layout operands: random, zero in padding rows as the kernels leave them
+            "h": torch.randn(sched.capacity_rows, I, device="cuda").bfloat16(),
+            "gate_up": torch.randn(sched.capacity_rows, 2, I, device="cuda").bfloat16(),
+            "d_out": torch.randn(T, H, device="cuda").bfloat16(),
+        }
+        padding = sched.row_source < 0
+        operands["h"][padding] = 0
+        operands["gate_up"][padding] = 0
+        for kind in args.kernel or CONFIGS:
+            flops = FLOPS_PER_ROUTE_HI[kind] * T * topk * H * I
+            for cfg in CONFIGS[kind]:
+                fn = _kernel_call(kind, cfg, inp, sched, topk, operands)
                 try:
-                    ms = time_ms(fn, warmup=5, reps=20)["median"]
+                    ms = time_ms(fn, warmup=3, reps=15)["median"]
                 except Exception as err:  # a config that does not fit (shared memory) is skipped, not fatal
-                    print(f"{name:18s} {kind:8s} {cfg} failed: {type(err).__name__}: {str(err)[:120]}")
+                    print(f"{name:18s} {kind:14s} {cfg} failed: {type(err).__name__}: {str(err)[:120]}", flush=True)
                     continue
                 tflops = flops / ms / 1e9
                 results.append(dict(preset=name, kernel=kind, config=cfg, ms=ms, tflops=tflops))
-                print(f"{name:18s} {kind:8s} {ms:8.3f} ms {tflops:7.1f} TF  {cfg}", flush=True)
+                print(f"{name:18s} {kind:14s} {ms:8.3f} ms {tflops:7.1f} TF  {cfg}", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

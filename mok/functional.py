@@ -323,22 +323,22 @@ def _reference_call(fn, config, workspace, schedule, x, topk_weights, ws_gate, w
 
 
 def _expert_mlp(x, w_gate, w_up, w_down, routing, block_m, topk, num_slots, swiglu_limit, store_gate_up):
-    """y [num_slots, H] of the experts in `routing`, plus the h and g,u they computed."""
+    """y [num_slots, H] of the experts in `routing`, plus the pre-activations g,u they
+    computed (an empty tensor without `store_gate_up`)."""
     h, gate_up = ops.gate_up_swiglu(x, w_gate, w_up, routing, block_m, topk, swiglu_limit, store_gate_up)
-    y = ops.down_scatter(h, w_down, routing, block_m, num_slots)
-    return y, h, gate_up
+    return ops.down_scatter(h, w_down, routing, block_m, num_slots), gate_up
 
 
 def _triton_forward(schedule, x, topk_weights, shared, routed, swiglu_limit, needs_backward):
     """out and what the backward reads: h and the pre-activations g, u of every routed row
     (and of the shared expert), 6·I bytes per route; nothing without `needs_backward`."""
     num_tokens, topk = topk_weights.shape
-    y, h, gate_up = _expert_mlp(x, *routed, schedule.routing, schedule.block_m, topk, num_tokens * topk, swiglu_limit, needs_backward)
-    saved = {"h": h, "gate_up": gate_up}
+    y, gate_up = _expert_mlp(x, *routed, schedule.routing, schedule.block_m, topk, num_tokens * topk, swiglu_limit, needs_backward)
+    saved = {"gate_up": gate_up}
     y_shared = None
     if shared[0] is not None:
         ws_gate, ws_up, ws_down = (w.unsqueeze(0) for w in shared)  # one expert of the grouped GEMMs
-        y_shared, saved["h_shared"], saved["gate_up_shared"] = _expert_mlp(
+        y_shared, saved["gate_up_shared"] = _expert_mlp(
             x, ws_gate, ws_up, ws_down, schedule.shared_routing, schedule.block_m, 1, num_tokens, swiglu_limit, needs_backward
         )
     return ops.combine(y, topk_weights, y_shared), saved if needs_backward else {}
@@ -403,7 +403,7 @@ def recompute_forward_context(
     )[1]
 
 
-def _expert_mlp_backward(d_out, x, topk_weights, weights, gate_up, h, routing, block_m, topk, num_slots, swiglu_limit,
+def _expert_mlp_backward(d_out, x, topk_weights, weights, gate_up, routing, block_m, topk, num_slots, swiglu_limit,
                          main_grads=(None, None, None)):
     """dx_slots [num_slots, H] and the weight gradients of the experts in `routing` (plus
     d_topk_weights [T, topk] fp32 when `topk_weights` is given, else an empty tensor). A
@@ -411,7 +411,9 @@ def _expert_mlp_backward(d_out, x, topk_weights, weights, gate_up, h, routing, b
     buffer stands in its place among the returned gradients."""
     w_gate, w_up, w_down = weights
     main_gate, main_up, main_down = main_grads
-    d_gate_up, d_topk_weights = ops.down_dgrad_swiglu(d_out, topk_weights, gate_up, w_down, routing, block_m, topk, swiglu_limit)
+    d_gate_up, h_weighted, d_topk_weights = ops.down_dgrad_swiglu(
+        d_out, topk_weights, gate_up, w_down, routing, block_m, topk, swiglu_limit
+    )
     dx_slots = ops.gate_up_dgrad_scatter(d_gate_up, w_gate, w_up, routing, block_m, num_slots)
     if main_gate is None:
         d_w_gate, d_w_up = ops.gate_up_wgrad(d_gate_up, x, routing, block_m, topk)
@@ -419,9 +421,9 @@ def _expert_mlp_backward(d_out, x, topk_weights, weights, gate_up, h, routing, b
         ops.gate_up_wgrad_accumulate(main_gate, main_up, d_gate_up, x, routing, block_m, topk)
         d_w_gate, d_w_up = main_gate, main_up
     if main_down is None:
-        d_w_down = ops.down_wgrad(d_out, topk_weights, h, routing, block_m, topk)
+        d_w_down = ops.down_wgrad(d_out, h_weighted, routing, block_m, topk)
     else:
-        ops.down_wgrad_accumulate(main_down, d_out, topk_weights, h, routing, block_m, topk)
+        ops.down_wgrad_accumulate(main_down, d_out, h_weighted, routing, block_m, topk)
         d_w_down = main_down
     return dx_slots, d_topk_weights, (d_w_gate, d_w_up, d_w_down)
 
@@ -430,20 +432,21 @@ def _triton_backward(schedule, saved, d_out, x, topk_weights, shared, routed, sw
     """DESIGN §3's backward on one GPU, no host sync: per expert group, down dgrad + SwiGLU
     backward + router-weight gradient, gate/up dgrad into route slots, wgrad GEMMs; then
     d_x = dx_shared + Σ_j dx_slots (the combine with unit weights, ascending j). Reads the
-    forward's g,u and h (not y: the router-weight gradient is ⟨dOut·Wd, h⟩ over I)."""
+    forward's g,u only (not h or y: h is recomputed from g,u, and the router-weight
+    gradient is ⟨dOut·Wd, h⟩ over I)."""
     num_tokens, topk = topk_weights.shape
     if saved.get("gate_up") is None or saved["gate_up"].shape[0] == 0:
         raise ValueError("context: expected the pre-activations a forward with needs_backward=True saves")
     d_out = d_out.to(torch.bfloat16)  # a GEMM operand (no copy when it already is bf16)
     dx_slots, d_topk_weights, routed_grads = _expert_mlp_backward(
-        d_out, x, topk_weights, routed, saved["gate_up"], saved["h"], schedule.routing, schedule.block_m,
+        d_out, x, topk_weights, routed, saved["gate_up"], schedule.routing, schedule.block_m,
         topk, num_tokens * topk, swiglu_limit, tuple(main_grads.get(n) for n in _ROUTED),
     )
     dx_shared, shared_grads = None, (None, None, None)
     if shared[0] is not None:
         shared_experts = tuple(w.unsqueeze(0) for w in shared)  # one expert of the grouped GEMMs
         dx_shared, _, grads = _expert_mlp_backward(
-            d_out, x, None, shared_experts, saved["gate_up_shared"], saved["h_shared"], schedule.shared_routing,
+            d_out, x, None, shared_experts, saved["gate_up_shared"], schedule.shared_routing,
             schedule.block_m, 1, num_tokens, swiglu_limit,
             tuple(None if main_grads.get(n) is None else main_grads[n].unsqueeze(0) for n in _SHARED),
         )

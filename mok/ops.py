@@ -157,20 +157,27 @@ def down_dgrad_swiglu(
     block_m: int,
     topk: int,
     swiglu_limit: float | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """d_gate_up [rows, 2, I] bf16 and d_topk_weights [T, topk] fp32 (an empty [0] fp32
-    when topk_weights is None: the shared expert has no router weight)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """d_gate_up [rows, 2, I] bf16, h_weighted [rows, I] bf16 (w·h, the down wgrad's
+    operand) and d_topk_weights [T, topk] fp32 (an empty [0] fp32 when topk_weights is
+    None: the shared expert has no router weight)."""
     routing = routing_from_tensors(schedule_tensors, block_m)
-    d_gate_up, d_topk_weights = dgrad.down_dgrad_swiglu(d_out, topk_weights, gate_up, w_down, routing, topk, swiglu_limit)
+    d_gate_up, h_weighted, d_topk_weights = dgrad.down_dgrad_swiglu(
+        d_out, topk_weights, gate_up, w_down, routing, topk, swiglu_limit
+    )
     if d_topk_weights is None:
         d_topk_weights = d_out.new_empty(0, dtype=torch.float32)
-    return d_gate_up, d_topk_weights
+    return d_gate_up, h_weighted, d_topk_weights
 
 
 @down_dgrad_swiglu.op.register_fake
 def _(d_out, topk_weights, gate_up, w_down, schedule_tensors, block_m, topk, swiglu_limit):
     shape = (0,) if topk_weights is None else tuple(topk_weights.shape)
-    return gate_up.new_empty(gate_up.shape), d_out.new_empty(shape, dtype=torch.float32)
+    return (
+        gate_up.new_empty(gate_up.shape),
+        gate_up.new_empty(gate_up.shape[0], gate_up.shape[2]),
+        d_out.new_empty(shape, dtype=torch.float32),
+    )
 
 
 @_custom_op("gate_up_dgrad_scatter", ())
@@ -198,39 +205,37 @@ def _(d_gate_up, w_gate, w_up, schedule_tensors, block_m, num_slots):
 @_custom_op("down_wgrad", ())
 def down_wgrad(
     d_out: torch.Tensor,
-    topk_weights: torch.Tensor | None,
-    h: torch.Tensor,
+    h_weighted: torch.Tensor,
     schedule_tensors: list[torch.Tensor],
     block_m: int,
     topk: int,
 ) -> torch.Tensor:
-    """d_w_down [E_l, H, I] bf16 = Σ_rows (w·dOut)ᵀ h per expert, fp32 accumulation."""
+    """d_w_down [E_l, H, I] bf16 = Σ_rows dOutᵀ (w·h) per expert, fp32 accumulation."""
     routing = routing_from_tensors(schedule_tensors, block_m)
-    return wgrad.down_wgrad(d_out, topk_weights, h, routing, topk)
+    return wgrad.down_wgrad(d_out, h_weighted, routing, topk)
 
 
 @down_wgrad.op.register_fake
-def _(d_out, topk_weights, h, schedule_tensors, block_m, topk):
-    return h.new_empty(schedule_tensors[3].shape[0], d_out.shape[1], h.shape[1])
+def _(d_out, h_weighted, schedule_tensors, block_m, topk):
+    return h_weighted.new_empty(schedule_tensors[3].shape[0], d_out.shape[1], h_weighted.shape[1])
 
 
 @_custom_op("down_wgrad_accumulate", ("main_grad",))
 def down_wgrad_accumulate(
     main_grad: torch.Tensor,
     d_out: torch.Tensor,
-    topk_weights: torch.Tensor | None,
-    h: torch.Tensor,
+    h_weighted: torch.Tensor,
     schedule_tensors: list[torch.Tensor],
     block_m: int,
     topk: int,
 ) -> None:
     """main_grad [E_l, H, I] fp32/bf16 += d_w_down, in place (Megatron-style main_grad)."""
     routing = routing_from_tensors(schedule_tensors, block_m)
-    wgrad.down_wgrad(d_out, topk_weights, h, routing, topk, main_grad=main_grad)
+    wgrad.down_wgrad(d_out, h_weighted, routing, topk, main_grad=main_grad)
 
 
 @down_wgrad_accumulate.op.register_fake
-def _(main_grad, d_out, topk_weights, h, schedule_tensors, block_m, topk):
+def _(main_grad, d_out, h_weighted, schedule_tensors, block_m, topk):
     return None
 
 

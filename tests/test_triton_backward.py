@@ -84,8 +84,8 @@ def test_backward_ops_schema_and_fake_impls(kernel_device):
         (ops.down_dgrad_swiglu, (d_out, inp.topk_weights, gate_up, inp.w_down, list(routing), block_m, topk, 0.5)),
         (ops.down_dgrad_swiglu, (d_out, None, gate_up, inp.w_down, list(routing), block_m, topk, None)),
         (ops.gate_up_dgrad_scatter, (gate_up, inp.w_gate, inp.w_up, list(routing), block_m, T * topk)),
-        (ops.down_wgrad, (d_out, inp.topk_weights, h, list(routing), block_m, topk)),
-        (ops.down_wgrad_accumulate, (zeros(E, H, I), d_out, inp.topk_weights, h, list(routing), block_m, topk)),
+        (ops.down_wgrad, (d_out, h, list(routing), block_m, topk)),
+        (ops.down_wgrad_accumulate, (zeros(E, H, I), d_out, h, list(routing), block_m, topk)),
         (ops.gate_up_wgrad, (gate_up, inp.x, list(routing), block_m, topk)),
         (ops.gate_up_wgrad_accumulate, (zeros(E, I, H), zeros(E, I, H), gate_up, inp.x, list(routing), block_m, topk)),
     ]

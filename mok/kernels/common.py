@@ -20,6 +20,7 @@ def interpreting() -> bool:
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 
 @triton.jit
@@ -32,3 +33,13 @@ def round_to_bf16(x, EMULATE_RNE: tl.constexpr):
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         x = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
     return x.to(tl.bfloat16)
+
+
+def tma_descriptor(t, block_shape):
+    """A TMA tensor descriptor over `t` (any strides with a unit last stride; a 3-D weight
+    [E, rows, cols] is flattened to [E·rows, cols]) loading blocks of `block_shape`.
+    Out-of-bounds parts of a block read as zeros. TMA needs 16-byte aligned rows: bf16
+    sizes that are multiples of 8, which `mok.validation` requires."""
+    if t.dim() == 3:
+        t = t.reshape(-1, t.shape[-1])
+    return TensorDescriptor.from_tensor(t, list(block_shape))

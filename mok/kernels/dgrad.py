@@ -4,6 +4,7 @@
                   d_h[r] = w[t,j] · a[r]                                 (w applied in fp32, here)
                   d_g[r], d_u[r] = swiglu_backward(d_h[r], g[r], u[r])   (clamp masks with a limit L)
                   route_partials[t·topk+j, n] = Σ_{i in N tile n} a[r,i] · h[r,i]
+                  h_weighted[r] = bf16(w[t,j] · h[r])                     (for the down wgrad)
     router-weight gradient:
                   d_topk_weights[t,j] = Σ_n route_partials[t·topk+j, n]   (ascending n, fp32)
                                       = ⟨dOut[t], y[t·topk+j]⟩ = ⟨dOut[t]·Wd[e], h[r]⟩
@@ -25,9 +26,19 @@ of w, and it needs neither the forward's `y` nor a pass over [T·topk, H].
 The shared expert runs the same kernels on its own schedule (every token to one expert,
 topk = 1) with HAS_WEIGHTS = False: no weight, no partials.
 
-Padding rows (src = −1) get exact zeros in d_gate_up (the wgrad kernels also mask them
-out of both operands, so neither side relies on the other). Rows past the schedule's
+The down dgrad also stores h_weighted, the recomputed h scaled by the router weight: the
+down wgrad then reduces Σ dOut[t]ᵀ · h_weighted[r], reading one operand straight from
+the sorted layout through TMA, and the forward does not keep h for the backward. (The
+shared expert stores its h unweighted.)
+
+Padding rows (src = −1) get exact zeros in d_gate_up and h_weighted: the wgrad kernels
+read those operands through TMA without masks and rely on it. Rows past the schedule's
 `num_rows` are not written. dx_slots rows no route points to are not written.
+
+The weights and d_gate_up are read through TMA descriptors. A weight viewed as
+[E·K, N] lets the last K step of an expert read the next expert's first rows when K is
+not a multiple of BLOCK_K; the other operand is zero there, so they add nothing (for
+finite weights).
 
 Caller contract: the schedule was built with the same BLOCK_M as these kernels' tiles
 (checked); `gate_up` holds the forward's pre-activations for every row below `num_rows`.
@@ -41,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mok.kernels.common import interpreting, round_to_bf16
+from mok.kernels.common import interpreting, round_to_bf16, tma_descriptor
 from mok.kernels.grouped_gemm import routing_block_m, tile_coordinates
 from mok.kernels.schedule import RoutingSchedule
 from mok.kernels.swiglu import swiglu_backward
@@ -70,57 +81,46 @@ def dgrad_config(kind: str, n_dim: int, reduce_dim: int) -> dict:
 
 @triton.jit
 def gathered_rows_times_weight(
-    a_ptr, a_row, row_valid, w_ptr, expert, n_offs, reduce_dim, n_dim,
-    stride_a_r, stride_w_e, stride_w_k,
+    a_ptr, a_row, row_valid, w_desc, expert, n0, reduce_dim, stride_a_r,
     BLOCK_K: tl.constexpr, INTERPRETER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """a[a_row] · W[expert][:, n_offs] [BLOCK_M, BLOCK_N] fp32, where W[expert] is a
-    row-major [reduce_dim, n_dim] matrix (unit stride along n): the "nn" product of a
-    dgrad. Rows with row_valid false read zeros."""
+    """a[a_row] · W[expert][:, n0 : n0+BLOCK_N] [BLOCK_M, BLOCK_N] fp32, where W[expert] is a
+    row-major [reduce_dim, n_dim] matrix read through `w_desc` (blocks [BLOCK_K, BLOCK_N]
+    over [E·reduce_dim, n_dim]): the "nn" product of a dgrad. Rows with row_valid false
+    read zeros."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_offs = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_row.to(tl.int64)[:, None] * stride_a_r + k_offs[None, :]
-    w_ptrs = w_ptr + expert.to(tl.int64) * stride_w_e + k_offs[:, None].to(tl.int64) * stride_w_k + n_offs[None, :]
-    n_valid = n_offs < n_dim
+    w_row = expert * reduce_dim
     for k0 in range(0, reduce_dim, BLOCK_K):
-        k_valid = k0 + k_offs < reduce_dim
-        a = tl.load(a_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
-        b = tl.load(w_ptrs, mask=k_valid[:, None] & n_valid[None, :], other=0.0)
+        a = tl.load(a_ptrs + k0, mask=row_valid[:, None] & (k0 + k_offs < reduce_dim)[None, :], other=0.0)
+        b = w_desc.load([w_row + k0, n0])
         if INTERPRETER:  # the interpreter's bf16 tl.dot is wrong (DESIGN §6); fp32 is exact
             a, b = a.to(tl.float32), b.to(tl.float32)
         acc = tl.dot(a, b, acc)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K * stride_w_k
     return acc
 
 
 @triton.jit
 def gate_up_dgrad_tile(
-    d_gate_up_ptr, rows, w_gate_ptr, w_up_ptr, expert, n_offs, inter, hidden,
-    stride_dgu_r, stride_w_e, stride_w_i,
+    d_gate_desc, d_up_desc, m0, w_gate_desc, w_up_desc, expert, n0, inter,
     BLOCK_K: tl.constexpr, INTERPRETER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """d_g[rows] · Wg[expert][:, n_offs] + d_u[rows] · Wu[expert][:, n_offs] [BLOCK_M, BLOCK_N]
-    fp32, one accumulator, K loop over I. d_g, d_u are the two halves of d_gate_up rows."""
+    """d_g[m0 : m0+BLOCK_M] · Wg[expert][:, n0 : n0+BLOCK_N] + d_u[...] · Wu[expert][...]
+    [BLOCK_M, BLOCK_N] fp32, one accumulator, K loop over I; every operand through TMA
+    (d_g, d_u: [rows, I] halves of d_gate_up, zero past I)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_offs = tl.arange(0, BLOCK_K)
-    a_ptrs = d_gate_up_ptr + rows.to(tl.int64)[:, None] * stride_dgu_r + k_offs[None, :]
-    w_offs = expert.to(tl.int64) * stride_w_e + k_offs[:, None].to(tl.int64) * stride_w_i + n_offs[None, :]
-    n_valid = n_offs < hidden
+    w_row = expert * inter
     for k0 in range(0, inter, BLOCK_K):
-        k_valid = k0 + k_offs < inter
-        a_gate = tl.load(a_ptrs, mask=k_valid[None, :], other=0.0)
-        a_up = tl.load(a_ptrs + inter, mask=k_valid[None, :], other=0.0)
-        b_mask = k_valid[:, None] & n_valid[None, :]
-        b_gate = tl.load(w_gate_ptr + w_offs, mask=b_mask, other=0.0)
-        b_up = tl.load(w_up_ptr + w_offs, mask=b_mask, other=0.0)
+        a_gate = d_gate_desc.load([m0, k0])
+        a_up = d_up_desc.load([m0, k0])
+        b_gate = w_gate_desc.load([w_row + k0, n0])
+        b_up = w_up_desc.load([w_row + k0, n0])
         if INTERPRETER:
             a_gate, a_up = a_gate.to(tl.float32), a_up.to(tl.float32)
             b_gate, b_up = b_gate.to(tl.float32), b_up.to(tl.float32)
         acc = tl.dot(a_gate, b_gate, acc)
         acc = tl.dot(a_up, b_up, acc)
-        a_ptrs += BLOCK_K
-        w_offs += BLOCK_K * stride_w_i
     return acc
 
 
@@ -130,13 +130,13 @@ def gate_up_dgrad_tile(
 @triton.jit
 def _down_dgrad_swiglu_kernel(
     # pointers
-    d_out_ptr, topk_weights_ptr, gate_up_ptr, w_down_ptr, d_gate_up_ptr, route_partials_ptr,
+    d_out_ptr, topk_weights_ptr, gate_up_ptr, w_down_desc, d_gate_up_ptr, h_weighted_ptr, route_partials_ptr,
     # schedule
     row_source_ptr, tile_expert_ptr, num_rows_ptr,
     # sizes
     hidden, inter, topk, max_m_tiles, swiglu_limit,
     # strides
-    stride_dout_t, stride_w_e, stride_w_h, stride_gu_r, stride_dgu_r,
+    stride_dout_t, stride_gu_r, stride_dgu_r, stride_hw_r,
     # meta
     HAS_WEIGHTS: tl.constexpr, HAS_LIMIT: tl.constexpr, INTERPRETER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -154,26 +154,26 @@ def _down_dgrad_swiglu_kernel(
     n_offs = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     # a = dOut[t] · Wd[e] over H, unweighted: Wd[e] is [H, I], so its rows are the K dim.
     d_out_wd = gathered_rows_times_weight(
-        d_out_ptr, token, row_valid, w_down_ptr, expert, n_offs, hidden, inter,
-        stride_dout_t, stride_w_e, stride_w_h, BLOCK_K, INTERPRETER, BLOCK_M, BLOCK_N,
+        d_out_ptr, token, row_valid, w_down_desc, expert, n_tile * BLOCK_N, hidden,
+        stride_dout_t, BLOCK_K, INTERPRETER, BLOCK_M, BLOCK_N,
     )
     out_mask = (n_offs < inter)[None, :]
     rows64 = rows.to(tl.int64)[:, None]
     gu_ptrs = gate_up_ptr + rows64 * stride_gu_r + n_offs[None, :]
     gate = tl.load(gu_ptrs, mask=out_mask, other=0.0).to(tl.float32)
     up = tl.load(gu_ptrs + inter, mask=out_mask, other=0.0).to(tl.float32)
+    w = tl.full((BLOCK_M,), 1.0, tl.float32)
     if HAS_WEIGHTS:
         w = tl.load(topk_weights_ptr + slot, mask=row_valid, other=0.0)
-        d_h = w[:, None] * d_out_wd
-    else:
-        d_h = d_out_wd
-    d_gate, d_up, h = swiglu_backward(d_h, gate, up, swiglu_limit, HAS_LIMIT)
+    d_gate, d_up, h = swiglu_backward(w[:, None] * d_out_wd, gate, up, swiglu_limit, HAS_LIMIT)
     # Padding rows: exact zeros whatever the saved g, u hold there.
     d_gate = tl.where(row_valid[:, None], d_gate, 0.0)
     d_up = tl.where(row_valid[:, None], d_up, 0.0)
+    h_weighted = tl.where(row_valid[:, None], w[:, None] * h, 0.0)
     dgu_ptrs = d_gate_up_ptr + rows64 * stride_dgu_r + n_offs[None, :]
     tl.store(dgu_ptrs, round_to_bf16(d_gate, INTERPRETER), mask=out_mask)
     tl.store(dgu_ptrs + inter, round_to_bf16(d_up, INTERPRETER), mask=out_mask)
+    tl.store(h_weighted_ptr + rows64 * stride_hw_r + n_offs[None, :], round_to_bf16(h_weighted, INTERPRETER), mask=out_mask)
     if HAS_WEIGHTS:
         # ⟨dOut[t]·Wd[e], h[r]⟩ over this N tile (columns past I are zero on both sides).
         partial = tl.sum(d_out_wd * h, axis=1)
@@ -197,13 +197,13 @@ def _sum_route_partials_kernel(
 @triton.jit
 def _gate_up_dgrad_scatter_kernel(
     # pointers
-    d_gate_up_ptr, w_gate_ptr, w_up_ptr, dx_ptr,
+    d_gate_desc, d_up_desc, w_gate_desc, w_up_desc, dx_ptr,
     # schedule
     row_source_ptr, tile_expert_ptr, num_rows_ptr,
     # sizes
     hidden, inter, max_m_tiles,
     # strides
-    stride_dgu_r, stride_w_e, stride_w_i, stride_dx_s,
+    stride_dx_s,
     # meta
     INTERPRETER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -216,8 +216,8 @@ def _gate_up_dgrad_scatter_kernel(
     n_offs = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     # Each output row depends only on its own d_gate_up row: padding rows cannot leak.
     dx = gate_up_dgrad_tile(
-        d_gate_up_ptr, rows, w_gate_ptr, w_up_ptr, expert, n_offs, inter, hidden,
-        stride_dgu_r, stride_w_e, stride_w_i, BLOCK_K, INTERPRETER, BLOCK_M, BLOCK_N,
+        d_gate_desc, d_up_desc, m_tile * BLOCK_M, w_gate_desc, w_up_desc, expert, n_tile * BLOCK_N, inter,
+        BLOCK_K, INTERPRETER, BLOCK_M, BLOCK_N,
     )
     source = tl.load(row_source_ptr + rows)
     slot = tl.where(source >= 0, source, 0).to(tl.int64)
@@ -250,12 +250,14 @@ def down_dgrad_swiglu(
     topk: int,
     swiglu_limit: float | None = None,
     tile_config: dict | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(d_gate_up [capacity_rows, 2, I] bf16, d_topk_weights [T, topk] fp32 or None).
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(d_gate_up [capacity_rows, 2, I] bf16, h_weighted [capacity_rows, I] bf16,
+    d_topk_weights [T, topk] fp32 or None).
 
-    d_gate_up holds (d_g, d_u) per sorted row, exact zeros in padding rows; rows past the
-    schedule's `num_rows` are left unwritten. d_topk_weights is returned when
-    `topk_weights` is given (routed experts) and None otherwise (shared expert)."""
+    d_gate_up holds (d_g, d_u) per sorted row and h_weighted the row's w·h (h without
+    topk_weights), both exact zeros in padding rows; rows past the schedule's `num_rows`
+    are left unwritten. d_topk_weights is returned when `topk_weights` is given (routed
+    experts) and None otherwise (shared expert)."""
     num_experts, hidden, inter = w_down.shape
     device = d_out.device
     if d_out.dim() != 2 or d_out.shape[1] != hidden or d_out.dtype != torch.bfloat16 or not d_out.is_contiguous():
@@ -277,27 +279,29 @@ def down_dgrad_swiglu(
     _check_block_m(cfg, schedule)
     num_n_tiles = triton.cdiv(inter, cfg["BLOCK_N"])
     d_gate_up = torch.empty_like(gate_up)  # [capacity_rows, 2, I] bf16
+    h_weighted = torch.empty(schedule.capacity_rows, inter, dtype=torch.bfloat16, device=device)  # [capacity_rows, I]
     weighted = topk_weights is not None
     num_slots = num_tokens * topk
     # [T·topk, I / BLOCK_N] fp32: every slot a placed route points to is fully written.
     route_partials = torch.empty(num_slots if weighted else 0, num_n_tiles, dtype=torch.float32, device=device)
     grid = (schedule.max_tiles * num_n_tiles,)
     _down_dgrad_swiglu_kernel[grid](
-        d_out, topk_weights if weighted else d_out, gate_up, w_down, d_gate_up,
+        d_out, topk_weights if weighted else d_out, gate_up, tma_descriptor(w_down, (cfg["BLOCK_K"], cfg["BLOCK_N"])),
+        d_gate_up, h_weighted,
         route_partials if weighted else d_gate_up,  # unused without weights (HAS_WEIGHTS=False)
         schedule.row_source, schedule.tile_expert, schedule.num_rows,
         hidden, inter, topk, schedule.max_tiles, 0.0 if swiglu_limit is None else float(swiglu_limit),
-        d_out.stride(0), w_down.stride(0), w_down.stride(1), gate_up.stride(0), d_gate_up.stride(0),
+        d_out.stride(0), gate_up.stride(0), d_gate_up.stride(0), h_weighted.stride(0),
         HAS_WEIGHTS=weighted, HAS_LIMIT=swiglu_limit is not None, INTERPRETER=interpreting(), **cfg,
     )
     if not weighted:
-        return d_gate_up, None
+        return d_gate_up, h_weighted, None
     d_topk_weights = torch.empty(num_tokens, topk, dtype=torch.float32, device=device)  # [T, topk] fp32
     block_s = 128
     _sum_route_partials_kernel[(triton.cdiv(num_slots, block_s),)](
         route_partials, d_topk_weights, num_slots, num_n_tiles, BLOCK_S=block_s, num_warps=4,
     )
-    return d_gate_up, d_topk_weights
+    return d_gate_up, h_weighted, d_topk_weights
 
 
 def gate_up_dgrad_scatter(
@@ -319,11 +323,14 @@ def gate_up_dgrad_scatter(
     _check_block_m(cfg, schedule)
     dx = torch.empty(num_slots, hidden, dtype=torch.bfloat16, device=device)  # [T·topk, H] bf16
     grid = (schedule.max_tiles * triton.cdiv(hidden, cfg["BLOCK_N"]),)
+    a_block = (cfg["BLOCK_M"], cfg["BLOCK_K"])
+    b_block = (cfg["BLOCK_K"], cfg["BLOCK_N"])
     _gate_up_dgrad_scatter_kernel[grid](
-        d_gate_up, w_gate, w_up, dx,
+        tma_descriptor(d_gate_up[:, 0], a_block), tma_descriptor(d_gate_up[:, 1], a_block),
+        tma_descriptor(w_gate, b_block), tma_descriptor(w_up, b_block), dx,
         schedule.row_source, schedule.tile_expert, schedule.num_rows,
         hidden, inter, schedule.max_tiles,
-        d_gate_up.stride(0), w_gate.stride(0), w_gate.stride(1), dx.stride(0),
+        dx.stride(0),
         INTERPRETER=interpreting(), **cfg,
     )
     return dx

@@ -1,31 +1,36 @@
 """Weight-gradient (wgrad) grouped GEMMs of the expert MLPs: reductions over each expert's rows.
 
-    down:     d_w_down[e] = Σ_{r of e} dy[r]ᵀ · h[r]       [H, I]   dy[r] = bf16(w[t,j] · dOut[t])
-    gate/up:  d_w_gate[e] = Σ_{r of e} d_g[r]ᵀ · x[t]      [I, H]
-              d_w_up[e]   = Σ_{r of e} d_u[r]ᵀ · x[t]      [I, H]   (one launch, shared x tile)
+    down:     d_w_down[e] = Σ_{r of e} dOut[t]ᵀ · h_weighted[r]   [H, I]   h_weighted[r] = bf16(w[t,j] · h[r])
+    gate/up:  d_w_gate[e] = Σ_{r of e} d_g[r]ᵀ · x[t]             [I, H]
+              d_w_up[e]   = Σ_{r of e} d_u[r]ᵀ · x[t]             [I, H]   (one launch, shared x tile)
 
 Legend: r a row of the expert-sorted layout of `schedule.py` in
 [expert_offsets[e], expert_offsets[e+1]), src(r) = row_source[r] = t·topk + j (−1:
 padding), T tokens, H hidden, I intermediate size, topk routes per token, E_l local
-experts. `h` [rows, I] and `d_gate_up` [rows, 2, I] are in the sorted layout; dOut and x
-rows are gathered by token inside the loads (no permuted copies).
+experts. `h_weighted` [rows, I] and `d_gate_up` [rows, 2, I] are in the sorted layout
+(both written by the down dgrad) and are read through TMA descriptors; dOut and x rows
+are gathered by token inside pointer loads (no permuted copies).
 
-The router weight scales the gathered dOut tile in fp32, which is then rounded once to
-bf16 for the MMA (the rounding a materialised `w·dOut` buffer would carry; relative
-2^-9 per element, far inside SPEC's bf16 bar). The shared expert (HAS_WEIGHTS = False)
-skips it. Padding rows and rows past the expert's end are masked out of *both* operands,
-so whatever those rows of h / d_gate_up hold (even NaN) never reaches a sum.
+The router weight is already in h_weighted (Σ (w·dOut)ᵀ h = Σ dOutᵀ (w·h)), so neither
+operand passes through registers between its load and the MMA. h_weighted carries one
+bf16 rounding of w·h (relative 2^-9 per element, far inside SPEC's bf16 bar).
+
+Padding rows: the gathered operand is masked to zero there, and the sorted operand must
+hold finite values there (the down dgrad writes exact zeros), so padding adds exactly
+nothing. The K loop steps BLOCK_K rows at a time inside [expert_offsets[e],
+expert_offsets[e+1]), which the schedule pads to its BLOCK_M: BLOCK_K must divide
+BLOCK_M (checked), so no step reads another expert's rows.
 
 Grid: one program per (expert, M tile, N tile) of the output, expert outermost; each
-program walks its expert's rows in BLOCK_K steps in ascending order and accumulates in
-fp32, then stores bf16 once — or, with `main_grad`, adds into a caller's fp32/bf16 buffer
-in place (`main_grad += grad`, Megatron style; one read-modify-write per element).
-Experts with no rows run zero steps and write exact zeros (or leave main_grad unchanged).
-No atomics, fixed order: deterministic run to run.
+program walks its expert's rows in ascending order and accumulates in fp32, then stores
+bf16 once — or, with `main_grad`, adds into a caller's fp32/bf16 buffer in place
+(`main_grad += grad`, Megatron style; one read-modify-write per element). Experts with
+no rows run zero steps and write exact zeros (or leave main_grad unchanged). No atomics,
+fixed order: deterministic run to run.
 
-Caller contract: the schedule (any BLOCK_M: these tiles do not depend on it) was built for
-these rows; every row in [expert_offsets[e], expert_offsets[e+1]) with src ≥ 0 holds
-valid h / d_gate_up data.
+Caller contract: the schedule was built for these rows; every row in
+[expert_offsets[e], expert_offsets[e+1]) holds valid h_weighted / d_gate_up data
+(zeros at padding).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mok.kernels.common import interpreting, round_to_bf16
+from mok.kernels.common import interpreting, round_to_bf16, tma_descriptor
 from mok.kernels.schedule import RoutingSchedule
 
 # --------------------------------------------------------------------------- configs
@@ -43,14 +48,17 @@ from mok.kernels.schedule import RoutingSchedule
 def wgrad_config(kind: str, m_dim: int, n_dim: int) -> dict:
     """Tile config of a wgrad GEMM (`kind` "down" or "gate_up") with output [m_dim, n_dim].
 
-    H200, bf16 (untuned starting point, to be measured): 128×128 output tiles with 64
-    rows per K step, 8 warps, 3 stages; "gate_up" keeps two 128×128 fp32 accumulators
-    (as the forward's gate/up GEMM does) and streams two A tiles and one x tile per step
-    (48 KiB of shared memory per stage). The reduction runs over an expert's rows, whose
-    count changes every step, so it is not part of any key.
+    H200, bf16 (starting point, see BENCHMARKS.md for the sweep): 8 warps, 64 rows per K
+    step; "gate_up" keeps two 128×128 fp32 accumulators (as the forward's gate/up GEMM
+    does) and streams two A tiles and one x tile per step (48 KiB of shared memory per
+    stage); "down" has one accumulator, so it takes 128×256 tiles where the output is
+    wide enough. BLOCK_K divides the schedule's BLOCK_M (128). The reduction runs over an
+    expert's rows, whose count changes every step, so it is not part of any key.
     """
-    if interpreting():  # few, larger programs: the interpreter's cost is per program and op
-        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=1)
+    if interpreting():  # BLOCK_K divides the interpreter's routing BLOCK_M (16)
+        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=16, num_warps=4, num_stages=1)
+    if kind == "down":
+        return dict(BLOCK_M=128, BLOCK_N=256 if n_dim >= 256 else 128, BLOCK_K=64, num_warps=8, num_stages=3)
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
 
 
@@ -59,27 +67,24 @@ def wgrad_config(kind: str, m_dim: int, n_dim: int) -> dict:
 
 @triton.jit
 def expert_tile_coordinates(pid, m_dim, n_dim, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(expert, m_offs, n_offs) of program `pid` over an [E_l, m_dim, n_dim] output, expert
+    """(expert, m0, n0) of program `pid` over an [E_l, m_dim, n_dim] output, expert
     outermost so consecutive programs reread the same expert rows from L2."""
     num_m_tiles = tl.cdiv(m_dim, BLOCK_M)
     num_n_tiles = tl.cdiv(n_dim, BLOCK_N)
     tiles_per_expert = num_m_tiles * num_n_tiles
     expert = pid // tiles_per_expert
     tile = pid % tiles_per_expert
-    m_offs = (tile // num_n_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
-    n_offs = (tile % num_n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-    return expert, m_offs, n_offs
+    return expert, (tile // num_n_tiles) * BLOCK_M, (tile % num_n_tiles) * BLOCK_N
 
 
 @triton.jit
 def expert_row_block(row_source_ptr, r0, row_end, topk, BLOCK_K: tl.constexpr):
-    """Rows r0 + [0, BLOCK_K) of an expert: (rows, valid, slot, token); `valid` is false for
-    padding and for rows at or past row_end, whose slot and token read as 0."""
+    """(valid, token) of rows r0 + [0, BLOCK_K) of an expert; `valid` is false for padding
+    and for rows at or past row_end, whose token reads as 0."""
     rows = r0 + tl.arange(0, BLOCK_K)
     source = tl.load(row_source_ptr + rows, mask=rows < row_end, other=-1)
     valid = source >= 0
-    slot = tl.where(valid, source, 0)
-    return rows, valid, slot, slot // topk
+    return valid, tl.where(valid, source, 0) // topk
 
 
 @triton.jit
@@ -99,71 +104,66 @@ def store_weight_grad(ptrs, acc, mask, ACCUMULATE: tl.constexpr, OUT_BF16: tl.co
 @triton.jit
 def _down_wgrad_kernel(
     # pointers
-    d_out_ptr, topk_weights_ptr, h_ptr, d_w_ptr,
+    d_out_ptr, h_weighted_desc, d_w_ptr,
     # schedule
     row_source_ptr, expert_offsets_ptr,
     # sizes
     hidden, inter, topk,
     # strides
-    stride_dout_t, stride_h_r, stride_dw_e, stride_dw_h,
+    stride_dout_t, stride_dw_e, stride_dw_h,
     # meta
-    HAS_WEIGHTS: tl.constexpr, ACCUMULATE: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRETER: tl.constexpr,
+    ACCUMULATE: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRETER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    expert, m_offs, n_offs = expert_tile_coordinates(tl.program_id(0), hidden, inter, BLOCK_M, BLOCK_N)
+    expert, m0, n0 = expert_tile_coordinates(tl.program_id(0), hidden, inter, BLOCK_M, BLOCK_N)
+    m_offs = m0 + tl.arange(0, BLOCK_M)
+    n_offs = n0 + tl.arange(0, BLOCK_N)
     m_valid = m_offs < hidden
-    n_valid = n_offs < inter
     row_start = tl.load(expert_offsets_ptr + expert)
     row_end = tl.load(expert_offsets_ptr + expert + 1)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for r0 in range(row_start, row_end, BLOCK_K):
-        rows, valid, slot, token = expert_row_block(row_source_ptr, r0, row_end, topk, BLOCK_K)
-        # A = dyᵀ [BLOCK_M over H, BLOCK_K rows], gathered by token.
+        valid, token = expert_row_block(row_source_ptr, r0, row_end, topk, BLOCK_K)
+        # A = dOutᵀ [BLOCK_M over H, BLOCK_K rows], gathered by token.
         a = tl.load(
             d_out_ptr + token.to(tl.int64)[None, :] * stride_dout_t + m_offs[:, None],
             mask=m_valid[:, None] & valid[None, :], other=0.0,
         )
-        if HAS_WEIGHTS:
-            w = tl.load(topk_weights_ptr + slot, mask=valid, other=0.0)
-            a = round_to_bf16(a.to(tl.float32) * w[None, :], INTERPRETER)
-        # B = h [BLOCK_K rows, BLOCK_N over I].
-        b = tl.load(h_ptr + rows.to(tl.int64)[:, None] * stride_h_r + n_offs[None, :],
-                    mask=valid[:, None] & n_valid[None, :], other=0.0)
+        b = h_weighted_desc.load([r0, n0])  # [BLOCK_K rows, BLOCK_N over I]
         if INTERPRETER:  # the interpreter's bf16 tl.dot is wrong (DESIGN §6); fp32 is exact
             a, b = a.to(tl.float32), b.to(tl.float32)
         acc = tl.dot(a, b, acc)
     ptrs = d_w_ptr + expert.to(tl.int64) * stride_dw_e + m_offs[:, None].to(tl.int64) * stride_dw_h + n_offs[None, :]
-    store_weight_grad(ptrs, acc, m_valid[:, None] & n_valid[None, :], ACCUMULATE, OUT_BF16, INTERPRETER)
+    store_weight_grad(ptrs, acc, m_valid[:, None] & (n_offs < inter)[None, :], ACCUMULATE, OUT_BF16, INTERPRETER)
 
 
 @triton.jit
 def _gate_up_wgrad_kernel(
     # pointers
-    d_gate_up_ptr, x_ptr, d_w_gate_ptr, d_w_up_ptr,
+    d_gate_desc, d_up_desc, x_ptr, d_w_gate_ptr, d_w_up_ptr,
     # schedule
     row_source_ptr, expert_offsets_ptr,
     # sizes
     hidden, inter, topk,
     # strides
-    stride_dgu_r, stride_x_t, stride_dw_e, stride_dw_i,
+    stride_x_t, stride_dw_e, stride_dw_i,
     # meta
     ACCUMULATE: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRETER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    expert, m_offs, n_offs = expert_tile_coordinates(tl.program_id(0), inter, hidden, BLOCK_M, BLOCK_N)
-    m_valid = m_offs < inter
+    expert, m0, n0 = expert_tile_coordinates(tl.program_id(0), inter, hidden, BLOCK_M, BLOCK_N)
+    m_offs = m0 + tl.arange(0, BLOCK_M)
+    n_offs = n0 + tl.arange(0, BLOCK_N)
     n_valid = n_offs < hidden
     row_start = tl.load(expert_offsets_ptr + expert)
     row_end = tl.load(expert_offsets_ptr + expert + 1)
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for r0 in range(row_start, row_end, BLOCK_K):
-        rows, valid, slot, token = expert_row_block(row_source_ptr, r0, row_end, topk, BLOCK_K)
+        valid, token = expert_row_block(row_source_ptr, r0, row_end, topk, BLOCK_K)
         # A = d_gᵀ, d_uᵀ [BLOCK_M over I, BLOCK_K rows], straight from the sorted rows.
-        a_ptrs = d_gate_up_ptr + rows.to(tl.int64)[None, :] * stride_dgu_r + m_offs[:, None]
-        a_mask = m_valid[:, None] & valid[None, :]
-        a_gate = tl.load(a_ptrs, mask=a_mask, other=0.0)
-        a_up = tl.load(a_ptrs + inter, mask=a_mask, other=0.0)
+        a_gate = d_gate_desc.load([r0, m0]).T
+        a_up = d_up_desc.load([r0, m0]).T
         # B = x [BLOCK_K rows, BLOCK_N over H], gathered by token.
         b = tl.load(x_ptr + token.to(tl.int64)[:, None] * stride_x_t + n_offs[None, :],
                     mask=valid[:, None] & n_valid[None, :], other=0.0)
@@ -172,7 +172,7 @@ def _gate_up_wgrad_kernel(
         acc_gate = tl.dot(a_gate, b, acc_gate)
         acc_up = tl.dot(a_up, b, acc_up)
     offs = expert.to(tl.int64) * stride_dw_e + m_offs[:, None].to(tl.int64) * stride_dw_i + n_offs[None, :]
-    mask = m_valid[:, None] & n_valid[None, :]
+    mask = (m_offs < inter)[:, None] & n_valid[None, :]
     store_weight_grad(d_w_gate_ptr + offs, acc_gate, mask, ACCUMULATE, OUT_BF16, INTERPRETER)
     store_weight_grad(d_w_up_ptr + offs, acc_up, mask, ACCUMULATE, OUT_BF16, INTERPRETER)
 
@@ -192,10 +192,14 @@ def _check(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...], shape: t
 _MAIN_GRAD_DTYPES = (torch.float32, torch.bfloat16)
 
 
+def _check_block_k(cfg: dict, schedule: RoutingSchedule) -> None:
+    if schedule.block_m % cfg["BLOCK_K"]:
+        raise ValueError(f"schedule: expected a block_m that BLOCK_K={cfg['BLOCK_K']} divides, got {schedule.block_m}")
+
+
 def down_wgrad(
     d_out: torch.Tensor,  # [T, H] bf16
-    topk_weights: torch.Tensor | None,  # [T, topk] fp32; None: unweighted (the shared expert)
-    h: torch.Tensor,  # [capacity_rows, I] bf16, the forward's h
+    h_weighted: torch.Tensor,  # [capacity_rows, I] bf16, w·h of each sorted row (the down dgrad's)
     schedule: RoutingSchedule,
     topk: int,
     main_grad: torch.Tensor | None = None,  # [E_l, H, I] fp32/bf16, accumulated into in place
@@ -203,27 +207,25 @@ def down_wgrad(
 ) -> torch.Tensor:
     """d_w_down [E_l, H, I]: a new bf16 tensor, or `main_grad` after `main_grad += d_w_down`."""
     num_tokens, hidden = d_out.shape
-    inter = h.shape[-1]
+    inter = h_weighted.shape[-1]
     device = d_out.device
     experts = schedule.num_local_experts
     _check("d_out", d_out, (torch.bfloat16,), (num_tokens, hidden), device)
-    _check("h", h, (torch.bfloat16,), (schedule.capacity_rows, inter), device)
-    if topk_weights is not None:
-        _check("topk_weights", topk_weights, (torch.float32,), (num_tokens, topk), device)
+    _check("h_weighted", h_weighted, (torch.bfloat16,), (schedule.capacity_rows, inter), device)
     if main_grad is not None:
         _check("main_grad", main_grad, _MAIN_GRAD_DTYPES, (experts, hidden, inter), device)
     cfg = tile_config or wgrad_config("down", hidden, inter)
+    _check_block_k(cfg, schedule)
     out = main_grad
     if out is None:
         out = torch.empty(experts, hidden, inter, dtype=torch.bfloat16, device=device)  # [E_l, H, I]
     grid = (experts * triton.cdiv(hidden, cfg["BLOCK_M"]) * triton.cdiv(inter, cfg["BLOCK_N"]),)
     _down_wgrad_kernel[grid](
-        d_out, d_out if topk_weights is None else topk_weights, h, out,
+        d_out, tma_descriptor(h_weighted, (cfg["BLOCK_K"], cfg["BLOCK_N"])), out,
         schedule.row_source, schedule.expert_offsets,
         hidden, inter, topk,
-        d_out.stride(0), h.stride(0), out.stride(0), out.stride(1),
-        HAS_WEIGHTS=topk_weights is not None, ACCUMULATE=main_grad is not None,
-        OUT_BF16=out.dtype == torch.bfloat16, INTERPRETER=interpreting(), **cfg,
+        d_out.stride(0), out.stride(0), out.stride(1),
+        ACCUMULATE=main_grad is not None, OUT_BF16=out.dtype == torch.bfloat16, INTERPRETER=interpreting(), **cfg,
     )
     return out
 
@@ -254,12 +256,14 @@ def gate_up_wgrad(
         d_w_gate = torch.empty(experts, inter, hidden, dtype=torch.bfloat16, device=device)  # [E_l, I, H]
         d_w_up = torch.empty_like(d_w_gate)  # [E_l, I, H]
     cfg = tile_config or wgrad_config("gate_up", inter, hidden)
+    _check_block_k(cfg, schedule)
+    a_block = (cfg["BLOCK_K"], cfg["BLOCK_M"])
     grid = (experts * triton.cdiv(inter, cfg["BLOCK_M"]) * triton.cdiv(hidden, cfg["BLOCK_N"]),)
     _gate_up_wgrad_kernel[grid](
-        d_gate_up, x, d_w_gate, d_w_up,
+        tma_descriptor(d_gate_up[:, 0], a_block), tma_descriptor(d_gate_up[:, 1], a_block), x, d_w_gate, d_w_up,
         schedule.row_source, schedule.expert_offsets,
         hidden, inter, topk,
-        d_gate_up.stride(0), x.stride(0), d_w_gate.stride(0), d_w_gate.stride(1),
+        x.stride(0), d_w_gate.stride(0), d_w_gate.stride(1),
         ACCUMULATE=main_grad_gate is not None, OUT_BF16=d_w_gate.dtype == torch.bfloat16,
         INTERPRETER=interpreting(), **cfg,
     )
