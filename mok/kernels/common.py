@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
+import threading
 
 # Bits of a workspace's error flag (mok.functional turns them into messages).
 ERROR_BAD_EXPERT_ID = 1
@@ -35,11 +37,46 @@ def round_to_bf16(x, EMULATE_RNE: tl.constexpr):
     return x.to(tl.bfloat16)
 
 
+_THREAD_STATE = threading.local()
+
+
+def _make_cuda_context_current(device_index: int) -> None:
+    """Makes the device's primary CUDA context current on this thread, once per thread.
+
+    Creating a TMA descriptor is a driver call that needs a current context. A thread
+    that has run no CUDA work yet has none: PyTorch's autograd threads skip cudaSetDevice
+    when the device index already matches, so the first descriptor of a backward failed
+    with "invalid device context" (seen on H200). Triton's launcher does the same at
+    launch time, but descriptors are made before that. Driver calls only: no stream work,
+    so it is safe under CUDA-graph capture."""
+    done = getattr(_THREAD_STATE, "cuda_context_devices", None)
+    if done is None:
+        done = _THREAD_STATE.cuda_context_devices = set()
+    if device_index in done:
+        return
+    libcuda = ctypes.CDLL("libcuda.so.1")
+
+    def check(status: int) -> None:
+        if status != 0:
+            raise RuntimeError(f"CUDA driver error {status} while making device {device_index}'s context current")
+
+    context = ctypes.c_void_p()
+    check(libcuda.cuCtxGetCurrent(ctypes.byref(context)))
+    if not context.value:
+        device = ctypes.c_int()
+        check(libcuda.cuDeviceGet(ctypes.byref(device), device_index))
+        check(libcuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), device))
+        check(libcuda.cuCtxSetCurrent(context))
+    done.add(device_index)
+
+
 def tma_descriptor(t, block_shape):
     """A TMA tensor descriptor over `t` (any strides with a unit last stride; a 3-D weight
     [E, rows, cols] is flattened to [E·rows, cols]) loading blocks of `block_shape`.
     Out-of-bounds parts of a block read as zeros. TMA needs 16-byte aligned rows: bf16
     sizes that are multiples of 8, which `mok.validation` requires."""
+    if t.is_cuda:
+        _make_cuda_context_current(t.device.index)
     if t.dim() == 3:
         t = t.reshape(-1, t.shape[-1])
     return TensorDescriptor.from_tensor(t, list(block_shape))
