@@ -17,6 +17,7 @@ import torch
 
 from mok.bench.presets import GPU_PRESETS, PRESETS
 from mok.kernels.dgrad import down_dgrad_swiglu, gate_up_dgrad_scatter
+from mok.kernels.gather import gather_sorted_rows
 from mok.kernels.grouped_gemm import down_scatter, gate_up_swiglu
 from mok.kernels.schedule import build_routing_schedule
 from mok.kernels.wgrad import down_wgrad, gate_up_wgrad
@@ -34,9 +35,9 @@ CONFIGS = {
     "gate_up": _configs((128, 128, 64, 3), (128, 128, 64, 4)),
     "down": _configs((128, 256, 64, 3), (128, 256, 64, 4), (128, 128, 64, 4)),
     "down_dgrad": _configs((128, 128, 64, 3), (128, 128, 64, 4), (128, 64, 64, 4)),
-    "gate_up_dgrad": _configs((128, 128, 64, 3), (128, 128, 32, 4), (128, 256, 32, 3)),
-    "down_wgrad": _configs((128, 256, 64, 3), (128, 256, 64, 4), (128, 128, 64, 4), group_m=False),
-    "gate_up_wgrad": _configs((128, 128, 64, 3), (128, 128, 64, 4), (128, 128, 32, 4), group_m=False),
+    "gate_up_dgrad": _configs((128, 128, 64, 3), (128, 128, 64, 4), (128, 256, 64, 3), (128, 256, 32, 3)),
+    "down_wgrad": _configs((128, 256, 64, 3), (128, 128, 64, 4), group_m=False),
+    "gate_up_wgrad": _configs((128, 128, 64, 3), (128, 128, 64, 4), group_m=False),
 }
 # GEMM FLOPs per routed row, in units of H·I (gate/up GEMMs do two products).
 FLOPS_PER_ROUTE_HI = {"gate_up": 4, "down": 2, "down_dgrad": 2, "gate_up_dgrad": 4, "down_wgrad": 2, "gate_up_wgrad": 4}
@@ -48,12 +49,12 @@ def _kernel_call(kind, cfg, inp, sched, topk, operands):
     calls = {
         "gate_up": lambda: gate_up_swiglu(inp.x, inp.w_gate, inp.w_up, sched, topk, tile_config=cfg),
         "down": lambda: down_scatter(operands["h"], inp.w_down, sched, routes, tile_config=cfg),
-        "down_dgrad": lambda: down_dgrad_swiglu(operands["d_out"], inp.topk_weights, operands["gate_up"], inp.w_down,
-                                                sched, topk, tile_config=cfg),
+        "down_dgrad": lambda: down_dgrad_swiglu(operands["d_out_sorted"], inp.topk_weights, operands["gate_up"],
+                                                inp.w_down, sched, tile_config=cfg),
         "gate_up_dgrad": lambda: gate_up_dgrad_scatter(operands["gate_up"], inp.w_gate, inp.w_up, sched, routes,
                                                        tile_config=cfg),
-        "down_wgrad": lambda: down_wgrad(operands["d_out"], operands["h"], sched, topk, tile_config=cfg),
-        "gate_up_wgrad": lambda: gate_up_wgrad(operands["gate_up"], inp.x, sched, topk, tile_config=cfg),
+        "down_wgrad": lambda: down_wgrad(operands["d_out_sorted"], operands["h"], sched, tile_config=cfg),
+        "gate_up_wgrad": lambda: gate_up_wgrad(operands["gate_up"], operands["x_sorted"], sched, tile_config=cfg),
     }
     return calls[kind]
 
@@ -75,8 +76,10 @@ def main() -> None:
         operands = {  # [rows, ...] sorted-layout operands: random, zero in padding rows as the kernels leave them
             "h": torch.randn(sched.capacity_rows, I, device="cuda").bfloat16(),
             "gate_up": torch.randn(sched.capacity_rows, 2, I, device="cuda").bfloat16(),
-            "d_out": torch.randn(T, H, device="cuda").bfloat16(),
         }
+        operands["x_sorted"], operands["d_out_sorted"] = gather_sorted_rows(
+            inp.x, torch.randn(T, H, device="cuda").bfloat16(), sched, topk
+        )
         padding = sched.row_source < 0
         operands["h"][padding] = 0
         operands["gate_up"][padding] = 0

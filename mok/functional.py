@@ -404,26 +404,34 @@ def recompute_forward_context(
 
 
 def _expert_mlp_backward(d_out, x, topk_weights, weights, gate_up, routing, block_m, topk, num_slots, swiglu_limit,
-                         main_grads=(None, None, None)):
+                         main_grads=(None, None, None), *, token_order=False):
     """dx_slots [num_slots, H] and the weight gradients of the experts in `routing` (plus
     d_topk_weights [T, topk] fp32 when `topk_weights` is given, else an empty tensor). A
     weight with a `main_grads` buffer gets its gradient added into it, in place, and the
-    buffer stands in its place among the returned gradients."""
+    buffer stands in its place among the returned gradients.
+
+    The GEMMs read x and dOut in the sorted layout; `token_order=True` says the routing's
+    sorted rows are the tokens in order (the shared expert's), so x and dOut serve as they
+    are instead of being gathered."""
     w_gate, w_up, w_down = weights
     main_gate, main_up, main_down = main_grads
+    if token_order:
+        x_sorted, d_out_sorted = x, d_out
+    else:
+        x_sorted, d_out_sorted = ops.gather_sorted_rows(x, d_out, routing, block_m, topk)
     d_gate_up, h_weighted, d_topk_weights = ops.down_dgrad_swiglu(
-        d_out, topk_weights, gate_up, w_down, routing, block_m, topk, swiglu_limit
+        d_out_sorted, topk_weights, gate_up, w_down, routing, block_m, swiglu_limit
     )
     dx_slots = ops.gate_up_dgrad_scatter(d_gate_up, w_gate, w_up, routing, block_m, num_slots)
     if main_gate is None:
-        d_w_gate, d_w_up = ops.gate_up_wgrad(d_gate_up, x, routing, block_m, topk)
+        d_w_gate, d_w_up = ops.gate_up_wgrad(d_gate_up, x_sorted, routing, block_m)
     else:
-        ops.gate_up_wgrad_accumulate(main_gate, main_up, d_gate_up, x, routing, block_m, topk)
+        ops.gate_up_wgrad_accumulate(main_gate, main_up, d_gate_up, x_sorted, routing, block_m)
         d_w_gate, d_w_up = main_gate, main_up
     if main_down is None:
-        d_w_down = ops.down_wgrad(d_out, h_weighted, routing, block_m, topk)
+        d_w_down = ops.down_wgrad(d_out_sorted, h_weighted, routing, block_m)
     else:
-        ops.down_wgrad_accumulate(main_down, d_out, h_weighted, routing, block_m, topk)
+        ops.down_wgrad_accumulate(main_down, d_out_sorted, h_weighted, routing, block_m)
         d_w_down = main_down
     return dx_slots, d_topk_weights, (d_w_gate, d_w_up, d_w_down)
 
@@ -449,6 +457,7 @@ def _triton_backward(schedule, saved, d_out, x, topk_weights, shared, routed, sw
             d_out, x, None, shared_experts, saved["gate_up_shared"], schedule.shared_routing,
             schedule.block_m, 1, num_tokens, swiglu_limit,
             tuple(None if main_grads.get(n) is None else main_grads[n].unsqueeze(0) for n in _SHARED),
+            token_order=True,
         )
         shared_grads = tuple(g.squeeze(0) for g in grads)
     ones = torch.ones(num_tokens, topk, dtype=torch.float32, device=x.device)  # [T, topk]: unweighted sum

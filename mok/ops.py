@@ -142,20 +142,43 @@ def _(y, topk_weights, y_shared):
     return y.new_empty(topk_weights.shape[0], y.shape[1])
 
 
-# --------------------------------------------------------------------------- backward: dgrad
+# --------------------------------------------------------------------------- backward: sorted rows
 
-from mok.kernels import dgrad, wgrad  # noqa: E402  (the backward section keeps its imports here)
+from mok.kernels import dgrad, gather, wgrad  # noqa: E402  (the backward section keeps its imports here)
+
+
+@_custom_op("gather_sorted_rows", ())
+def gather_sorted_rows(
+    a: torch.Tensor,
+    b: torch.Tensor | None,
+    schedule_tensors: list[torch.Tensor],
+    block_m: int,
+    topk: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """a_sorted, b_sorted [rows, H] bf16: the token rows of every route in the sorted
+    layout, zeros at padding (b_sorted an empty [0, H] without b)."""
+    routing = routing_from_tensors(schedule_tensors, block_m)
+    a_sorted, b_sorted = gather.gather_sorted_rows(a, b, routing, topk)
+    return a_sorted, a.new_empty(0, a.shape[1]) if b_sorted is None else b_sorted
+
+
+@gather_sorted_rows.op.register_fake
+def _(a, b, schedule_tensors, block_m, topk):
+    rows = schedule_tensors[0].shape[0]
+    return a.new_empty(rows, a.shape[1]), a.new_empty(0 if b is None else rows, a.shape[1])
+
+
+# --------------------------------------------------------------------------- backward: dgrad
 
 
 @_custom_op("down_dgrad_swiglu", ())
 def down_dgrad_swiglu(
-    d_out: torch.Tensor,
+    d_out_sorted: torch.Tensor,
     topk_weights: torch.Tensor | None,
     gate_up: torch.Tensor,
     w_down: torch.Tensor,
     schedule_tensors: list[torch.Tensor],
     block_m: int,
-    topk: int,
     swiglu_limit: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """d_gate_up [rows, 2, I] bf16, h_weighted [rows, I] bf16 (w·h, the down wgrad's
@@ -163,20 +186,20 @@ def down_dgrad_swiglu(
     None: the shared expert has no router weight)."""
     routing = routing_from_tensors(schedule_tensors, block_m)
     d_gate_up, h_weighted, d_topk_weights = dgrad.down_dgrad_swiglu(
-        d_out, topk_weights, gate_up, w_down, routing, topk, swiglu_limit
+        d_out_sorted, topk_weights, gate_up, w_down, routing, swiglu_limit
     )
     if d_topk_weights is None:
-        d_topk_weights = d_out.new_empty(0, dtype=torch.float32)
+        d_topk_weights = gate_up.new_empty(0, dtype=torch.float32)
     return d_gate_up, h_weighted, d_topk_weights
 
 
 @down_dgrad_swiglu.op.register_fake
-def _(d_out, topk_weights, gate_up, w_down, schedule_tensors, block_m, topk, swiglu_limit):
+def _(d_out_sorted, topk_weights, gate_up, w_down, schedule_tensors, block_m, swiglu_limit):
     shape = (0,) if topk_weights is None else tuple(topk_weights.shape)
     return (
         gate_up.new_empty(gate_up.shape),
         gate_up.new_empty(gate_up.shape[0], gate_up.shape[2]),
-        d_out.new_empty(shape, dtype=torch.float32),
+        gate_up.new_empty(shape, dtype=torch.float32),
     )
 
 
@@ -204,57 +227,54 @@ def _(d_gate_up, w_gate, w_up, schedule_tensors, block_m, num_slots):
 
 @_custom_op("down_wgrad", ())
 def down_wgrad(
-    d_out: torch.Tensor,
+    d_out_sorted: torch.Tensor,
     h_weighted: torch.Tensor,
     schedule_tensors: list[torch.Tensor],
     block_m: int,
-    topk: int,
 ) -> torch.Tensor:
     """d_w_down [E_l, H, I] bf16 = Σ_rows dOutᵀ (w·h) per expert, fp32 accumulation."""
     routing = routing_from_tensors(schedule_tensors, block_m)
-    return wgrad.down_wgrad(d_out, h_weighted, routing, topk)
+    return wgrad.down_wgrad(d_out_sorted, h_weighted, routing)
 
 
 @down_wgrad.op.register_fake
-def _(d_out, h_weighted, schedule_tensors, block_m, topk):
-    return h_weighted.new_empty(schedule_tensors[3].shape[0], d_out.shape[1], h_weighted.shape[1])
+def _(d_out_sorted, h_weighted, schedule_tensors, block_m):
+    return h_weighted.new_empty(schedule_tensors[3].shape[0], d_out_sorted.shape[1], h_weighted.shape[1])
 
 
 @_custom_op("down_wgrad_accumulate", ("main_grad",))
 def down_wgrad_accumulate(
     main_grad: torch.Tensor,
-    d_out: torch.Tensor,
+    d_out_sorted: torch.Tensor,
     h_weighted: torch.Tensor,
     schedule_tensors: list[torch.Tensor],
     block_m: int,
-    topk: int,
 ) -> None:
     """main_grad [E_l, H, I] fp32/bf16 += d_w_down, in place (Megatron-style main_grad)."""
     routing = routing_from_tensors(schedule_tensors, block_m)
-    wgrad.down_wgrad(d_out, h_weighted, routing, topk, main_grad=main_grad)
+    wgrad.down_wgrad(d_out_sorted, h_weighted, routing, main_grad=main_grad)
 
 
 @down_wgrad_accumulate.op.register_fake
-def _(main_grad, d_out, h_weighted, schedule_tensors, block_m, topk):
+def _(main_grad, d_out_sorted, h_weighted, schedule_tensors, block_m):
     return None
 
 
 @_custom_op("gate_up_wgrad", ())
 def gate_up_wgrad(
     d_gate_up: torch.Tensor,
-    x: torch.Tensor,
+    x_sorted: torch.Tensor,
     schedule_tensors: list[torch.Tensor],
     block_m: int,
-    topk: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(d_w_gate, d_w_up) [E_l, I, H] bf16 = Σ_rows d_gᵀ x, d_uᵀ x per expert, fp32 accumulation."""
     routing = routing_from_tensors(schedule_tensors, block_m)
-    return wgrad.gate_up_wgrad(d_gate_up, x, routing, topk)
+    return wgrad.gate_up_wgrad(d_gate_up, x_sorted, routing)
 
 
 @gate_up_wgrad.op.register_fake
-def _(d_gate_up, x, schedule_tensors, block_m, topk):
-    shape = (schedule_tensors[3].shape[0], d_gate_up.shape[2], x.shape[1])
+def _(d_gate_up, x_sorted, schedule_tensors, block_m):
+    shape = (schedule_tensors[3].shape[0], d_gate_up.shape[2], x_sorted.shape[1])
     return d_gate_up.new_empty(shape), d_gate_up.new_empty(shape)
 
 
@@ -263,18 +283,17 @@ def gate_up_wgrad_accumulate(
     main_grad_gate: torch.Tensor,
     main_grad_up: torch.Tensor,
     d_gate_up: torch.Tensor,
-    x: torch.Tensor,
+    x_sorted: torch.Tensor,
     schedule_tensors: list[torch.Tensor],
     block_m: int,
-    topk: int,
 ) -> None:
     """main_grad_gate, main_grad_up [E_l, I, H] fp32/bf16 += d_w_gate, d_w_up, in place."""
     routing = routing_from_tensors(schedule_tensors, block_m)
-    wgrad.gate_up_wgrad(d_gate_up, x, routing, topk, main_grad_gate, main_grad_up)
+    wgrad.gate_up_wgrad(d_gate_up, x_sorted, routing, main_grad_gate, main_grad_up)
 
 
 @gate_up_wgrad_accumulate.op.register_fake
-def _(main_grad_gate, main_grad_up, d_gate_up, x, schedule_tensors, block_m, topk):
+def _(main_grad_gate, main_grad_up, d_gate_up, x_sorted, schedule_tensors, block_m):
     return None
 
 

@@ -80,14 +80,17 @@ def test_backward_ops_schema_and_fake_impls(kernel_device):
     gate_up = torch.randn(rows, 2, I, generator=gen).bfloat16().to(kernel_device)
     d_out = torch.randn(T, H, generator=gen).bfloat16().to(kernel_device)
     zeros = lambda *shape: torch.zeros(*shape, device=kernel_device)  # noqa: E731
+    sorted_rows = torch.randn(rows, H, generator=gen).bfloat16().to(kernel_device)
     cases = [
-        (ops.down_dgrad_swiglu, (d_out, inp.topk_weights, gate_up, inp.w_down, list(routing), block_m, topk, 0.5)),
-        (ops.down_dgrad_swiglu, (d_out, None, gate_up, inp.w_down, list(routing), block_m, topk, None)),
+        (ops.gather_sorted_rows, (inp.x, d_out, list(routing), block_m, topk)),
+        (ops.gather_sorted_rows, (inp.x, None, list(routing), block_m, topk)),
+        (ops.down_dgrad_swiglu, (sorted_rows, inp.topk_weights, gate_up, inp.w_down, list(routing), block_m, 0.5)),
+        (ops.down_dgrad_swiglu, (sorted_rows, None, gate_up, inp.w_down, list(routing), block_m, None)),
         (ops.gate_up_dgrad_scatter, (gate_up, inp.w_gate, inp.w_up, list(routing), block_m, T * topk)),
-        (ops.down_wgrad, (d_out, h, list(routing), block_m, topk)),
-        (ops.down_wgrad_accumulate, (zeros(E, H, I), d_out, h, list(routing), block_m, topk)),
-        (ops.gate_up_wgrad, (gate_up, inp.x, list(routing), block_m, topk)),
-        (ops.gate_up_wgrad_accumulate, (zeros(E, I, H), zeros(E, I, H), gate_up, inp.x, list(routing), block_m, topk)),
+        (ops.down_wgrad, (sorted_rows, h, list(routing), block_m)),
+        (ops.down_wgrad_accumulate, (zeros(E, H, I), sorted_rows, h, list(routing), block_m)),
+        (ops.gate_up_wgrad, (gate_up, sorted_rows, list(routing), block_m)),
+        (ops.gate_up_wgrad_accumulate, (zeros(E, I, H), zeros(E, I, H), gate_up, sorted_rows, list(routing), block_m)),
     ]
     for op, args in cases:
         # The schema check (declared mutations) reruns the op: only for the ops that mutate.

@@ -16,9 +16,10 @@ intermediate size, topk routes per token, E_l local experts. g, u are the pre-ac
 the forward stored ([rows, 2, I] bf16); h = silu(min(g, L)) · clamp(u, −L, L) is
 recomputed from them in fp32.
 
-The down dgrad gathers dOut rows by token inside its loads (no `w·dOut` buffer, no
-permuted copy) and applies the router weight to the fp32 accumulator: d_h never exists
-in bf16, and d_g, d_u carry a single bf16 rounding (at the d_gate_up store). The
+The down dgrad reads dOut rows already in the sorted layout (`gather.py`'s d_out_sorted,
+zeros in padding rows, shared with the wgrad GEMMs) and applies the router weight to the
+fp32 accumulator: d_h never exists in bf16, and d_g, d_u carry a single bf16 rounding
+(at the d_gate_up store). The
 router-weight gradient is the row-dot ⟨dOut[t]·Wd[e], h[r]⟩ over I, which equals
 ⟨dOut[t], y⟩: each program writes the partial dot of its N tile, a second tiny launch
 sums them in ascending tile order. It never divides by w, so it is exact for any sign
@@ -35,10 +36,13 @@ Padding rows (src = −1) get exact zeros in d_gate_up and h_weighted: the wgrad
 read those operands through TMA without masks and rely on it. Rows past the schedule's
 `num_rows` are not written. dx_slots rows no route points to are not written.
 
-The weights and d_gate_up are read through TMA descriptors. A weight viewed as
-[E·K, N] lets the last K step of an expert read the next expert's first rows when K is
-not a multiple of BLOCK_K; the other operand is zero there, so they add nothing (for
-finite weights).
+Every GEMM operand is read through a TMA descriptor: the sorted rows (d_out_sorted,
+d_gate_up) and the weights. A weight viewed as [E·K, N] lets the last K step of an
+expert read the next expert's first rows when K is not a multiple of BLOCK_K; the
+sorted operand is zero there (TMA fills past its last column), so they add nothing (for
+finite weights). A sorted operand with fewer rows than the schedule's capacity reads
+zeros past its end: the shared expert's sorted layout is the token order itself, so it
+passes x and dOut as they are.
 
 Caller contract: the schedule was built with the same BLOCK_M as these kernels' tiles
 (checked); `gate_up` holds the forward's pre-activations for every row below `num_rows`.
@@ -54,6 +58,7 @@ import triton.language as tl
 
 from mok.kernels.common import interpreting, round_to_bf16, tma_descriptor
 from mok.kernels.grouped_gemm import routing_block_m, tile_coordinates
+from mok.kernels.gather import check_sorted_rows
 from mok.kernels.schedule import RoutingSchedule
 from mok.kernels.swiglu import swiglu_backward
 
@@ -80,47 +85,21 @@ def dgrad_config(kind: str, n_dim: int, reduce_dim: int) -> dict:
 
 
 @triton.jit
-def gathered_rows_times_weight(
-    a_ptr, a_row, row_valid, w_desc, expert, n0, reduce_dim, stride_a_r,
-    BLOCK_K: tl.constexpr, INTERPRETER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def sorted_rows_times_weight(
+    a_desc, m0, w_desc, expert, n0, reduce_dim, acc,
+    BLOCK_K: tl.constexpr, INTERPRETER: tl.constexpr,
 ):
-    """a[a_row] · W[expert][:, n0 : n0+BLOCK_N] [BLOCK_M, BLOCK_N] fp32, where W[expert] is a
+    """acc + a[m0 : m0+BLOCK_M] · W[expert][:, n0 : n0+BLOCK_N] in fp32, where a is read
+    through `a_desc` (blocks [BLOCK_M, BLOCK_K] of sorted rows) and W[expert] is a
     row-major [reduce_dim, n_dim] matrix read through `w_desc` (blocks [BLOCK_K, BLOCK_N]
-    over [E·reduce_dim, n_dim]): the "nn" product of a dgrad. Rows with row_valid false
-    read zeros."""
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_offs = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + a_row.to(tl.int64)[:, None] * stride_a_r + k_offs[None, :]
+    over [E·reduce_dim, n_dim]): the "nn" product of a dgrad."""
     w_row = expert * reduce_dim
     for k0 in range(0, reduce_dim, BLOCK_K):
-        a = tl.load(a_ptrs + k0, mask=row_valid[:, None] & (k0 + k_offs < reduce_dim)[None, :], other=0.0)
+        a = a_desc.load([m0, k0])
         b = w_desc.load([w_row + k0, n0])
         if INTERPRETER:  # the interpreter's bf16 tl.dot is wrong (DESIGN §6); fp32 is exact
             a, b = a.to(tl.float32), b.to(tl.float32)
         acc = tl.dot(a, b, acc)
-    return acc
-
-
-@triton.jit
-def gate_up_dgrad_tile(
-    d_gate_desc, d_up_desc, m0, w_gate_desc, w_up_desc, expert, n0, inter,
-    BLOCK_K: tl.constexpr, INTERPRETER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    """d_g[m0 : m0+BLOCK_M] · Wg[expert][:, n0 : n0+BLOCK_N] + d_u[...] · Wu[expert][...]
-    [BLOCK_M, BLOCK_N] fp32, one accumulator, K loop over I; every operand through TMA
-    (d_g, d_u: [rows, I] halves of d_gate_up, zero past I)."""
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    w_row = expert * inter
-    for k0 in range(0, inter, BLOCK_K):
-        a_gate = d_gate_desc.load([m0, k0])
-        a_up = d_up_desc.load([m0, k0])
-        b_gate = w_gate_desc.load([w_row + k0, n0])
-        b_up = w_up_desc.load([w_row + k0, n0])
-        if INTERPRETER:
-            a_gate, a_up = a_gate.to(tl.float32), a_up.to(tl.float32)
-            b_gate, b_up = b_gate.to(tl.float32), b_up.to(tl.float32)
-        acc = tl.dot(a_gate, b_gate, acc)
-        acc = tl.dot(a_up, b_up, acc)
     return acc
 
 
@@ -130,13 +109,13 @@ def gate_up_dgrad_tile(
 @triton.jit
 def _down_dgrad_swiglu_kernel(
     # pointers
-    d_out_ptr, topk_weights_ptr, gate_up_ptr, w_down_desc, d_gate_up_ptr, h_weighted_ptr, route_partials_ptr,
+    d_out_desc, topk_weights_ptr, gate_up_ptr, w_down_desc, d_gate_up_ptr, h_weighted_ptr, route_partials_ptr,
     # schedule
     row_source_ptr, tile_expert_ptr, num_rows_ptr,
     # sizes
-    hidden, inter, topk, max_m_tiles, swiglu_limit,
+    hidden, inter, max_m_tiles, swiglu_limit,
     # strides
-    stride_dout_t, stride_gu_r, stride_dgu_r, stride_hw_r,
+    stride_gu_r, stride_dgu_r, stride_hw_r,
     # meta
     HAS_WEIGHTS: tl.constexpr, HAS_LIMIT: tl.constexpr, INTERPRETER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -150,12 +129,11 @@ def _down_dgrad_swiglu_kernel(
     source = tl.load(row_source_ptr + rows)
     row_valid = source >= 0
     slot = tl.where(row_valid, source, 0)
-    token = slot // topk
     n_offs = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     # a = dOut[t] · Wd[e] over H, unweighted: Wd[e] is [H, I], so its rows are the K dim.
-    d_out_wd = gathered_rows_times_weight(
-        d_out_ptr, token, row_valid, w_down_desc, expert, n_tile * BLOCK_N, hidden,
-        stride_dout_t, BLOCK_K, INTERPRETER, BLOCK_M, BLOCK_N,
+    d_out_wd = sorted_rows_times_weight(
+        d_out_desc, m_tile * BLOCK_M, w_down_desc, expert, n_tile * BLOCK_N, hidden,
+        tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), BLOCK_K, INTERPRETER,
     )
     out_mask = (n_offs < inter)[None, :]
     rows64 = rows.to(tl.int64)[:, None]
@@ -167,12 +145,11 @@ def _down_dgrad_swiglu_kernel(
         w = tl.load(topk_weights_ptr + slot, mask=row_valid, other=0.0)
     d_gate, d_up, h = swiglu_backward(w[:, None] * d_out_wd, gate, up, swiglu_limit, HAS_LIMIT)
     # Padding rows: exact zeros whatever the saved g, u hold there.
-    d_gate = tl.where(row_valid[:, None], d_gate, 0.0)
-    d_up = tl.where(row_valid[:, None], d_up, 0.0)
-    h_weighted = tl.where(row_valid[:, None], w[:, None] * h, 0.0)
+    valid = row_valid[:, None]
     dgu_ptrs = d_gate_up_ptr + rows64 * stride_dgu_r + n_offs[None, :]
-    tl.store(dgu_ptrs, round_to_bf16(d_gate, INTERPRETER), mask=out_mask)
-    tl.store(dgu_ptrs + inter, round_to_bf16(d_up, INTERPRETER), mask=out_mask)
+    tl.store(dgu_ptrs, round_to_bf16(tl.where(valid, d_gate, 0.0), INTERPRETER), mask=out_mask)
+    tl.store(dgu_ptrs + inter, round_to_bf16(tl.where(valid, d_up, 0.0), INTERPRETER), mask=out_mask)
+    h_weighted = tl.where(valid, w[:, None] * h, 0.0)
     tl.store(h_weighted_ptr + rows64 * stride_hw_r + n_offs[None, :], round_to_bf16(h_weighted, INTERPRETER), mask=out_mask)
     if HAS_WEIGHTS:
         # ⟨dOut[t]·Wd[e], h[r]⟩ over this N tile (columns past I are zero on both sides).
@@ -215,10 +192,11 @@ def _gate_up_dgrad_scatter_kernel(
     rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     n_offs = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     # Each output row depends only on its own d_gate_up row: padding rows cannot leak.
-    dx = gate_up_dgrad_tile(
-        d_gate_desc, d_up_desc, m_tile * BLOCK_M, w_gate_desc, w_up_desc, expert, n_tile * BLOCK_N, inter,
-        BLOCK_K, INTERPRETER, BLOCK_M, BLOCK_N,
-    )
+    # d_g · Wg[e] + d_u · Wu[e]: one accumulator through two K loops over I.
+    m0, n0 = m_tile * BLOCK_M, n_tile * BLOCK_N
+    dx = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    dx = sorted_rows_times_weight(d_gate_desc, m0, w_gate_desc, expert, n0, inter, dx, BLOCK_K, INTERPRETER)
+    dx = sorted_rows_times_weight(d_up_desc, m0, w_up_desc, expert, n0, inter, dx, BLOCK_K, INTERPRETER)
     source = tl.load(row_source_ptr + rows)
     slot = tl.where(source >= 0, source, 0).to(tl.int64)
     mask = (source >= 0)[:, None] & (n_offs[None, :] < hidden)
@@ -242,12 +220,11 @@ def _check_block_m(cfg: dict, schedule: RoutingSchedule) -> None:
 
 
 def down_dgrad_swiglu(
-    d_out: torch.Tensor,  # [T, H] bf16
+    d_out_sorted: torch.Tensor,  # [<= capacity_rows, H] bf16, dOut in the sorted layout (zeros at padding)
     topk_weights: torch.Tensor | None,  # [T, topk] fp32; None: unweighted (the shared expert)
     gate_up: torch.Tensor,  # [capacity_rows, 2, I] bf16, the forward's g, u
     w_down: torch.Tensor,  # [E_l, H, I] bf16
     schedule: RoutingSchedule,
-    topk: int,
     swiglu_limit: float | None = None,
     tile_config: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -257,20 +234,17 @@ def down_dgrad_swiglu(
     d_gate_up holds (d_g, d_u) per sorted row and h_weighted the row's w·h (h without
     topk_weights), both exact zeros in padding rows; rows past the schedule's `num_rows`
     are left unwritten. d_topk_weights is returned when `topk_weights` is given (routed
-    experts) and None otherwise (shared expert)."""
+    experts) and None otherwise (shared expert). Rows of d_out_sorted past its end read
+    as zeros."""
     num_experts, hidden, inter = w_down.shape
-    device = d_out.device
-    if d_out.dim() != 2 or d_out.shape[1] != hidden or d_out.dtype != torch.bfloat16 or not d_out.is_contiguous():
-        raise ValueError(
-            f"d_out: expected a contiguous bf16 [T, {hidden}] tensor, got {d_out.dtype} {list(d_out.shape)}"
-        )
-    num_tokens = d_out.shape[0]
+    device = gate_up.device
+    check_sorted_rows("d_out_sorted", d_out_sorted, hidden, schedule)
     if topk_weights is not None and (
-        topk_weights.dtype != torch.float32 or tuple(topk_weights.shape) != (num_tokens, topk)
-        or not topk_weights.is_contiguous() or topk_weights.device != device
+        topk_weights.dtype != torch.float32 or topk_weights.dim() != 2 or not topk_weights.is_contiguous()
+        or topk_weights.device != device
     ):
         raise ValueError(
-            f"topk_weights: expected a contiguous fp32 tensor of shape [{num_tokens}, {topk}] on {device}, "
+            f"topk_weights: expected a contiguous fp32 [T, topk] tensor on {device}, "
             f"got {topk_weights.dtype} {list(topk_weights.shape)} on {topk_weights.device}"
         )
     _check_bf16("w_down", w_down, (schedule.num_local_experts, hidden, inter), device)
@@ -281,22 +255,22 @@ def down_dgrad_swiglu(
     d_gate_up = torch.empty_like(gate_up)  # [capacity_rows, 2, I] bf16
     h_weighted = torch.empty(schedule.capacity_rows, inter, dtype=torch.bfloat16, device=device)  # [capacity_rows, I]
     weighted = topk_weights is not None
-    num_slots = num_tokens * topk
+    num_slots = topk_weights.numel() if weighted else 0
     # [T·topk, I / BLOCK_N] fp32: every slot a placed route points to is fully written.
-    route_partials = torch.empty(num_slots if weighted else 0, num_n_tiles, dtype=torch.float32, device=device)
+    route_partials = torch.empty(num_slots, num_n_tiles, dtype=torch.float32, device=device)
     grid = (schedule.max_tiles * num_n_tiles,)
     _down_dgrad_swiglu_kernel[grid](
-        d_out, topk_weights if weighted else d_out, gate_up, tma_descriptor(w_down, (cfg["BLOCK_K"], cfg["BLOCK_N"])),
-        d_gate_up, h_weighted,
+        tma_descriptor(d_out_sorted, (cfg["BLOCK_M"], cfg["BLOCK_K"])), topk_weights if weighted else d_gate_up,
+        gate_up, tma_descriptor(w_down, (cfg["BLOCK_K"], cfg["BLOCK_N"])), d_gate_up, h_weighted,
         route_partials if weighted else d_gate_up,  # unused without weights (HAS_WEIGHTS=False)
         schedule.row_source, schedule.tile_expert, schedule.num_rows,
-        hidden, inter, topk, schedule.max_tiles, 0.0 if swiglu_limit is None else float(swiglu_limit),
-        d_out.stride(0), gate_up.stride(0), d_gate_up.stride(0), h_weighted.stride(0),
+        hidden, inter, schedule.max_tiles, 0.0 if swiglu_limit is None else float(swiglu_limit),
+        gate_up.stride(0), d_gate_up.stride(0), h_weighted.stride(0),
         HAS_WEIGHTS=weighted, HAS_LIMIT=swiglu_limit is not None, INTERPRETER=interpreting(), **cfg,
     )
     if not weighted:
         return d_gate_up, h_weighted, None
-    d_topk_weights = torch.empty(num_tokens, topk, dtype=torch.float32, device=device)  # [T, topk] fp32
+    d_topk_weights = torch.empty_like(topk_weights)  # [T, topk] fp32
     block_s = 128
     _sum_route_partials_kernel[(triton.cdiv(num_slots, block_s),)](
         route_partials, d_topk_weights, num_slots, num_n_tiles, BLOCK_S=block_s, num_warps=4,

@@ -1,25 +1,27 @@
 """Weight-gradient (wgrad) grouped GEMMs of the expert MLPs: reductions over each expert's rows.
 
-    down:     d_w_down[e] = Σ_{r of e} dOut[t]ᵀ · h_weighted[r]   [H, I]   h_weighted[r] = bf16(w[t,j] · h[r])
-    gate/up:  d_w_gate[e] = Σ_{r of e} d_g[r]ᵀ · x[t]             [I, H]
-              d_w_up[e]   = Σ_{r of e} d_u[r]ᵀ · x[t]             [I, H]   (one launch, shared x tile)
+    down:     d_w_down[e] = Σ_{r of e} dOut_sorted[r]ᵀ · h_weighted[r]   [H, I]   h_weighted[r] = bf16(w[t,j] · h[r])
+    gate/up:  d_w_gate[e] = Σ_{r of e} d_g[r]ᵀ · x_sorted[r]             [I, H]
+              d_w_up[e]   = Σ_{r of e} d_u[r]ᵀ · x_sorted[r]             [I, H]   (one launch, shared x tile)
 
 Legend: r a row of the expert-sorted layout of `schedule.py` in
-[expert_offsets[e], expert_offsets[e+1]), src(r) = row_source[r] = t·topk + j (−1:
-padding), T tokens, H hidden, I intermediate size, topk routes per token, E_l local
-experts. `h_weighted` [rows, I] and `d_gate_up` [rows, 2, I] are in the sorted layout
-(both written by the down dgrad) and are read through TMA descriptors; dOut and x rows
-are gathered by token inside pointer loads (no permuted copies).
+[expert_offsets[e], expert_offsets[e+1]), T tokens, H hidden, I intermediate size, E_l
+local experts. Every operand is in the sorted layout and read through TMA: x_sorted and
+dOut_sorted [rows, H] (`gather.py`), h_weighted [rows, I] and d_gate_up [rows, 2, I] (the
+down dgrad's). Gathering x and dOut by token inside these loads would need a new index
+vector every K step (the reduction runs over rows); measured on H200 that held the
+kernels at ~360 TFLOPS against 570–660 over sorted operands (BENCHMARKS.md).
 
-The router weight is already in h_weighted (Σ (w·dOut)ᵀ h = Σ dOutᵀ (w·h)), so neither
+The router weight is already in h_weighted (Σ (w·dOut)ᵀ h = Σ dOutᵀ (w·h)), so no
 operand passes through registers between its load and the MMA. h_weighted carries one
 bf16 rounding of w·h (relative 2^-9 per element, far inside SPEC's bf16 bar).
 
-Padding rows: the gathered operand is masked to zero there, and the sorted operand must
-hold finite values there (the down dgrad writes exact zeros), so padding adds exactly
-nothing. The K loop steps BLOCK_K rows at a time inside [expert_offsets[e],
-expert_offsets[e+1]), which the schedule pads to its BLOCK_M: BLOCK_K must divide
-BLOCK_M (checked), so no step reads another expert's rows.
+Padding rows hold zeros in the sorted operands (their producers write them so), and a
+sorted operand with fewer rows than the schedule's capacity reads zeros past its end
+(TMA), so padding adds exactly nothing without any mask. The K loop steps BLOCK_K rows
+at a time inside [expert_offsets[e], expert_offsets[e+1]), which the schedule pads to
+its BLOCK_M: BLOCK_K must divide BLOCK_M (checked), so no step reads another expert's
+rows.
 
 Grid: one program per (expert, M tile, N tile) of the output, expert outermost; each
 program walks its expert's rows in ascending order and accumulates in fp32, then stores
@@ -29,8 +31,8 @@ no rows run zero steps and write exact zeros (or leave main_grad unchanged). No 
 fixed order: deterministic run to run.
 
 Caller contract: the schedule was built for these rows; every row in
-[expert_offsets[e], expert_offsets[e+1]) holds valid h_weighted / d_gate_up data
-(zeros at padding).
+[expert_offsets[e], expert_offsets[e+1]) of each operand holds its data (zeros at
+padding).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import triton
 import triton.language as tl
 
 from mok.kernels.common import interpreting, round_to_bf16, tma_descriptor
+from mok.kernels.gather import check_sorted_rows
 from mok.kernels.schedule import RoutingSchedule
 
 # --------------------------------------------------------------------------- configs
@@ -48,11 +51,12 @@ from mok.kernels.schedule import RoutingSchedule
 def wgrad_config(kind: str, m_dim: int, n_dim: int) -> dict:
     """Tile config of a wgrad GEMM (`kind` "down" or "gate_up") with output [m_dim, n_dim].
 
-    H200, bf16 (starting point, see BENCHMARKS.md for the sweep): 8 warps, 64 rows per K
-    step; "gate_up" keeps two 128×128 fp32 accumulators (as the forward's gate/up GEMM
-    does) and streams two A tiles and one x tile per step (48 KiB of shared memory per
-    stage); "down" has one accumulator, so it takes 128×256 tiles where the output is
-    wide enough. BLOCK_K divides the schedule's BLOCK_M (128). The reduction runs over an
+    H200, bf16, measured over sorted TMA operands (BENCHMARKS.md): 8 warps, 64 rows per
+    K step, 3 stages; "gate_up" keeps two 128×128 fp32 accumulators (as the forward's
+    gate/up GEMM does) and streams two A tiles and one x tile per step (48 KiB of shared
+    memory per stage): 623–663 TFLOPS; "down" has one accumulator, so it takes 128×256
+    tiles where the output is wide enough: 567–611 TFLOPS (128×128: 448–526). BLOCK_K
+    divides the schedule's BLOCK_M (128). The reduction runs over an
     expert's rows, whose count changes every step, so it is not part of any key.
     """
     if interpreting():  # BLOCK_K divides the interpreter's routing BLOCK_M (16)
@@ -78,16 +82,6 @@ def expert_tile_coordinates(pid, m_dim, n_dim, BLOCK_M: tl.constexpr, BLOCK_N: t
 
 
 @triton.jit
-def expert_row_block(row_source_ptr, r0, row_end, topk, BLOCK_K: tl.constexpr):
-    """(valid, token) of rows r0 + [0, BLOCK_K) of an expert; `valid` is false for padding
-    and for rows at or past row_end, whose token reads as 0."""
-    rows = r0 + tl.arange(0, BLOCK_K)
-    source = tl.load(row_source_ptr + rows, mask=rows < row_end, other=-1)
-    valid = source >= 0
-    return valid, tl.where(valid, source, 0) // topk
-
-
-@triton.jit
 def store_weight_grad(ptrs, acc, mask, ACCUMULATE: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRETER: tl.constexpr):
     """Stores an fp32 tile (bf16 rounded to nearest even, or fp32), or adds it in place."""
     if ACCUMULATE:
@@ -104,75 +98,65 @@ def store_weight_grad(ptrs, acc, mask, ACCUMULATE: tl.constexpr, OUT_BF16: tl.co
 @triton.jit
 def _down_wgrad_kernel(
     # pointers
-    d_out_ptr, h_weighted_desc, d_w_ptr,
+    d_out_desc, h_weighted_desc, d_w_ptr,
     # schedule
-    row_source_ptr, expert_offsets_ptr,
+    expert_offsets_ptr,
     # sizes
-    hidden, inter, topk,
+    hidden, inter,
     # strides
-    stride_dout_t, stride_dw_e, stride_dw_h,
+    stride_dw_e, stride_dw_h,
     # meta
     ACCUMULATE: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRETER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     expert, m0, n0 = expert_tile_coordinates(tl.program_id(0), hidden, inter, BLOCK_M, BLOCK_N)
-    m_offs = m0 + tl.arange(0, BLOCK_M)
-    n_offs = n0 + tl.arange(0, BLOCK_N)
-    m_valid = m_offs < hidden
     row_start = tl.load(expert_offsets_ptr + expert)
     row_end = tl.load(expert_offsets_ptr + expert + 1)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for r0 in range(row_start, row_end, BLOCK_K):
-        valid, token = expert_row_block(row_source_ptr, r0, row_end, topk, BLOCK_K)
-        # A = dOutᵀ [BLOCK_M over H, BLOCK_K rows], gathered by token.
-        a = tl.load(
-            d_out_ptr + token.to(tl.int64)[None, :] * stride_dout_t + m_offs[:, None],
-            mask=m_valid[:, None] & valid[None, :], other=0.0,
-        )
+        a = d_out_desc.load([r0, m0]).T  # dOutᵀ [BLOCK_M over H, BLOCK_K rows]
         b = h_weighted_desc.load([r0, n0])  # [BLOCK_K rows, BLOCK_N over I]
         if INTERPRETER:  # the interpreter's bf16 tl.dot is wrong (DESIGN §6); fp32 is exact
             a, b = a.to(tl.float32), b.to(tl.float32)
         acc = tl.dot(a, b, acc)
+    m_offs = m0 + tl.arange(0, BLOCK_M)
+    n_offs = n0 + tl.arange(0, BLOCK_N)
     ptrs = d_w_ptr + expert.to(tl.int64) * stride_dw_e + m_offs[:, None].to(tl.int64) * stride_dw_h + n_offs[None, :]
-    store_weight_grad(ptrs, acc, m_valid[:, None] & (n_offs < inter)[None, :], ACCUMULATE, OUT_BF16, INTERPRETER)
+    mask = (m_offs < hidden)[:, None] & (n_offs < inter)[None, :]
+    store_weight_grad(ptrs, acc, mask, ACCUMULATE, OUT_BF16, INTERPRETER)
 
 
 @triton.jit
 def _gate_up_wgrad_kernel(
     # pointers
-    d_gate_desc, d_up_desc, x_ptr, d_w_gate_ptr, d_w_up_ptr,
+    d_gate_desc, d_up_desc, x_desc, d_w_gate_ptr, d_w_up_ptr,
     # schedule
-    row_source_ptr, expert_offsets_ptr,
+    expert_offsets_ptr,
     # sizes
-    hidden, inter, topk,
+    hidden, inter,
     # strides
-    stride_x_t, stride_dw_e, stride_dw_i,
+    stride_dw_e, stride_dw_i,
     # meta
     ACCUMULATE: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRETER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     expert, m0, n0 = expert_tile_coordinates(tl.program_id(0), inter, hidden, BLOCK_M, BLOCK_N)
-    m_offs = m0 + tl.arange(0, BLOCK_M)
-    n_offs = n0 + tl.arange(0, BLOCK_N)
-    n_valid = n_offs < hidden
     row_start = tl.load(expert_offsets_ptr + expert)
     row_end = tl.load(expert_offsets_ptr + expert + 1)
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for r0 in range(row_start, row_end, BLOCK_K):
-        valid, token = expert_row_block(row_source_ptr, r0, row_end, topk, BLOCK_K)
-        # A = d_gᵀ, d_uᵀ [BLOCK_M over I, BLOCK_K rows], straight from the sorted rows.
-        a_gate = d_gate_desc.load([r0, m0]).T
+        a_gate = d_gate_desc.load([r0, m0]).T  # d_gᵀ [BLOCK_M over I, BLOCK_K rows]
         a_up = d_up_desc.load([r0, m0]).T
-        # B = x [BLOCK_K rows, BLOCK_N over H], gathered by token.
-        b = tl.load(x_ptr + token.to(tl.int64)[:, None] * stride_x_t + n_offs[None, :],
-                    mask=valid[:, None] & n_valid[None, :], other=0.0)
+        b = x_desc.load([r0, n0])  # [BLOCK_K rows, BLOCK_N over H]
         if INTERPRETER:
             a_gate, a_up, b = a_gate.to(tl.float32), a_up.to(tl.float32), b.to(tl.float32)
         acc_gate = tl.dot(a_gate, b, acc_gate)
         acc_up = tl.dot(a_up, b, acc_up)
+    m_offs = m0 + tl.arange(0, BLOCK_M)
+    n_offs = n0 + tl.arange(0, BLOCK_N)
     offs = expert.to(tl.int64) * stride_dw_e + m_offs[:, None].to(tl.int64) * stride_dw_i + n_offs[None, :]
-    mask = (m_offs < inter)[:, None] & n_valid[None, :]
+    mask = (m_offs < inter)[:, None] & (n_offs < hidden)[None, :]
     store_weight_grad(d_w_gate_ptr + offs, acc_gate, mask, ACCUMULATE, OUT_BF16, INTERPRETER)
     store_weight_grad(d_w_up_ptr + offs, acc_up, mask, ACCUMULATE, OUT_BF16, INTERPRETER)
 
@@ -189,28 +173,26 @@ def _check(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...], shape: t
         )
 
 
-_MAIN_GRAD_DTYPES = (torch.float32, torch.bfloat16)
-
-
 def _check_block_k(cfg: dict, schedule: RoutingSchedule) -> None:
     if schedule.block_m % cfg["BLOCK_K"]:
         raise ValueError(f"schedule: expected a block_m that BLOCK_K={cfg['BLOCK_K']} divides, got {schedule.block_m}")
 
 
+_MAIN_GRAD_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def down_wgrad(
-    d_out: torch.Tensor,  # [T, H] bf16
+    d_out_sorted: torch.Tensor,  # [<= capacity_rows, H] bf16, dOut in the sorted layout (zeros at padding)
     h_weighted: torch.Tensor,  # [capacity_rows, I] bf16, w·h of each sorted row (the down dgrad's)
     schedule: RoutingSchedule,
-    topk: int,
     main_grad: torch.Tensor | None = None,  # [E_l, H, I] fp32/bf16, accumulated into in place
     tile_config: dict | None = None,
 ) -> torch.Tensor:
     """d_w_down [E_l, H, I]: a new bf16 tensor, or `main_grad` after `main_grad += d_w_down`."""
-    num_tokens, hidden = d_out.shape
-    inter = h_weighted.shape[-1]
-    device = d_out.device
+    hidden, inter = d_out_sorted.shape[-1], h_weighted.shape[-1]
+    device = h_weighted.device
     experts = schedule.num_local_experts
-    _check("d_out", d_out, (torch.bfloat16,), (num_tokens, hidden), device)
+    check_sorted_rows("d_out_sorted", d_out_sorted, hidden, schedule)
     _check("h_weighted", h_weighted, (torch.bfloat16,), (schedule.capacity_rows, inter), device)
     if main_grad is not None:
         _check("main_grad", main_grad, _MAIN_GRAD_DTYPES, (experts, hidden, inter), device)
@@ -221,10 +203,11 @@ def down_wgrad(
         out = torch.empty(experts, hidden, inter, dtype=torch.bfloat16, device=device)  # [E_l, H, I]
     grid = (experts * triton.cdiv(hidden, cfg["BLOCK_M"]) * triton.cdiv(inter, cfg["BLOCK_N"]),)
     _down_wgrad_kernel[grid](
-        d_out, tma_descriptor(h_weighted, (cfg["BLOCK_K"], cfg["BLOCK_N"])), out,
-        schedule.row_source, schedule.expert_offsets,
-        hidden, inter, topk,
-        d_out.stride(0), out.stride(0), out.stride(1),
+        tma_descriptor(d_out_sorted, (cfg["BLOCK_K"], cfg["BLOCK_M"])),
+        tma_descriptor(h_weighted, (cfg["BLOCK_K"], cfg["BLOCK_N"])), out,
+        schedule.expert_offsets,
+        hidden, inter,
+        out.stride(0), out.stride(1),
         ACCUMULATE=main_grad is not None, OUT_BF16=out.dtype == torch.bfloat16, INTERPRETER=interpreting(), **cfg,
     )
     return out
@@ -232,19 +215,17 @@ def down_wgrad(
 
 def gate_up_wgrad(
     d_gate_up: torch.Tensor,  # [capacity_rows, 2, I] bf16
-    x: torch.Tensor,  # [T, H] bf16
+    x_sorted: torch.Tensor,  # [<= capacity_rows, H] bf16, x in the sorted layout (zeros at padding)
     schedule: RoutingSchedule,
-    topk: int,
     main_grad_gate: torch.Tensor | None = None,  # [E_l, I, H] fp32/bf16, accumulated into in place
     main_grad_up: torch.Tensor | None = None,  # [E_l, I, H], same dtype as main_grad_gate
     tile_config: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(d_w_gate, d_w_up) [E_l, I, H]: new bf16 tensors, or the two main_grads after `+=`."""
-    num_tokens, hidden = x.shape
-    inter = d_gate_up.shape[-1]
-    device = x.device
+    hidden, inter = x_sorted.shape[-1], d_gate_up.shape[-1]
+    device = d_gate_up.device
     experts = schedule.num_local_experts
-    _check("x", x, (torch.bfloat16,), (num_tokens, hidden), device)
+    check_sorted_rows("x_sorted", x_sorted, hidden, schedule)
     _check("d_gate_up", d_gate_up, (torch.bfloat16,), (schedule.capacity_rows, 2, inter), device)
     if (main_grad_gate is None) != (main_grad_up is None):
         raise ValueError("main_grad_gate, main_grad_up: expected both or neither")
@@ -260,10 +241,11 @@ def gate_up_wgrad(
     a_block = (cfg["BLOCK_K"], cfg["BLOCK_M"])
     grid = (experts * triton.cdiv(inter, cfg["BLOCK_M"]) * triton.cdiv(hidden, cfg["BLOCK_N"]),)
     _gate_up_wgrad_kernel[grid](
-        tma_descriptor(d_gate_up[:, 0], a_block), tma_descriptor(d_gate_up[:, 1], a_block), x, d_w_gate, d_w_up,
-        schedule.row_source, schedule.expert_offsets,
-        hidden, inter, topk,
-        x.stride(0), d_w_gate.stride(0), d_w_gate.stride(1),
+        tma_descriptor(d_gate_up[:, 0], a_block), tma_descriptor(d_gate_up[:, 1], a_block),
+        tma_descriptor(x_sorted, (cfg["BLOCK_K"], cfg["BLOCK_N"])), d_w_gate, d_w_up,
+        schedule.expert_offsets,
+        hidden, inter,
+        d_w_gate.stride(0), d_w_gate.stride(1),
         ACCUMULATE=main_grad_gate is not None, OUT_BF16=d_w_gate.dtype == torch.bfloat16,
         INTERPRETER=interpreting(), **cfg,
     )

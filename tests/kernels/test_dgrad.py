@@ -8,6 +8,7 @@ import torch
 
 from mok import reference
 from mok.kernels.dgrad import down_dgrad_swiglu, gate_up_dgrad_scatter
+from mok.kernels.gather import gather_sorted_rows
 from mok.kernels.grouped_gemm import routing_block_m
 from mok.kernels.schedule import build_routing_schedule
 from mok.testing import assert_close_to_reference, make_inputs
@@ -22,6 +23,17 @@ def _schedule(inp, E):
     pad = (source < 0).nonzero().flatten()
     experts = sched.tile_expert.cpu().long()[rows // sched.block_m]
     return sched, rows, source[rows], experts, pad
+
+
+def _sorted_tokens(d_out, sched, topk):
+    """dOut rows in the sorted layout, from torch: zeros at padding, NaN past num_rows (never read)."""
+    num_rows = int(sched.num_rows)
+    source = sched.row_source.cpu().long()[:num_rows]
+    out = torch.full((sched.capacity_rows, d_out.shape[1]), float("nan"), dtype=torch.bfloat16)
+    out[:num_rows] = 0
+    real = (source >= 0).nonzero().flatten()
+    out[real] = d_out.cpu()[source[real] // topk]
+    return out.to(d_out.device)
 
 
 def _sorted(rows, values, capacity):
@@ -41,7 +53,9 @@ def test_down_dgrad_swiglu_matches_reference(kernel_device, T, H, I, E, topk, li
     gate_up = _sorted(rows, gate_up_rows, sched.capacity_rows).to(kernel_device)
     d_out = torch.randn(T, H, generator=gen).bfloat16().to(kernel_device)
 
-    d_gate_up, h_weighted, d_topk_weights = down_dgrad_swiglu(d_out, inp.topk_weights, gate_up, inp.w_down, sched, topk, limit)
+    d_out_sorted = _sorted_tokens(d_out, sched, topk)
+    assert torch.equal(gather_sorted_rows(d_out, None, sched, topk)[0][: int(sched.num_rows)], d_out_sorted[: int(sched.num_rows)])
+    d_gate_up, h_weighted, d_topk_weights = down_dgrad_swiglu(d_out_sorted, inp.topk_weights, gate_up, inp.w_down, sched, limit)
 
     # Reference per sorted row, from the same bf16 g, u the kernel reads.
     g, u = gate_up[rows].cpu().float().unbind(1)  # [n, I] each
@@ -86,7 +100,8 @@ def test_router_weight_gradient_does_not_depend_on_w(kernel_device):
     gate_up = _sorted(rows, torch.randn(rows.numel(), 2, I, generator=gen), sched.capacity_rows).to(kernel_device)
     d_out = torch.randn(T, H, generator=gen).bfloat16().to(kernel_device)
     ctx = f"{T=} {H=} {I=} {E=} {topk=}"
-    runs = [down_dgrad_swiglu(d_out, w, gate_up, inp.w_down, sched, topk)
+    d_out_sorted = _sorted_tokens(d_out, sched, topk)
+    runs = [down_dgrad_swiglu(d_out_sorted, w, gate_up, inp.w_down, sched)
             for w in (inp.topk_weights, -inp.topk_weights, torch.zeros_like(inp.topk_weights))]
     assert (inp.topk_weights < 0).any() and runs[0][2].abs().min() > 0, ctx
     assert torch.equal(runs[0][2], runs[1][2]) and torch.equal(runs[0][2], runs[2][2]), ctx
@@ -116,12 +131,15 @@ def test_dgrad_launchers_reject_mismatches(kernel_device):
     sched, *_ = _schedule(inp, 4)
     gate_up = torch.zeros(sched.capacity_rows, 2, 16, dtype=torch.bfloat16, device=kernel_device)
     d_out = torch.zeros(8, 32, dtype=torch.bfloat16, device=kernel_device)
-    with pytest.raises(ValueError, match=r"^d_out: expected a contiguous bf16 \[T, 32\]"):
-        down_dgrad_swiglu(d_out.float(), inp.topk_weights, gate_up, inp.w_down, sched, 2)
-    with pytest.raises(ValueError, match=r"^topk_weights: expected a contiguous fp32 tensor of shape \[8, 2\]"):
-        down_dgrad_swiglu(d_out, inp.topk_weights[:, :1].contiguous(), gate_up, inp.w_down, sched, 2)
+    with pytest.raises(ValueError, match=r"^d_out_sorted: expected a bf16 \[rows <= \d+, 32\] tensor"):
+        down_dgrad_swiglu(d_out.float(), inp.topk_weights, gate_up, inp.w_down, sched)
+    with pytest.raises(ValueError, match=r"^d_out_sorted: expected a bf16 \[rows <= \d+, 32\] tensor"):
+        down_dgrad_swiglu(torch.zeros(sched.capacity_rows + 1, 32, dtype=torch.bfloat16, device=kernel_device),
+                          inp.topk_weights, gate_up, inp.w_down, sched)
+    with pytest.raises(ValueError, match=r"^topk_weights: expected a contiguous fp32 \[T, topk\] tensor"):
+        down_dgrad_swiglu(d_out, inp.topk_weights.double(), gate_up, inp.w_down, sched)
     with pytest.raises(ValueError, match=r"^gate_up: expected a contiguous bf16 tensor of shape"):
-        down_dgrad_swiglu(d_out, inp.topk_weights, gate_up[:-1], inp.w_down, sched, 2)
+        down_dgrad_swiglu(d_out, inp.topk_weights, gate_up[:-1], inp.w_down, sched)
     with pytest.raises(ValueError, match=r"^schedule: expected block_m"):
         cfg = dict(BLOCK_M=2 * sched.block_m, BLOCK_N=32, BLOCK_K=32, GROUP_M=4)
         gate_up_dgrad_scatter(gate_up, inp.w_gate, inp.w_up, sched, 16, tile_config=cfg)

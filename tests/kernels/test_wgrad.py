@@ -7,6 +7,7 @@ import torch
 
 from mok.kernels.grouped_gemm import routing_block_m
 from mok.kernels.schedule import build_routing_schedule
+from mok.kernels.gather import gather_sorted_rows
 from mok.kernels.wgrad import down_wgrad, gate_up_wgrad
 from mok.testing import assert_close_to_reference, make_inputs
 
@@ -49,8 +50,9 @@ def test_wgrad_matches_per_expert_sums(kernel_device, T, H, I, E, topk):
     d_out_rows = d_out.cpu().float()[tokens]  # [n, H]
     hw_rows, (dg_rows, du_rows) = h_weighted.cpu().float()[rows], d_gate_up.cpu().float()[rows].unbind(1)
 
-    d_w_down = down_wgrad(d_out, h_weighted, sched, topk)
-    d_w_gate, d_w_up = gate_up_wgrad(d_gate_up, inp.x, sched, topk)
+    x_sorted, d_out_sorted = gather_sorted_rows(inp.x, d_out, sched, topk)
+    d_w_down = down_wgrad(d_out_sorted, h_weighted, sched)
+    d_w_gate, d_w_up = gate_up_wgrad(d_gate_up, x_sorted, sched)
     expected = {
         "d_w_down": (d_w_down, _per_expert(E, experts, lambda m: d_out_rows[m].T @ hw_rows[m])),
         "d_w_gate": (d_w_gate, _per_expert(E, experts, lambda m: dg_rows[m].T @ x_rows[m])),
@@ -73,17 +75,18 @@ def test_wgrad_accumulates_into_main_grad(kernel_device, dtype):
     inp, sched, rows, slots, experts, sorted_rows, d_out, gen = _setup(T, H, I, E, topk, kernel_device, seed=4)
     ctx = f"{T=} {H=} {I=} {E=} {topk=} main_grad {dtype}"
     h_weighted, d_gate_up = sorted_rows(I), sorted_rows(2, I)
-    fresh = {"down": down_wgrad(d_out, h_weighted, sched, topk)}
-    fresh["gate"], fresh["up"] = gate_up_wgrad(d_gate_up, inp.x, sched, topk)
+    x_sorted, d_out_sorted = gather_sorted_rows(inp.x, d_out, sched, topk)
+    fresh = {"down": down_wgrad(d_out_sorted, h_weighted, sched)}
+    fresh["gate"], fresh["up"] = gate_up_wgrad(d_gate_up, x_sorted, sched)
     start = {
         "down": torch.randn(E, H, I, generator=gen).to(kernel_device, dtype),
         "gate": torch.randn(E, I, H, generator=gen).to(kernel_device, dtype),
         "up": torch.randn(E, I, H, generator=gen).to(kernel_device, dtype),
     }
     main = {k: v.clone() for k, v in start.items()}
-    returned = down_wgrad(d_out, h_weighted, sched, topk, main_grad=main["down"])
+    returned = down_wgrad(d_out_sorted, h_weighted, sched, main_grad=main["down"])
     assert returned is main["down"]
-    gate_up_wgrad(d_gate_up, inp.x, sched, topk, main["gate"], main["up"])
+    gate_up_wgrad(d_gate_up, x_sorted, sched, main["gate"], main["up"])
     empty = [e for e in range(E) if not (experts == e).any()]
     for name in main:
         assert main[name].dtype == dtype
@@ -93,9 +96,9 @@ def test_wgrad_accumulates_into_main_grad(kernel_device, dtype):
         for e in empty:  # no rows: main_grad left exactly as it was
             assert torch.equal(main[name][e], start[name][e]), f"{name}[{e}] {ctx}"
     with pytest.raises(ValueError, match=r"^main_grad: expected a contiguous float32/bfloat16 tensor of shape \[5, 32, 48\]"):
-        down_wgrad(d_out, h_weighted, sched, topk, main_grad=start["gate"])
+        down_wgrad(d_out_sorted, h_weighted, sched, main_grad=start["gate"])
     with pytest.raises(ValueError, match=r"^main_grad_gate, main_grad_up: expected both or neither"):
-        gate_up_wgrad(d_gate_up, inp.x, sched, topk, main["gate"])
+        gate_up_wgrad(d_gate_up, x_sorted, sched, main["gate"])
 
 
 def test_wgrad_rejects_a_k_step_that_crosses_experts(kernel_device):
@@ -105,6 +108,6 @@ def test_wgrad_rejects_a_k_step_that_crosses_experts(kernel_device):
     cfg = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=3 * sched.block_m // 2 if sched.block_m % 2 == 0 else sched.block_m + 1,
                num_warps=4, num_stages=1)
     with pytest.raises(ValueError, match=r"^schedule: expected a block_m that BLOCK_K="):
-        down_wgrad(d_out, sorted_rows(I), sched, topk, tile_config=cfg)
+        down_wgrad(sorted_rows(H), sorted_rows(I), sched, tile_config=cfg)
     with pytest.raises(ValueError, match=r"^schedule: expected a block_m that BLOCK_K="):
-        gate_up_wgrad(sorted_rows(2, I), inp.x, sched, topk, tile_config=cfg)
+        gate_up_wgrad(sorted_rows(2, I), sorted_rows(H), sched, tile_config=cfg)
