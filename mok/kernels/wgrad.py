@@ -52,18 +52,18 @@ def wgrad_config(kind: str, m_dim: int, n_dim: int) -> dict:
     """Tile config of a wgrad GEMM (`kind` "down" or "gate_up") with output [m_dim, n_dim].
 
     H200, bf16, measured over sorted TMA operands (BENCHMARKS.md): 8 warps, 64 rows per
-    K step, 3 stages; "gate_up" keeps two 128×128 fp32 accumulators (as the forward's
-    gate/up GEMM does) and streams two A tiles and one x tile per step (48 KiB of shared
-    memory per stage): 623–663 TFLOPS; "down" has one accumulator, so it takes 128×256
-    tiles where the output is wide enough: 567–611 TFLOPS (128×128: 448–526). BLOCK_K
-    divides the schedule's BLOCK_M (128). The reduction runs over an
+    K step; "gate_up" keeps two 128×128 fp32 accumulators (as the forward's gate/up GEMM
+    does) and streams two A tiles and one x tile per step (48 KiB of shared memory per
+    stage), 4 stages: 587–609 TFLOPS; "down" has one accumulator, so it takes 128×256
+    tiles where the output is wide enough, 3 stages: 438–636 TFLOPS (128×128: 375–569).
+    BLOCK_K divides the schedule's BLOCK_M (128). The reduction runs over an
     expert's rows, whose count changes every step, so it is not part of any key.
     """
     if interpreting():  # BLOCK_K divides the interpreter's routing BLOCK_M (16)
         return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=16, num_warps=4, num_stages=1)
     if kind == "down":
         return dict(BLOCK_M=128, BLOCK_N=256 if n_dim >= 256 else 128, BLOCK_K=64, num_warps=8, num_stages=3)
-    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4)
 
 
 # --------------------------------------------------------------------------- jit helpers
