@@ -53,7 +53,7 @@ def _kernel_call(kind, cfg, inp, sched, topk, operands):
                                                 inp.w_down, sched, tile_config=cfg),
         "gate_up_dgrad": lambda: gate_up_dgrad_scatter(operands["gate_up"], inp.w_gate, inp.w_up, sched, routes,
                                                        tile_config=cfg),
-        "down_wgrad": lambda: down_wgrad(operands["d_out_sorted"], operands["h"], sched, tile_config=cfg),
+        "down_wgrad": lambda: down_wgrad(operands["dy_sorted"], operands["h"], sched, tile_config=cfg),
         "gate_up_wgrad": lambda: gate_up_wgrad(operands["gate_up"], operands["x_sorted"], sched, tile_config=cfg),
     }
     return calls[kind]
@@ -77,8 +77,8 @@ def main() -> None:
             "h": torch.randn(sched.capacity_rows, I, device="cuda").bfloat16(),
             "gate_up": torch.randn(sched.capacity_rows, 2, I, device="cuda").bfloat16(),
         }
-        operands["x_sorted"], operands["d_out_sorted"] = gather_sorted_rows(
-            inp.x, torch.randn(T, H, device="cuda").bfloat16(), sched, topk
+        operands["x_sorted"], operands["d_out_sorted"], operands["dy_sorted"] = gather_sorted_rows(
+            inp.x, torch.randn(T, H, device="cuda").bfloat16(), inp.topk_weights, sched, topk
         )
         padding = sched.row_source < 0
         operands["h"][padding] = 0

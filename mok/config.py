@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 PRECISIONS = ("bf16", "mxfp8", "fp8_block")
 BACKENDS = ("auto", "triton", "reference")
+TRANSPORTS = ("auto", "nccl")
 
 # Rows a precision needs H and I to be multiples of (SPEC §4).
 SIZE_ALIGNMENT = {"bf16": 8, "mxfp8": 32, "fp8_block": 128}
@@ -25,8 +26,13 @@ class MoKConfig:
     schedule_capacity_multiplier: worst-case share of all routes one rank may receive,
         relative to an even split; sizes buffers and grids without a host sync. None means
         the exact worst case (every route of every rank to one rank), which never overflows.
+        The nccl transport applies it per pair of ranks: each rank may send each peer
+        ⌈receive_capacity / P⌉ rows, and never more than T·min(topk, E_l), the most
+        routes one rank can have to one peer.
     strict: check device-side error flags (capacity overflow, bad expert ids) right after
         each call, at the cost of a host sync; otherwise they are raised by `check_errors`.
+    transport: how the triton backend moves rows between expert-parallel ranks: "nccl"
+        (`torch.distributed` collectives, any process group) or "auto" (nccl for now).
     """
 
     precision: str = "bf16"
@@ -37,6 +43,7 @@ class MoKConfig:
     macrobatch_size: int = 65536
     schedule_capacity_multiplier: float | None = None
     strict: bool = False
+    transport: str = "auto"
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -58,6 +65,8 @@ class MoKConfig:
             raise ValueError(f"schedule_capacity_multiplier: expected None or a number >= 1, got {multiplier!r}")
         if not isinstance(self.strict, bool):
             raise TypeError(f"strict: expected a bool, got {type(self.strict).__name__}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport: expected one of {TRANSPORTS}, got {self.transport!r}")
 
     def receive_capacity(self, num_local_tokens: int, topk: int, world_size: int) -> int:
         """Most routes (token rows) one rank may receive in one pass."""

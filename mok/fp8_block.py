@@ -59,6 +59,7 @@ __all__ = [
     "fp8_block_dequantize",
     "fp8_block_quantize",
     "fp8_block_quantize_activations",
+    "fp8_block_round",
 ]
 
 FP8_BLOCK = 128  # block edge along K (and along N for weights)
@@ -99,6 +100,13 @@ def _quantize_blocks(t: torch.Tensor, block_r: int, block_c: int) -> tuple[torch
     q_bytes = torch.where(non_finite[..., :, None, :, None], E4M3_NAN_BYTE, q_bytes).to(torch.uint8)
     q_bytes = q_bytes.reshape(*lead, Rb * block_r, Cb * block_c)[..., :R, :C]  # [..., R, C] uint8
     return q_bytes.contiguous().view(torch.float8_e4m3fn), scale
+
+
+def _check_block(block) -> tuple[int, int]:
+    block = tuple(block) if isinstance(block, (tuple, list)) else block
+    if block not in _BLOCK_SHAPES:
+        raise ValueError(f"block: expected (1, {FP8_BLOCK}) or ({FP8_BLOCK}, {FP8_BLOCK}), got {block}")
+    return block
 
 
 # --------------------------------------------------------------------------- public API
@@ -145,9 +153,7 @@ def fp8_block_dequantize(
     """
     check_dtype("q", q, (torch.float8_e4m3fn,))
     check_dtype("scale", scale, (torch.float32,))
-    block = tuple(block) if isinstance(block, (tuple, list)) else block
-    if block not in _BLOCK_SHAPES:
-        raise ValueError(f"block: expected (1, {FP8_BLOCK}) or ({FP8_BLOCK}, {FP8_BLOCK}), got {block}")
+    block = _check_block(block)
     if q.dim() not in (2, 3):
         raise ValueError(f"q: expected a 2-D [R, C] or 3-D [E, R, C] tensor, got shape {tuple(q.shape)}")
     *lead, R, C = q.shape
@@ -161,3 +167,16 @@ def fp8_block_dequantize(
     s = scale.repeat_interleave(block_r, dim=-2)[..., :R, :]  # [..., R, ⌈C/bc⌉]
     s = s.repeat_interleave(block_c, dim=-1)[..., :C]  # [..., R, C] fp32
     return q.float() * s  # [..., R, C] fp32
+
+
+def fp8_block_round(t: torch.Tensor, block: tuple[int, int] = (1, FP8_BLOCK)) -> torch.Tensor:
+    """`t` `[R, C]` or `[E, R, C]` (bf16/fp32) rounded through FP8 in `block`s -> fp32 of t's shape.
+
+    The value a GEMM on the quantized operand sees: `fp8_block_dequantize` of the quantization
+    with one scale per `block` (`(1, 128)` for an activation, `(128, 128)` for a weight), C the
+    reduction dim. What the reference backend computes with in fp8_block mode.
+    """
+    check_float_input("t", t, (2, 3), "2-D [R, C] or 3-D [E, R, C]")
+    block = _check_block(block)
+    q, scale = _quantize_blocks(t, *block)
+    return fp8_block_dequantize(q, scale, block)

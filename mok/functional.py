@@ -13,7 +13,8 @@ A call runs in four steps, each usable alone:
 
 Backends: "reference" runs `mok.reference` (fp32 math, any device, expert parallelism
 through `torch.distributed` collectives); "triton" runs the fused GPU kernels where they
-support the call. `MoKConfig.backend="auto"` picks triton when it can.
+support the call, under expert parallelism with rows moved by `mok.transport`.
+`MoKConfig.backend="auto"` picks triton when it can.
 
 Outputs follow SPEC §1: `out` and the gradients of x and of the weights are bf16, the
 router-weight gradient fp32. Errors found on the device (bad expert ids, capacity
@@ -34,8 +35,10 @@ from mok.config import MoKConfig
 from mok.kernels.common import interpreting
 from mok.kernels.grouped_gemm import routing_block_m
 from mok.kernels.common import ERROR_BAD_EXPERT_ID, ERROR_CAPACITY_OVERFLOW, ERROR_PEER_TIMEOUT
+from mok.fp8_block import FP8_BLOCK, fp8_block_round
 from mok.mxfp8 import mxfp8_dequantize, mxfp8_quantize
 from mok.reference import Gradients
+from mok.transport import NcclDispatch, NcclTransport, create_transport
 from mok.validation import check_layer_inputs, check_tensor, check_topk_ids_values
 
 __all__ = [
@@ -86,6 +89,7 @@ class Workspace:
     topk: int
     error_flag: torch.Tensor  # [1] int32, bits ERROR_*; zeroed by check_errors
     buffers: dict = field(default_factory=dict)
+    transport: NcclTransport | None = None  # moves rows between the ranks of the group (P > 1)
 
 
 _WORKSPACE_CACHE: dict[tuple, Workspace] = {}
@@ -109,7 +113,8 @@ def create_workspace(
     topk: int,
 ) -> Workspace:
     """A new workspace (uncached). Under a group of P > 1 ranks, checks that every rank
-    agrees on hidden_size and topk (a collective, once per workspace)."""
+    agrees on hidden_size and topk and creates the transport (collectives, once per
+    workspace)."""
     if not isinstance(config, MoKConfig):
         raise TypeError(f"config: expected a MoKConfig, got {type(config).__name__}")
     for name, value in (("num_local_tokens", num_local_tokens), ("hidden_size", hidden_size), ("topk", topk)):
@@ -119,8 +124,10 @@ def create_workspace(
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     world_size, rank = _group_size_and_rank(group)
+    transport = None
     if world_size > 1:
         _check_same_across_ranks(group, {"hidden_size": hidden_size, "topk": topk}, device)
+        transport = create_transport(config, group, device=device, num_local_tokens=num_local_tokens, topk=topk)
     return Workspace(
         device=device,
         group=group,
@@ -130,6 +137,7 @@ def create_workspace(
         hidden_size=hidden_size,
         topk=topk,
         error_flag=torch.zeros(1, dtype=torch.int32, device=device),
+        transport=transport,
     )
 
 
@@ -172,7 +180,9 @@ def clear_workspace_cache() -> None:
 
 
 def check_errors(workspace: Workspace) -> None:
-    """Raises MoKError for any error flag the device set, then clears the flag (a host sync)."""
+    """Raises MoKError for any error flag the device set, then clears the flag (a host sync).
+    Under expert parallelism on the triton backend the flag also holds every other rank's
+    routing errors (they travel with the dispatch), so all ranks raise alike."""
     flags = int(workspace.error_flag.item())
     if flags:
         workspace.error_flag.zero_()
@@ -187,16 +197,12 @@ def _triton_unsupported(config: MoKConfig, workspace: Workspace) -> str | None:
     """Why the triton backend cannot run this call, or None when it can."""
     if workspace.device.type != "cuda" and not interpreting():
         return f"it runs on CUDA devices (or under TRITON_INTERPRET=1), not {workspace.device}"
-    if workspace.world_size > 1:
-        return "expert parallelism (a group of more than one rank) is not implemented in it yet"
     if config.precision != "bf16":
-        return f"precision={config.precision!r} is not implemented in it yet"
+        return f"precision={config.precision!r}: its grouped GEMMs are not written yet (only its quantizer kernels)"
     return None
 
 
 def _backend(config: MoKConfig, workspace: Workspace) -> str:
-    if config.precision == "fp8_block":
-        raise NotImplementedError("precision='fp8_block' is not implemented yet; use 'bf16' or 'mxfp8'")
     reason = _triton_unsupported(config, workspace)
     if config.backend == "triton":
         if reason is not None:
@@ -218,6 +224,8 @@ class Schedule:
     On the triton backend, `routing` holds the device schedule of the routed experts and
     `shared_routing` the one of the shared expert (every token to one expert), both as
     the tensors of `mok.ops.routing_schedule`, and `block_m` the M tile they pad to.
+    Under expert parallelism `dispatch` moves rows to the experts' ranks and back, and
+    `routing` covers the rows this rank's experts receive (each a token with topk = 1).
     """
 
     topk_ids: torch.Tensor
@@ -227,6 +235,7 @@ class Schedule:
     routing: tuple[torch.Tensor, ...] | None = None
     shared_routing: tuple[torch.Tensor, ...] | None = None
     block_m: int = 0
+    dispatch: NcclDispatch | None = None
 
 
 def build_schedule(
@@ -241,8 +250,10 @@ def build_schedule(
     `has_shared_expert=False` skips the shared expert's schedule (forward then refuses
     shared-expert weights).
 
-    On the triton backend no data leaves the device: bad expert ids set the workspace's
-    error flag (raised by `check_errors`, or at once with `MoKConfig(strict=True)`)."""
+    On the triton backend no data leaves the device: bad expert ids (and, under expert
+    parallelism, routes beyond the transport's capacity) set the workspace's error flag
+    (raised by `check_errors`, or at once with `MoKConfig(strict=True)`). Under expert
+    parallelism it is a collective: it exchanges the routing with the other ranks."""
     check_tensor("topk_ids", topk_ids, dtypes=(torch.int32, torch.int64), shape=(None, workspace.topk), device=workspace.device)
     num_tokens = topk_ids.shape[0]
     if num_tokens > workspace.num_local_tokens:
@@ -257,14 +268,18 @@ def build_schedule(
         check_topk_ids_values(topk_ids, num_experts)
         return Schedule(topk_ids.long(), num_local_experts, num_experts, backend)
     block_m = routing_block_m()
-    routing = ops.routing_schedule(topk_ids, workspace.error_flag, num_local_experts, block_m)
+    dispatch = None
+    if workspace.transport is None:
+        routing = ops.routing_schedule(topk_ids, workspace.error_flag, num_local_experts, block_m)
+    else:  # `routing` then covers the rows this rank's experts receive
+        dispatch, routing = workspace.transport.plan(topk_ids, num_local_experts, workspace.error_flag, block_m)
     shared_routing = None
     if has_shared_expert:
         all_tokens = torch.zeros(num_tokens, 1, dtype=torch.int32, device=topk_ids.device)  # [T, 1]: one expert
         shared_routing = ops.routing_schedule(all_tokens, workspace.error_flag, 1, block_m)
     if config.strict:
         check_errors(workspace)
-    return Schedule(topk_ids, num_local_experts, num_experts, backend, routing, shared_routing, block_m)
+    return Schedule(topk_ids, num_local_experts, num_experts, backend, routing, shared_routing, block_m, dispatch)
 
 
 # --------------------------------------------------------------------------- forward / backward
@@ -280,22 +295,26 @@ class ForwardContext:
     saved: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def _mxfp8_round(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """t rounded through MXFP8 with blocks along `dim` (-1 or -2), returned in fp32."""
-    if dim == -1:
+def _fp8_round(t: torch.Tensor, precision: str, is_weight: bool) -> torch.Tensor:
+    """t [..., N, K] rounded through `precision`'s FP8 format, in fp32. K, the last dim, is
+    the forward GEMM's reduction dim for x [T, H] and for every routed weight (H for
+    w_gate/w_up [E_l, I, H], I for w_down [E_l, H, I]). mxfp8: blocks of 32 along K;
+    fp8_block: 1×128 blocks for an activation, 128×128 for a weight (SPEC §2)."""
+    if precision == "mxfp8":
         q, scale, _, _ = mxfp8_quantize(t, rowwise=True, colwise=False)
         return mxfp8_dequantize(q, scale)
-    _, _, q_t, scale_t = mxfp8_quantize(t, rowwise=False, colwise=True)
-    return mxfp8_dequantize(q_t, scale_t).transpose(-1, -2)
+    return fp8_block_round(t, (FP8_BLOCK, FP8_BLOCK) if is_weight else (1, FP8_BLOCK))
 
 
 def _reference_operands(config: MoKConfig, x, w_gate, w_up, w_down):
-    """The routed GEMM operands as the reference backend uses them: as given in bf16; in
-    mxfp8, x and the routed weights rounded through MXFP8 along each GEMM's reduction
-    dimension (the reference backend keeps the intermediate h in fp32)."""
+    """The routed experts' operands (x, w_gate, w_up, w_down) as the reference backend uses
+    them: as given in bf16; in mxfp8 and fp8_block, each rounded through the format's
+    quantization. The shared expert keeps reading x and its weights in bf16, and the
+    intermediate h stays fp32."""
     if config.precision == "bf16":
         return x, w_gate, w_up, w_down
-    return _mxfp8_round(x, -1), _mxfp8_round(w_gate, -1), _mxfp8_round(w_up, -1), _mxfp8_round(w_down, -1)
+    routed = (_fp8_round(w, config.precision, is_weight=True) for w in (w_gate, w_up, w_down))
+    return _fp8_round(x, config.precision, is_weight=False), *routed
 
 
 def _check_call(config, workspace, schedule, x, topk_weights, ws_gate, ws_up, ws_down, w_gate, w_up, w_down):
@@ -315,32 +334,50 @@ def _check_call(config, workspace, schedule, x, topk_weights, ws_gate, ws_up, ws
 
 
 def _reference_call(fn, config, workspace, schedule, x, topk_weights, ws_gate, ws_up, ws_down, w_gate, w_up, w_down, swiglu_limit, *lead):
-    x_op, w_gate_op, w_up_op, w_down_op = _reference_operands(config, x, w_gate, w_up, w_down)
-    args = (*lead, x_op, schedule.topk_ids, topk_weights, w_gate_op, w_up_op, w_down_op, ws_gate, ws_up, ws_down)
+    routed_x, w_gate_op, w_up_op, w_down_op = _reference_operands(config, x, w_gate, w_up, w_down)
+    args = (*lead, x, schedule.topk_ids, topk_weights, w_gate_op, w_up_op, w_down_op, ws_gate, ws_up, ws_down)
     if workspace.world_size > 1:
-        return getattr(reference, "ep_" + fn.__name__)(*args, swiglu_limit=swiglu_limit, group=workspace.group)
-    return fn(*args, swiglu_limit=swiglu_limit)
+        return getattr(reference, "ep_" + fn.__name__)(
+            *args, swiglu_limit=swiglu_limit, group=workspace.group, routed_x=routed_x
+        )
+    return fn(*args, swiglu_limit=swiglu_limit, routed_x=routed_x)
 
 
-def _expert_mlp(x, w_gate, w_up, w_down, routing, block_m, topk, num_slots, swiglu_limit, store_gate_up):
-    """y [num_slots, H] of the experts in `routing`, plus the pre-activations g,u they
-    computed (an empty tensor without `store_gate_up`)."""
-    h, gate_up = ops.gate_up_swiglu(x, w_gate, w_up, routing, block_m, topk, swiglu_limit, store_gate_up)
-    return ops.down_scatter(h, w_down, routing, block_m, num_slots), gate_up
+def _expert_mlp(x, w_gate, w_up, w_down, routing, block_m, topk, num_slots, swiglu_limit, needs_backward):
+    """y [num_slots, H] of the experts in `routing`, and what their backward reads (empty
+    without `needs_backward`): the pre-activations g, u and h of every sorted row."""
+    h, gate_up = ops.gate_up_swiglu(x, w_gate, w_up, routing, block_m, topk, swiglu_limit, needs_backward)
+    y = ops.down_scatter(h, w_down, routing, block_m, num_slots)
+    return y, ({"gate_up": gate_up, "h": h} if needs_backward else {})
+
+
+def _routed_forward(schedule, x, routed, topk, swiglu_limit, needs_backward):
+    """y [T·topk, H] of the routed experts in route slots, and what their backward reads.
+    Under expert parallelism the token rows travel to the experts' ranks, where each
+    received row is a token with topk = 1, and y comes back; the received rows are kept
+    for the gate/up weight gradient."""
+    dispatch = schedule.dispatch
+    if dispatch is None:
+        return _expert_mlp(x, *routed, schedule.routing, schedule.block_m, topk, x.shape[0] * topk, swiglu_limit, needs_backward)
+    expert_x = dispatch.dispatch(x)  # [P·C, H]
+    y_rows, saved = _expert_mlp(
+        expert_x, *routed, schedule.routing, schedule.block_m, 1, expert_x.shape[0], swiglu_limit, needs_backward
+    )
+    return dispatch.combine(y_rows), {**saved, "expert_x": expert_x}
 
 
 def _triton_forward(schedule, x, topk_weights, shared, routed, swiglu_limit, needs_backward):
-    """out and what the backward reads: h and the pre-activations g, u of every routed row
+    """out and what the backward reads: the pre-activations g, u and h of every routed row
     (and of the shared expert), 6·I bytes per route; nothing without `needs_backward`."""
     num_tokens, topk = topk_weights.shape
-    y, gate_up = _expert_mlp(x, *routed, schedule.routing, schedule.block_m, topk, num_tokens * topk, swiglu_limit, needs_backward)
-    saved = {"gate_up": gate_up}
+    y, saved = _routed_forward(schedule, x, routed, topk, swiglu_limit, needs_backward)
     y_shared = None
     if shared[0] is not None:
         ws_gate, ws_up, ws_down = (w.unsqueeze(0) for w in shared)  # one expert of the grouped GEMMs
-        y_shared, saved["gate_up_shared"] = _expert_mlp(
+        y_shared, shared_saved = _expert_mlp(
             x, ws_gate, ws_up, ws_down, schedule.shared_routing, schedule.block_m, 1, num_tokens, swiglu_limit, needs_backward
         )
+        saved.update((name + "_shared", t) for name, t in shared_saved.items())
     return ops.combine(y, topk_weights, y_shared), saved if needs_backward else {}
 
 
@@ -403,24 +440,25 @@ def recompute_forward_context(
     )[1]
 
 
-def _expert_mlp_backward(d_out, x, topk_weights, weights, gate_up, routing, block_m, topk, num_slots, swiglu_limit,
+def _expert_mlp_backward(d_out, x, topk_weights, weights, saved, routing, block_m, topk, num_slots, swiglu_limit,
                          main_grads=(None, None, None), *, token_order=False):
     """dx_slots [num_slots, H] and the weight gradients of the experts in `routing` (plus
-    d_topk_weights [T, topk] fp32 when `topk_weights` is given, else an empty tensor). A
-    weight with a `main_grads` buffer gets its gradient added into it, in place, and the
-    buffer stands in its place among the returned gradients.
+    d_topk_weights [T, topk] fp32 when `topk_weights` is given, else an empty tensor), from
+    the forward's `saved` g,u ("gate_up") and h ("h"). A weight with a `main_grads` buffer
+    gets its gradient added into it, in place, and the buffer stands in its place among
+    the returned gradients.
 
     The GEMMs read x and dOut in the sorted layout; `token_order=True` says the routing's
-    sorted rows are the tokens in order (the shared expert's), so x and dOut serve as they
-    are instead of being gathered."""
+    sorted rows are the tokens in order and there is no router weight (the shared
+    expert's), so x and dOut serve as they are instead of being gathered."""
     w_gate, w_up, w_down = weights
     main_gate, main_up, main_down = main_grads
     if token_order:
-        x_sorted, d_out_sorted = x, d_out
+        x_sorted, d_out_sorted, dy_sorted = x, d_out, d_out
     else:
-        x_sorted, d_out_sorted = ops.gather_sorted_rows(x, d_out, routing, block_m, topk)
-    d_gate_up, h_weighted, d_topk_weights = ops.down_dgrad_swiglu(
-        d_out_sorted, topk_weights, gate_up, w_down, routing, block_m, swiglu_limit
+        x_sorted, d_out_sorted, dy_sorted = ops.gather_sorted_rows(x, d_out, topk_weights, routing, block_m, topk)
+    d_gate_up, d_topk_weights = ops.down_dgrad_swiglu(
+        d_out_sorted, topk_weights, saved["gate_up"], w_down, routing, block_m, swiglu_limit
     )
     dx_slots = ops.gate_up_dgrad_scatter(d_gate_up, w_gate, w_up, routing, block_m, num_slots)
     if main_gate is None:
@@ -429,32 +467,51 @@ def _expert_mlp_backward(d_out, x, topk_weights, weights, gate_up, routing, bloc
         ops.gate_up_wgrad_accumulate(main_gate, main_up, d_gate_up, x_sorted, routing, block_m)
         d_w_gate, d_w_up = main_gate, main_up
     if main_down is None:
-        d_w_down = ops.down_wgrad(d_out_sorted, h_weighted, routing, block_m)
+        d_w_down = ops.down_wgrad(dy_sorted, saved["h"], routing, block_m)
     else:
-        ops.down_wgrad_accumulate(main_down, d_out_sorted, h_weighted, routing, block_m)
+        ops.down_wgrad_accumulate(main_down, dy_sorted, saved["h"], routing, block_m)
         d_w_down = main_down
     return dx_slots, d_topk_weights, (d_w_gate, d_w_up, d_w_down)
+
+
+def _routed_backward(schedule, saved, d_out, x, topk_weights, routed, swiglu_limit, main_grads):
+    """dx_slots [T·topk, H], d_topk_weights [T, topk] fp32 and the routed weight gradients.
+    Under expert parallelism the dOut rows and router weights travel to the experts' ranks
+    (which apply the weights in fp32), and dx rows and router-weight gradients come back."""
+    num_tokens, topk = topk_weights.shape
+    dispatch = schedule.dispatch
+    if dispatch is None:
+        return _expert_mlp_backward(
+            d_out, x, topk_weights, routed, saved, schedule.routing, schedule.block_m,
+            topk, num_tokens * topk, swiglu_limit, main_grads,
+        )
+    expert_d_out, expert_weights = dispatch.dispatch_grad(d_out, topk_weights)  # [P·C, H], [P·C, 1]
+    expert_x = saved["expert_x"]
+    dx_rows, d_weight_rows, grads = _expert_mlp_backward(
+        expert_d_out, expert_x, expert_weights, routed, saved, schedule.routing, schedule.block_m,
+        1, expert_x.shape[0], swiglu_limit, main_grads,
+    )
+    return (*dispatch.combine_grad(dx_rows, d_weight_rows), grads)
 
 
 def _triton_backward(schedule, saved, d_out, x, topk_weights, shared, routed, swiglu_limit, main_grads) -> Gradients:
     """DESIGN §3's backward on one GPU, no host sync: per expert group, down dgrad + SwiGLU
     backward + router-weight gradient, gate/up dgrad into route slots, wgrad GEMMs; then
     d_x = dx_shared + Σ_j dx_slots (the combine with unit weights, ascending j). Reads the
-    forward's g,u only (not h or y: h is recomputed from g,u, and the router-weight
-    gradient is ⟨dOut·Wd, h⟩ over I)."""
+    forward's g,u and h (not y: the router-weight gradient is ⟨dOut·Wd, h⟩ over I)."""
     num_tokens, topk = topk_weights.shape
     if saved.get("gate_up") is None or saved["gate_up"].shape[0] == 0:
         raise ValueError("context: expected the pre-activations a forward with needs_backward=True saves")
     d_out = d_out.to(torch.bfloat16)  # a GEMM operand (no copy when it already is bf16)
-    dx_slots, d_topk_weights, routed_grads = _expert_mlp_backward(
-        d_out, x, topk_weights, routed, saved["gate_up"], schedule.routing, schedule.block_m,
-        topk, num_tokens * topk, swiglu_limit, tuple(main_grads.get(n) for n in _ROUTED),
+    dx_slots, d_topk_weights, routed_grads = _routed_backward(
+        schedule, saved, d_out, x, topk_weights, routed, swiglu_limit, tuple(main_grads.get(n) for n in _ROUTED)
     )
     dx_shared, shared_grads = None, (None, None, None)
     if shared[0] is not None:
         shared_experts = tuple(w.unsqueeze(0) for w in shared)  # one expert of the grouped GEMMs
         dx_shared, _, grads = _expert_mlp_backward(
-            d_out, x, None, shared_experts, saved["gate_up_shared"], schedule.shared_routing,
+            d_out, x, None, shared_experts, {"gate_up": saved["gate_up_shared"], "h": saved["h_shared"]},
+            schedule.shared_routing,
             schedule.block_m, 1, num_tokens, swiglu_limit,
             tuple(None if main_grads.get(n) is None else main_grads[n].unsqueeze(0) for n in _SHARED),
             token_order=True,

@@ -63,14 +63,17 @@ def _custom_op(name: str, mutates_args: tuple[str, ...] = ()):
 
 @_custom_op("routing_schedule", ("error_flag",))
 def routing_schedule(
-    topk_ids: torch.Tensor, error_flag: torch.Tensor, num_local_experts: int, block_m: int
+    topk_ids: torch.Tensor, error_flag: torch.Tensor, num_local_experts: int, block_m: int,
+    skip_empty_ids: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(row_source, tile_expert, expert_offsets, expert_counts, num_rows) of `schedule.py`."""
-    return tuple(routing_tensors(build_routing_schedule(topk_ids, num_local_experts, block_m, error_flag)))
+    """(row_source, tile_expert, expert_offsets, expert_counts, num_rows) of `schedule.py`;
+    with `skip_empty_ids`, ids of −1 are empty entries (no route), not errors."""
+    schedule = build_routing_schedule(topk_ids, num_local_experts, block_m, error_flag, skip_empty_ids)
+    return tuple(routing_tensors(schedule))
 
 
 @routing_schedule.op.register_fake
-def _(topk_ids, error_flag, num_local_experts, block_m):
+def _(topk_ids, error_flag, num_local_experts, block_m, skip_empty_ids=False):
     rows = capacity_rows(topk_ids.shape[0] * topk_ids.shape[1], num_local_experts, block_m)
     new = topk_ids.new_empty
     return (
@@ -128,6 +131,62 @@ def _(h, w_down, schedule_tensors, block_m, num_slots):
     return h.new_empty(num_slots, w_down.shape[1])
 
 
+@_custom_op("gate_up_swiglu_fp8_block", ())
+def gate_up_swiglu_fp8_block(
+    x_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_gate_q: torch.Tensor,
+    w_gate_scale: torch.Tensor,
+    w_up_q: torch.Tensor,
+    w_up_scale: torch.Tensor,
+    schedule_tensors: list[torch.Tensor],
+    block_m: int,
+    topk: int,
+    swiglu_limit: float | None,
+    store_gate_up: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """h_q [rows, I] e4m3, h_scale [rows, I/128] fp32 (h in 1×128 blocks) and gate_up
+    [rows, 2, I] bf16 (an empty [0, 2, I] when not stored)."""
+    routing = routing_from_tensors(schedule_tensors, block_m)
+    h_q, h_scale, gate_up = grouped_gemm.gate_up_swiglu_fp8_block(
+        x_q, x_scale, w_gate_q, w_gate_scale, w_up_q, w_up_scale, routing, topk, swiglu_limit, store_gate_up
+    )
+    if gate_up is None:
+        gate_up = h_scale.new_empty(0, 2, h_q.shape[1], dtype=torch.bfloat16)
+    return h_q, h_scale, gate_up
+
+
+@gate_up_swiglu_fp8_block.op.register_fake
+def _(x_q, x_scale, w_gate_q, w_gate_scale, w_up_q, w_up_scale, schedule_tensors, block_m, topk, swiglu_limit,
+      store_gate_up):
+    rows, inter = schedule_tensors[0].shape[0], w_gate_q.shape[1]
+    return (
+        x_q.new_empty(rows, inter),
+        x_scale.new_empty(rows, w_gate_scale.shape[1]),  # I/128
+        x_scale.new_empty(rows if store_gate_up else 0, 2, inter, dtype=torch.bfloat16),
+    )
+
+
+@_custom_op("down_scatter_fp8_block", ())
+def down_scatter_fp8_block(
+    h_q: torch.Tensor,
+    h_scale: torch.Tensor,
+    w_down_q: torch.Tensor,
+    w_down_scale: torch.Tensor,
+    schedule_tensors: list[torch.Tensor],
+    block_m: int,
+    num_slots: int,
+) -> torch.Tensor:
+    """y [num_slots, H] bf16 from the fp8_block h and w_down, each route's unweighted output in its slot."""
+    routing = routing_from_tensors(schedule_tensors, block_m)
+    return grouped_gemm.down_scatter_fp8_block(h_q, h_scale, w_down_q, w_down_scale, routing, num_slots)
+
+
+@down_scatter_fp8_block.op.register_fake
+def _(h_q, h_scale, w_down_q, w_down_scale, schedule_tensors, block_m, num_slots):
+    return h_scale.new_empty(num_slots, w_down_q.shape[1], dtype=torch.bfloat16)
+
+
 # --------------------------------------------------------------------------- combine
 
 
@@ -149,23 +208,24 @@ from mok.kernels import dgrad, gather, wgrad  # noqa: E402  (the backward sectio
 
 @_custom_op("gather_sorted_rows", ())
 def gather_sorted_rows(
-    a: torch.Tensor,
-    b: torch.Tensor | None,
+    x: torch.Tensor,
+    d_out: torch.Tensor,
+    topk_weights: torch.Tensor | None,
     schedule_tensors: list[torch.Tensor],
     block_m: int,
     topk: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """a_sorted, b_sorted [rows, H] bf16: the token rows of every route in the sorted
-    layout, zeros at padding (b_sorted an empty [0, H] without b)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x_sorted, d_out_sorted, dy_sorted = w·dOut [rows, H] bf16 in the sorted layout
+    (zeros at padding; dy_sorted an empty [0, H] without topk_weights)."""
     routing = routing_from_tensors(schedule_tensors, block_m)
-    a_sorted, b_sorted = gather.gather_sorted_rows(a, b, routing, topk)
-    return a_sorted, a.new_empty(0, a.shape[1]) if b_sorted is None else b_sorted
+    x_sorted, d_out_sorted, dy_sorted = gather.gather_sorted_rows(x, d_out, topk_weights, routing, topk)
+    return x_sorted, d_out_sorted, x.new_empty(0, x.shape[1]) if dy_sorted is None else dy_sorted
 
 
 @gather_sorted_rows.op.register_fake
-def _(a, b, schedule_tensors, block_m, topk):
-    rows = schedule_tensors[0].shape[0]
-    return a.new_empty(rows, a.shape[1]), a.new_empty(0 if b is None else rows, a.shape[1])
+def _(x, d_out, topk_weights, schedule_tensors, block_m, topk):
+    rows, hidden = schedule_tensors[0].shape[0], x.shape[1]
+    return x.new_empty(rows, hidden), x.new_empty(rows, hidden), x.new_empty(0 if topk_weights is None else rows, hidden)
 
 
 # --------------------------------------------------------------------------- backward: dgrad
@@ -180,27 +240,20 @@ def down_dgrad_swiglu(
     schedule_tensors: list[torch.Tensor],
     block_m: int,
     swiglu_limit: float | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """d_gate_up [rows, 2, I] bf16, h_weighted [rows, I] bf16 (w·h, the down wgrad's
-    operand) and d_topk_weights [T, topk] fp32 (an empty [0] fp32 when topk_weights is
-    None: the shared expert has no router weight)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """d_gate_up [rows, 2, I] bf16 and d_topk_weights [T, topk] fp32 (an empty [0] fp32
+    when topk_weights is None: the shared expert has no router weight)."""
     routing = routing_from_tensors(schedule_tensors, block_m)
-    d_gate_up, h_weighted, d_topk_weights = dgrad.down_dgrad_swiglu(
-        d_out_sorted, topk_weights, gate_up, w_down, routing, swiglu_limit
-    )
+    d_gate_up, d_topk_weights = dgrad.down_dgrad_swiglu(d_out_sorted, topk_weights, gate_up, w_down, routing, swiglu_limit)
     if d_topk_weights is None:
         d_topk_weights = gate_up.new_empty(0, dtype=torch.float32)
-    return d_gate_up, h_weighted, d_topk_weights
+    return d_gate_up, d_topk_weights
 
 
 @down_dgrad_swiglu.op.register_fake
 def _(d_out_sorted, topk_weights, gate_up, w_down, schedule_tensors, block_m, swiglu_limit):
     shape = (0,) if topk_weights is None else tuple(topk_weights.shape)
-    return (
-        gate_up.new_empty(gate_up.shape),
-        gate_up.new_empty(gate_up.shape[0], gate_up.shape[2]),
-        gate_up.new_empty(shape, dtype=torch.float32),
-    )
+    return gate_up.new_empty(gate_up.shape), gate_up.new_empty(shape, dtype=torch.float32)
 
 
 @_custom_op("gate_up_dgrad_scatter", ())
@@ -227,36 +280,36 @@ def _(d_gate_up, w_gate, w_up, schedule_tensors, block_m, num_slots):
 
 @_custom_op("down_wgrad", ())
 def down_wgrad(
-    d_out_sorted: torch.Tensor,
-    h_weighted: torch.Tensor,
+    dy_sorted: torch.Tensor,
+    h: torch.Tensor,
     schedule_tensors: list[torch.Tensor],
     block_m: int,
 ) -> torch.Tensor:
-    """d_w_down [E_l, H, I] bf16 = Σ_rows dOutᵀ (w·h) per expert, fp32 accumulation."""
+    """d_w_down [E_l, H, I] bf16 = Σ_rows (w·dOut)ᵀ h per expert, fp32 accumulation."""
     routing = routing_from_tensors(schedule_tensors, block_m)
-    return wgrad.down_wgrad(d_out_sorted, h_weighted, routing)
+    return wgrad.down_wgrad(dy_sorted, h, routing)
 
 
 @down_wgrad.op.register_fake
-def _(d_out_sorted, h_weighted, schedule_tensors, block_m):
-    return h_weighted.new_empty(schedule_tensors[3].shape[0], d_out_sorted.shape[1], h_weighted.shape[1])
+def _(dy_sorted, h, schedule_tensors, block_m):
+    return h.new_empty(schedule_tensors[3].shape[0], dy_sorted.shape[1], h.shape[1])
 
 
 @_custom_op("down_wgrad_accumulate", ("main_grad",))
 def down_wgrad_accumulate(
     main_grad: torch.Tensor,
-    d_out_sorted: torch.Tensor,
-    h_weighted: torch.Tensor,
+    dy_sorted: torch.Tensor,
+    h: torch.Tensor,
     schedule_tensors: list[torch.Tensor],
     block_m: int,
 ) -> None:
     """main_grad [E_l, H, I] fp32/bf16 += d_w_down, in place (Megatron-style main_grad)."""
     routing = routing_from_tensors(schedule_tensors, block_m)
-    wgrad.down_wgrad(d_out_sorted, h_weighted, routing, main_grad=main_grad)
+    wgrad.down_wgrad(dy_sorted, h, routing, main_grad=main_grad)
 
 
 @down_wgrad_accumulate.op.register_fake
-def _(main_grad, d_out_sorted, h_weighted, schedule_tensors, block_m):
+def _(main_grad, dy_sorted, h, schedule_tensors, block_m):
     return None
 
 
@@ -338,3 +391,55 @@ def mxfp8_quantize(
     and outputs (the pair not asked for is None again); bit-exact with it."""
     q, scale, q_t, scale_t = _mxfp8_quantize(t, rowwise, colwise)
     return (q if rowwise else None, scale if rowwise else None, q_t if colwise else None, scale_t if colwise else None)
+
+
+# --------------------------------------------------------------------------- expert-parallel dispatch
+
+from mok.kernels import dispatch  # noqa: E402  (appended section keeps its imports here)
+
+
+@_custom_op("route_slots", ("error_flag",))
+def route_slots(
+    topk_ids: torch.Tensor, error_flag: torch.Tensor, num_local_experts: int, world_size: int, send_capacity: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(route_slot [T·topk] int32, send_expert [P·C] int32) of `dispatch.route_slots`."""
+    return dispatch.route_slots(topk_ids, num_local_experts, world_size, send_capacity, error_flag)
+
+
+@route_slots.op.register_fake
+def _(topk_ids, error_flag, num_local_experts, world_size, send_capacity):
+    new = topk_ids.new_empty
+    return new(topk_ids.numel(), dtype=torch.int32), new(world_size * send_capacity, dtype=torch.int32)
+
+
+@_custom_op("pack_rows", ())
+def pack_rows(src: torch.Tensor, route_slot: torch.Tensor, routes_per_row: int, num_send_rows: int) -> torch.Tensor:
+    """send [num_send_rows, W]: row slot(r) holds src[r // routes_per_row] (`dispatch.pack_rows`)."""
+    return dispatch.pack_rows(src, route_slot, routes_per_row, num_send_rows)
+
+
+@pack_rows.op.register_fake
+def _(src, route_slot, routes_per_row, num_send_rows):
+    return src.new_empty(num_send_rows, src.shape[1])
+
+
+@_custom_op("unpack_rows", ())
+def unpack_rows(recv: torch.Tensor, route_slot: torch.Tensor) -> torch.Tensor:
+    """[T·topk, W]: row r holds recv[slot(r)], zeros without a slot (`dispatch.unpack_rows`)."""
+    return dispatch.unpack_rows(recv, route_slot)
+
+
+@unpack_rows.op.register_fake
+def _(recv, route_slot):
+    return recv.new_empty(route_slot.shape[0], recv.shape[1])
+
+
+@_custom_op("receive_expert_ids", ("error_flag",))
+def receive_expert_ids(recv_ids: torch.Tensor, error_flag: torch.Tensor) -> torch.Tensor:
+    """expert_ids [C·P, 1] int32 in the receiver's interleaved order (`dispatch.receive_expert_ids`)."""
+    return dispatch.receive_expert_ids(recv_ids, error_flag)
+
+
+@receive_expert_ids.op.register_fake
+def _(recv_ids, error_flag):
+    return recv_ids.new_empty((recv_ids.shape[1] - 1) * recv_ids.shape[0], 1)

@@ -15,6 +15,11 @@ zero where a clamp was active (g > L, |u| > L).
 
 The backward is written out by hand (no autograd), returning SPEC's gradients in order;
 the router-weight gradient is ⟨dOut[t], y_{e(t,j)}⟩, exact for any sign of w.
+
+`routed_x` (optional, in every layer function): the rows the routed experts read in place
+of x, for a caller that emulates a low-precision format by rounding the routed experts'
+operand while the shared expert keeps reading x (SPEC §2). The gradient flowing into it is
+returned as part of d_x.
 """
 
 from __future__ import annotations
@@ -163,6 +168,15 @@ def _weighted_sum(y_routes: torch.Tensor, topk_weights: torch.Tensor, base: torc
     return out
 
 
+def _routed_rows(x: torch.Tensor, routed_x: torch.Tensor | None) -> torch.Tensor:
+    """[T, H] fp32: what the routed experts read (module docstring, `routed_x`)."""
+    if routed_x is None:
+        return x.float()
+    if routed_x.shape != x.shape:
+        raise ValueError(f"routed_x: expected the shape of x {tuple(x.shape)}, got {tuple(routed_x.shape)}")
+    return routed_x.float()
+
+
 def _has_shared(ws_gate, ws_up, ws_down) -> bool:
     present = [w is not None for w in (ws_gate, ws_up, ws_down)]
     if any(present) and not all(present):
@@ -181,17 +195,21 @@ def moe_forward(
     ws_up: torch.Tensor | None = None,  # [I_s, H]
     ws_down: torch.Tensor | None = None,  # [H, I_s]
     swiglu_limit: float | None = None,
+    *,
+    routed_x: torch.Tensor | None = None,  # [T, H], x when None
 ) -> torch.Tensor:
     """The layer's output [T, H] in fp32 (one process holds all E experts)."""
     return _moe_forward_saving(
-        x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, swiglu_limit
+        x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, swiglu_limit, routed_x
     )[0]
 
 
-def _moe_forward_saving(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, swiglu_limit):
+def _moe_forward_saving(
+    x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, swiglu_limit, routed_x
+):
     num_tokens, topk = topk_ids.shape
     xf = x.float()
-    route_x = xf.repeat_interleave(topk, dim=0)  # [T*topk, H], row t*topk+j
+    route_x = _routed_rows(x, routed_x).repeat_interleave(topk, dim=0)  # [T*topk, H], row t*topk+j
     y, saved = _experts_forward(route_x, topk_ids.reshape(-1).long(), w_gate, w_up, w_down, swiglu_limit)
     shared = None
     if _has_shared(ws_gate, ws_up, ws_down):
@@ -212,11 +230,13 @@ def moe_backward(
     ws_up: torch.Tensor | None = None,
     ws_down: torch.Tensor | None = None,
     swiglu_limit: float | None = None,
+    *,
+    routed_x: torch.Tensor | None = None,
 ) -> Gradients:
     """Every gradient of the layer, fp32, in SPEC's order (recomputes the forward)."""
     num_tokens, topk = topk_ids.shape
     _, (route_x, y, saved, shared) = _moe_forward_saving(
-        x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, swiglu_limit
+        x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, swiglu_limit, routed_x
     )
     d_out = d_out.float()
     y_routes = y.view(num_tokens, topk, -1)
@@ -263,7 +283,7 @@ def _all_to_all_rows(rows: torch.Tensor, send_counts, recv_counts, group) -> tor
     return out
 
 
-def _ep_dispatch(x, topk_ids, num_local_experts, group) -> _EPRoutes:
+def _ep_dispatch(routed_x, topk_ids, num_local_experts, group) -> _EPRoutes:
     num_ranks = dist.get_world_size(group)
     num_experts = num_local_experts * num_ranks
     ids = topk_ids.reshape(-1).long()  # [T*topk] global expert of route t*topk+j
@@ -286,16 +306,17 @@ def _ep_dispatch(x, topk_ids, num_local_experts, group) -> _EPRoutes:
     dist.all_to_all_single(recv_counts_t, send_counts_t, group=group)
     send_counts, recv_counts = send_counts_t.tolist(), recv_counts_t.tolist()
     # 3. Send each route's token row and its local expert id to the expert's rank.
-    route_x = x.float().repeat_interleave(topk_ids.shape[1], dim=0)  # [T*topk, H]
+    route_x = routed_x.repeat_interleave(topk_ids.shape[1], dim=0)  # [T*topk, H] fp32
     recv_x = _all_to_all_rows(route_x[order], send_counts, recv_counts, group)  # [n_recv, H]
     recv_expert = _all_to_all_rows((ids % num_local_experts)[order], send_counts, recv_counts, group)
     return _EPRoutes(order, send_counts, recv_counts, recv_x, recv_expert)
 
 
-def _ep_forward_saving(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, swiglu_limit, group):
+def _ep_forward_saving(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, swiglu_limit, group,
+                       routed_x):
     num_tokens, topk = topk_ids.shape
     has_shared = _has_shared(ws_gate, ws_up, ws_down)
-    routes = _ep_dispatch(x, topk_ids, w_gate.shape[0], group)
+    routes = _ep_dispatch(_routed_rows(x, routed_x), topk_ids, w_gate.shape[0], group)
     # 4. The expert rank runs every received row through its local expert: y [n_recv, H].
     y_recv, saved = _experts_forward(routes.recv_x, routes.recv_expert, w_gate, w_up, w_down, swiglu_limit)
     # 5. y goes back to the source rank, into route slot t*topk+j.
@@ -321,6 +342,8 @@ def ep_moe_forward(
     ws_down: torch.Tensor | None = None,  # [H, I_s]
     swiglu_limit: float | None = None,
     group: dist.ProcessGroup | None = None,  # None = WORLD
+    *,
+    routed_x: torch.Tensor | None = None,  # [T, H], x when None
 ) -> torch.Tensor:
     """This rank's layer output [T, H] in fp32 under expert parallelism over `group`.
 
@@ -328,7 +351,7 @@ def ep_moe_forward(
     rows of `moe_forward` on all ranks' tokens concatenated in rank order with all E experts.
     """
     return _ep_forward_saving(
-        x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, swiglu_limit, group
+        x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, swiglu_limit, group, routed_x
     )[0]
 
 
@@ -345,6 +368,8 @@ def ep_moe_backward(
     ws_down: torch.Tensor | None = None,
     swiglu_limit: float | None = None,
     group: dist.ProcessGroup | None = None,  # None = WORLD
+    *,
+    routed_x: torch.Tensor | None = None,
 ) -> Gradients:
     """This rank's gradients under expert parallelism, fp32, in SPEC's order (recomputes the forward).
 
@@ -356,7 +381,7 @@ def ep_moe_backward(
     """
     num_tokens, topk = topk_ids.shape
     _, (routes, y_routes, saved, shared) = _ep_forward_saving(
-        x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, swiglu_limit, group
+        x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, swiglu_limit, group, routed_x
     )
     d_out = d_out.float()
     # 1. Router-weight gradient at the source: ⟨dOut[t], y_{t,j}⟩, exact for any sign of w.

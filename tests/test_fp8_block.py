@@ -20,6 +20,7 @@ from mok.fp8_block import (
     fp8_block_dequantize,
     fp8_block_quantize,
     fp8_block_quantize_activations,
+    fp8_block_round,
 )
 from mok.testing.fp8 import E4M3_POSITIVE_VALUES, e4m3_decode
 
@@ -185,6 +186,21 @@ def test_ragged_edges_use_valid_elements_only():
 def test_empty_rows():
     q, scale = fp8_block_quantize_activations(torch.empty(0, 256, dtype=torch.bfloat16))
     assert q.shape == (0, 256) and scale.shape == (0, 2)
+
+
+def test_round_is_dequantize_of_quantize():
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(7, 300, generator=gen).bfloat16()
+    w = torch.randn(2, 200, 260, generator=gen).bfloat16()
+    assert torch.equal(fp8_block_round(x), fp8_block_dequantize(*fp8_block_quantize_activations(x)))
+    weight_round = fp8_block_round(w, (FP8_BLOCK, FP8_BLOCK))
+    assert weight_round.dtype == torch.float32 and weight_round.shape == w.shape
+    assert torch.equal(weight_round, fp8_block_dequantize(*fp8_block_quantize(w)[:2], (FP8_BLOCK, FP8_BLOCK)))
+    assert not torch.equal(fp8_block_round(w[0]), weight_round[0])  # 1×128 and 128×128 blocks differ
+    with pytest.raises(ValueError, match=r"block: expected \(1, 128\) or \(128, 128\), got \(32, 32\)"):
+        fp8_block_round(x, (32, 32))
+    with pytest.raises(ValueError, match=r"t: expected a 2-D \[R, C\] or 3-D \[E, R, C\] tensor"):
+        fp8_block_round(x[0])
 
 
 def test_errors():

@@ -5,6 +5,7 @@ import torch
 
 import mok
 from mok import reference
+from mok.fp8_block import FP8_BLOCK, fp8_block_quantize_activations
 from mok.testing import assert_close_to_reference, make_inputs
 
 
@@ -88,25 +89,96 @@ def test_schedule_and_call_checks():
         mok.create_workspace({}, None, device="cpu", num_local_tokens=8, hidden_size=32, topk=2)
 
 
-def test_mxfp8_reference_backend_within_mxfp8_bar():
-    T, H, I, E, topk = 33, 64, 64, 4, 2
-    inp = make_inputs(T, H, I, E, topk, 32, seed=2)
-    d_out = torch.randn(T, H).bfloat16()
-    config = mok.MoKConfig(precision="mxfp8")
-    out, ctx, grads, _ = _steps(inp, config, None, d_out)
+# H spans two 128-blocks and the weights several 128×128 tiles, so a wrong block shape shows.
+LOW_PRECISION_SHAPE = dict(T=33, H=256, I=128, E=4, topk=2, shared=64)
+
+
+def _low_precision_inputs(seed):
+    T, H, I, E, topk, shared = LOW_PRECISION_SHAPE.values()
+    inp = make_inputs(T, H, I, E, topk, shared, seed=seed, signed_weights=True)
+    d_out = torch.randn(T, H, generator=torch.Generator().manual_seed(seed + 1)).bfloat16()
+    return inp, d_out
+
+
+@pytest.mark.parametrize("precision", ["mxfp8", "fp8_block"])
+def test_low_precision_reference_backend_within_its_bar(precision):
+    inp, d_out = _low_precision_inputs(seed=2)
+    out, ctx, grads, (_, sched) = _steps(inp, mok.MoKConfig(precision=precision), None, d_out)
+    assert sched.backend == "reference" and ctx.precision == precision
     ref_out = reference.moe_forward(inp.x, inp.topk_ids, inp.topk_weights, *inp.weights)
     ref_grads = reference.moe_backward(d_out, inp.x, inp.topk_ids, inp.topk_weights, *inp.weights)
-    assert_close_to_reference(out, ref_out, "mxfp8", name="out")
+    context = f"{precision=} {LOW_PRECISION_SHAPE}"
+    assert_close_to_reference(out, ref_out, precision, name="out", context=context)
     for name, g, r in zip(ref_grads._fields, grads, ref_grads):
-        assert_close_to_reference(g, r, "mxfp8", name=name, check_cosine=True)
-    bf16_out = _steps(inp, mok.MoKConfig(), None, None)[0]
-    assert not torch.equal(out, bf16_out), "mxfp8 mode must round its operands"
+        assert_close_to_reference(g, r, precision, name=name, context=context, check_cosine=True)
 
 
-def test_fp8_block_says_not_implemented():
-    inp = make_inputs(8, 128, 128, 4, 2, seed=1)
-    with pytest.raises(NotImplementedError, match="fp8_block"):
-        mok.moe(inp.x, inp.topk_ids, inp.topk_weights, inp.w_gate, inp.w_up, inp.w_down, config=mok.MoKConfig(precision="fp8_block"))
+def _mxfp8_round_trip(t):
+    q, scale, _, _ = mok.mxfp8_quantize(t)
+    return mok.mxfp8_dequantize(q, scale)
+
+
+def _rounded_operands(precision, inp):
+    """x and the routed weights through the format, by the quantizers' public functions."""
+    routed = (inp.w_gate, inp.w_up, inp.w_down)
+    if precision == "mxfp8":
+        return _mxfp8_round_trip(inp.x), *(_mxfp8_round_trip(w) for w in routed)
+    weights = (mok.fp8_block_dequantize(*mok.fp8_block_quantize(w)[:2], (FP8_BLOCK, FP8_BLOCK)) for w in routed)
+    return mok.fp8_block_dequantize(*fp8_block_quantize_activations(inp.x), (1, FP8_BLOCK)), *weights
+
+
+@pytest.mark.parametrize("precision", ["mxfp8", "fp8_block"])
+def test_low_precision_emulation_rounds_routed_operands_only(precision):
+    """Bitwise: the routed experts read x and their weights rounded through the format; the
+    shared expert reads x and its weights as given; gradients flow straight through."""
+    inp, d_out = _low_precision_inputs(seed=4)
+    out, _, grads, _ = _steps(inp, mok.MoKConfig(precision=precision), None, d_out)
+    x_q, *routed_q = _rounded_operands(precision, inp)
+    shared = (inp.ws_gate, inp.ws_up, inp.ws_down)
+    args = (inp.x, inp.topk_ids, inp.topk_weights, *routed_q, *shared)
+    assert torch.equal(out, reference.moe_forward(*args, routed_x=x_q).bfloat16())
+    want = reference.moe_backward(d_out, *args, routed_x=x_q)
+    for name, g, w in zip(want._fields, grads, want):
+        assert torch.equal(g, w if name == "d_topk_weights" else w.bfloat16()), f"{precision=} {name}"
+    # Skipping the rounding would give the bf16 results.
+    bf16_out, _, bf16_grads, _ = _steps(inp, mok.MoKConfig(), None, d_out)
+    assert not torch.equal(out, bf16_out), f"{precision} mode must round its operands"
+    for name in ("d_x", "d_topk_weights", "d_w_gate", "d_w_down"):
+        assert not torch.equal(getattr(grads, name), getattr(bf16_grads, name)), f"{precision=} {name}"
+
+
+def test_fp8_block_and_mxfp8_round_differently():
+    inp, _ = _low_precision_inputs(seed=6)
+    outs = [_steps(inp, mok.MoKConfig(precision=p), None, None)[0] for p in ("mxfp8", "fp8_block")]
+    assert not torch.equal(*outs)
+
+
+@pytest.mark.parametrize("precision", ["mxfp8", "fp8_block"])
+def test_low_precision_run_twice_is_bitwise_identical(precision):
+    inp, d_out = _low_precision_inputs(seed=8)
+    a = _steps(inp, mok.MoKConfig(precision=precision), None, d_out)
+    b = _steps(inp, mok.MoKConfig(precision=precision), None, d_out)
+    assert torch.equal(a[0], b[0])
+    for name, ga, gb in zip(a[2]._fields, a[2], b[2]):
+        assert torch.equal(ga, gb), f"{precision=} {name}"
+
+
+def test_fp8_block_needs_sizes_multiple_of_128():
+    inp = make_inputs(8, 128, 64, 4, 2, seed=1)
+    expected = r"^intermediate_size \(w_gate.shape\[1\]\): expected a multiple of 128 in fp8_block mode, got 64"
+    with pytest.raises(ValueError, match=expected):
+        mok.moe(inp.x, inp.topk_ids, inp.topk_weights, *inp.weights, config=mok.MoKConfig(precision="fp8_block"))
+
+
+def test_fp8_block_runs_on_the_reference_backend_only(kernel_device):
+    inp = make_inputs(8, 128, 128, 4, 2, seed=1, device=kernel_device)
+    ws = mok.get_workspace(mok.MoKConfig(), None, device=kernel_device, num_local_tokens=8, hidden_size=128, topk=2)
+    sched = mok.build_schedule(ws, mok.MoKConfig(precision="fp8_block"), inp.topk_ids, num_local_experts=4)
+    assert sched.backend == "reference"
+    expected = r"backend='triton' cannot run this call: precision='fp8_block': its grouped GEMMs are not written yet"
+    with pytest.raises(NotImplementedError, match=expected):
+        mok.moe(inp.x, inp.topk_ids, inp.topk_weights, *inp.weights,
+                config=mok.MoKConfig(precision="fp8_block", backend="triton"))
 
 
 def test_error_flag_raises_once():

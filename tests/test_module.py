@@ -71,6 +71,28 @@ def test_forward_rejects_wrong_hidden():
         layer(torch.randn(3, 32).bfloat16(), torch.zeros(3, 2, dtype=torch.long), torch.rand(3, 2))
 
 
+@pytest.mark.parametrize("precision", ["mxfp8", "fp8_block"])
+def test_module_low_precision_within_its_bar(precision):
+    torch.manual_seed(3)
+    B, S, H, I, E, topk, I_s = 2, 13, 256, 128, 6, 2, 64
+    layer = mok.MoKMoE(H, I, E, topk, shared_intermediate_size=I_s, precision=precision)
+    x = torch.randn(B, S, H).bfloat16().requires_grad_()
+    ids = make_topk_ids(B * S, E, topk).view(B, S, topk)
+    w = torch.randn(B, S, topk).softmax(-1).requires_grad_()
+    out = layer(x, ids, w)
+    d_out = torch.randn_like(out)
+    out.backward(d_out)
+    params = list(layer.parameters())
+    args = (x.detach().view(-1, H), ids.view(-1, topk), w.detach().view(-1, topk), *[p.detach() for p in params])
+    ref_out = reference.moe_forward(*args)
+    ref = reference.moe_backward(d_out.view(-1, H), *args)
+    context = f"{precision=} {B=} {S=} {H=} {I=} {E=} {topk=} {I_s=}"
+    assert_close_to_reference(out.view(-1, H), ref_out, precision, name="out", context=context)
+    actual = (x.grad.view(-1, H), w.grad.view(-1, topk), *[p.grad for p in params])
+    for name, a, r in zip(ref._fields, actual, ref):
+        assert_close_to_reference(a, r, precision, name=name, context=context, check_cosine=True)
+
+
 def test_precision_reaches_config():
     layer = mok.MoKMoE(64, 64, 4, 2, precision="mxfp8", config=mok.MoKConfig(minibatch_size=512))
     assert layer.config.precision == "mxfp8" and layer.config.minibatch_size == 512

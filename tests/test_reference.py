@@ -161,6 +161,32 @@ def test_backward_matches_fp64_autograd(case):
             assert (getattr(grads, field)[e] == 0).all(), f"{field}[{e}] not exactly 0 for an empty expert {case}"
 
 
+def test_routed_x_feeds_the_routed_experts_only():
+    """With routed_x, the routed experts read it and the shared expert reads x; d_x sums the
+    gradients of both (a rounding emulation passes the gradient straight through)."""
+    case = Case("routed_x", shared=8, signed=True, swiglu_limit=0.8)
+    inp, d_out = _inputs(case, seed=3)
+    routed_x = inp.x.float() * 1.5 + 0.25  # [T, H] fp32, any rows differing from x
+    out = moe_forward(inp.x, inp.topk_ids, inp.topk_weights, *inp.weights, swiglu_limit=0.8, routed_x=routed_x)
+    grads = moe_backward(d_out, inp.x, inp.topk_ids, inp.topk_weights, *inp.weights, swiglu_limit=0.8,
+                         routed_x=routed_x)
+    leaves = _fp64(inp)
+    routed_leaf = routed_x.double().requires_grad_(True)
+    no_routes = torch.zeros_like(leaves["topk_weights"])
+    shared_part = plain_moe(leaves["x"], inp.topk_ids, no_routes, leaves["w_gate"], leaves["w_up"], leaves["w_down"],
+                            leaves["ws_gate"], leaves["ws_up"], leaves["ws_down"], limit=0.8)
+    routed_part = plain_moe(routed_leaf, inp.topk_ids, leaves["topk_weights"], leaves["w_gate"], leaves["w_up"],
+                            leaves["w_down"], limit=0.8)
+    expected = shared_part + routed_part
+    (expected * d_out.double()).sum().backward()
+    _assert_close(out, expected.detach(), "out", case)
+    _assert_close(grads.d_x, leaves["x"].grad + routed_leaf.grad, "d_x", case)
+    for field in Gradients._fields[1:]:
+        _assert_close(getattr(grads, field), leaves[INPUT_OF_GRAD[field]].grad, field, case)
+    with pytest.raises(ValueError, match=r"^routed_x: expected the shape of x \(6, 16\), got \(6, 8\)"):
+        moe_forward(inp.x, inp.topk_ids, inp.topk_weights, *inp.weights, routed_x=routed_x[:, :8])
+
+
 def test_router_weight_gradient_exact_for_any_sign():
     """d_topk_weights[t,j] = ⟨dOut[t], y_{e(t,j)}(x_t)⟩ also where w < 0 or w == 0 (no division by w)."""
     case = Case("signed", T=8, E=4, topk=3, shared=8, signed=True)

@@ -82,8 +82,8 @@ def test_backward_ops_schema_and_fake_impls(kernel_device):
     zeros = lambda *shape: torch.zeros(*shape, device=kernel_device)  # noqa: E731
     sorted_rows = torch.randn(rows, H, generator=gen).bfloat16().to(kernel_device)
     cases = [
-        (ops.gather_sorted_rows, (inp.x, d_out, list(routing), block_m, topk)),
-        (ops.gather_sorted_rows, (inp.x, None, list(routing), block_m, topk)),
+        (ops.gather_sorted_rows, (inp.x, d_out, inp.topk_weights, list(routing), block_m, topk)),
+        (ops.gather_sorted_rows, (inp.x, d_out, None, list(routing), block_m, topk)),
         (ops.down_dgrad_swiglu, (sorted_rows, inp.topk_weights, gate_up, inp.w_down, list(routing), block_m, 0.5)),
         (ops.down_dgrad_swiglu, (sorted_rows, None, gate_up, inp.w_down, list(routing), block_m, None)),
         (ops.gate_up_dgrad_scatter, (gate_up, inp.w_gate, inp.w_up, list(routing), block_m, T * topk)),

@@ -74,7 +74,8 @@ def tma_descriptor(t, block_shape):
     """A TMA tensor descriptor over `t` (any strides with a unit last stride; a 3-D weight
     [E, rows, cols] is flattened to [E·rows, cols]) loading blocks of `block_shape`.
     Out-of-bounds parts of a block read as zeros. TMA needs 16-byte aligned rows: bf16
-    sizes that are multiples of 8, which `mok.validation` requires."""
+    sizes that are multiples of 8, which `mok.validation` requires (fp8_block's multiples
+    of 128 give e4m3 rows of 128 bytes)."""
     if t.is_cuda:
         _make_cuda_context_current(t.device.index)
     if t.dim() == 3:

@@ -4,7 +4,6 @@
                   d_h[r] = w[t,j] · a[r]                                 (w applied in fp32, here)
                   d_g[r], d_u[r] = swiglu_backward(d_h[r], g[r], u[r])   (clamp masks with a limit L)
                   route_partials[t·topk+j, n] = Σ_{i in N tile n} a[r,i] · h[r,i]
-                  h_weighted[r] = bf16(w[t,j] · h[r])                     (for the down wgrad)
     router-weight gradient:
                   d_topk_weights[t,j] = Σ_n route_partials[t·topk+j, n]   (ascending n, fp32)
                                       = ⟨dOut[t], y[t·topk+j]⟩ = ⟨dOut[t]·Wd[e], h[r]⟩
@@ -17,9 +16,8 @@ the forward stored ([rows, 2, I] bf16); h = silu(min(g, L)) · clamp(u, −L, L)
 recomputed from them in fp32.
 
 The down dgrad reads dOut rows already in the sorted layout (`gather.py`'s d_out_sorted,
-zeros in padding rows, shared with the wgrad GEMMs) and applies the router weight to the
-fp32 accumulator: d_h never exists in bf16, and d_g, d_u carry a single bf16 rounding
-(at the d_gate_up store). The
+zeros in padding rows) and applies the router weight to the fp32 accumulator: d_h never
+exists in bf16, and d_g, d_u carry a single bf16 rounding (at the d_gate_up store). The
 router-weight gradient is the row-dot ⟨dOut[t]·Wd[e], h[r]⟩ over I, which equals
 ⟨dOut[t], y⟩: each program writes the partial dot of its N tile, a second tiny launch
 sums them in ascending tile order. It never divides by w, so it is exact for any sign
@@ -27,13 +25,12 @@ of w, and it needs neither the forward's `y` nor a pass over [T·topk, H].
 The shared expert runs the same kernels on its own schedule (every token to one expert,
 topk = 1) with HAS_WEIGHTS = False: no weight, no partials.
 
-The down dgrad also stores h_weighted, the recomputed h scaled by the router weight: the
-down wgrad then reduces Σ dOut[t]ᵀ · h_weighted[r], reading one operand straight from
-the sorted layout through TMA, and the forward does not keep h for the backward. (The
-shared expert stores its h unweighted.)
+The epilogue writes nothing else: one that also stored w·h for the down wgrad measured
+1.5× slower on H200 (BENCHMARKS.md), so the down wgrad reads `gather.py`'s w·dOut rows
+and the forward's h instead.
 
-Padding rows (src = −1) get exact zeros in d_gate_up and h_weighted: the wgrad kernels
-read those operands through TMA without masks and rely on it. Rows past the schedule's
+Padding rows (src = −1) get exact zeros in d_gate_up: the wgrad kernels read it through
+TMA without masks and rely on it. Rows past the schedule's
 `num_rows` are not written. dx_slots rows no route points to are not written.
 
 Every GEMM operand is read through a TMA descriptor: the sorted rows (d_out_sorted,
@@ -112,13 +109,13 @@ def sorted_rows_times_weight(
 @triton.jit
 def _down_dgrad_swiglu_kernel(
     # pointers
-    d_out_desc, topk_weights_ptr, gate_up_ptr, w_down_desc, d_gate_up_ptr, h_weighted_ptr, route_partials_ptr,
+    d_out_desc, topk_weights_ptr, gate_up_ptr, w_down_desc, d_gate_up_ptr, route_partials_ptr,
     # schedule
     row_source_ptr, tile_expert_ptr, num_rows_ptr,
     # sizes
     hidden, inter, max_m_tiles, swiglu_limit,
     # strides
-    stride_gu_r, stride_dgu_r, stride_hw_r,
+    stride_gu_r, stride_dgu_r,
     # meta
     HAS_WEIGHTS: tl.constexpr, HAS_LIMIT: tl.constexpr, INTERPRETER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -152,8 +149,6 @@ def _down_dgrad_swiglu_kernel(
     dgu_ptrs = d_gate_up_ptr + rows64 * stride_dgu_r + n_offs[None, :]
     tl.store(dgu_ptrs, round_to_bf16(tl.where(valid, d_gate, 0.0), INTERPRETER), mask=out_mask)
     tl.store(dgu_ptrs + inter, round_to_bf16(tl.where(valid, d_up, 0.0), INTERPRETER), mask=out_mask)
-    h_weighted = tl.where(valid, w[:, None] * h, 0.0)
-    tl.store(h_weighted_ptr + rows64 * stride_hw_r + n_offs[None, :], round_to_bf16(h_weighted, INTERPRETER), mask=out_mask)
     if HAS_WEIGHTS:
         # ⟨dOut[t]·Wd[e], h[r]⟩ over this N tile (columns past I are zero on both sides).
         partial = tl.sum(d_out_wd * h, axis=1)
@@ -230,13 +225,11 @@ def down_dgrad_swiglu(
     schedule: RoutingSchedule,
     swiglu_limit: float | None = None,
     tile_config: dict | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(d_gate_up [capacity_rows, 2, I] bf16, h_weighted [capacity_rows, I] bf16,
-    d_topk_weights [T, topk] fp32 or None).
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(d_gate_up [capacity_rows, 2, I] bf16, d_topk_weights [T, topk] fp32 or None).
 
-    d_gate_up holds (d_g, d_u) per sorted row and h_weighted the row's w·h (h without
-    topk_weights), both exact zeros in padding rows; rows past the schedule's `num_rows`
-    are left unwritten. d_topk_weights is returned when `topk_weights` is given (routed
+    d_gate_up holds (d_g, d_u) per sorted row, exact zeros in padding rows; rows past the
+    schedule's `num_rows` are left unwritten. d_topk_weights is returned when `topk_weights` is given (routed
     experts) and None otherwise (shared expert). Rows of d_out_sorted past its end read
     as zeros."""
     num_experts, hidden, inter = w_down.shape
@@ -256,7 +249,6 @@ def down_dgrad_swiglu(
     _check_block_m(cfg, schedule)
     num_n_tiles = triton.cdiv(inter, cfg["BLOCK_N"])
     d_gate_up = torch.empty_like(gate_up)  # [capacity_rows, 2, I] bf16
-    h_weighted = torch.empty(schedule.capacity_rows, inter, dtype=torch.bfloat16, device=device)  # [capacity_rows, I]
     weighted = topk_weights is not None
     num_slots = topk_weights.numel() if weighted else 0
     # [T·topk, I / BLOCK_N] fp32: every slot a placed route points to is fully written.
@@ -264,21 +256,21 @@ def down_dgrad_swiglu(
     grid = (schedule.max_tiles * num_n_tiles,)
     _down_dgrad_swiglu_kernel[grid](
         tma_descriptor(d_out_sorted, (cfg["BLOCK_M"], cfg["BLOCK_K"])), topk_weights if weighted else d_gate_up,
-        gate_up, tma_descriptor(w_down, (cfg["BLOCK_K"], cfg["BLOCK_N"])), d_gate_up, h_weighted,
+        gate_up, tma_descriptor(w_down, (cfg["BLOCK_K"], cfg["BLOCK_N"])), d_gate_up,
         route_partials if weighted else d_gate_up,  # unused without weights (HAS_WEIGHTS=False)
         schedule.row_source, schedule.tile_expert, schedule.num_rows,
         hidden, inter, schedule.max_tiles, 0.0 if swiglu_limit is None else float(swiglu_limit),
-        gate_up.stride(0), d_gate_up.stride(0), h_weighted.stride(0),
+        gate_up.stride(0), d_gate_up.stride(0),
         HAS_WEIGHTS=weighted, HAS_LIMIT=swiglu_limit is not None, INTERPRETER=interpreting(), **cfg,
     )
     if not weighted:
-        return d_gate_up, h_weighted, None
+        return d_gate_up, None
     d_topk_weights = torch.empty_like(topk_weights)  # [T, topk] fp32
     block_s = 128
     _sum_route_partials_kernel[(triton.cdiv(num_slots, block_s),)](
         route_partials, d_topk_weights, num_slots, num_n_tiles, BLOCK_S=block_s, num_warps=4,
     )
-    return d_gate_up, h_weighted, d_topk_weights
+    return d_gate_up, d_topk_weights
 
 
 def gate_up_dgrad_scatter(

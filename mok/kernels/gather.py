@@ -1,20 +1,28 @@
-"""Gather token rows into the expert-sorted layout, for the backward's GEMMs.
+"""The backward's prologue: token rows into the expert-sorted layout.
 
-    a_sorted[r] = a[src(r) // topk]      (0 for padding rows)      for each input a ∈ {x, dOut}
+    x_sorted[r]     = x[t]                         (0 for padding rows)
+    d_out_sorted[r] = dOut[t]                      (0 for padding rows)
+    dy_sorted[r]    = bf16(w[t,j] · dOut[t])       (0 for padding rows; only with router weights)
 
 Legend: r a row of the sorted layout of `schedule.py`, src(r) = row_source[r] =
-t·topk + j (−1: padding), T tokens, H hidden. One launch gathers up to two [T, H]
-tensors with the same indices (x and dOut in the backward).
+t·topk + j (−1: padding), T tokens, H hidden.
 
 Why materialise what the forward gathers inside its loads: the weight-gradient GEMMs
-reduce over rows, so a gathered operand needs a fresh index vector every K step; that
-chain of loads held them at ~360 TFLOPS on H200, while the same GEMMs over sorted
-operands read through TMA reach 570–660 (BENCHMARKS.md). The gather is a pure copy at
-HBM speed. The down dgrad reads the sorted dOut through TMA as well.
+reduce over rows, so a gathered operand needs a new index vector every K step; that
+chain of loads held them at ~360 TFLOPS on H200, while over sorted operands read through
+TMA they reach 590–640 (BENCHMARKS.md). The copy runs at HBM speed, and the down dgrad
+reads d_out_sorted through TMA too.
+
+Why two copies of dOut: the down dgrad needs dOut unweighted (its epilogue forms the
+router-weight gradient ⟨dOut·Wd, h⟩ and applies w in fp32), the down wgrad needs w·dOut
+as a plain TMA operand. Forming w·h in the down dgrad's epilogue instead measured 1.5×
+slower there; the extra copy costs ~0.13 ms on qwen3-30b and no activation memory.
+dy carries one bf16 rounding of w·dOut (relative 2^-9 per element, far inside SPEC's
+bf16 bar).
 
 Caller contract: rows at or past the schedule's `num_rows` are not written (no kernel
 reads them). Padding rows get exact zeros, which the GEMMs reading these operands
-without masks rely on. A plain copy: deterministic.
+without masks rely on. A copy: deterministic.
 """
 
 from __future__ import annotations
@@ -23,48 +31,50 @@ import torch
 import triton
 import triton.language as tl
 
+from mok.kernels.common import interpreting, round_to_bf16
 from mok.kernels.schedule import RoutingSchedule
 
 ROWS_PER_PROGRAM = 16  # 16 rows × H columns per program: ~8K programs for 131K rows
 
 
 @triton.jit
-def gather_row_block(src_ptr, dst_ptr, token, valid, rows, num_rows, hidden, stride_src_t, stride_dst_r,
-                     BLOCK_H: tl.constexpr):
-    """dst[rows] = src[token] (zeros where not valid) for rows below num_rows, all H
-    columns, BLOCK_H at a time."""
-    cols = tl.arange(0, BLOCK_H)
-    src_rows = src_ptr + token.to(tl.int64)[:, None] * stride_src_t
-    dst_rows = dst_ptr + rows.to(tl.int64)[:, None] * stride_dst_r
-    for h0 in range(0, hidden, BLOCK_H):
-        in_row = (h0 + cols < hidden)[None, :]
-        values = tl.load(src_rows + h0 + cols[None, :], mask=valid[:, None] & in_row, other=0.0)
-        tl.store(dst_rows + h0 + cols[None, :], values, mask=(rows < num_rows)[:, None] & in_row)
-
-
-@triton.jit
 def _gather_sorted_rows_kernel(
     # pointers
-    a_ptr, b_ptr, a_sorted_ptr, b_sorted_ptr,
+    x_ptr, d_out_ptr, topk_weights_ptr, x_sorted_ptr, d_out_sorted_ptr, dy_sorted_ptr,
     # schedule
     row_source_ptr, num_rows_ptr,
     # sizes
     hidden, topk,
     # strides
-    stride_a_t, stride_b_t, stride_sorted_r,
+    stride_x_t, stride_dout_t, stride_sorted_r,
     # meta
-    HAS_B: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr, INTERPRETER: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     num_rows = tl.load(num_rows_ptr)
     if tl.program_id(0) * ROWS >= num_rows:
         return
-    source = tl.load(row_source_ptr + rows, mask=rows < num_rows, other=-1)
+    in_schedule = rows < num_rows
+    source = tl.load(row_source_ptr + rows, mask=in_schedule, other=-1)
     valid = source >= 0
-    token = tl.where(valid, source, 0) // topk
-    gather_row_block(a_ptr, a_sorted_ptr, token, valid, rows, num_rows, hidden, stride_a_t, stride_sorted_r, BLOCK_H)
-    if HAS_B:
-        gather_row_block(b_ptr, b_sorted_ptr, token, valid, rows, num_rows, hidden, stride_b_t, stride_sorted_r, BLOCK_H)
+    slot = tl.where(valid, source, 0)
+    token = (slot // topk).to(tl.int64)[:, None]
+    if HAS_WEIGHTS:
+        w = tl.load(topk_weights_ptr + slot, mask=valid, other=0.0)[:, None]
+    sorted_offs = rows.to(tl.int64)[:, None] * stride_sorted_r
+    cols = tl.arange(0, BLOCK_H)
+    for h0 in range(0, hidden, BLOCK_H):
+        in_row = (h0 + cols < hidden)[None, :]
+        load_mask = valid[:, None] & in_row
+        store_mask = in_schedule[:, None] & in_row
+        offs = h0 + cols[None, :]
+        x = tl.load(x_ptr + token * stride_x_t + offs, mask=load_mask, other=0.0)
+        tl.store(x_sorted_ptr + sorted_offs + offs, x, mask=store_mask)
+        d_out = tl.load(d_out_ptr + token * stride_dout_t + offs, mask=load_mask, other=0.0)
+        tl.store(d_out_sorted_ptr + sorted_offs + offs, d_out, mask=store_mask)
+        if HAS_WEIGHTS:
+            dy = round_to_bf16(w * d_out.to(tl.float32), INTERPRETER)
+            tl.store(dy_sorted_ptr + sorted_offs + offs, dy, mask=store_mask)
 
 
 def check_sorted_rows(name: str, t: torch.Tensor, width: int, schedule: RoutingSchedule) -> None:
@@ -78,30 +88,43 @@ def check_sorted_rows(name: str, t: torch.Tensor, width: int, schedule: RoutingS
         )
 
 
+def _check_rows(name: str, t: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype, device) -> None:
+    if t.dtype != dtype or tuple(t.shape) != shape or t.stride(-1) != 1 or t.device != device:
+        raise ValueError(f"{name}: expected a {str(dtype).removeprefix('torch.')} {list(shape)} tensor with unit "
+                         f"last stride on {device}, got {t.dtype} {list(t.shape)} on {t.device}")
+
+
 def gather_sorted_rows(
-    a: torch.Tensor,  # [T, H] bf16
-    b: torch.Tensor | None,  # [T, H] bf16, gathered with the same indices (optional)
+    x: torch.Tensor,  # [T, H] bf16
+    d_out: torch.Tensor,  # [T, H] bf16
+    topk_weights: torch.Tensor | None,  # [T, topk] fp32; None: no dy_sorted
     schedule: RoutingSchedule,
     topk: int,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(a_sorted, b_sorted) [capacity_rows, H] bf16 in the schedule's sorted layout (b_sorted
-    None without b)."""
-    if a.dim() != 2 or a.dtype != torch.bfloat16 or a.stride(1) != 1:
-        raise ValueError(f"a: expected a bf16 [T, H] tensor with unit column stride, got {a.dtype} {list(a.shape)}")
-    if b is not None and (b.shape != a.shape or b.dtype != a.dtype or b.stride(1) != 1 or b.device != a.device):
-        raise ValueError(f"b: expected a bf16 {list(a.shape)} tensor with unit column stride on {a.device}, "
-                         f"got {b.dtype} {list(b.shape)} on {b.device}")
-    num_tokens, hidden = a.shape
-    if schedule.row_source.device != a.device:
-        raise ValueError(f"schedule: expected tensors on {a.device}, got {schedule.row_source.device}")
-    a_sorted = torch.empty(schedule.capacity_rows, hidden, dtype=a.dtype, device=a.device)  # [capacity_rows, H]
-    b_sorted = None if b is None else torch.empty_like(a_sorted)  # [capacity_rows, H]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(x_sorted, d_out_sorted, dy_sorted) [capacity_rows, H] bf16 in the schedule's sorted
+    layout; dy_sorted = w·dOut only with topk_weights (else None)."""
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.stride(1) != 1:
+        raise ValueError(f"x: expected a bf16 [T, H] tensor with unit column stride, got {x.dtype} {list(x.shape)}")
+    num_tokens, hidden = x.shape
+    device = x.device
+    _check_rows("d_out", d_out, (num_tokens, hidden), torch.bfloat16, device)
+    if topk_weights is not None:
+        _check_rows("topk_weights", topk_weights, (num_tokens, topk), torch.float32, device)
+        if not topk_weights.is_contiguous():
+            raise ValueError("topk_weights: expected a contiguous tensor")
+    if schedule.row_source.device != device:
+        raise ValueError(f"schedule: expected tensors on {device}, got {schedule.row_source.device}")
+    x_sorted = torch.empty(schedule.capacity_rows, hidden, dtype=x.dtype, device=device)  # [capacity_rows, H]
+    d_out_sorted = torch.empty_like(x_sorted)  # [capacity_rows, H]
+    dy_sorted = None if topk_weights is None else torch.empty_like(x_sorted)  # [capacity_rows, H]
     grid = (triton.cdiv(schedule.capacity_rows, ROWS_PER_PROGRAM),)
     _gather_sorted_rows_kernel[grid](
-        a, a if b is None else b, a_sorted, a_sorted if b_sorted is None else b_sorted,
+        x, d_out, x if topk_weights is None else topk_weights,
+        x_sorted, d_out_sorted, x_sorted if dy_sorted is None else dy_sorted,
         schedule.row_source, schedule.num_rows,
         hidden, topk,
-        a.stride(0), a.stride(0) if b is None else b.stride(0), a_sorted.stride(0),
-        HAS_B=b is not None, ROWS=ROWS_PER_PROGRAM, BLOCK_H=min(512, triton.next_power_of_2(hidden)), num_warps=4,
+        x.stride(0), d_out.stride(0), x_sorted.stride(0),
+        HAS_WEIGHTS=topk_weights is not None, INTERPRETER=interpreting(),
+        ROWS=ROWS_PER_PROGRAM, BLOCK_H=min(256, triton.next_power_of_2(hidden)), num_warps=4,
     )
-    return a_sorted, b_sorted
+    return x_sorted, d_out_sorted, dy_sorted

@@ -14,9 +14,33 @@ the backward recomputes h from them instead of redoing the gate/up GEMM.
 The down kernel scatters each row's y straight into its combine slot src(r), so no
 un-permute pass exists. Padding rows compute zeros and store nothing.
 
+fp8_block (SPEC §2; the constexpr PRECISION, launchers `*_fp8_block`): the same kernels
+on E4M3 operands aq, wq with fp32 block scales, one per 1×128 block of an activation row
+(sa: x's or h's) and one per 128×128 block of a weight (sw), applied per 128-wide K step:
+
+    acc[r, n] = Σ_kb  sa[r, kb] · sw[e, n // 128, kb] · Σ_{k in block kb} aq[r, k] · wq[e, n, k]     (fp32)
+
+BLOCK_K = 128, so each K step is one fresh FP8 `tl.dot` followed by one scaled fp32 add:
+the DeepSeek-V3 recipe, which also bounds what Hopper's FP8 MMA loses to its narrow
+internal accumulator to 128 terms. The gate/up A operand is x quantized once per token
+(`quantize_fp8_block_activations`), gathered by index as in bf16. Its epilogue quantizes h
+for the down GEMM with the quantizers' own device function (`quantize_row_blocks`, the
+bit-exact rule of `mok.fp8_block`): BLOCK_N = 128, so each row of a tile is exactly one
+1×128 block of h. h_q [rows, I] e4m3 and h_scale [rows, I/128] fp32 replace the bf16 h;
+the down GEMM reads h_q through TMA. Hopper's FP8 MMA needs both operands K-major in
+shared memory: gathered x rows, h rows and the [N, K] weight tiles all have K contiguous.
+H and I must be multiples of 128 (SPEC §4), so no K step or h block is ragged.
+
+What the fp8_block backward needs from this forward: g and u (`store_gate_up`, bf16, as in
+bf16 mode) to recompute h and the SwiGLU derivative; h_q is not kept (the down wgrad
+reduces over rows, so it needs h quantized along rows, not along I). Its dgrad GEMMs reduce
+over I (gate/up) and H (down), so they read the weights' transposed copies (`q_t`,
+`scale_t` of `mok.fp8_block_quantize`), K-major again; its gate/up wgrad reduces over rows
+and quantizes x along them itself (x_q's blocks run along H).
+
 Every output element is computed by one program with a fixed K loop: deterministic.
 Caller contract: the schedule was built for these tensors with the same BLOCK_M.
-Tile configs are chosen per shape class by `_gemm_config` (measured on H200, see
+Tile configs are chosen per shape class by `gemm_config` (measured on H200, see
 BENCHMARKS.md); the key never includes per-expert counts, which change every step.
 """
 
@@ -25,11 +49,14 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
-from mok.kernels.common import interpreting, round_to_bf16
+from mok.fp8_block import FP8_BLOCK
+from mok.kernels.common import interpreting, round_to_bf16, tma_descriptor
+from mok.kernels.quant_fp8_block import quantize_row_blocks
 from mok.kernels.schedule import RoutingSchedule
 from mok.kernels.swiglu import swiglu_forward
+
+_SCALE_BLOCK = tl.constexpr(FP8_BLOCK)  # kernels read only constexpr globals
 
 
 @triton.jit
@@ -54,12 +81,24 @@ def load_weight_tile(w_desc, expert, n0, k0, n_dim):
 
 
 @triton.jit
+def weight_block_scale(w_scale_ptr, expert, n0, k0, n_dim, reduce_dim):
+    """fp32 scale of the 128×128 block of W[expert] holding row n0 and column k0, from the
+    contiguous [E, n_dim/128, reduce_dim/128] scales of `mok.fp8_block_quantize`."""
+    block_row = expert.to(tl.int64) * (n_dim // _SCALE_BLOCK) + n0 // _SCALE_BLOCK
+    return tl.load(w_scale_ptr + block_row * (reduce_dim // _SCALE_BLOCK) + k0 // _SCALE_BLOCK)
+
+
+@triton.jit
 def gather_gate_up_tile(
-    x_ptr, w_gate_desc, w_up_desc, token, row_valid, expert, n0, hidden, inter, stride_x_t,
+    x_ptr, x_scale_ptr, w_gate_desc, w_gate_scale_ptr, w_up_desc, w_up_scale_ptr,
+    token, row_valid, expert, n0, hidden, inter, stride_x_t,
+    PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETER: tl.constexpr,
 ):
     """g, u [BLOCK_M, BLOCK_N] fp32 for token rows `token` (gathered from x inside the
-    loads) against rows n0.. of expert `expert`'s gate and up weights, reducing over H."""
+    loads) against rows n0.. of expert `expert`'s gate and up weights, reducing over H.
+    fp8_block: x, weights e4m3 with their block scales (x_scale [T, H/128]); else bf16
+    and the scale pointers unused."""
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_offs = tl.arange(0, BLOCK_K)
@@ -68,17 +107,30 @@ def gather_gate_up_tile(
         a = tl.load(a_ptrs + k0, mask=row_valid[:, None] & (k0 + k_offs < hidden)[None, :], other=0.0)
         b_gate = load_weight_tile(w_gate_desc, expert, n0, k0, inter)
         b_up = load_weight_tile(w_up_desc, expert, n0, k0, inter)
-        if INTERPRETER:  # the interpreter's bf16 tl.dot is wrong (DESIGN §6); fp32 is exact
-            a, b_gate, b_up = a.to(tl.float32), b_gate.to(tl.float32), b_up.to(tl.float32)
-        acc_gate = tl.dot(a, b_gate, acc_gate)
-        acc_up = tl.dot(a, b_up, acc_up)
+        if PRECISION == "fp8_block":
+            # No upcast: the interpreter's fp8 tl.dot is right (it reads the NaN byte as 480, but
+            # a NaN block's scale is NaN too). Padding rows get scale 0, not token 0's, so their
+            # h is exactly 0 even if x holds NaN.
+            a_scale_ptrs = x_scale_ptr + token.to(tl.int64) * (hidden // _SCALE_BLOCK) + k0 // _SCALE_BLOCK
+            a_scale = tl.load(a_scale_ptrs, mask=row_valid, other=0.0)  # [BLOCK_M] fp32
+            gate_scale = weight_block_scale(w_gate_scale_ptr, expert, n0, k0, inter, hidden)
+            up_scale = weight_block_scale(w_up_scale_ptr, expert, n0, k0, inter, hidden)
+            acc_gate += tl.dot(a, b_gate) * (a_scale[:, None] * gate_scale)
+            acc_up += tl.dot(a, b_up) * (a_scale[:, None] * up_scale)
+        else:
+            if INTERPRETER:  # the interpreter's bf16 tl.dot is wrong (DESIGN §6); fp32 is exact
+                a, b_gate, b_up = a.to(tl.float32), b_gate.to(tl.float32), b_up.to(tl.float32)
+            acc_gate = tl.dot(a, b_gate, acc_gate)
+            acc_up = tl.dot(a, b_up, acc_up)
     return acc_gate, acc_up
 
 
 @triton.jit
 def _gate_up_swiglu_kernel(
-    # pointers
+    # pointers (h: bf16, or e4m3 bytes with h_scale in fp8_block)
     x_ptr, w_gate_desc, w_up_desc, h_ptr, gate_up_ptr,
+    # fp8_block scales (unused in bf16): x [T, H/128], weights [E_l, I/128, H/128], h [rows, I/128]
+    x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr, h_scale_ptr,
     # schedule
     row_source_ptr, tile_expert_ptr, num_rows_ptr,
     # sizes
@@ -86,7 +138,7 @@ def _gate_up_swiglu_kernel(
     # strides
     stride_x_t, stride_h_r, stride_gu_r,
     # meta
-    HAS_LIMIT: tl.constexpr, STORE_GATE_UP: tl.constexpr, INTERPRETER: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_LIMIT: tl.constexpr, STORE_GATE_UP: tl.constexpr, INTERPRETER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     m_tile, n_tile = tile_coordinates(tl.program_id(0), max_m_tiles, tl.cdiv(inter, BLOCK_N), GROUP_M)
@@ -99,13 +151,19 @@ def _gate_up_swiglu_kernel(
     token = tl.where(row_valid, source // topk, 0)
     n_offs = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     gate, up = gather_gate_up_tile(
-        x_ptr, w_gate_desc, w_up_desc, token, row_valid, expert, n_tile * BLOCK_N, hidden, inter, stride_x_t,
-        BLOCK_M, BLOCK_N, BLOCK_K, INTERPRETER,
+        x_ptr, x_scale_ptr, w_gate_desc, w_gate_scale_ptr, w_up_desc, w_up_scale_ptr,
+        token, row_valid, expert, n_tile * BLOCK_N, hidden, inter, stride_x_t,
+        PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRETER,
     )
     out_mask = n_offs[None, :] < inter
     rows64 = rows.to(tl.int64)[:, None]
     h = swiglu_forward(gate, up, swiglu_limit, HAS_LIMIT)
-    tl.store(h_ptr + rows64 * stride_h_r + n_offs[None, :], round_to_bf16(h, INTERPRETER), mask=out_mask)
+    if PRECISION == "fp8_block":  # BLOCK_N == 128: each tile row is one 1×128 block of h
+        h_q, h_scale = quantize_row_blocks(h, INTERPRETER)  # [BLOCK_M, 128] uint8, [BLOCK_M, 1] fp32
+        tl.store(h_ptr + rows64 * stride_h_r + n_offs[None, :], h_q, mask=out_mask)
+        tl.store(h_scale_ptr + rows64 * (inter // _SCALE_BLOCK) + n_tile, h_scale)
+    else:
+        tl.store(h_ptr + rows64 * stride_h_r + n_offs[None, :], round_to_bf16(h, INTERPRETER), mask=out_mask)
     if STORE_GATE_UP:
         gu_ptrs = gate_up_ptr + rows64 * stride_gu_r + n_offs[None, :]
         tl.store(gu_ptrs, round_to_bf16(gate, INTERPRETER), mask=out_mask)
@@ -114,25 +172,36 @@ def _gate_up_swiglu_kernel(
 
 @triton.jit
 def sorted_rows_tile(
-    a_desc, w_desc, m0, expert, n0, reduce_dim, n_dim,
+    a_desc, a_scale_ptr, w_desc, w_scale_ptr, m0, expert, n0, reduce_dim, n_dim,
+    PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETER: tl.constexpr,
 ):
     """a[m0 : m0+BLOCK_M] · W[expert][n0 : n0+BLOCK_N]ᵀ, [BLOCK_M, BLOCK_N] fp32, over
-    contiguous sorted rows; both operands through TMA descriptors."""
+    contiguous sorted rows; both operands through TMA descriptors. fp8_block: both e4m3
+    with their block scales (a_scale [rows, reduce_dim/128]; BLOCK_N divides 128, so one
+    weight scale per step); else bf16 and the scale pointers unused."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, reduce_dim, BLOCK_K):
         a = a_desc.load([m0, k0])
         b = load_weight_tile(w_desc, expert, n0, k0, n_dim)
-        if INTERPRETER:
-            a, b = a.to(tl.float32), b.to(tl.float32)
-        acc = tl.dot(a, b, acc)
+        if PRECISION == "fp8_block":
+            rows = (m0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+            a_scale = tl.load(a_scale_ptr + rows * (reduce_dim // _SCALE_BLOCK) + k0 // _SCALE_BLOCK)  # [BLOCK_M] fp32
+            w_scale = weight_block_scale(w_scale_ptr, expert, n0, k0, n_dim, reduce_dim)
+            acc += tl.dot(a, b) * (a_scale[:, None] * w_scale)
+        else:
+            if INTERPRETER:
+                a, b = a.to(tl.float32), b.to(tl.float32)
+            acc = tl.dot(a, b, acc)
     return acc
 
 
 @triton.jit
 def _down_scatter_kernel(
-    # pointers
+    # pointers (h, w_down: bf16, or e4m3 with their scales in fp8_block)
     h_desc, w_down_desc, y_ptr,
+    # fp8_block scales (unused in bf16): h [rows, I/128], w_down [E_l, H/128, I/128]
+    h_scale_ptr, w_down_scale_ptr,
     # schedule
     row_source_ptr, tile_expert_ptr, num_rows_ptr,
     # sizes
@@ -140,7 +209,7 @@ def _down_scatter_kernel(
     # strides
     stride_y_s,
     # meta
-    INTERPRETER: tl.constexpr,
+    PRECISION: tl.constexpr, INTERPRETER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     m_tile, n_tile = tile_coordinates(tl.program_id(0), max_m_tiles, tl.cdiv(hidden, BLOCK_N), GROUP_M)
@@ -150,8 +219,8 @@ def _down_scatter_kernel(
     rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     n_offs = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     y = sorted_rows_tile(
-        h_desc, w_down_desc, m_tile * BLOCK_M, expert, n_tile * BLOCK_N, inter, hidden,
-        BLOCK_M, BLOCK_N, BLOCK_K, INTERPRETER,
+        h_desc, h_scale_ptr, w_down_desc, w_down_scale_ptr, m_tile * BLOCK_M, expert, n_tile * BLOCK_N, inter, hidden,
+        PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRETER,
     )
     source = tl.load(row_source_ptr + rows)
     slot = tl.where(source >= 0, source, 0).to(tl.int64)
@@ -161,8 +230,28 @@ def _down_scatter_kernel(
 
 # --------------------------------------------------------------------------- configs
 
+# fp8_block tiles. BLOCK_K = 128 is the scale block (one activation scale per row and one
+# weight scale per K step); gate/up's BLOCK_N = 128 makes each tile row one 1×128 block of h.
+# Starting points, not yet timed: sized against H200's limits (227 KiB of shared memory per
+# block, 64K registers per SM, 255 per thread) and checked with ptxas for sm_90a (triton 3.6);
+# `benchmarks/bench_fp8_gemm.py --sweep` times the alternatives.
+_FP8_BLOCK_TILES = {
+    # 8 warps. Shared memory per stage: x 128×128 B + gate 128×128 B + up 128×128 B = 48 KiB
+    # (what bf16's BLOCK_K = 64 stage holds); 3 stages = 144 KiB with 384 of K in flight
+    # (4 stages, 192 KiB, also fit). Registers per thread: two 128×128 fp32 accumulators (128)
+    # plus one step's fresh dot (64); ptxas: 255 registers, a few bytes spilled (2–4 local
+    # accesses per K step; tens with swiglu_limit).
+    "gate_up": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3),
+    # 8 warps, 4 stages of h 16 KiB + w_down 16 KiB = 128 KiB; ptxas: 156 registers, no spills.
+    # Not bf16's BLOCK_N = 256: its accumulator (128 registers per thread) plus a fresh dot
+    # (128 more) spill (ptxas: 255 registers and spills).
+    "down": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4),
+    # BLOCK_M as the bf16 interpreter config, so one schedule serves both precisions.
+    "interpreter": dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=4, num_warps=4, num_stages=1),
+}
 
-def gemm_config(kind: str, n_dim: int, reduce_dim: int) -> dict:
+
+def gemm_config(kind: str, n_dim: int, reduce_dim: int, precision: str = "bf16") -> dict:
     """Tile config for a GEMM of output width n_dim and reduction reduce_dim.
 
     H200, bf16, chosen by `benchmarks/tune_gemm.py` on the three GPU presets (record in
@@ -170,7 +259,10 @@ def gemm_config(kind: str, n_dim: int, reduce_dim: int) -> dict:
     accumulators for gate/up and 128×256 for the single-accumulator down GEMM at 8
     warps; TMA loads of the weights beat pointer loads by 2–25%; 128×64 / 64×128 tiles
     at 4 warps lose 15%. Under the interpreter, small tiles keep the CPU tests fast.
+    fp8_block: `_FP8_BLOCK_TILES`, the same for every shape until measured.
     """
+    if precision == "fp8_block":
+        return dict(_FP8_BLOCK_TILES["interpreter" if interpreting() else kind])
     if interpreting():
         return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1)
     if kind == "gate_up":  # 4 stages: +2–4% at I ≤ 2048, −4% at mixtral's I = 14336 (H200 sweep)
@@ -179,16 +271,27 @@ def gemm_config(kind: str, n_dim: int, reduce_dim: int) -> dict:
     return dict(BLOCK_M=128, BLOCK_N=256 if n_dim >= 2048 else 128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
 
 
-def _descriptor(t: torch.Tensor, block_rows: int, block_cols: int) -> TensorDescriptor:
-    """A TMA descriptor over the rows of `t` ([..., cols] flattened to 2-D) with that block.
-    TMA needs 16-byte row strides: bf16 sizes that are multiples of 8, which
-    `mok.validation` requires."""
-    return TensorDescriptor.from_tensor(t.reshape(-1, t.shape[-1]), [block_rows, block_cols])
-
-
 def routing_block_m() -> int:
     """The M tile every grouped GEMM of a schedule uses (the schedule pads experts to it)."""
     return gemm_config("gate_up", 0, 0)["BLOCK_M"]
+
+
+def _tile_config(
+    kind: str, n_dim: int, reduce_dim: int, precision: str, tile_config: dict | None, schedule: RoutingSchedule
+) -> dict:
+    """`tile_config` or the default, checked against the schedule and the precision's scale block."""
+    cfg = tile_config or gemm_config(kind, n_dim, reduce_dim, precision)
+    if cfg["BLOCK_M"] != schedule.block_m:
+        raise ValueError(f"schedule: expected block_m {cfg['BLOCK_M']}, got {schedule.block_m}")
+    if precision == "fp8_block":
+        n_ok = cfg["BLOCK_N"] == FP8_BLOCK if kind == "gate_up" else FP8_BLOCK % cfg["BLOCK_N"] == 0
+        if cfg["BLOCK_K"] != FP8_BLOCK or not n_ok:
+            want_n = f"{FP8_BLOCK}" if kind == "gate_up" else f"a divisor of {FP8_BLOCK}"
+            raise ValueError(
+                f"tile_config: expected BLOCK_K {FP8_BLOCK} and BLOCK_N {want_n} for the fp8_block {kind} GEMM, "
+                f"got BLOCK_K {cfg['BLOCK_K']} BLOCK_N {cfg['BLOCK_N']}"
+            )
+    return cfg
 
 
 # --------------------------------------------------------------------------- launchers
@@ -200,6 +303,53 @@ def _check_weights(name: str, w: torch.Tensor, shape: tuple[int, ...], device: t
             f"{name}: expected a contiguous bf16 tensor of shape {list(shape)} on {device}, "
             f"got {w.dtype} {list(w.shape)} on {w.device}"
         )
+
+
+def _check_fp8_block_pair(
+    q_name: str, q: torch.Tensor, scale_name: str, scale: torch.Tensor, shape: tuple[int, ...],
+    block: tuple[int, int], device: torch.device,
+) -> None:
+    """q: contiguous e4m3 of `shape` on `device`; scale: contiguous fp32, one per `block` of q's last two dims."""
+    *lead, rows, cols = shape
+    scale_shape = (*lead, rows // block[0], cols // block[1])
+    checks = ((q_name, q, torch.float8_e4m3fn, shape), (scale_name, scale, torch.float32, scale_shape))
+    for name, t, dtype, want in checks:
+        if t.dtype != dtype or tuple(t.shape) != want or not t.is_contiguous() or t.device != device:
+            layout = "" if t.is_contiguous() else " non-contiguous"
+            raise ValueError(
+                f"{name}: expected a contiguous {str(dtype).removeprefix('torch.')} tensor of shape {list(want)} "
+                f"on {device}, got {t.dtype} {list(t.shape)}{layout} on {t.device}"
+            )
+
+
+def _fp8_block_weight_shape(name: str, w: torch.Tensor, layout: str, num_local_experts: int) -> tuple[int, int, int]:
+    """[E_l, N, K] of a quantized weight whose N and K are multiples of the scale block."""
+    if w.dim() != 3 or w.shape[0] != num_local_experts or w.shape[1] % FP8_BLOCK or w.shape[2] % FP8_BLOCK:
+        raise ValueError(
+            f"{name}: expected a 3-D {layout} tensor with E_l = {num_local_experts} (the schedule's) and "
+            f"both other sizes multiples of {FP8_BLOCK} (fp8_block), got shape {list(w.shape)}"
+        )
+    return tuple(w.shape)
+
+
+def _launch_gate_up_swiglu(
+    precision: str, x, x_scale, w_gate, w_gate_scale, w_up, w_up_scale, h, h_scale, gate_up,
+    schedule: RoutingSchedule, topk: int, swiglu_limit: float | None, cfg: dict,
+) -> None:
+    """One launch of `_gate_up_swiglu_kernel`; the scales are None in bf16."""
+    inter, hidden = w_gate.shape[1], w_gate.shape[2]
+    grid = (schedule.max_tiles * triton.cdiv(inter, cfg["BLOCK_N"]),)
+    w_gate_desc, w_up_desc = (tma_descriptor(w, (cfg["BLOCK_N"], cfg["BLOCK_K"])) for w in (w_gate, w_up))
+    scales = (x if s is None else s for s in (x_scale, w_gate_scale, w_up_scale, h_scale))  # x: an unread stand-in
+    _gate_up_swiglu_kernel[grid](
+        x, w_gate_desc, w_up_desc, h, h if gate_up is None else gate_up,
+        *scales,
+        schedule.row_source, schedule.tile_expert, schedule.num_rows,
+        hidden, inter, topk, schedule.max_tiles, 0.0 if swiglu_limit is None else float(swiglu_limit),
+        x.stride(0), h.stride(0), 2 * inter,
+        PRECISION=precision, HAS_LIMIT=swiglu_limit is not None, STORE_GATE_UP=gate_up is not None,
+        INTERPRETER=interpreting(), **cfg,
+    )
 
 
 def gate_up_swiglu(
@@ -220,22 +370,71 @@ def gate_up_swiglu(
         raise ValueError(f"x: expected a contiguous bf16 [T, {hidden}] tensor, got {x.dtype} {list(x.shape)}")
     _check_weights("w_gate", w_gate, (schedule.num_local_experts, inter, hidden), x.device)
     _check_weights("w_up", w_up, tuple(w_gate.shape), x.device)
-    cfg = tile_config or gemm_config("gate_up", inter, hidden)
-    if cfg["BLOCK_M"] != schedule.block_m:
-        raise ValueError(f"schedule: expected block_m {cfg['BLOCK_M']}, got {schedule.block_m}")
+    cfg = _tile_config("gate_up", inter, hidden, "bf16", tile_config, schedule)
     rows = schedule.capacity_rows
     h = torch.empty(rows, inter, dtype=torch.bfloat16, device=x.device)  # [capacity_rows, I]
     gate_up = torch.empty(rows, 2, inter, dtype=torch.bfloat16, device=x.device) if store_gate_up else None
-    grid = (schedule.max_tiles * triton.cdiv(inter, cfg["BLOCK_N"]),)
-    w_gate_desc, w_up_desc = (_descriptor(w, cfg["BLOCK_N"], cfg["BLOCK_K"]) for w in (w_gate, w_up))
-    _gate_up_swiglu_kernel[grid](
-        x, w_gate_desc, w_up_desc, h, h if gate_up is None else gate_up,
-        schedule.row_source, schedule.tile_expert, schedule.num_rows,
-        hidden, inter, topk, schedule.max_tiles, 0.0 if swiglu_limit is None else float(swiglu_limit),
-        x.stride(0), h.stride(0), 2 * inter,
-        HAS_LIMIT=swiglu_limit is not None, STORE_GATE_UP=store_gate_up, INTERPRETER=interpreting(), **cfg,
+    _launch_gate_up_swiglu(
+        "bf16", x, None, w_gate, None, w_up, None, h, None, gate_up, schedule, topk, swiglu_limit, cfg
     )
     return h, gate_up
+
+
+def gate_up_swiglu_fp8_block(
+    x_q: torch.Tensor,  # [T, H] float8_e4m3fn
+    x_scale: torch.Tensor,  # [T, H/128] fp32
+    w_gate_q: torch.Tensor,  # [E_l, I, H] float8_e4m3fn
+    w_gate_scale: torch.Tensor,  # [E_l, I/128, H/128] fp32
+    w_up_q: torch.Tensor,  # [E_l, I, H] float8_e4m3fn
+    w_up_scale: torch.Tensor,  # [E_l, I/128, H/128] fp32
+    schedule: RoutingSchedule,
+    topk: int,
+    swiglu_limit: float | None = None,
+    store_gate_up: bool = False,
+    tile_config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The fp8_block gate/up GEMM: (h_q [capacity_rows, I] float8_e4m3fn, h_scale
+    [capacity_rows, I/128] fp32), h quantized in 1×128 blocks for `down_scatter_fp8_block`,
+    and g,u [capacity_rows, 2, I] bf16 when `store_gate_up`. x_q, x_scale come from
+    `quantize_fp8_block_activations(x)`, each weight pair from `mok.fp8_block_quantize`
+    (its q, scale). Rows past the schedule's `num_rows` are left unwritten."""
+    _, inter, hidden = _fp8_block_weight_shape("w_gate_q", w_gate_q, "[E_l, I, H]", schedule.num_local_experts)
+    device = w_gate_q.device
+    if x_q.dim() != 2:
+        raise ValueError(f"x_q: expected a 2-D [T, {hidden}] float8_e4m3fn tensor, got shape {list(x_q.shape)}")
+    _check_fp8_block_pair("x_q", x_q, "x_scale", x_scale, (x_q.shape[0], hidden), (1, FP8_BLOCK), device)
+    for name, q, scale in (("w_gate", w_gate_q, w_gate_scale), ("w_up", w_up_q, w_up_scale)):
+        _check_fp8_block_pair(
+            f"{name}_q", q, f"{name}_scale", scale, tuple(w_gate_q.shape), (FP8_BLOCK, FP8_BLOCK), device
+        )
+    cfg = _tile_config("gate_up", inter, hidden, "fp8_block", tile_config, schedule)
+    rows = schedule.capacity_rows
+    h_q = torch.empty(rows, inter, dtype=torch.uint8, device=device)  # [capacity_rows, I] e4m3 bytes
+    h_scale = torch.empty(rows, inter // FP8_BLOCK, dtype=torch.float32, device=device)  # [capacity_rows, I/128]
+    gate_up = torch.empty(rows, 2, inter, dtype=torch.bfloat16, device=device) if store_gate_up else None
+    _launch_gate_up_swiglu(
+        "fp8_block", x_q, x_scale, w_gate_q, w_gate_scale, w_up_q, w_up_scale, h_q, h_scale, gate_up,
+        schedule, topk, swiglu_limit, cfg,
+    )
+    return h_q.view(torch.float8_e4m3fn), h_scale, gate_up
+
+
+def _launch_down_scatter(
+    precision: str, h, h_scale, w_down, w_down_scale, y, schedule: RoutingSchedule, cfg: dict
+) -> None:
+    """One launch of `_down_scatter_kernel`; the scales are None in bf16."""
+    hidden, inter = w_down.shape[1], w_down.shape[2]
+    grid = (schedule.max_tiles * triton.cdiv(hidden, cfg["BLOCK_N"]),)
+    _down_scatter_kernel[grid](
+        tma_descriptor(h, (cfg["BLOCK_M"], cfg["BLOCK_K"])),
+        tma_descriptor(w_down, (cfg["BLOCK_N"], cfg["BLOCK_K"])),
+        y,
+        y if h_scale is None else h_scale, y if w_down_scale is None else w_down_scale,
+        schedule.row_source, schedule.tile_expert, schedule.num_rows,
+        hidden, inter, schedule.max_tiles,
+        y.stride(0),
+        PRECISION=precision, INTERPRETER=interpreting(), **cfg,
+    )
 
 
 def down_scatter(
@@ -251,18 +450,31 @@ def down_scatter(
     if h.dim() != 2 or h.shape != (schedule.capacity_rows, inter) or h.dtype != torch.bfloat16:
         raise ValueError(f"h: expected a bf16 [{schedule.capacity_rows}, {inter}] tensor, got {h.dtype} {list(h.shape)}")
     _check_weights("w_down", w_down, (schedule.num_local_experts, hidden, inter), h.device)
-    cfg = tile_config or gemm_config("down", hidden, inter)
-    if cfg["BLOCK_M"] != schedule.block_m:
-        raise ValueError(f"schedule: expected block_m {cfg['BLOCK_M']}, got {schedule.block_m}")
+    cfg = _tile_config("down", hidden, inter, "bf16", tile_config, schedule)
     y = torch.empty(num_slots, hidden, dtype=torch.bfloat16, device=h.device)  # [T·topk, H]
-    grid = (schedule.max_tiles * triton.cdiv(hidden, cfg["BLOCK_N"]),)
-    _down_scatter_kernel[grid](
-        _descriptor(h, cfg["BLOCK_M"], cfg["BLOCK_K"]),
-        _descriptor(w_down, cfg["BLOCK_N"], cfg["BLOCK_K"]),
-        y,
-        schedule.row_source, schedule.tile_expert, schedule.num_rows,
-        hidden, inter, schedule.max_tiles,
-        y.stride(0),
-        INTERPRETER=interpreting(), **cfg,
+    _launch_down_scatter("bf16", h, None, w_down, None, y, schedule, cfg)
+    return y
+
+
+def down_scatter_fp8_block(
+    h_q: torch.Tensor,  # [capacity_rows, I] float8_e4m3fn
+    h_scale: torch.Tensor,  # [capacity_rows, I/128] fp32
+    w_down_q: torch.Tensor,  # [E_l, H, I] float8_e4m3fn
+    w_down_scale: torch.Tensor,  # [E_l, H/128, I/128] fp32
+    schedule: RoutingSchedule,
+    num_slots: int,
+    tile_config: dict | None = None,
+) -> torch.Tensor:
+    """The fp8_block down GEMM: y [num_slots, H] bf16, each sorted row's unweighted output
+    at its slot row_source[r], from `gate_up_swiglu_fp8_block`'s h_q, h_scale and
+    `mok.fp8_block_quantize(w_down)`'s q, scale. Slots no route points to are left unwritten."""
+    _, hidden, inter = _fp8_block_weight_shape("w_down_q", w_down_q, "[E_l, H, I]", schedule.num_local_experts)
+    device = w_down_q.device
+    _check_fp8_block_pair("h_q", h_q, "h_scale", h_scale, (schedule.capacity_rows, inter), (1, FP8_BLOCK), device)
+    _check_fp8_block_pair(
+        "w_down_q", w_down_q, "w_down_scale", w_down_scale, tuple(w_down_q.shape), (FP8_BLOCK, FP8_BLOCK), device
     )
+    cfg = _tile_config("down", hidden, inter, "fp8_block", tile_config, schedule)
+    y = torch.empty(num_slots, hidden, dtype=torch.bfloat16, device=device)  # [T·topk, H]
+    _launch_down_scatter("fp8_block", h_q, h_scale, w_down_q, w_down_scale, y, schedule, cfg)
     return y

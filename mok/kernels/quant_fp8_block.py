@@ -39,7 +39,7 @@ from mok.fp8_block import FP8_BLOCK
 from mok.kernels.common import interpreting
 from mok.mxfp8 import check_float_input
 
-__all__ = ["quantize_fp8_block_activations", "quantize_fp8_block_weights"]
+__all__ = ["quantize_fp8_block_activations", "quantize_fp8_block_weights", "quantize_row_blocks"]
 
 # Kernels may read only constexpr globals (the GPU compiler rejects plain Python globals).
 _E4M3_MAX = tl.constexpr(448.0)
@@ -110,6 +110,14 @@ def _quantize_tile(x, amax_bits, INTERPRETER: tl.constexpr):
     return q, scale
 
 
+@triton.jit
+def quantize_row_blocks(x, INTERPRETER: tl.constexpr):
+    """fp32 tile [R, 128] whose rows are 1×128 blocks -> (uint8 E4M3 tile, fp32 scales [R, 1]).
+    Columns past a ragged edge must hold 0. Also the h epilogue of the fp8_block gate/up GEMM."""
+    amax_bits = tl.max(x.to(tl.int32, bitcast=True) & _FP32_ABS_MASK, axis=1)  # [R] int32
+    return _quantize_tile(x, amax_bits[:, None], INTERPRETER)
+
+
 # --------------------------------------------------------------------------- kernels
 
 
@@ -132,8 +140,7 @@ def _quantize_act_1x128_kernel(
     rows64 = rows.to(tl.int64)[:, None]
     x = tl.load(x_ptr + rows64 * stride_x_m + cols[None, :], mask=mask, other=0.0)
     x = _to_fp32(x, INTERPRETER)  # [BM, BK] fp32
-    amax_bits = tl.max(x.to(tl.int32, bitcast=True) & _FP32_ABS_MASK, axis=1)  # [BM] int32
-    q, scale = _quantize_tile(x, amax_bits[:, None], INTERPRETER)  # [BM, BK] uint8, [BM, 1] fp32
+    q, scale = quantize_row_blocks(x, INTERPRETER)  # [BM, BK] uint8, [BM, 1] fp32
     tl.store(q_ptr + rows64 * stride_q_m + cols[None, :], q, mask=mask)
     tl.store(scale_ptr + rows.to(tl.int64) * num_k_blocks + kb, tl.reshape(scale, (BLOCK_M,)), mask=row_ok)
 

@@ -13,7 +13,8 @@ Three launches, a counting sort without atomics on data (hence deterministic):
    route to each expert; flags expert ids out of range or repeated within a row.
 2. `_scan_counts_kernel` (one program): prefix sums over chunks and experts, the
    per-expert offsets, the tile→expert table and the padding rows.
-3. `_place_routes_kernel` (one program per chunk): writes each route's source into its row.
+3. `_place_routes_kernel` (one program per chunk): writes each route's source into its row
+   (or, for `sorted_route_rows`, each route's row into its source: the inverse map).
 
 Because ids are distinct within a row, a token routes to an expert at most once, so the
 rank of route (t, j) inside its expert is the number of earlier tokens that route there:
@@ -21,7 +22,10 @@ an exclusive prefix sum over tokens of a [tokens, experts] membership matrix.
 
 Caller contract: `topk_ids` [T, topk] int32/int64 on the device. Outputs are fully
 rewritten every call (safe to reuse across calls and under CUDA graphs). Bad ids set bit
-ERROR_BAD_EXPERT_ID of `error_flag` and are left out of the schedule.
+ERROR_BAD_EXPERT_ID of `error_flag` and are left out of the schedule. With
+`skip_empty_ids` an id of −1 marks an empty entry (no route; the expert-parallel receiver's
+unused rows): left out without an error. Without it (the default, the user's ids) −1 is a
+bad id like any other.
 """
 
 from __future__ import annotations
@@ -61,9 +65,10 @@ class RoutingSchedule:
 
 @triton.jit
 def _route_membership(topk_ids_ptr, token0, num_tokens, topk, num_experts,
-                      SUB_TOKENS: tl.constexpr, EXPERTS_PAD: tl.constexpr):
+                      SUB_TOKENS: tl.constexpr, EXPERTS_PAD: tl.constexpr, SKIP_EMPTY_IDS: tl.constexpr):
     """[SUB_TOKENS, EXPERTS_PAD] int32: 1 where token0 + row routes to that expert; and
-    a [SUB_TOKENS] flag of rows with bad ids (out of range or repeated)."""
+    a [SUB_TOKENS] flag of rows with bad ids (out of range or repeated; −1 is no route,
+    not a bad id, with SKIP_EMPTY_IDS)."""
     tokens = token0 + tl.arange(0, SUB_TOKENS)
     in_range = tokens < num_tokens
     experts = tl.arange(0, EXPERTS_PAD)
@@ -71,7 +76,10 @@ def _route_membership(topk_ids_ptr, token0, num_tokens, topk, num_experts,
     bad = tl.zeros((SUB_TOKENS,), dtype=tl.int1)
     for j in range(topk):
         ids = tl.load(topk_ids_ptr + tokens.to(tl.int64) * topk + j, mask=in_range, other=0).to(tl.int32)
-        bad = bad | (in_range & ((ids < 0) | (ids >= num_experts)))
+        out_of_range = (ids < 0) | (ids >= num_experts)
+        if SKIP_EMPTY_IDS:
+            out_of_range = out_of_range & (ids != -1)
+        bad = bad | (in_range & out_of_range)
         member += (in_range[:, None] & (ids[:, None] == experts[None, :])).to(tl.int32)
     bad = bad | (tl.max(member, axis=1) > 1)
     member = tl.where(bad[:, None], 0, member)
@@ -85,13 +93,14 @@ def _count_routes_kernel(
     error_flag_ptr,  # [1] int32
     num_tokens, topk, num_experts,
     SUB_TOKENS: tl.constexpr, TOKENS_PER_CHUNK: tl.constexpr, EXPERTS_PAD: tl.constexpr,
+    SKIP_EMPTY_IDS: tl.constexpr,
 ):
     chunk = tl.program_id(0)
     counts = tl.zeros((EXPERTS_PAD,), dtype=tl.int32)
     any_bad = tl.zeros((SUB_TOKENS,), dtype=tl.int1)
     for sub in range(0, TOKENS_PER_CHUNK, SUB_TOKENS):
         member, bad = _route_membership(topk_ids_ptr, chunk * TOKENS_PER_CHUNK + sub, num_tokens, topk,
-                                        num_experts, SUB_TOKENS, EXPERTS_PAD)
+                                        num_experts, SUB_TOKENS, EXPERTS_PAD, SKIP_EMPTY_IDS)
         counts += tl.sum(member, axis=0)
         any_bad = any_bad | bad
     tl.store(chunk_counts_ptr + chunk * EXPERTS_PAD + tl.arange(0, EXPERTS_PAD), counts)
@@ -156,9 +165,11 @@ def _place_routes_kernel(
     topk_ids_ptr,  # [T, topk]
     chunk_base_ptr,  # [num_chunks, EXPERTS_PAD] int32
     expert_offsets_ptr,  # [E_l + 1] int32
-    row_source_ptr,  # [capacity_rows] int32, out
+    row_source_ptr,  # [capacity_rows] int32, out (unless STORE_ROUTE_ROW)
+    route_row_ptr,  # [T·topk] int32, out (with STORE_ROUTE_ROW)
     num_tokens, topk, num_experts,
     SUB_TOKENS: tl.constexpr, TOKENS_PER_CHUNK: tl.constexpr, EXPERTS_PAD: tl.constexpr,
+    SKIP_EMPTY_IDS: tl.constexpr, STORE_ROUTE_ROW: tl.constexpr,
 ):
     chunk = tl.program_id(0)
     experts = tl.arange(0, EXPERTS_PAD)
@@ -168,14 +179,20 @@ def _place_routes_kernel(
     for sub in range(0, TOKENS_PER_CHUNK, SUB_TOKENS):
         token0 = chunk * TOKENS_PER_CHUNK + sub
         member, bad = _route_membership(topk_ids_ptr, token0, num_tokens, topk, num_experts,
-                                        SUB_TOKENS, EXPERTS_PAD)
+                                        SUB_TOKENS, EXPERTS_PAD, SKIP_EMPTY_IDS)
         rank = tl.cumsum(member, axis=0) - member + base[None, :]
         tokens = token0 + tl.arange(0, SUB_TOKENS)
         ok = (tokens < num_tokens) & ~bad
         for j in range(topk):
             ids = tl.load(topk_ids_ptr + tokens.to(tl.int64) * topk + j, mask=ok, other=-1).to(tl.int32)
             row = tl.sum(tl.where(ids[:, None] == experts[None, :], rank, 0), axis=1)
-            tl.store(row_source_ptr + row, tokens * topk + j, mask=ok)
+            placed = ok
+            if SKIP_EMPTY_IDS:  # an empty entry (−1) has no row
+                placed = placed & (ids >= 0)
+            if STORE_ROUTE_ROW:
+                tl.store(route_row_ptr + tokens * topk + j, tl.where(placed, row, -1), mask=tokens < num_tokens)
+            else:
+                tl.store(row_source_ptr + row, tokens * topk + j, mask=placed)
         base += tl.sum(member, axis=0)
 
 
@@ -184,43 +201,85 @@ def capacity_rows(num_routes: int, num_local_experts: int, block_m: int) -> int:
     return triton.cdiv(num_routes + num_local_experts * (block_m - 1), block_m) * block_m
 
 
+def _check_topk_ids(topk_ids: torch.Tensor) -> None:
+    if topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int32, torch.int64) or not topk_ids.is_contiguous():
+        raise ValueError(f"topk_ids: expected a contiguous [T, topk] int32/int64 tensor, got {topk_ids.dtype} {tuple(topk_ids.shape)}")
+
+
+def _count_and_scan(topk_ids, num_experts, block_m, row_source, tile_expert, error_flag, skip_empty_ids):
+    """Launches the count and scan kernels (steps 1 and 2); returns (chunk_base,
+    expert_offsets, expert_counts, num_rows, meta), meta being what the place kernel shares.
+    Fills the padding rows of `row_source` and all of `tile_expert` ([max_tiles])."""
+    num_tokens, topk = topk_ids.shape
+    device = topk_ids.device
+    experts_pad = triton.next_power_of_2(num_experts)
+    sub_tokens = max(1, min(TOKENS_PER_CHUNK, _MEMBERSHIP_ELEMENTS // experts_pad))
+    num_chunks = triton.cdiv(num_tokens, TOKENS_PER_CHUNK)
+
+    chunk_counts = torch.empty(num_chunks, experts_pad, dtype=torch.int32, device=device)  # [chunks, E_pad]
+    chunk_base = torch.empty_like(chunk_counts)  # [chunks, E_pad]
+    expert_offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=device)  # [E_l + 1]
+    expert_counts = torch.empty(num_experts, dtype=torch.int32, device=device)  # [E_l]
+    num_rows = torch.empty(1, dtype=torch.int32, device=device)
+
+    meta = dict(SUB_TOKENS=sub_tokens, TOKENS_PER_CHUNK=TOKENS_PER_CHUNK, EXPERTS_PAD=experts_pad,
+                SKIP_EMPTY_IDS=skip_empty_ids)
+    _count_routes_kernel[(num_chunks,)](topk_ids, chunk_counts, error_flag, num_tokens, topk, num_experts, **meta)
+    per_step = max(1, _MEMBERSHIP_ELEMENTS // experts_pad)
+    _scan_counts_kernel[(1,)](
+        chunk_counts, chunk_base, row_source, tile_expert, expert_offsets, expert_counts, num_rows,
+        num_experts, num_chunks, tile_expert.shape[0],
+        BLOCK_M=block_m, EXPERTS_PAD=experts_pad, CHUNKS_PER_STEP=per_step,
+        EXPERTS_PER_STEP=max(1, _MEMBERSHIP_ELEMENTS // block_m), TILES_PER_STEP=per_step, num_warps=8,
+    )
+    return chunk_base, expert_offsets, expert_counts, num_rows, meta
+
+
 def build_routing_schedule(
     topk_ids: torch.Tensor,  # [T, topk] int32/int64
     num_local_experts: int,
     block_m: int,
     error_flag: torch.Tensor,  # [1] int32
+    skip_empty_ids: bool = False,
 ) -> RoutingSchedule:
-    """Builds the schedule of DESIGN §3.1 for one GPU (every expert is local)."""
-    if topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int32, torch.int64) or not topk_ids.is_contiguous():
-        raise ValueError(f"topk_ids: expected a contiguous [T, topk] int32/int64 tensor, got {topk_ids.dtype} {tuple(topk_ids.shape)}")
+    """Builds the schedule of DESIGN §3.1 over the rows of `topk_ids` (every expert is
+    local). `skip_empty_ids`: ids of −1 are empty entries, not errors (module docstring)."""
+    _check_topk_ids(topk_ids)
     if block_m < 1 or block_m & (block_m - 1):
         raise ValueError(f"block_m: expected a power of two, got {block_m}")
     num_tokens, topk = topk_ids.shape
-    device = topk_ids.device
-    experts_pad = triton.next_power_of_2(num_local_experts)
-    sub_tokens = max(1, min(TOKENS_PER_CHUNK, _MEMBERSHIP_ELEMENTS // experts_pad))
-    num_chunks = triton.cdiv(num_tokens, TOKENS_PER_CHUNK)
     rows = capacity_rows(num_tokens * topk, num_local_experts, block_m)
-    max_tiles = rows // block_m
-
-    chunk_counts = torch.empty(num_chunks, experts_pad, dtype=torch.int32, device=device)  # [chunks, E_pad]
-    chunk_base = torch.empty_like(chunk_counts)  # [chunks, E_pad]
-    row_source = torch.empty(rows, dtype=torch.int32, device=device)  # [capacity_rows]
-    tile_expert = torch.empty(max_tiles, dtype=torch.int32, device=device)  # [max_tiles]
-    expert_offsets = torch.empty(num_local_experts + 1, dtype=torch.int32, device=device)  # [E_l + 1]
-    expert_counts = torch.empty(num_local_experts, dtype=torch.int32, device=device)  # [E_l]
-    num_rows = torch.empty(1, dtype=torch.int32, device=device)
-
-    meta = dict(SUB_TOKENS=sub_tokens, TOKENS_PER_CHUNK=TOKENS_PER_CHUNK, EXPERTS_PAD=experts_pad)
-    _count_routes_kernel[(num_chunks,)](topk_ids, chunk_counts, error_flag, num_tokens, topk, num_local_experts, **meta)
-    per_step = max(1, _MEMBERSHIP_ELEMENTS // experts_pad)
-    _scan_counts_kernel[(1,)](
-        chunk_counts, chunk_base, row_source, tile_expert, expert_offsets, expert_counts, num_rows,
-        num_local_experts, num_chunks, max_tiles,
-        BLOCK_M=block_m, EXPERTS_PAD=experts_pad, CHUNKS_PER_STEP=per_step,
-        EXPERTS_PER_STEP=max(1, _MEMBERSHIP_ELEMENTS // block_m), TILES_PER_STEP=per_step, num_warps=8,
+    row_source = torch.empty(rows, dtype=torch.int32, device=topk_ids.device)  # [capacity_rows]
+    tile_expert = torch.empty(rows // block_m, dtype=torch.int32, device=topk_ids.device)  # [max_tiles]
+    chunk_base, expert_offsets, expert_counts, num_rows, meta = _count_and_scan(
+        topk_ids, num_local_experts, block_m, row_source, tile_expert, error_flag, skip_empty_ids
     )
-    _place_routes_kernel[(num_chunks,)](
-        topk_ids, chunk_base, expert_offsets, row_source, num_tokens, topk, num_local_experts, **meta
+    _place_routes_kernel[(chunk_base.shape[0],)](
+        topk_ids, chunk_base, expert_offsets, row_source, row_source, num_tokens, topk, num_local_experts,
+        STORE_ROUTE_ROW=False, **meta,
     )
     return RoutingSchedule(row_source, tile_expert, expert_offsets, expert_counts, num_rows, block_m, rows, num_local_experts)
+
+
+def sorted_route_rows(
+    topk_ids: torch.Tensor,  # [T, topk] int32/int64
+    num_experts: int,
+    error_flag: torch.Tensor,  # [1] int32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(route_row [T·topk] int32, expert_offsets [E + 1] int32): the row of route t·topk + j
+    in the expert-sorted layout without padding (experts ascending, then t·topk + j
+    ascending), −1 for the routes of a token with bad ids; and each expert's first row.
+    It is the inverse of the row_source of a `block_m = 1` schedule, built without the
+    tile table (one row per tile would make the single scan program walk every route)."""
+    _check_topk_ids(topk_ids)
+    num_tokens, topk = topk_ids.shape
+    route_row = torch.empty(num_tokens * topk, dtype=torch.int32, device=topk_ids.device)  # [T·topk]
+    no_rows = torch.empty(0, dtype=torch.int32, device=topk_ids.device)  # block_m = 1: no padding, no tiles
+    chunk_base, expert_offsets, _, _, meta = _count_and_scan(
+        topk_ids, num_experts, 1, no_rows, no_rows, error_flag, False
+    )
+    _place_routes_kernel[(chunk_base.shape[0],)](
+        topk_ids, chunk_base, expert_offsets, no_rows, route_row, num_tokens, topk, num_experts,
+        STORE_ROUTE_ROW=True, **meta,
+    )
+    return route_row, expert_offsets

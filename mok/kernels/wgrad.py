@@ -1,20 +1,16 @@
 """Weight-gradient (wgrad) grouped GEMMs of the expert MLPs: reductions over each expert's rows.
 
-    down:     d_w_down[e] = Σ_{r of e} dOut_sorted[r]ᵀ · h_weighted[r]   [H, I]   h_weighted[r] = bf16(w[t,j] · h[r])
-    gate/up:  d_w_gate[e] = Σ_{r of e} d_g[r]ᵀ · x_sorted[r]             [I, H]
-              d_w_up[e]   = Σ_{r of e} d_u[r]ᵀ · x_sorted[r]             [I, H]   (one launch, shared x tile)
+    down:     d_w_down[e] = Σ_{r of e} dy_sorted[r]ᵀ · h[r]   [H, I]   dy_sorted[r] = bf16(w[t,j] · dOut[t])
+    gate/up:  d_w_gate[e] = Σ_{r of e} d_g[r]ᵀ · x_sorted[r]  [I, H]
+              d_w_up[e]   = Σ_{r of e} d_u[r]ᵀ · x_sorted[r]  [I, H]   (one launch, shared x tile)
 
 Legend: r a row of the expert-sorted layout of `schedule.py` in
 [expert_offsets[e], expert_offsets[e+1]), T tokens, H hidden, I intermediate size, E_l
 local experts. Every operand is in the sorted layout and read through TMA: x_sorted and
-dOut_sorted [rows, H] (`gather.py`), h_weighted [rows, I] and d_gate_up [rows, 2, I] (the
-down dgrad's). Gathering x and dOut by token inside these loads would need a new index
+dy_sorted [rows, H] (`gather.py`), h [rows, I] (the forward's) and d_gate_up
+[rows, 2, I] (the down dgrad's). Gathering x and dOut by token inside these loads would need a new index
 vector every K step (the reduction runs over rows); measured on H200 that held the
 kernels at ~360 TFLOPS against 570–660 over sorted operands (BENCHMARKS.md).
-
-The router weight is already in h_weighted (Σ (w·dOut)ᵀ h = Σ dOutᵀ (w·h)), so no
-operand passes through registers between its load and the MMA. h_weighted carries one
-bf16 rounding of w·h (relative 2^-9 per element, far inside SPEC's bf16 bar).
 
 Padding rows hold zeros in the sorted operands (their producers write them so), and a
 sorted operand with fewer rows than the schedule's capacity reads zeros past its end
@@ -32,7 +28,7 @@ fixed order: deterministic run to run.
 
 Caller contract: the schedule was built for these rows; every row in
 [expert_offsets[e], expert_offsets[e+1]) of each operand holds its data (zeros at
-padding).
+padding: the forward's h is zero there because its gathered x rows are).
 """
 
 from __future__ import annotations
@@ -98,7 +94,7 @@ def store_weight_grad(ptrs, acc, mask, ACCUMULATE: tl.constexpr, OUT_BF16: tl.co
 @triton.jit
 def _down_wgrad_kernel(
     # pointers
-    d_out_desc, h_weighted_desc, d_w_ptr,
+    dy_desc, h_desc, d_w_ptr,
     # schedule
     expert_offsets_ptr,
     # sizes
@@ -114,8 +110,8 @@ def _down_wgrad_kernel(
     row_end = tl.load(expert_offsets_ptr + expert + 1)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for r0 in range(row_start, row_end, BLOCK_K):
-        a = d_out_desc.load([r0, m0]).T  # dOutᵀ [BLOCK_M over H, BLOCK_K rows]
-        b = h_weighted_desc.load([r0, n0])  # [BLOCK_K rows, BLOCK_N over I]
+        a = dy_desc.load([r0, m0]).T  # dyᵀ [BLOCK_M over H, BLOCK_K rows]
+        b = h_desc.load([r0, n0])  # h [BLOCK_K rows, BLOCK_N over I]
         if INTERPRETER:  # the interpreter's bf16 tl.dot is wrong (DESIGN §6); fp32 is exact
             a, b = a.to(tl.float32), b.to(tl.float32)
         acc = tl.dot(a, b, acc)
@@ -182,18 +178,18 @@ _MAIN_GRAD_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def down_wgrad(
-    d_out_sorted: torch.Tensor,  # [<= capacity_rows, H] bf16, dOut in the sorted layout (zeros at padding)
-    h_weighted: torch.Tensor,  # [capacity_rows, I] bf16, w·h of each sorted row (the down dgrad's)
+    dy_sorted: torch.Tensor,  # [<= capacity_rows, H] bf16, w·dOut in the sorted layout (zeros at padding)
+    h: torch.Tensor,  # [<= capacity_rows, I] bf16, the forward's h (zeros at padding)
     schedule: RoutingSchedule,
     main_grad: torch.Tensor | None = None,  # [E_l, H, I] fp32/bf16, accumulated into in place
     tile_config: dict | None = None,
 ) -> torch.Tensor:
     """d_w_down [E_l, H, I]: a new bf16 tensor, or `main_grad` after `main_grad += d_w_down`."""
-    hidden, inter = d_out_sorted.shape[-1], h_weighted.shape[-1]
-    device = h_weighted.device
+    hidden, inter = dy_sorted.shape[-1], h.shape[-1]
+    device = h.device
     experts = schedule.num_local_experts
-    check_sorted_rows("d_out_sorted", d_out_sorted, hidden, schedule)
-    _check("h_weighted", h_weighted, (torch.bfloat16,), (schedule.capacity_rows, inter), device)
+    check_sorted_rows("dy_sorted", dy_sorted, hidden, schedule)
+    check_sorted_rows("h", h, inter, schedule)
     if main_grad is not None:
         _check("main_grad", main_grad, _MAIN_GRAD_DTYPES, (experts, hidden, inter), device)
     cfg = tile_config or wgrad_config("down", hidden, inter)
@@ -203,8 +199,8 @@ def down_wgrad(
         out = torch.empty(experts, hidden, inter, dtype=torch.bfloat16, device=device)  # [E_l, H, I]
     grid = (experts * triton.cdiv(hidden, cfg["BLOCK_M"]) * triton.cdiv(inter, cfg["BLOCK_N"]),)
     _down_wgrad_kernel[grid](
-        tma_descriptor(d_out_sorted, (cfg["BLOCK_K"], cfg["BLOCK_M"])),
-        tma_descriptor(h_weighted, (cfg["BLOCK_K"], cfg["BLOCK_N"])), out,
+        tma_descriptor(dy_sorted, (cfg["BLOCK_K"], cfg["BLOCK_M"])),
+        tma_descriptor(h, (cfg["BLOCK_K"], cfg["BLOCK_N"])), out,
         schedule.expert_offsets,
         hidden, inter,
         out.stride(0), out.stride(1),

@@ -8,7 +8,6 @@ import torch
 
 from mok import reference
 from mok.kernels.dgrad import down_dgrad_swiglu, gate_up_dgrad_scatter
-from mok.kernels.gather import gather_sorted_rows
 from mok.kernels.grouped_gemm import routing_block_m
 from mok.kernels.schedule import build_routing_schedule
 from mok.testing import assert_close_to_reference, make_inputs
@@ -54,8 +53,7 @@ def test_down_dgrad_swiglu_matches_reference(kernel_device, T, H, I, E, topk, li
     d_out = torch.randn(T, H, generator=gen).bfloat16().to(kernel_device)
 
     d_out_sorted = _sorted_tokens(d_out, sched, topk)
-    assert torch.equal(gather_sorted_rows(d_out, None, sched, topk)[0][: int(sched.num_rows)], d_out_sorted[: int(sched.num_rows)])
-    d_gate_up, h_weighted, d_topk_weights = down_dgrad_swiglu(d_out_sorted, inp.topk_weights, gate_up, inp.w_down, sched, limit)
+    d_gate_up, d_topk_weights = down_dgrad_swiglu(d_out_sorted, inp.topk_weights, gate_up, inp.w_down, sched, limit)
 
     # Reference per sorted row, from the same bf16 g, u the kernel reads.
     g, u = gate_up[rows].cpu().float().unbind(1)  # [n, I] each
@@ -69,14 +67,9 @@ def test_down_dgrad_swiglu_matches_reference(kernel_device, T, H, I, E, topk, li
     if limit is not None:  # the clamp masks: zero gradient exactly where a clamp was active
         assert torch.all(d_gate_up[rows, 0].cpu()[g > limit] == 0), ctx
         assert torch.all(d_gate_up[rows, 1].cpu()[u.abs() > limit] == 0), ctx
-    # h_weighted = w·h with h recomputed from the same g, u (the down wgrad's operand).
-    g_c, u_c = (g, u) if limit is None else (g.clamp(max=limit), u.clamp(-limit, limit))
-    h = torch.nn.functional.silu(g_c) * u_c
-    assert_close_to_reference(h_weighted[rows].cpu(), w[:, None] * h, name="h_weighted", context=ctx, check_cosine=True)
     # Padding rows: exact zeros, although their g, u are NaN.
     assert pad.numel() > 0, f"the test wants padding rows {ctx}"
     assert torch.equal(d_gate_up[pad].cpu(), torch.zeros(pad.numel(), 2, I, dtype=torch.bfloat16)), ctx
-    assert torch.equal(h_weighted[pad].cpu(), torch.zeros(pad.numel(), I, dtype=torch.bfloat16)), ctx
 
     # Router-weight gradient, SPEC's definition: ⟨dOut[t], y⟩ with y = h · Wdᵀ.
     if limit is not None:
@@ -103,11 +96,10 @@ def test_router_weight_gradient_does_not_depend_on_w(kernel_device):
     d_out_sorted = _sorted_tokens(d_out, sched, topk)
     runs = [down_dgrad_swiglu(d_out_sorted, w, gate_up, inp.w_down, sched)
             for w in (inp.topk_weights, -inp.topk_weights, torch.zeros_like(inp.topk_weights))]
-    assert (inp.topk_weights < 0).any() and runs[0][2].abs().min() > 0, ctx
-    assert torch.equal(runs[0][2], runs[1][2]) and torch.equal(runs[0][2], runs[2][2]), ctx
+    assert (inp.topk_weights < 0).any() and runs[0][1].abs().min() > 0, ctx
+    assert torch.equal(runs[0][1], runs[1][1]) and torch.equal(runs[0][1], runs[2][1]), ctx
     assert torch.equal(runs[1][0][rows], -runs[0][0][rows]), ctx
-    assert torch.equal(runs[1][1][rows], -runs[0][1][rows]), ctx
-    assert torch.all(runs[2][0][rows] == 0) and torch.all(runs[2][1][rows] == 0), ctx
+    assert torch.all(runs[2][0][rows] == 0), ctx
 
 
 @pytest.mark.parametrize("T, H, I, E, topk", [(29, 72, 48, 4, 2), (1, 32, 16, 3, 1)])

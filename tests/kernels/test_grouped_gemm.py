@@ -1,13 +1,22 @@
-"""Gate/up + SwiGLU and down grouped GEMMs, and the combine, against mok.reference."""
+"""Gate/up + SwiGLU and down grouped GEMMs (bf16 and fp8_block), and the combine, against mok.reference."""
 
 import pytest
 import torch
 
 from mok import reference
+from mok.fp8_block import fp8_block_dequantize, fp8_block_quantize
 from mok.kernels.combine import combine
-from mok.kernels.grouped_gemm import down_scatter, gate_up_swiglu, routing_block_m
+from mok.kernels.grouped_gemm import (
+    down_scatter,
+    down_scatter_fp8_block,
+    gate_up_swiglu,
+    gate_up_swiglu_fp8_block,
+    gemm_config,
+    routing_block_m,
+)
+from mok.kernels.quant_fp8_block import quantize_fp8_block_activations
 from mok.kernels.schedule import build_routing_schedule
-from mok.testing import assert_close_to_reference, make_inputs
+from mok.testing import assert_close_to_reference, make_inputs, make_topk_ids
 
 
 def _routes(inp, schedule):
@@ -72,3 +81,173 @@ def test_combine_is_the_fixed_order_sum(kernel_device, shared):
         assert_close_to_reference(out, acc, name="out", context=f"{shared=}")
     with pytest.raises(ValueError, match=r"^y: expected a \[87, H\]"):
         combine(y[:-1], w, y_shared)
+
+
+# --------------------------------------------------------------------------- fp8_block
+
+# Slack for fp32 accumulation order, relative to a tensor's (or an h block's) largest value:
+# NumPy's fp32 matmul under the interpreter is near exact; Hopper's FP8 MMA keeps fewer
+# accumulator bits inside each 128-wide step.
+_FP8_ORDER_SLACK = {"cpu": 2.0**-18, "cuda": 2.0**-11}
+
+
+def _schedule(inp, num_experts):
+    flag = torch.zeros(1, dtype=torch.int32, device=inp.x.device)
+    return build_routing_schedule(inp.topk_ids, num_experts, routing_block_m(), flag)
+
+
+def _fp8_block_operands(inp):
+    """x quantized by the kernel (as a caller does); the weights by `mok.fp8_block_quantize`
+    (bit-exact with its kernel, and quicker under the interpreter). Returns (q, scale) pairs."""
+    x_pair = quantize_fp8_block_activations(inp.x)
+    return x_pair, *(fp8_block_quantize(w)[:2] for w in (inp.w_gate, inp.w_up, inp.w_down))
+
+
+def _fp8_block_forward(inp, sched, topk, limit):
+    """(the quantized operands, (h_q, h_scale, gate_up, y)) of the two fp8_block GEMMs."""
+    operands = _fp8_block_operands(inp)
+    (x_q, x_scale), w_gate, w_up, w_down = operands
+    h_q, h_scale, gate_up = gate_up_swiglu_fp8_block(x_q, x_scale, *w_gate, *w_up, sched, topk, limit, True)
+    y = down_scatter_fp8_block(h_q, h_scale, *w_down, sched, inp.x.shape[0] * topk)
+    return operands, (h_q, h_scale, gate_up, y)
+
+
+def _assert_order_close(actual, expected, slack, name, ctx):
+    """bf16 output rounding (2^-8 relative, twice RNE's bound) plus accumulation-order slack."""
+    atol = slack * expected.abs().max().item()
+    torch.testing.assert_close(
+        actual.float(), expected.float(), rtol=2.0**-8, atol=atol, msg=lambda m: f"{name} {ctx}: {m}"
+    )
+
+
+@pytest.mark.parametrize(
+    "T, H, I, E, topk, limit, used_experts",
+    [(37, 256, 128, 4, 2, None, 3), (19, 128, 256, 3, 1, 0.5, 3), (9, 128, 128, 4, 4, None, 4)],
+)
+def test_fp8_block_gate_up_and_down(kernel_device, T, H, I, E, topk, limit, used_experts):
+    """Against the same quantized math in torch (fp32 accumulation-order tolerance) and against
+    the fp32 reference (SPEC's fp8_block bars); h's quantization against its rule.
+    used_experts < E leaves the last expert without tokens."""
+    ids = make_topk_ids(T, used_experts, topk, torch.Generator().manual_seed(T))
+    inp = make_inputs(T, H, I, E, topk, seed=T, device=kernel_device, topk_ids=ids)
+    sched = _schedule(inp, E)
+    operands, (h_q, h_scale, gate_up, y) = _fp8_block_forward(inp, sched, topk, limit)
+    rows, slots, experts = _routes(inp, sched)
+    ctx = f"{T=} {H=} {I=} {E=} {topk=} {limit=} {used_experts=}"
+    slack = _FP8_ORDER_SLACK[kernel_device]
+    assert h_q.dtype == torch.float8_e4m3fn and h_q.shape == (sched.capacity_rows, I), ctx
+    assert h_scale.dtype == torch.float32 and h_scale.shape == (sched.capacity_rows, I // 128), ctx
+
+    (x_q, x_scale), *weights = ((q.cpu(), scale.cpu()) for q, scale in operands)
+    x_deq = fp8_block_dequantize(x_q, x_scale)[slots // topk]  # [routes, H] fp32
+    w_gate, w_up, w_down = (fp8_block_dequantize(q, scale, (128, 128)) for q, scale in weights)  # [E, ·, ·] fp32
+    h_deq = fp8_block_dequantize(h_q.cpu()[rows], h_scale.cpu()[rows])  # [routes, I] fp32
+    routes = rows.numel()
+    widths = {"gate": I, "up": I, "h": I, "y": H}
+    stmt = {name: torch.zeros(routes, n) for name, n in widths.items()}  # the same quantized math in torch
+    ref = {name: torch.zeros(routes, n) for name, n in widths.items()}  # fp32 on the unquantized inputs
+    x_rows = inp.x.cpu().float()[slots // topk]
+    for e in experts.unique().tolist():
+        mine = experts == e
+        acts_q = reference.swiglu_mlp_forward(x_deq[mine], w_gate[e], w_up[e], w_down[e], limit)
+        acts = reference.swiglu_mlp_forward(
+            x_rows[mine], inp.w_gate[e].cpu(), inp.w_up[e].cpu(), inp.w_down[e].cpu(), limit
+        )
+        for name in ("gate", "up", "h"):
+            stmt[name][mine], ref[name][mine] = getattr(acts_q, name), getattr(acts, name)
+        stmt["y"][mine] = h_deq[mine] @ w_down[e].T  # the down GEMM on the h the kernel quantized
+        ref["y"][mine] = acts.y
+
+    _assert_order_close(gate_up[rows, 0].cpu(), stmt["gate"], slack, "gate", ctx)
+    _assert_order_close(gate_up[rows, 1].cpu(), stmt["up"], slack, "up", ctx)
+    _assert_order_close(y[slots].cpu(), stmt["y"], slack, "y", ctx)
+
+    # h's 1×128 blocks: scale = amax / 448, so each block's largest element is exactly ±448;
+    # elements within E4M3 rounding (half an ulp: 2^-4 relative, 2^-10·scale in the subnormals).
+    blocks = lambda t: t.reshape(routes, I // 128, 128)  # noqa: E731
+    amax = blocks(stmt["h"]).abs().amax(-1)  # [routes, I/128]
+    assert torch.all(blocks(h_q.cpu()[rows].float()).abs().amax(-1) == 448.0), ctx
+    torch.testing.assert_close(h_scale.cpu()[rows], amax / 448.0, rtol=slack, atol=0.0)
+    scale = h_scale.cpu()[rows].repeat_interleave(128, dim=1)  # [routes, I]
+    half_ulp = torch.maximum(2.0**-4 * stmt["h"].abs(), 2.0**-10 * scale)
+    excess = (h_deq - stmt["h"]).abs() - half_ulp - slack * amax.repeat_interleave(128, dim=1)
+    assert excess.max() <= 0, f"h_q off by more than E4M3 rounding at {divmod(int(excess.argmax()), I)} {ctx}"
+    padding = (sched.row_source.cpu()[: int(sched.num_rows)] < 0).nonzero().flatten()
+    assert torch.all(h_q.cpu()[padding].float() == 0) and torch.all(h_scale.cpu()[padding] == 2.0**-126), ctx
+
+    for name, actual in (("gate", gate_up[rows, 0]), ("up", gate_up[rows, 1]), ("h", h_deq), ("y", y[slots])):
+        assert_close_to_reference(actual.cpu(), ref[name], "fp8_block", name=name, context=ctx, check_cosine=True)
+
+
+def test_fp8_block_nan_propagates(kernel_device):
+    """A NaN in token 0's x makes its routes' h and y NaN; other rows (padding, which reads
+    token 0's slot of x, included) stay finite."""
+    T, H, I, E, topk = 6, 128, 128, 2, 1
+    inp = make_inputs(T, H, I, E, topk, seed=5, device=kernel_device)
+    inp.x[0, 7] = float("nan")
+    sched = _schedule(inp, E)
+    _, (h_q, h_scale, gate_up, y) = _fp8_block_forward(inp, sched, topk, None)
+    num_rows = int(sched.num_rows)
+    poisoned = (sched.row_source[:num_rows] == 0).cpu()  # the route slot t·topk + j = 0 is token 0's
+    assert torch.all(h_scale[:num_rows].cpu()[poisoned].isnan()) and torch.all(y[0].isnan())
+    assert torch.all(h_scale[:num_rows].cpu()[~poisoned].isfinite()) and torch.all(y[1:].isfinite())
+
+
+def test_fp8_block_ops_and_run_twice(kernel_device):
+    """The custom ops' fake shapes, and the op (a second run) bitwise equal to the launcher."""
+    from mok import ops
+
+    T, H, I, E, topk = 5, 128, 128, 2, 1
+    inp = make_inputs(T, H, I, E, topk, seed=6, device=kernel_device)
+    block_m = routing_block_m()
+    flag = torch.zeros(1, dtype=torch.int32, device=kernel_device)
+    routing = list(ops.routing_schedule(inp.topk_ids, flag, E, block_m))
+    sched = ops.routing_from_tensors(routing, block_m)
+    (x_q, x_scale), w_gate, w_up, w_down = _fp8_block_operands(inp)
+    gate_up_args = (x_q, x_scale, *w_gate, *w_up, routing, block_m, topk, 0.5, True)
+    h_q, h_scale, gate_up = ops.gate_up_swiglu_fp8_block(*gate_up_args)
+    again = gate_up_swiglu_fp8_block(x_q, x_scale, *w_gate, *w_up, sched, topk, 0.5, True)
+    rows = int(sched.num_rows)
+    for a, b in zip((h_q, h_scale, gate_up), again):
+        assert torch.equal(a[:rows].view(torch.uint8), b[:rows].view(torch.uint8))
+    down_args = (h_q, h_scale, *w_down, routing, block_m, T * topk)
+    y = ops.down_scatter_fp8_block(*down_args)
+    assert torch.equal(y, down_scatter_fp8_block(h_q, h_scale, *w_down, sched, T * topk))
+    torch.library.opcheck(ops.gate_up_swiglu_fp8_block.op, gate_up_args, test_utils=("test_faketensor",))
+    torch.library.opcheck(ops.down_scatter_fp8_block.op, down_args, test_utils=("test_faketensor",))
+
+
+def test_fp8_block_launchers_reject_mismatches(kernel_device):
+    T, H, I, E, topk = 8, 256, 128, 4, 2
+    inp = make_inputs(T, H, I, E, topk, device=kernel_device)
+    sched = _schedule(inp, E)
+    (x_q, x_scale), (wg_q, wg_s), (wu_q, wu_s), (wd_q, wd_s) = _fp8_block_operands(inp)
+    h_q = torch.zeros(sched.capacity_rows, I, device=kernel_device).to(torch.float8_e4m3fn)
+    h_scale = torch.ones(sched.capacity_rows, I // 128, device=kernel_device)
+    gate_up = lambda *args, **kw: gate_up_swiglu_fp8_block(*args, sched, topk, **kw)  # noqa: E731
+    down = lambda *args, **kw: down_scatter_fp8_block(*args, sched, T * topk, **kw)  # noqa: E731
+    bad_tiles = {**gemm_config("gate_up", I, H, "fp8_block"), "BLOCK_K": 64}
+    cases = [
+        (lambda: gate_up(inp.x, x_scale, wg_q, wg_s, wu_q, wu_s),
+         r"^x_q: expected a contiguous float8_e4m3fn tensor of shape \[8, 256\] on .*, got torch.bfloat16"),
+        (lambda: gate_up(x_q, x_scale[:, :1], wg_q, wg_s, wu_q, wu_s),
+         r"^x_scale: expected a contiguous float32 tensor of shape \[8, 2\]"),
+        (lambda: gate_up(x_q, x_scale, wg_q[:, :96], wg_s, wu_q, wu_s),
+         r"^w_gate_q: expected a 3-D \[E_l, I, H\] tensor with E_l = 4 .* multiples of 128 \(fp8_block\), "
+         r"got shape \[4, 96, 256\]"),
+        (lambda: gate_up(x_q, x_scale, wg_q, wg_s, wu_q, wu_s.double()),
+         r"^w_up_scale: expected a contiguous float32 tensor of shape \[4, 1, 2\]"),
+        (lambda: gate_up(x_q, x_scale, wg_q, wg_s, wu_q.mT.contiguous().mT, wu_s),
+         r"^w_up_q: expected a contiguous float8_e4m3fn tensor .* non-contiguous"),
+        (lambda: gate_up(x_q, x_scale, wg_q, wg_s, wu_q, wu_s, tile_config=bad_tiles),
+         r"^tile_config: expected BLOCK_K 128 and BLOCK_N 128 for the fp8_block gate_up GEMM"),
+        (lambda: down(h_q[:-1], h_scale, wd_q, wd_s),
+         r"^h_q: expected a contiguous float8_e4m3fn tensor of shape"),
+        (lambda: down(h_q, h_scale, wd_q, wd_s[:, :1]),
+         r"^w_down_scale: expected a contiguous float32 tensor of shape \[4, 2, 1\]"),
+        (lambda: down(h_q, h_scale, wd_q[:3], wd_s[:3]),
+         r"^w_down_q: expected a 3-D \[E_l, H, I\] tensor with E_l = 4"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=message):
+            call()

@@ -4,14 +4,15 @@ import pytest
 import torch
 
 from mok.kernels.common import ERROR_BAD_EXPERT_ID
-from mok.kernels.schedule import build_routing_schedule, capacity_rows
+from mok.kernels.schedule import build_routing_schedule, capacity_rows, sorted_route_rows
 from mok.testing import make_topk_ids
 
 
 def schedule_in_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int):
-    """Experts ascending, each expert's routes by ascending t·topk+j, padded to block_m."""
+    """Experts ascending, each expert's routes by ascending t·topk+j, padded to block_m
+    (ids of −1, empty entries, are left out)."""
     flat = topk_ids.reshape(-1).long().cpu()
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = torch.bincount(flat[flat >= 0], minlength=num_experts)
     padded = (counts + block_m - 1) // block_m * block_m
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), padded.cumsum(0)])
     rows = int(offsets[-1])
@@ -64,7 +65,7 @@ def test_all_tokens_to_one_expert(kernel_device):
     assert s.tile_expert[:5].tolist() == [2] * 5
 
 
-@pytest.mark.parametrize("bad", ["out_of_range", "negative", "repeated"])
+@pytest.mark.parametrize("bad", ["out_of_range", "negative", "minus_one", "repeated"])
 def test_bad_ids_set_the_error_flag(kernel_device, bad):
     T, E = 40, 6
     ids = make_topk_ids(T, E, 2, torch.Generator().manual_seed(0))
@@ -72,6 +73,8 @@ def test_bad_ids_set_the_error_flag(kernel_device, bad):
         ids[17, 1] = E
     elif bad == "negative":
         ids[3, 0] = -2
+    elif bad == "minus_one":  # an empty entry only where the caller says so (skip_empty_ids)
+        ids[3, 0] = -1
     else:
         ids[25, 1] = ids[25, 0]
     flag = torch.zeros(1, dtype=torch.int32, device=kernel_device)
@@ -81,6 +84,47 @@ def test_bad_ids_set_the_error_flag(kernel_device, bad):
     placed = s.row_source[: int(s.num_rows)].cpu()
     placed = placed[placed >= 0]
     assert placed.numel() == T * 2 - 2 and placed.unique().numel() == placed.numel(), bad
+
+
+@pytest.mark.parametrize("T, E, topk", [(50, 5, 1), (37, 4, 3), (8, 3, 1)])
+def test_empty_ids_are_skipped_bit_exact(kernel_device, T, E, topk):
+    """skip_empty_ids: −1 entries (the expert-parallel receiver's unused rows) get no row
+    and no error; the rest is the schedule of the remaining routes, bit for bit."""
+    gen = torch.Generator().manual_seed(T)
+    ids = make_topk_ids(T, E, topk, gen)
+    ids[torch.rand(T, topk, generator=gen) < 0.4] = -1
+    ids[-1] = -1  # a whole row empty, at the end
+    flag = torch.zeros(1, dtype=torch.int32, device=kernel_device)
+    s = build_routing_schedule(ids.int().to(kernel_device), E, 16, flag, skip_empty_ids=True)
+    counts, offsets, row_source, tile_expert = schedule_in_torch(ids, E, 16)
+    ctx = f"{T=} {E=} {topk=}"
+    num_rows = int(s.num_rows)
+    assert int(flag) == 0, ctx
+    assert torch.equal(s.expert_counts.cpu(), counts) and torch.equal(s.expert_offsets.cpu(), offsets), ctx
+    assert torch.equal(s.row_source[:num_rows].cpu(), row_source), ctx
+    assert torch.equal(s.tile_expert[: num_rows // 16].cpu(), tile_expert), ctx
+
+
+@pytest.mark.parametrize("T, E, topk", [(1, 4, 1), (37, 5, 2), (300, 12, 3)])
+def test_sorted_route_rows_bit_exact(kernel_device, T, E, topk):
+    """Each route's row in the unpadded expert-sorted order: a stable sort by expert."""
+    ids = make_topk_ids(T, E, topk, torch.Generator().manual_seed(T), skew=1.0)
+    flag = torch.zeros(1, dtype=torch.int32, device=kernel_device)
+    route_row, offsets = sorted_route_rows(ids.to(kernel_device), E, flag)
+    flat = ids.reshape(-1)
+    expected = torch.empty(T * topk, dtype=torch.int32)
+    expected[torch.argsort(flat, stable=True)] = torch.arange(T * topk, dtype=torch.int32)
+    counts = torch.bincount(flat, minlength=E)
+    ctx = f"{T=} {E=} {topk=}"
+    assert int(flag) == 0, ctx
+    assert torch.equal(route_row.cpu(), expected), ctx
+    assert torch.equal(offsets.cpu(), torch.cat([torch.zeros(1), counts.cumsum(0)]).int()), ctx
+    # A token with a bad id gets no rows and sets the flag.
+    ids[T // 2, 0] = E
+    route_row, _ = sorted_route_rows(ids.to(kernel_device), E, flag)
+    assert int(flag) & ERROR_BAD_EXPERT_ID, ctx
+    bad = route_row.cpu().view(T, topk)[T // 2]
+    assert (bad == -1).all(), ctx
 
 
 def test_rejects_bad_arguments():

@@ -43,18 +43,18 @@ def _per_expert(E, experts, fn):
 def test_wgrad_matches_per_expert_sums(kernel_device, T, H, I, E, topk):
     inp, sched, rows, slots, experts, sorted_rows, d_out, _ = _setup(T, H, I, E, topk, kernel_device, seed=T)
     ctx = f"{T=} {H=} {I=} {E=} {topk=}"
-    h_weighted, d_gate_up = sorted_rows(I), sorted_rows(2, I)
+    h, d_gate_up = sorted_rows(I), sorted_rows(2, I)
     assert sched.num_rows.item() < sched.capacity_rows, f"the test wants NaN rows past the schedule's end {ctx}"
     tokens = slots // topk
     x_rows = inp.x.cpu().float()[tokens]  # [n, H]
-    d_out_rows = d_out.cpu().float()[tokens]  # [n, H]
-    hw_rows, (dg_rows, du_rows) = h_weighted.cpu().float()[rows], d_gate_up.cpu().float()[rows].unbind(1)
+    dy_rows = (inp.topk_weights.cpu().view(-1)[slots, None] * d_out.cpu().float()[tokens]).bfloat16().float()  # [n, H]
+    h_rows, (dg_rows, du_rows) = h.cpu().float()[rows], d_gate_up.cpu().float()[rows].unbind(1)
 
-    x_sorted, d_out_sorted = gather_sorted_rows(inp.x, d_out, sched, topk)
-    d_w_down = down_wgrad(d_out_sorted, h_weighted, sched)
+    x_sorted, _, dy_sorted = gather_sorted_rows(inp.x, d_out, inp.topk_weights, sched, topk)
+    d_w_down = down_wgrad(dy_sorted, h, sched)
     d_w_gate, d_w_up = gate_up_wgrad(d_gate_up, x_sorted, sched)
     expected = {
-        "d_w_down": (d_w_down, _per_expert(E, experts, lambda m: d_out_rows[m].T @ hw_rows[m])),
+        "d_w_down": (d_w_down, _per_expert(E, experts, lambda m: dy_rows[m].T @ h_rows[m])),
         "d_w_gate": (d_w_gate, _per_expert(E, experts, lambda m: dg_rows[m].T @ x_rows[m])),
         "d_w_up": (d_w_up, _per_expert(E, experts, lambda m: du_rows[m].T @ x_rows[m])),
     }
@@ -74,9 +74,9 @@ def test_wgrad_accumulates_into_main_grad(kernel_device, dtype):
     T, H, I, E, topk = 19, 32, 48, 5, 2
     inp, sched, rows, slots, experts, sorted_rows, d_out, gen = _setup(T, H, I, E, topk, kernel_device, seed=4)
     ctx = f"{T=} {H=} {I=} {E=} {topk=} main_grad {dtype}"
-    h_weighted, d_gate_up = sorted_rows(I), sorted_rows(2, I)
-    x_sorted, d_out_sorted = gather_sorted_rows(inp.x, d_out, sched, topk)
-    fresh = {"down": down_wgrad(d_out_sorted, h_weighted, sched)}
+    h, d_gate_up = sorted_rows(I), sorted_rows(2, I)
+    x_sorted, _, dy_sorted = gather_sorted_rows(inp.x, d_out, inp.topk_weights, sched, topk)
+    fresh = {"down": down_wgrad(dy_sorted, h, sched)}
     fresh["gate"], fresh["up"] = gate_up_wgrad(d_gate_up, x_sorted, sched)
     start = {
         "down": torch.randn(E, H, I, generator=gen).to(kernel_device, dtype),
@@ -84,7 +84,7 @@ def test_wgrad_accumulates_into_main_grad(kernel_device, dtype):
         "up": torch.randn(E, I, H, generator=gen).to(kernel_device, dtype),
     }
     main = {k: v.clone() for k, v in start.items()}
-    returned = down_wgrad(d_out_sorted, h_weighted, sched, main_grad=main["down"])
+    returned = down_wgrad(dy_sorted, h, sched, main_grad=main["down"])
     assert returned is main["down"]
     gate_up_wgrad(d_gate_up, x_sorted, sched, main["gate"], main["up"])
     empty = [e for e in range(E) if not (experts == e).any()]
@@ -96,7 +96,7 @@ def test_wgrad_accumulates_into_main_grad(kernel_device, dtype):
         for e in empty:  # no rows: main_grad left exactly as it was
             assert torch.equal(main[name][e], start[name][e]), f"{name}[{e}] {ctx}"
     with pytest.raises(ValueError, match=r"^main_grad: expected a contiguous float32/bfloat16 tensor of shape \[5, 32, 48\]"):
-        down_wgrad(d_out_sorted, h_weighted, sched, main_grad=start["gate"])
+        down_wgrad(dy_sorted, h, sched, main_grad=start["gate"])
     with pytest.raises(ValueError, match=r"^main_grad_gate, main_grad_up: expected both or neither"):
         gate_up_wgrad(d_gate_up, x_sorted, sched, main["gate"])
 

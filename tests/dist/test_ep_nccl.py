@@ -1,0 +1,267 @@
+"""The triton backend under expert parallelism, through the NCCL-fallback transport (here
+on gloo, kernels interpreted on the CPU), against the EP reference at SPEC's bf16 bars.
+
+Each rank draws its own tokens (a different count per rank), global expert ids and its
+local experts from a seed; both sides get the same local inputs over the same group.
+The GPU test at the end runs the same comparison on NCCL, one GPU per rank, at a
+qwen3-like shape, and checks that nothing syncs with the host.
+
+One spawn of 3 gloo processes serves both P: P = 3 on WORLD and P = 2 on ranks {0, 2}, so
+group ranks differ from global ranks. (P = 4 works the same way; the interpreter takes
+about 5 s per rank for one forward + backward, so CI stops at 3.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import mok
+from mok.kernels.common import interpreting
+from mok.reference import ep_moe_backward, ep_moe_forward
+from mok.testing import assert_close_to_reference, make_inputs, make_topk_ids
+from mok.testing.distributed import run_distributed
+
+WORLD_SIZE = 3
+GROUP_RANKS = {3: None, 2: [0, 2]}  # P -> global ranks of its group (None = WORLD)
+H, I = 32, 16
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    experts_per_rank: int  # E_l
+    topk: int
+    shared_size: int = 16  # I_s, 0 = no shared expert
+    routing: str = "random"  # "random" | "empty expert" (global expert 1 unused) | "one rank" (all to rank 1)
+    swiglu_limit: float | None = None
+    int32_ids: bool = False
+    min_tokens: int = 6  # rank r brings min_tokens + r tokens
+
+
+# Few cases, each covering several edges: the interpreter is slow. The clamp's masks are
+# decided on the bf16-stored pre-activations, so a value within half a bf16 ulp of ±L
+# flips against the fp32 reference, which on rows this small misses the bar by itself:
+# L = 2.5 clamps a few values (pre-activations are about N(0, 1)) and leaves none that close.
+CASES = (
+    Case("shared + empty expert + clamp", experts_per_rank=2, topk=2, routing="empty expert", swiglu_limit=2.5),
+    Case("all to one rank + topk 1", experts_per_rank=2, topk=1, shared_size=0, routing="one rank", int32_ids=True,
+         min_tokens=3),
+)
+
+
+def _local_inputs(case: Case, num_ranks: int, rank: int, seed: int):
+    """This rank's inputs: its tokens with global ids, its E_l experts (sliced from E)."""
+    E_l, topk = case.experts_per_rank, case.topk
+    E = E_l * num_ranks
+    T = case.min_tokens + rank
+    gen = torch.Generator().manual_seed(seed)
+    if case.routing == "empty expert":
+        allowed = torch.tensor([e for e in range(E) if e != 1])
+        ids = allowed[make_topk_ids(T, E - 1, topk, gen)]
+    elif case.routing == "one rank":
+        ids = make_topk_ids(T, E_l, topk, gen) + E_l
+    else:
+        ids = make_topk_ids(T, E, topk, gen)
+    g = make_inputs(T, H, I, E, topk, case.shared_size, seed=seed, signed_weights=True, topk_ids=ids)
+    experts = slice(rank * E_l, (rank + 1) * E_l)
+    ids = g.topk_ids.to(torch.int32 if case.int32_ids else torch.int64)
+    d_out = torch.randn(T, H, generator=gen).bfloat16()
+    weights = (g.w_gate[experts].contiguous(), g.w_up[experts].contiguous(), g.w_down[experts].contiguous())
+    return g.x, ids, g.topk_weights, weights, (g.ws_gate, g.ws_up, g.ws_down), d_out
+
+
+def _run_triton(config, group, x, ids, topk_weights, routed, shared, d_out, swiglu_limit):
+    """(out, gradients, schedule) of one forward + backward through the functional API."""
+    ws = mok.get_workspace(config, group, device="cpu", num_local_tokens=x.shape[0], hidden_size=H, topk=ids.shape[1])
+    schedule = mok.build_schedule(ws, config, ids, num_local_experts=routed[0].shape[0],
+                                  has_shared_expert=shared[0] is not None)
+    args = (x, topk_weights, *shared, *routed)
+    out, ctx = mok.forward(config, ws, schedule, *args, swiglu_limit)
+    grads = mok.backward(config, ws, schedule, ctx, d_out, *args, swiglu_limit)
+    mok.check_errors(ws)
+    return out, grads, schedule
+
+
+def _check_case(case: Case, num_ranks: int, rank: int, group, seed: int, run_twice: bool) -> None:
+    """Runs every collective first and compares afterwards, so a failed comparison on one
+    rank cannot leave its peers waiting in a collective it skipped."""
+    x, ids, topk_weights, routed, shared, d_out = _local_inputs(case, num_ranks, rank, seed)
+    config = mok.MoKConfig(backend="triton", strict=True)
+    runs = [_run_triton(config, group, x, ids, topk_weights, routed, shared, d_out, case.swiglu_limit)
+            for _ in range(2 if run_twice else 1)]
+    ref_args = (x, ids, topk_weights, *routed, *shared)
+    ref_out = ep_moe_forward(*ref_args, swiglu_limit=case.swiglu_limit, group=group)
+    ref = ep_moe_backward(d_out, *ref_args, swiglu_limit=case.swiglu_limit, group=group)
+
+    ctx = (f"case={case.name!r} P={num_ranks} group_rank={rank} T={x.shape[0]} {H=} {I=} "
+           f"E_l={case.experts_per_rank} topk={case.topk} I_s={case.shared_size} limit={case.swiglu_limit}")
+    out, grads, schedule = runs[0]
+    assert schedule.dispatch is not None and schedule.dispatch.world_size == num_ranks, ctx
+    assert out.dtype == torch.bfloat16, ctx
+    assert_close_to_reference(out, ref_out, name="out", context=ctx)
+    for name, got, expected in zip(ref._fields, grads, ref):
+        assert_close_to_reference(got, expected, name=name, context=ctx, check_cosine=True)
+    # Experts that got no row from any rank: exact zeros.
+    for name in ("d_w_gate", "d_w_up", "d_w_down"):
+        for e in range(case.experts_per_rank):
+            if (getattr(ref, name)[e] == 0).all():
+                assert (getattr(grads, name)[e] == 0).all(), f"{name}[{e}] not exactly 0 {ctx}"
+    for out_again, grads_again, _ in runs[1:]:
+        assert torch.equal(out, out_again), f"out differs run to run {ctx}"
+        for name, a, b in zip(grads._fields, grads, grads_again):
+            assert (a is None and b is None) or torch.equal(a, b), f"{name} differs run to run {ctx}"
+
+
+def _check_capacity_overflow(num_ranks: int, rank: int, group) -> None:
+    """Every route to rank 0 with the capacity of an even split: the sources overflow and
+    every rank raises (strict: in build_schedule; otherwise in check_errors), and the
+    routes that were sent still give the reference's numbers (dropped ones contribute 0).
+    Collectives first, comparisons after (as in `_check_case`)."""
+    case = Case("overflow", experts_per_rank=2, topk=2, shared_size=0)
+    x, _, topk_weights, routed, shared, _ = _local_inputs(case, num_ranks, rank, seed=5 + rank)
+    ids = make_topk_ids(x.shape[0], 2, 2, torch.Generator().manual_seed(rank))  # experts 0, 1: rank 0
+    strict = mok.MoKConfig(backend="triton", strict=True, schedule_capacity_multiplier=1.0)
+    ws = mok.get_workspace(strict, group, device="cpu", num_local_tokens=x.shape[0], hidden_size=H, topk=2)
+    strict_error = None
+    try:
+        mok.build_schedule(ws, strict, ids, num_local_experts=2, has_shared_expert=False)
+    except mok.MoKError as err:
+        strict_error = err
+    lenient = mok.MoKConfig(backend="triton", schedule_capacity_multiplier=1.0)
+    ws = mok.get_workspace(lenient, group, device="cpu", num_local_tokens=x.shape[0], hidden_size=H, topk=2)
+    schedule = mok.build_schedule(ws, lenient, ids, num_local_experts=2, has_shared_expert=False)
+    out, _ = mok.forward(lenient, ws, schedule, x, topk_weights, *shared, *routed, needs_backward=False)
+    sent = (schedule.dispatch.route_slot >= 0).view_as(topk_weights)
+    ref_out = ep_moe_forward(x, ids, topk_weights * sent, *routed, *shared, group=group)
+
+    ctx = f"overflow P={num_ranks} group_rank={rank} T={x.shape[0]} {H=} {I=}"
+    assert strict_error is not None and "exceeded the schedule capacity" in str(strict_error), f"{strict_error=} {ctx}"
+    with pytest.raises(mok.MoKError, match="exceeded the schedule capacity"):
+        mok.check_errors(ws)
+    assert not sent.all(), f"no route was dropped {ctx}"
+    assert_close_to_reference(out, ref_out, name="out (routes sent)", context=ctx)
+
+
+def _ep_worker(rank: int, world_size: int) -> dict[int, list[str]]:
+    """Every case for every P this rank belongs to; returns P -> failure reports (empty = pass)."""
+    # mok reads group=None as "no expert parallelism": WORLD is passed explicitly.
+    groups = {P: dist.new_group(ranks) if ranks else dist.group.WORLD for P, ranks in GROUP_RANKS.items()}
+    failures: dict[int, list[str]] = {P: [] for P in GROUP_RANKS}
+    for P, ranks in GROUP_RANKS.items():
+        if ranks is not None and rank not in ranks:
+            continue
+        group_rank = dist.get_rank(groups[P])
+        checks = [lambda c=c, i=i: _check_case(c, P, group_rank, groups[P], seed=100 * P + 10 * i + group_rank,
+                                               run_twice=i == 0 and P == 3)
+                  for i, c in enumerate(CASES)]
+        checks.append(lambda: _check_capacity_overflow(P, group_rank, groups[P]))
+        for check in checks:
+            try:
+                check()
+            except AssertionError as err:  # a local comparison: every rank ran the same collectives
+                failures[P].append(str(err))
+        mok.clear_workspace_cache()
+    return failures
+
+
+@pytest.fixture(scope="module")
+def ep_failures() -> list[dict[int, list[str]]]:
+    return run_distributed(_ep_worker, WORLD_SIZE, timeout_s=400)
+
+
+@pytest.mark.skipif(not interpreting(), reason="the CPU ranks run the kernels under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("P", sorted(GROUP_RANKS))
+def test_triton_ep_matches_ep_reference(ep_failures, P):
+    reports = [f"[global rank {r}] {msg}" for r, by_p in enumerate(ep_failures) for msg in by_p[P]]
+    assert not reports, f"{len(reports)} failure(s) at {P=}:\n" + "\n\n".join(reports)
+
+
+def test_config_transport_is_validated():
+    assert mok.MoKConfig().transport == "auto" and mok.MoKConfig(transport="nccl").transport == "nccl"
+    with pytest.raises(ValueError, match=r"^transport: expected one of \('auto', 'nccl'\), got 'nvshmem'"):
+        mok.MoKConfig(transport="nvshmem")
+
+
+# --------------------------------------------------------------------------- GPU only (NCCL)
+
+
+def _gpu_worker(rank: int, world_size: int) -> list[str]:
+    """qwen3-like rank shares (E_l = 16, topk = 8, T = 4096 + 512·rank) plus a shared expert,
+    for the exact worst-case capacity (C = 8·T_max) and for multiplier 1.25 (C = 5·T_max
+    against about 4·T routes per peer): the EP reference's numbers, no flag, no host sync,
+    bitwise the same twice, under both capacities (the order inside each expert does not
+    depend on C) and through `MoKMoE`. Collectives first, comparisons after."""
+    torch.cuda.set_device(rank)
+    group = dist.group.WORLD
+    T, H, I, E_l, topk, I_s = 4096 + 512 * rank, 2048, 768, 16, 8, 512
+    g = make_inputs(T, H, I, E_l * world_size, topk, I_s, seed=rank, device="cuda", signed_weights=True)
+    experts = slice(rank * E_l, (rank + 1) * E_l)
+    routed = tuple(w[experts].contiguous() for w in (g.w_gate, g.w_up, g.w_down))
+    shared = (g.ws_gate, g.ws_up, g.ws_down)
+    d_out = torch.randn(T, H, device="cuda", generator=torch.Generator("cuda").manual_seed(rank)).bfloat16()
+    args = (g.x, g.topk_weights, *shared, *routed)
+    results = {}
+    for multiplier in (None, 1.25):
+        config = mok.MoKConfig(backend="triton", schedule_capacity_multiplier=multiplier)
+        ws = mok.get_workspace(config, group, device="cuda", num_local_tokens=T, hidden_size=H, topk=topk)
+
+        def step():
+            schedule = mok.build_schedule(ws, config, g.topk_ids, num_local_experts=E_l)
+            out, ctx = mok.forward(config, ws, schedule, *args)
+            return out, mok.backward(config, ws, schedule, ctx, d_out, *args)
+
+        step()  # compiles the kernels
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            runs = [step(), step()]
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        flags = int(ws.error_flag.item())
+        results[multiplier] = (runs, flags)
+    layer = mok.MoKMoE(H, I, E_l * world_size, topk, I_s, ep_group=group, config=mok.MoKConfig(backend="triton"),
+                       device="cuda")
+    with torch.no_grad():
+        for name, w in zip(("w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down"), (*routed, *shared)):
+            getattr(layer, name).copy_(w)
+    x = g.x.clone().requires_grad_()
+    layer(x, g.topk_ids, g.topk_weights).backward(d_out)
+    ref_args = (g.x, g.topk_ids, g.topk_weights, *routed, *shared)
+    ref_out = ep_moe_forward(*ref_args, group=group)
+    ref = ep_moe_backward(d_out, *ref_args, group=group)
+
+    failures = []
+    ctx = f"P={world_size} {rank=} {T=} {H=} {I=} {E_l=} {topk=} {I_s=}"
+    for multiplier, (runs, flags) in results.items():
+        (out, grads), (out_again, grads_again) = runs
+        where = f"schedule_capacity_multiplier={multiplier} {ctx}"
+        try:
+            assert flags == 0, f"error flag {flags} {where}"
+            assert torch.equal(out, out_again), f"out differs run to run {where}"
+            for name, a, b in zip(grads._fields, grads, grads_again):
+                assert torch.equal(a, b), f"{name} differs run to run {where}"
+            assert_close_to_reference(out, ref_out, name="out", context=where)
+            for name, got, expected in zip(ref._fields, grads, ref):
+                assert_close_to_reference(got, expected, name=name, context=where, check_cosine=True)
+        except AssertionError as err:
+            failures.append(str(err))
+    (out, grads), _ = results[None][0]
+    (out_small_capacity, grads_small_capacity), _ = results[1.25][0]
+    if not (torch.equal(out, out_small_capacity)
+            and all(torch.equal(a, b) for a, b in zip(grads, grads_small_capacity))):
+        failures.append(f"the results depend on the capacity {ctx}")
+    if not (torch.equal(x.grad, grads.d_x) and torch.equal(layer.w_down.grad, grads.d_w_down)):
+        failures.append(f"MoKMoE(ep_group=...) gradients differ from the functional API's {ctx}")
+    return failures
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_gpu_ep_nccl_two_ranks():
+    failures = run_distributed(_gpu_worker, 2, timeout_s=600, backend="nccl")
+    reports = [f"[rank {r}] {msg}" for r, msgs in enumerate(failures) for msg in msgs]
+    assert not reports, "\n\n".join(reports)
