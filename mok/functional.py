@@ -193,12 +193,19 @@ def check_errors(workspace: Workspace) -> None:
 # --------------------------------------------------------------------------- backend choice
 
 
+# What the triton backend still lacks for each low precision.
+_TRITON_MISSING = {
+    "mxfp8": "its grouped GEMMs are not written yet (only its quantizer kernel)",
+    "fp8_block": "its backward grouped GEMMs are not written yet (its quantizers and forward GEMMs are, unwired)",
+}
+
+
 def _triton_unsupported(config: MoKConfig, workspace: Workspace) -> str | None:
     """Why the triton backend cannot run this call, or None when it can."""
     if workspace.device.type != "cuda" and not interpreting():
         return f"it runs on CUDA devices (or under TRITON_INTERPRET=1), not {workspace.device}"
     if config.precision != "bf16":
-        return f"precision={config.precision!r}: its grouped GEMMs are not written yet (only its quantizer kernels)"
+        return f"precision={config.precision!r}: {_TRITON_MISSING[config.precision]}"
     return None
 
 

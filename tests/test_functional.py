@@ -175,7 +175,7 @@ def test_fp8_block_runs_on_the_reference_backend_only(kernel_device):
     ws = mok.get_workspace(mok.MoKConfig(), None, device=kernel_device, num_local_tokens=8, hidden_size=128, topk=2)
     sched = mok.build_schedule(ws, mok.MoKConfig(precision="fp8_block"), inp.topk_ids, num_local_experts=4)
     assert sched.backend == "reference"
-    expected = r"backend='triton' cannot run this call: precision='fp8_block': its grouped GEMMs are not written yet"
+    expected = r"backend='triton' cannot run this call: precision='fp8_block': its backward grouped GEMMs are not written"
     with pytest.raises(NotImplementedError, match=expected):
         mok.moe(inp.x, inp.topk_ids, inp.topk_weights, *inp.weights,
                 config=mok.MoKConfig(precision="fp8_block", backend="triton"))
