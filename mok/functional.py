@@ -341,13 +341,17 @@ def _check_call(config, workspace, schedule, x, topk_weights, ws_gate, ws_up, ws
 
 
 def _reference_call(fn, config, workspace, schedule, x, topk_weights, ws_gate, ws_up, ws_down, w_gate, w_up, w_down, swiglu_limit, *lead):
-    routed_x, w_gate_op, w_up_op, w_down_op = _reference_operands(config, x, w_gate, w_up, w_down)
-    args = (*lead, x, schedule.topk_ids, topk_weights, w_gate_op, w_up_op, w_down_op, ws_gate, ws_up, ws_down)
-    if workspace.world_size > 1:
-        return getattr(reference, "ep_" + fn.__name__)(
-            *args, swiglu_limit=swiglu_limit, group=workspace.group, routed_x=routed_x
-        )
-    return fn(*args, swiglu_limit=swiglu_limit, routed_x=routed_x)
+    """`fn` (reference.moe_forward or moe_backward, or their EP versions) on this call's
+    operands. Autocast is switched off inside: the reference defines the fp32 math, and a
+    caller's `torch.autocast` would otherwise run its matmuls in bf16."""
+    with torch.autocast(workspace.device.type, enabled=False):
+        routed_x, w_gate_op, w_up_op, w_down_op = _reference_operands(config, x, w_gate, w_up, w_down)
+        args = (*lead, x, schedule.topk_ids, topk_weights, w_gate_op, w_up_op, w_down_op, ws_gate, ws_up, ws_down)
+        if workspace.world_size > 1:
+            return getattr(reference, "ep_" + fn.__name__)(
+                *args, swiglu_limit=swiglu_limit, group=workspace.group, routed_x=routed_x
+            )
+        return fn(*args, swiglu_limit=swiglu_limit, routed_x=routed_x)
 
 
 def _expert_mlp(x, w_gate, w_up, w_down, routing, block_m, topk, num_slots, swiglu_limit, needs_backward):

@@ -188,3 +188,21 @@ def test_error_flag_raises_once():
     with pytest.raises(mok.MoKError, match="schedule capacity"):
         mok.check_errors(ws)
     mok.check_errors(ws)  # cleared
+
+
+def test_reference_backend_under_autocast_is_the_plain_result():
+    """A caller's torch.autocast (common in training loops) must not turn the reference's
+    fp32 math into bf16: forward and every gradient equal the run without autocast."""
+    inp = make_inputs(16, 64, 32, 4, 2, 32, seed=3, device="cpu")
+    config = mok.MoKConfig(backend="reference")
+
+    def run(autocast: bool):
+        leaves = [t.detach().clone().requires_grad_() for t in (inp.x, inp.topk_weights, *inp.weights)]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = mok.moe(leaves[0], inp.topk_ids, leaves[1], *leaves[2:], config=config)
+            out.float().square().sum().backward()
+        return [out] + [t.grad for t in leaves]
+
+    for name, plain, under_autocast in zip(("out", "d_x", "d_topk_weights", "d_w_gate", "d_w_up", "d_w_down",
+                                            "d_ws_gate", "d_ws_up", "d_ws_down"), run(False), run(True)):
+        assert plain.dtype == under_autocast.dtype and torch.equal(plain, under_autocast), name
