@@ -1,6 +1,6 @@
 """fp8_block against bf16 grouped GEMMs on the GPU presets: checked first, then TFLOPS side by side.
 
-    python benchmarks/bench_fp8_gemm.py [--preset qwen3-30b ...] [--sweep] [--out FILE.json]
+    python benchmarks/bench_fp8_gemm.py [--preset qwen3-30b ...] [--sweep] [--dgrad] [--out FILE.json]
 
 Per preset (random routing, seed 0): one schedule serves both precisions. The weights are
 quantized once outside the timing (`mok.fp8_block_quantize`: once per optimizer step in
@@ -10,7 +10,9 @@ quantized math in torch (fp32, the first experts' rows) and, through the down GE
 the bf16 kernels. Both precisions store g, u as training does. TFLOPS count only the routed
 rows (T·topk), as `tune_gemm.py` does. `--sweep` also times the alternative fp8 tile configs
 below. Each config line ends with its compiled kernel's registers per thread, spilled bytes
-and shared memory.
+and shared memory. `--dgrad` also times the backward's two dgrad GEMMs (`mok.kernels.dgrad`)
+in both precisions on the forward's g, u, each fp8 output first checked against the bf16
+kernel's, and the quantize steps of their sorted operands on their own.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import triton
 
 from mok.bench.presets import GPU_PRESETS, PRESETS
 from mok.fp8_block import fp8_block_dequantize, fp8_block_quantize
-from mok.kernels import grouped_gemm
+from mok.kernels import dgrad, grouped_gemm
+from mok.kernels.gather import gather_sorted_rows
 from mok.kernels.quant_fp8_block import quantize_fp8_block_activations
 from mok.kernels.schedule import build_routing_schedule
 from mok.testing import make_inputs, relative_error
@@ -97,10 +100,61 @@ def check_fp8_block(inp, sched, topk, quantized, outputs, y_bf16) -> dict:
     return errs
 
 
+def time_dgrad(name: str, inp, sched, topk: int, gate_up: torch.Tensor) -> list[dict]:
+    """The two dgrad GEMMs, bf16 then fp8_block (default tiles), after checking each fp8 output
+    against the bf16 kernel's (SPEC's bar); the activation quantize steps timed on their own."""
+    T, H = inp.x.shape
+    I, routes, num_rows = gate_up.shape[2], T * topk, int(sched.num_rows)
+    d_out = torch.randn_like(inp.x)  # [T, H] bf16
+    _, d_out_sorted, _ = gather_sorted_rows(inp.x, d_out, inp.topk_weights, sched, topk)
+    d_out_pair = quantize_fp8_block_activations(d_out_sorted)
+    w_down_t = fp8_block_quantize(inp.w_down)[2:]  # [E, I, H] e4m3, [E, I/128, H/128]
+    w_gate_up_t = [x for w in (inp.w_gate, inp.w_up) for x in fp8_block_quantize(w)[2:]]  # [E, H, I] pairs
+    d_gate_up, _ = dgrad.down_dgrad_swiglu(d_out_sorted, inp.topk_weights, gate_up, inp.w_down, sched)
+    grads = [x for j in (0, 1) for x in quantize_fp8_block_activations(d_gate_up[:, j])]  # d_g, d_u pairs
+    kinds = {  # (bf16 launch, fp8_block launch, what to compare, FLOPs)
+        "down_dgrad": (
+            lambda: dgrad.down_dgrad_swiglu(d_out_sorted, inp.topk_weights, gate_up, inp.w_down, sched),
+            lambda: dgrad.down_dgrad_swiglu_fp8_block(*d_out_pair, inp.topk_weights, gate_up, *w_down_t, sched),
+            lambda out: (out[0][:num_rows], out[1]),
+            2.0 * routes * H * I,
+        ),
+        "gate_up_dgrad": (
+            lambda: dgrad.gate_up_dgrad_scatter(d_gate_up, inp.w_gate, inp.w_up, sched, routes),
+            lambda: dgrad.gate_up_dgrad_scatter_fp8_block(*grads, *w_gate_up_t, sched, routes),
+            lambda out: (out,),
+            4.0 * routes * H * I,
+        ),
+    }
+    records = []
+    for kind, (bf16_fn, fp8_fn, compared, flops) in kinds.items():
+        errs = [relative_error(a, b) for a, b in zip(compared(fp8_fn()), compared(bf16_fn()))]
+        if max(errs) > _MAX_VS_BF16_ERR:
+            raise AssertionError(f"{name} {kind}: fp8_block vs bf16 relative L1 {errs}")
+        bf16_tflops = None
+        for precision, fn in (("bf16", bf16_fn), ("fp8_block", fp8_fn)):
+            ms = time_ms(fn, warmup=5, reps=30)["median"]
+            tflops = flops / ms / 1e9
+            bf16_tflops = bf16_tflops or tflops
+            print(f"{name:18s} {kind:13s} {precision:9s} {ms:8.3f} ms {tflops:7.1f} TF  {tflops / bf16_tflops:5.2f}x bf16"
+                  f"  vs bf16 {' '.join(f'{e:.2e}' for e in errs)}", flush=True)
+            records.append(dict(preset=name, kernel=kind, precision=precision, ms=ms, tflops=tflops, vs_bf16=errs))
+    rows = sched.capacity_rows
+    for what, fn, width in (
+        ("d_out quantize", lambda: quantize_fp8_block_activations(d_out_sorted), H),
+        ("d_g,d_u quantize", lambda: [quantize_fp8_block_activations(d_gate_up[:, j]) for j in (0, 1)], 2 * I),
+    ):
+        ms = time_ms(fn, warmup=5, reps=50)["median"]
+        print(f"{name:18s} {what:16s} {ms:8.3f} ms {3 * rows * width / ms / 1e6:7.0f} GB/s", flush=True)
+        records.append(dict(preset=name, kernel=what, precision="fp8_block", ms=ms))
+    return records
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", action="append", choices=list(GPU_PRESETS))
     parser.add_argument("--sweep", action="store_true", help="also time the alternative fp8 tile configs")
+    parser.add_argument("--dgrad", action="store_true", help="also time the dgrad GEMMs, bf16 and fp8_block")
     parser.add_argument("--out", default=None, help="JSON record of every timed kernel")
     args = parser.parse_args()
     records = []
@@ -170,6 +224,8 @@ def main() -> None:
                 )
                 records.append(dict(preset=name, kernel=kind, precision=precision, config=cfg, ms=ms, tflops=tflops,
                                     resources=resources, check=errs if precision == "fp8_block" else None))
+        if args.dgrad:
+            records += time_dgrad(name, inp, sched, topk, gate_up)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(

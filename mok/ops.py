@@ -275,6 +275,65 @@ def _(d_gate_up, w_gate, w_up, schedule_tensors, block_m, num_slots):
     return d_gate_up.new_empty(num_slots, w_gate.shape[2])
 
 
+@_custom_op("down_dgrad_swiglu_fp8_block", ())
+def down_dgrad_swiglu_fp8_block(
+    d_out_q: torch.Tensor,
+    d_out_scale: torch.Tensor,
+    topk_weights: torch.Tensor | None,
+    gate_up: torch.Tensor,
+    w_down_t_q: torch.Tensor,
+    w_down_t_scale: torch.Tensor,
+    schedule_tensors: list[torch.Tensor],
+    block_m: int,
+    swiglu_limit: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`down_dgrad_swiglu` on dOut sorted and quantized in 1×128 blocks and w_down's transposed
+    fp8_block copy: d_gate_up [rows, 2, I] bf16, d_topk_weights [T, topk] fp32 (empty [0]
+    without topk_weights)."""
+    routing = routing_from_tensors(schedule_tensors, block_m)
+    d_gate_up, d_topk_weights = dgrad.down_dgrad_swiglu_fp8_block(
+        d_out_q, d_out_scale, topk_weights, gate_up, w_down_t_q, w_down_t_scale, routing, swiglu_limit
+    )
+    if d_topk_weights is None:
+        d_topk_weights = gate_up.new_empty(0, dtype=torch.float32)
+    return d_gate_up, d_topk_weights
+
+
+@down_dgrad_swiglu_fp8_block.op.register_fake
+def _(d_out_q, d_out_scale, topk_weights, gate_up, w_down_t_q, w_down_t_scale, schedule_tensors, block_m, swiglu_limit):
+    shape = (0,) if topk_weights is None else tuple(topk_weights.shape)
+    return gate_up.new_empty(gate_up.shape), gate_up.new_empty(shape, dtype=torch.float32)
+
+
+@_custom_op("gate_up_dgrad_scatter_fp8_block", ())
+def gate_up_dgrad_scatter_fp8_block(
+    d_gate_q: torch.Tensor,
+    d_gate_scale: torch.Tensor,
+    d_up_q: torch.Tensor,
+    d_up_scale: torch.Tensor,
+    w_gate_t_q: torch.Tensor,
+    w_gate_t_scale: torch.Tensor,
+    w_up_t_q: torch.Tensor,
+    w_up_t_scale: torch.Tensor,
+    schedule_tensors: list[torch.Tensor],
+    block_m: int,
+    num_slots: int,
+) -> torch.Tensor:
+    """dx_slots [num_slots, H] bf16 from d_g, d_u quantized in 1×128 blocks and the gate/up
+    weights' transposed fp8_block copies."""
+    routing = routing_from_tensors(schedule_tensors, block_m)
+    return dgrad.gate_up_dgrad_scatter_fp8_block(
+        d_gate_q, d_gate_scale, d_up_q, d_up_scale, w_gate_t_q, w_gate_t_scale, w_up_t_q, w_up_t_scale,
+        routing, num_slots,
+    )
+
+
+@gate_up_dgrad_scatter_fp8_block.op.register_fake
+def _(d_gate_q, d_gate_scale, d_up_q, d_up_scale, w_gate_t_q, w_gate_t_scale, w_up_t_q, w_up_t_scale,
+      schedule_tensors, block_m, num_slots):
+    return d_gate_scale.new_empty(num_slots, w_gate_t_q.shape[1], dtype=torch.bfloat16)
+
+
 # --------------------------------------------------------------------------- backward: wgrad
 
 

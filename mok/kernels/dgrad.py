@@ -41,6 +41,21 @@ finite weights). A sorted operand with fewer rows than the schedule's capacity r
 zeros past its end: the shared expert's sorted layout is the token order itself, so it
 passes x and dOut as they are.
 
+fp8_block (SPEC §2; the constexpr PRECISION, launchers `*_fp8_block`): the same kernels and
+epilogues on E4M3 operands with fp32 block scales, one per 1×128 block of a sorted row along
+the reduction dim (dOut's along H, d_g's and d_u's along I) and one per 128×128 block of a
+weight, applied per 128-wide K step by the forward's main loop (`grouped_gemm.sorted_rows_tile`):
+
+    acc[r, n] = Σ_kb  sa[r, kb] · sw[e, n // 128, kb] · Σ_{k in block kb} aq[r, k] · wqᵀ[e, n, k]     (fp32)
+
+Hopper's FP8 MMA needs both operands K-major in shared memory, so the B operand is the
+weight's transposed copy (`q_t`, `scale_t` of `mok.fp8_block_quantize`: w_downᵀ [E_l, I, H],
+w_gateᵀ and w_upᵀ [E_l, H, I]), read as [N, K] tiles. The sorted operands are quantized by
+`quantize_fp8_block_activations` ahead of each GEMM: d_out_sorted as it is, d_gate_up[:, 0]
+and d_gate_up[:, 1] separately (strided views, no copy), so each scale tensor is a plain
+[rows, K/128]. Padding rows quantize to zeros and stay exact zeros. d_gate_up is still
+stored in bf16: the gate/up wgrad reduces over rows, so it needs its own quantization.
+
 Caller contract: the schedule was built with the same BLOCK_M as these kernels' tiles
 (checked); `gate_up` holds the forward's pre-activations for every row below `num_rows`.
 Every output element is computed by one program with a fixed K loop, the partial sums
@@ -53,16 +68,43 @@ import torch
 import triton
 import triton.language as tl
 
+from mok.fp8_block import FP8_BLOCK
 from mok.kernels.common import interpreting, round_to_bf16, tma_descriptor
-from mok.kernels.grouped_gemm import routing_block_m, tile_coordinates
+from mok.kernels.grouped_gemm import (
+    check_fp8_block_pair,
+    check_fp8_block_tiles,
+    fp8_block_weight_shape,
+    routing_block_m,
+    sorted_rows_tile,
+    tile_coordinates,
+)
 from mok.kernels.gather import check_sorted_rows
 from mok.kernels.schedule import RoutingSchedule
 from mok.kernels.swiglu import swiglu_backward
 
 # --------------------------------------------------------------------------- configs
 
+# fp8_block tiles (BLOCK_M is the schedule's). BLOCK_K = 128 is the scale block (one
+# activation scale per row and one weight scale per K step); BLOCK_N must divide 128 for
+# that one weight scale, so gate/up cannot take bf16's BLOCK_N = 256. Starting points, not
+# yet timed: sized against H200's limits (227 KiB of shared memory per block, 255 registers
+# per thread) like the forward's `_FP8_BLOCK_TILES`; `benchmarks/bench_fp8_gemm.py --dgrad`
+# times them against bf16.
+_FP8_BLOCK_TILES = {
+    # 8 warps. Shared memory per stage: dOut 128×128 B + w_downᵀ 128×128 B = 32 KiB; 4 stages
+    # = 128 KiB with 512 of K in flight (bf16's down dgrad: 4 stages of 32 KiB too). Registers:
+    # the accumulator (64 per thread) plus a fresh dot (64), then g, u in the epilogue; ptxas
+    # (sm_90a, triton 3.6): 255 registers and ~2.4 KB spilled, so BLOCK_N = 64 is the first
+    # alternative to time.
+    "down": dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4),
+    # 8 warps, one accumulator through two K loops (d_g·w_gateᵀ then d_u·w_upᵀ), 32 KiB per
+    # stage as above, 4 stages = 128 KiB; ptxas: 235 registers, no spills.
+    "gate_up": dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4),
+    "interpreter": dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=4, num_warps=4, num_stages=1),
+}
 
-def dgrad_config(kind: str, n_dim: int, reduce_dim: int) -> dict:
+
+def dgrad_config(kind: str, n_dim: int, reduce_dim: int, precision: str = "bf16") -> dict:
     """Tile config of a dgrad GEMM (`kind` "down" or "gate_up") of output width n_dim.
 
     BLOCK_M is the schedule's M tile (`routing_block_m`): the rows of an M tile must
@@ -72,8 +114,10 @@ def dgrad_config(kind: str, n_dim: int, reduce_dim: int) -> dict:
     (128×128: 581–587); "down" keeps g, u and the accumulator live in its epilogue, so it
     stays at 128×128, where 4 stages beat 3 by 9–14%. Under the interpreter, small tiles
     keep the CPU tests fast. The key never includes per-expert counts (they change every
-    step).
+    step). fp8_block: `_FP8_BLOCK_TILES`, the same for every shape until measured.
     """
+    if precision == "fp8_block":
+        return dict(BLOCK_M=routing_block_m(), **_FP8_BLOCK_TILES["interpreter" if interpreting() else kind])
     if interpreting():
         return dict(BLOCK_M=routing_block_m(), BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1)
     if kind == "gate_up":
@@ -108,8 +152,10 @@ def sorted_rows_times_weight(
 
 @triton.jit
 def _down_dgrad_swiglu_kernel(
-    # pointers
+    # pointers (d_out, w_down: bf16; fp8_block: e4m3, w_down as its transposed copy [E_l, I, H])
     d_out_desc, topk_weights_ptr, gate_up_ptr, w_down_desc, d_gate_up_ptr, route_partials_ptr,
+    # fp8_block scales (unused in bf16): d_out [rows, H/128], w_downᵀ [E_l, I/128, H/128]
+    d_out_scale_ptr, w_down_scale_ptr,
     # schedule
     row_source_ptr, tile_expert_ptr, num_rows_ptr,
     # sizes
@@ -117,7 +163,7 @@ def _down_dgrad_swiglu_kernel(
     # strides
     stride_gu_r, stride_dgu_r,
     # meta
-    HAS_WEIGHTS: tl.constexpr, HAS_LIMIT: tl.constexpr, INTERPRETER: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_WEIGHTS: tl.constexpr, HAS_LIMIT: tl.constexpr, INTERPRETER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     num_n_tiles = tl.cdiv(inter, BLOCK_N)
@@ -130,11 +176,17 @@ def _down_dgrad_swiglu_kernel(
     row_valid = source >= 0
     slot = tl.where(row_valid, source, 0)
     n_offs = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    # a = dOut[t] · Wd[e] over H, unweighted: Wd[e] is [H, I], so its rows are the K dim.
-    d_out_wd = sorted_rows_times_weight(
-        d_out_desc, m_tile * BLOCK_M, w_down_desc, expert, n_tile * BLOCK_N, hidden,
-        tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), BLOCK_K, INTERPRETER,
-    )
+    # a = dOut[t] · Wd[e] over H, unweighted.
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if PRECISION == "fp8_block":  # Wd[e]ᵀ is [I, H]: K-major, its rows the N dim
+        d_out_wd = sorted_rows_tile(
+            d_out_desc, d_out_scale_ptr, w_down_desc, w_down_scale_ptr, m_tile * BLOCK_M, expert, n_tile * BLOCK_N,
+            hidden, inter, acc, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRETER,
+        )
+    else:  # Wd[e] is [H, I], so its rows are the K dim
+        d_out_wd = sorted_rows_times_weight(
+            d_out_desc, m_tile * BLOCK_M, w_down_desc, expert, n_tile * BLOCK_N, hidden, acc, BLOCK_K, INTERPRETER,
+        )
     out_mask = (n_offs < inter)[None, :]
     rows64 = rows.to(tl.int64)[:, None]
     gu_ptrs = gate_up_ptr + rows64 * stride_gu_r + n_offs[None, :]
@@ -171,8 +223,10 @@ def _sum_route_partials_kernel(
 
 @triton.jit
 def _gate_up_dgrad_scatter_kernel(
-    # pointers
+    # pointers (d_g, d_u, weights: bf16; fp8_block: e4m3, the weights as their transposed copies [E_l, H, I])
     d_gate_desc, d_up_desc, w_gate_desc, w_up_desc, dx_ptr,
+    # fp8_block scales (unused in bf16): d_g, d_u [rows, I/128], w_gateᵀ, w_upᵀ [E_l, H/128, I/128]
+    d_gate_scale_ptr, d_up_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr,
     # schedule
     row_source_ptr, tile_expert_ptr, num_rows_ptr,
     # sizes
@@ -180,7 +234,7 @@ def _gate_up_dgrad_scatter_kernel(
     # strides
     stride_dx_s,
     # meta
-    INTERPRETER: tl.constexpr,
+    PRECISION: tl.constexpr, INTERPRETER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     m_tile, n_tile = tile_coordinates(tl.program_id(0), max_m_tiles, tl.cdiv(hidden, BLOCK_N), GROUP_M)
@@ -193,8 +247,18 @@ def _gate_up_dgrad_scatter_kernel(
     # d_g · Wg[e] + d_u · Wu[e]: one accumulator through two K loops over I.
     m0, n0 = m_tile * BLOCK_M, n_tile * BLOCK_N
     dx = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    dx = sorted_rows_times_weight(d_gate_desc, m0, w_gate_desc, expert, n0, inter, dx, BLOCK_K, INTERPRETER)
-    dx = sorted_rows_times_weight(d_up_desc, m0, w_up_desc, expert, n0, inter, dx, BLOCK_K, INTERPRETER)
+    if PRECISION == "fp8_block":  # the weights' transposed copies [H, I]: K-major
+        dx = sorted_rows_tile(
+            d_gate_desc, d_gate_scale_ptr, w_gate_desc, w_gate_scale_ptr, m0, expert, n0, inter, hidden, dx,
+            PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRETER,
+        )
+        dx = sorted_rows_tile(
+            d_up_desc, d_up_scale_ptr, w_up_desc, w_up_scale_ptr, m0, expert, n0, inter, hidden, dx,
+            PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRETER,
+        )
+    else:
+        dx = sorted_rows_times_weight(d_gate_desc, m0, w_gate_desc, expert, n0, inter, dx, BLOCK_K, INTERPRETER)
+        dx = sorted_rows_times_weight(d_up_desc, m0, w_up_desc, expert, n0, inter, dx, BLOCK_K, INTERPRETER)
     source = tl.load(row_source_ptr + rows)
     slot = tl.where(source >= 0, source, 0).to(tl.int64)
     mask = (source >= 0)[:, None] & (n_offs[None, :] < hidden)
@@ -212,9 +276,66 @@ def _check_bf16(name: str, t: torch.Tensor, shape: tuple[int, ...], device: torc
         )
 
 
-def _check_block_m(cfg: dict, schedule: RoutingSchedule) -> None:
+def _check_topk_weights(topk_weights: torch.Tensor | None, device: torch.device) -> None:
+    if topk_weights is not None and (
+        topk_weights.dtype != torch.float32 or topk_weights.dim() != 2 or not topk_weights.is_contiguous()
+        or topk_weights.device != device
+    ):
+        raise ValueError(
+            f"topk_weights: expected a contiguous fp32 [T, topk] tensor on {device}, "
+            f"got {topk_weights.dtype} {list(topk_weights.shape)} on {topk_weights.device}"
+        )
+
+
+def _dgrad_tiles(
+    kind: str, n_dim: int, reduce_dim: int, precision: str, tile_config: dict | None, schedule: RoutingSchedule
+) -> dict:
+    """`tile_config` or the default, checked against the schedule and the precision's scale block."""
+    cfg = tile_config or dgrad_config(kind, n_dim, reduce_dim, precision)
     if cfg["BLOCK_M"] != schedule.block_m:
         raise ValueError(f"schedule: expected block_m {cfg['BLOCK_M']}, got {schedule.block_m}")
+    if precision == "fp8_block":
+        check_fp8_block_tiles(cfg, f"{kind} dgrad", whole_block_n=False)
+    return cfg
+
+
+def _weight_block(precision: str, cfg: dict) -> tuple[int, int]:
+    """TMA block of a weight: bf16 reads W as [K, N] ("nn"), fp8_block its transposed copy as [N, K]."""
+    return (cfg["BLOCK_N"], cfg["BLOCK_K"]) if precision == "fp8_block" else (cfg["BLOCK_K"], cfg["BLOCK_N"])
+
+
+def _launch_down_dgrad_swiglu(
+    precision: str, d_out, d_out_scale, topk_weights, gate_up, w_down, w_down_scale,
+    schedule: RoutingSchedule, hidden: int, inter: int, swiglu_limit: float | None, cfg: dict,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`_down_dgrad_swiglu_kernel`, then the router-weight sum; the scales are None in bf16."""
+    device = gate_up.device
+    num_n_tiles = triton.cdiv(inter, cfg["BLOCK_N"])
+    d_gate_up = torch.empty_like(gate_up)  # [capacity_rows, 2, I] bf16
+    weighted = topk_weights is not None
+    num_slots = topk_weights.numel() if weighted else 0
+    # [T·topk, I / BLOCK_N] fp32: every slot a placed route points to is fully written.
+    route_partials = torch.empty(num_slots, num_n_tiles, dtype=torch.float32, device=device)
+    grid = (schedule.max_tiles * num_n_tiles,)
+    _down_dgrad_swiglu_kernel[grid](
+        tma_descriptor(d_out, (cfg["BLOCK_M"], cfg["BLOCK_K"])), topk_weights if weighted else d_gate_up,
+        gate_up, tma_descriptor(w_down, _weight_block(precision, cfg)), d_gate_up,
+        route_partials if weighted else d_gate_up,  # unused without weights (HAS_WEIGHTS=False)
+        *(d_gate_up if s is None else s for s in (d_out_scale, w_down_scale)),  # d_gate_up: an unread stand-in
+        schedule.row_source, schedule.tile_expert, schedule.num_rows,
+        hidden, inter, schedule.max_tiles, 0.0 if swiglu_limit is None else float(swiglu_limit),
+        gate_up.stride(0), d_gate_up.stride(0),
+        PRECISION=precision, HAS_WEIGHTS=weighted, HAS_LIMIT=swiglu_limit is not None, INTERPRETER=interpreting(),
+        **cfg,
+    )
+    if not weighted:
+        return d_gate_up, None
+    d_topk_weights = torch.empty_like(topk_weights)  # [T, topk] fp32
+    block_s = 128
+    _sum_route_partials_kernel[(triton.cdiv(num_slots, block_s),)](
+        route_partials, d_topk_weights, num_slots, num_n_tiles, BLOCK_S=block_s, num_warps=4,
+    )
+    return d_gate_up, d_topk_weights
 
 
 def down_dgrad_swiglu(
@@ -235,42 +356,68 @@ def down_dgrad_swiglu(
     num_experts, hidden, inter = w_down.shape
     device = gate_up.device
     check_sorted_rows("d_out_sorted", d_out_sorted, hidden, schedule)
-    if topk_weights is not None and (
-        topk_weights.dtype != torch.float32 or topk_weights.dim() != 2 or not topk_weights.is_contiguous()
-        or topk_weights.device != device
-    ):
-        raise ValueError(
-            f"topk_weights: expected a contiguous fp32 [T, topk] tensor on {device}, "
-            f"got {topk_weights.dtype} {list(topk_weights.shape)} on {topk_weights.device}"
-        )
+    _check_topk_weights(topk_weights, device)
     _check_bf16("w_down", w_down, (schedule.num_local_experts, hidden, inter), device)
     _check_bf16("gate_up", gate_up, (schedule.capacity_rows, 2, inter), device)
-    cfg = tile_config or dgrad_config("down", inter, hidden)
-    _check_block_m(cfg, schedule)
-    num_n_tiles = triton.cdiv(inter, cfg["BLOCK_N"])
-    d_gate_up = torch.empty_like(gate_up)  # [capacity_rows, 2, I] bf16
-    weighted = topk_weights is not None
-    num_slots = topk_weights.numel() if weighted else 0
-    # [T·topk, I / BLOCK_N] fp32: every slot a placed route points to is fully written.
-    route_partials = torch.empty(num_slots, num_n_tiles, dtype=torch.float32, device=device)
-    grid = (schedule.max_tiles * num_n_tiles,)
-    _down_dgrad_swiglu_kernel[grid](
-        tma_descriptor(d_out_sorted, (cfg["BLOCK_M"], cfg["BLOCK_K"])), topk_weights if weighted else d_gate_up,
-        gate_up, tma_descriptor(w_down, (cfg["BLOCK_K"], cfg["BLOCK_N"])), d_gate_up,
-        route_partials if weighted else d_gate_up,  # unused without weights (HAS_WEIGHTS=False)
+    cfg = _dgrad_tiles("down", inter, hidden, "bf16", tile_config, schedule)
+    return _launch_down_dgrad_swiglu(
+        "bf16", d_out_sorted, None, topk_weights, gate_up, w_down, None, schedule, hidden, inter, swiglu_limit, cfg
+    )
+
+
+def down_dgrad_swiglu_fp8_block(
+    d_out_q: torch.Tensor,  # [capacity_rows, H] float8_e4m3fn, d_out_sorted in 1×128 blocks
+    d_out_scale: torch.Tensor,  # [capacity_rows, H/128] fp32
+    topk_weights: torch.Tensor | None,  # [T, topk] fp32; None: unweighted
+    gate_up: torch.Tensor,  # [capacity_rows, 2, I] bf16, the forward's g, u
+    w_down_t_q: torch.Tensor,  # [E_l, I, H] float8_e4m3fn, w_down's transposed copy
+    w_down_t_scale: torch.Tensor,  # [E_l, I/128, H/128] fp32
+    schedule: RoutingSchedule,
+    swiglu_limit: float | None = None,
+    tile_config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The fp8_block down dgrad: (d_gate_up [capacity_rows, 2, I] bf16, d_topk_weights
+    [T, topk] fp32 or None), as `down_dgrad_swiglu`. d_out_q, d_out_scale come from
+    `quantize_fp8_block_activations(d_out_sorted)`, the weight pair is `q_t, scale_t` of
+    `mok.fp8_block_quantize(w_down)`. Rows past the schedule's `num_rows` are left unwritten."""
+    _, inter, hidden = fp8_block_weight_shape("w_down_t_q", w_down_t_q, "[E_l, I, H]", schedule.num_local_experts)
+    device = w_down_t_q.device
+    check_fp8_block_pair(
+        "d_out_q", d_out_q, "d_out_scale", d_out_scale, (schedule.capacity_rows, hidden), (1, FP8_BLOCK), device
+    )
+    check_fp8_block_pair(
+        "w_down_t_q", w_down_t_q, "w_down_t_scale", w_down_t_scale, tuple(w_down_t_q.shape),
+        (FP8_BLOCK, FP8_BLOCK), device,
+    )
+    _check_topk_weights(topk_weights, device)
+    _check_bf16("gate_up", gate_up, (schedule.capacity_rows, 2, inter), device)
+    cfg = _dgrad_tiles("down", inter, hidden, "fp8_block", tile_config, schedule)
+    return _launch_down_dgrad_swiglu(
+        "fp8_block", d_out_q, d_out_scale, topk_weights, gate_up, w_down_t_q, w_down_t_scale,
+        schedule, hidden, inter, swiglu_limit, cfg,
+    )
+
+
+def _launch_gate_up_dgrad_scatter(
+    precision: str, d_gate, d_gate_scale, d_up, d_up_scale, w_gate, w_gate_scale, w_up, w_up_scale,
+    schedule: RoutingSchedule, num_slots: int, hidden: int, inter: int, cfg: dict,
+) -> torch.Tensor:
+    """One launch of `_gate_up_dgrad_scatter_kernel`; the scales are None in bf16."""
+    dx = torch.empty(num_slots, hidden, dtype=torch.bfloat16, device=d_gate.device)  # [T·topk, H] bf16
+    grid = (schedule.max_tiles * triton.cdiv(hidden, cfg["BLOCK_N"]),)
+    a_block = (cfg["BLOCK_M"], cfg["BLOCK_K"])
+    b_block = _weight_block(precision, cfg)
+    scales = (dx if s is None else s for s in (d_gate_scale, d_up_scale, w_gate_scale, w_up_scale))  # dx: unread
+    _gate_up_dgrad_scatter_kernel[grid](
+        tma_descriptor(d_gate, a_block), tma_descriptor(d_up, a_block),
+        tma_descriptor(w_gate, b_block), tma_descriptor(w_up, b_block), dx,
+        *scales,
         schedule.row_source, schedule.tile_expert, schedule.num_rows,
-        hidden, inter, schedule.max_tiles, 0.0 if swiglu_limit is None else float(swiglu_limit),
-        gate_up.stride(0), d_gate_up.stride(0),
-        HAS_WEIGHTS=weighted, HAS_LIMIT=swiglu_limit is not None, INTERPRETER=interpreting(), **cfg,
+        hidden, inter, schedule.max_tiles,
+        dx.stride(0),
+        PRECISION=precision, INTERPRETER=interpreting(), **cfg,
     )
-    if not weighted:
-        return d_gate_up, None
-    d_topk_weights = torch.empty_like(topk_weights)  # [T, topk] fp32
-    block_s = 128
-    _sum_route_partials_kernel[(triton.cdiv(num_slots, block_s),)](
-        route_partials, d_topk_weights, num_slots, num_n_tiles, BLOCK_S=block_s, num_warps=4,
-    )
-    return d_gate_up, d_topk_weights
+    return dx
 
 
 def gate_up_dgrad_scatter(
@@ -288,18 +435,42 @@ def gate_up_dgrad_scatter(
     _check_bf16("d_gate_up", d_gate_up, (schedule.capacity_rows, 2, inter), device)
     _check_bf16("w_gate", w_gate, (schedule.num_local_experts, inter, hidden), device)
     _check_bf16("w_up", w_up, tuple(w_gate.shape), device)
-    cfg = tile_config or dgrad_config("gate_up", hidden, inter)
-    _check_block_m(cfg, schedule)
-    dx = torch.empty(num_slots, hidden, dtype=torch.bfloat16, device=device)  # [T·topk, H] bf16
-    grid = (schedule.max_tiles * triton.cdiv(hidden, cfg["BLOCK_N"]),)
-    a_block = (cfg["BLOCK_M"], cfg["BLOCK_K"])
-    b_block = (cfg["BLOCK_K"], cfg["BLOCK_N"])
-    _gate_up_dgrad_scatter_kernel[grid](
-        tma_descriptor(d_gate_up[:, 0], a_block), tma_descriptor(d_gate_up[:, 1], a_block),
-        tma_descriptor(w_gate, b_block), tma_descriptor(w_up, b_block), dx,
-        schedule.row_source, schedule.tile_expert, schedule.num_rows,
-        hidden, inter, schedule.max_tiles,
-        dx.stride(0),
-        INTERPRETER=interpreting(), **cfg,
+    cfg = _dgrad_tiles("gate_up", hidden, inter, "bf16", tile_config, schedule)
+    return _launch_gate_up_dgrad_scatter(
+        "bf16", d_gate_up[:, 0], None, d_gate_up[:, 1], None, w_gate, None, w_up, None,
+        schedule, num_slots, hidden, inter, cfg,
     )
-    return dx
+
+
+def gate_up_dgrad_scatter_fp8_block(
+    d_gate_q: torch.Tensor,  # [capacity_rows, I] float8_e4m3fn, d_gate_up[:, 0] in 1×128 blocks
+    d_gate_scale: torch.Tensor,  # [capacity_rows, I/128] fp32
+    d_up_q: torch.Tensor,  # [capacity_rows, I] float8_e4m3fn, d_gate_up[:, 1] in 1×128 blocks
+    d_up_scale: torch.Tensor,  # [capacity_rows, I/128] fp32
+    w_gate_t_q: torch.Tensor,  # [E_l, H, I] float8_e4m3fn, w_gate's transposed copy
+    w_gate_t_scale: torch.Tensor,  # [E_l, H/128, I/128] fp32
+    w_up_t_q: torch.Tensor,  # [E_l, H, I] float8_e4m3fn, w_up's transposed copy
+    w_up_t_scale: torch.Tensor,  # [E_l, H/128, I/128] fp32
+    schedule: RoutingSchedule,
+    num_slots: int,
+    tile_config: dict | None = None,
+) -> torch.Tensor:
+    """The fp8_block gate/up dgrad: dx_slots [num_slots, H] bf16, as `gate_up_dgrad_scatter`.
+    Each (q, scale) pair of d_g, d_u comes from `quantize_fp8_block_activations(d_gate_up[:, j])`,
+    each weight pair is `q_t, scale_t` of `mok.fp8_block_quantize(w)`. Slots no route points
+    to are left unwritten."""
+    _, hidden, inter = fp8_block_weight_shape("w_gate_t_q", w_gate_t_q, "[E_l, H, I]", schedule.num_local_experts)
+    device = w_gate_t_q.device
+    for name, q, scale in (("d_gate", d_gate_q, d_gate_scale), ("d_up", d_up_q, d_up_scale)):
+        check_fp8_block_pair(
+            f"{name}_q", q, f"{name}_scale", scale, (schedule.capacity_rows, inter), (1, FP8_BLOCK), device
+        )
+    for name, q, scale in (("w_gate_t", w_gate_t_q, w_gate_t_scale), ("w_up_t", w_up_t_q, w_up_t_scale)):
+        check_fp8_block_pair(
+            f"{name}_q", q, f"{name}_scale", scale, tuple(w_gate_t_q.shape), (FP8_BLOCK, FP8_BLOCK), device
+        )
+    cfg = _dgrad_tiles("gate_up", hidden, inter, "fp8_block", tile_config, schedule)
+    return _launch_gate_up_dgrad_scatter(
+        "fp8_block", d_gate_q, d_gate_scale, d_up_q, d_up_scale, w_gate_t_q, w_gate_t_scale, w_up_t_q, w_up_t_scale,
+        schedule, num_slots, hidden, inter, cfg,
+    )

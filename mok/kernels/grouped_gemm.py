@@ -172,15 +172,15 @@ def _gate_up_swiglu_kernel(
 
 @triton.jit
 def sorted_rows_tile(
-    a_desc, a_scale_ptr, w_desc, w_scale_ptr, m0, expert, n0, reduce_dim, n_dim,
+    a_desc, a_scale_ptr, w_desc, w_scale_ptr, m0, expert, n0, reduce_dim, n_dim, acc,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETER: tl.constexpr,
 ):
-    """a[m0 : m0+BLOCK_M] · W[expert][n0 : n0+BLOCK_N]ᵀ, [BLOCK_M, BLOCK_N] fp32, over
-    contiguous sorted rows; both operands through TMA descriptors. fp8_block: both e4m3
-    with their block scales (a_scale [rows, reduce_dim/128]; BLOCK_N divides 128, so one
-    weight scale per step); else bf16 and the scale pointers unused."""
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    """acc + a[m0 : m0+BLOCK_M] · W[expert][n0 : n0+BLOCK_N]ᵀ, [BLOCK_M, BLOCK_N] fp32, over
+    contiguous sorted rows; both operands through TMA descriptors, W[expert] [n_dim,
+    reduce_dim] (K-major). fp8_block: both e4m3 with their block scales (a_scale [rows,
+    reduce_dim/128]; BLOCK_N divides 128, so one weight scale per step); else bf16 and the
+    scale pointers unused. Also the fp8_block dgrad GEMMs' main loop (`dgrad.py`)."""
     for k0 in range(0, reduce_dim, BLOCK_K):
         a = a_desc.load([m0, k0])
         b = load_weight_tile(w_desc, expert, n0, k0, n_dim)
@@ -220,7 +220,7 @@ def _down_scatter_kernel(
     n_offs = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     y = sorted_rows_tile(
         h_desc, h_scale_ptr, w_down_desc, w_down_scale_ptr, m_tile * BLOCK_M, expert, n_tile * BLOCK_N, inter, hidden,
-        PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRETER,
+        tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRETER,
     )
     source = tl.load(row_source_ptr + rows)
     slot = tl.where(source >= 0, source, 0).to(tl.int64)
@@ -284,14 +284,21 @@ def _tile_config(
     if cfg["BLOCK_M"] != schedule.block_m:
         raise ValueError(f"schedule: expected block_m {cfg['BLOCK_M']}, got {schedule.block_m}")
     if precision == "fp8_block":
-        n_ok = cfg["BLOCK_N"] == FP8_BLOCK if kind == "gate_up" else FP8_BLOCK % cfg["BLOCK_N"] == 0
-        if cfg["BLOCK_K"] != FP8_BLOCK or not n_ok:
-            want_n = f"{FP8_BLOCK}" if kind == "gate_up" else f"a divisor of {FP8_BLOCK}"
-            raise ValueError(
-                f"tile_config: expected BLOCK_K {FP8_BLOCK} and BLOCK_N {want_n} for the fp8_block {kind} GEMM, "
-                f"got BLOCK_K {cfg['BLOCK_K']} BLOCK_N {cfg['BLOCK_N']}"
-            )
+        check_fp8_block_tiles(cfg, kind, whole_block_n=kind == "gate_up")
     return cfg
+
+
+def check_fp8_block_tiles(cfg: dict, gemm: str, whole_block_n: bool) -> None:
+    """fp8_block tiles: BLOCK_K is the scale block; BLOCK_N is it too when an epilogue
+    quantizes each tile row as one 1×128 block (`whole_block_n`), else a divisor of it (one
+    weight scale per K step)."""
+    n_ok = cfg["BLOCK_N"] == FP8_BLOCK if whole_block_n else FP8_BLOCK % cfg["BLOCK_N"] == 0
+    if cfg["BLOCK_K"] != FP8_BLOCK or not n_ok:
+        want_n = f"{FP8_BLOCK}" if whole_block_n else f"a divisor of {FP8_BLOCK}"
+        raise ValueError(
+            f"tile_config: expected BLOCK_K {FP8_BLOCK} and BLOCK_N {want_n} for the fp8_block {gemm} GEMM, "
+            f"got BLOCK_K {cfg['BLOCK_K']} BLOCK_N {cfg['BLOCK_N']}"
+        )
 
 
 # --------------------------------------------------------------------------- launchers
@@ -305,7 +312,7 @@ def _check_weights(name: str, w: torch.Tensor, shape: tuple[int, ...], device: t
         )
 
 
-def _check_fp8_block_pair(
+def check_fp8_block_pair(
     q_name: str, q: torch.Tensor, scale_name: str, scale: torch.Tensor, shape: tuple[int, ...],
     block: tuple[int, int], device: torch.device,
 ) -> None:
@@ -322,7 +329,7 @@ def _check_fp8_block_pair(
             )
 
 
-def _fp8_block_weight_shape(name: str, w: torch.Tensor, layout: str, num_local_experts: int) -> tuple[int, int, int]:
+def fp8_block_weight_shape(name: str, w: torch.Tensor, layout: str, num_local_experts: int) -> tuple[int, int, int]:
     """[E_l, N, K] of a quantized weight whose N and K are multiples of the scale block."""
     if w.dim() != 3 or w.shape[0] != num_local_experts or w.shape[1] % FP8_BLOCK or w.shape[2] % FP8_BLOCK:
         raise ValueError(
@@ -398,13 +405,13 @@ def gate_up_swiglu_fp8_block(
     and g,u [capacity_rows, 2, I] bf16 when `store_gate_up`. x_q, x_scale come from
     `quantize_fp8_block_activations(x)`, each weight pair from `mok.fp8_block_quantize`
     (its q, scale). Rows past the schedule's `num_rows` are left unwritten."""
-    _, inter, hidden = _fp8_block_weight_shape("w_gate_q", w_gate_q, "[E_l, I, H]", schedule.num_local_experts)
+    _, inter, hidden = fp8_block_weight_shape("w_gate_q", w_gate_q, "[E_l, I, H]", schedule.num_local_experts)
     device = w_gate_q.device
     if x_q.dim() != 2:
         raise ValueError(f"x_q: expected a 2-D [T, {hidden}] float8_e4m3fn tensor, got shape {list(x_q.shape)}")
-    _check_fp8_block_pair("x_q", x_q, "x_scale", x_scale, (x_q.shape[0], hidden), (1, FP8_BLOCK), device)
+    check_fp8_block_pair("x_q", x_q, "x_scale", x_scale, (x_q.shape[0], hidden), (1, FP8_BLOCK), device)
     for name, q, scale in (("w_gate", w_gate_q, w_gate_scale), ("w_up", w_up_q, w_up_scale)):
-        _check_fp8_block_pair(
+        check_fp8_block_pair(
             f"{name}_q", q, f"{name}_scale", scale, tuple(w_gate_q.shape), (FP8_BLOCK, FP8_BLOCK), device
         )
     cfg = _tile_config("gate_up", inter, hidden, "fp8_block", tile_config, schedule)
@@ -468,10 +475,10 @@ def down_scatter_fp8_block(
     """The fp8_block down GEMM: y [num_slots, H] bf16, each sorted row's unweighted output
     at its slot row_source[r], from `gate_up_swiglu_fp8_block`'s h_q, h_scale and
     `mok.fp8_block_quantize(w_down)`'s q, scale. Slots no route points to are left unwritten."""
-    _, hidden, inter = _fp8_block_weight_shape("w_down_q", w_down_q, "[E_l, H, I]", schedule.num_local_experts)
+    _, hidden, inter = fp8_block_weight_shape("w_down_q", w_down_q, "[E_l, H, I]", schedule.num_local_experts)
     device = w_down_q.device
-    _check_fp8_block_pair("h_q", h_q, "h_scale", h_scale, (schedule.capacity_rows, inter), (1, FP8_BLOCK), device)
-    _check_fp8_block_pair(
+    check_fp8_block_pair("h_q", h_q, "h_scale", h_scale, (schedule.capacity_rows, inter), (1, FP8_BLOCK), device)
+    check_fp8_block_pair(
         "w_down_q", w_down_q, "w_down_scale", w_down_scale, tuple(w_down_q.shape), (FP8_BLOCK, FP8_BLOCK), device
     )
     cfg = _tile_config("down", hidden, inter, "fp8_block", tile_config, schedule)

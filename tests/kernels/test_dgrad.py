@@ -1,5 +1,5 @@
-"""Down dgrad + SwiGLU backward + router-weight gradient, and the gate/up dgrad scatter,
-against mok.reference pieces. Inputs are built directly in the schedule's sorted layout
+"""Down dgrad + SwiGLU backward + router-weight gradient, and the gate/up dgrad scatter
+(bf16 and fp8_block), against mok.reference pieces. Inputs are built directly in the schedule's sorted layout
 (independent of the forward kernels); rows the kernels must not trust (padding, past
 num_rows) are poisoned with NaN."""
 
@@ -7,10 +7,18 @@ import pytest
 import torch
 
 from mok import reference
-from mok.kernels.dgrad import down_dgrad_swiglu, gate_up_dgrad_scatter
+from mok.fp8_block import fp8_block_dequantize, fp8_block_quantize
+from mok.kernels.dgrad import (
+    dgrad_config,
+    down_dgrad_swiglu,
+    down_dgrad_swiglu_fp8_block,
+    gate_up_dgrad_scatter,
+    gate_up_dgrad_scatter_fp8_block,
+)
 from mok.kernels.grouped_gemm import routing_block_m
+from mok.kernels.quant_fp8_block import quantize_fp8_block_activations
 from mok.kernels.schedule import build_routing_schedule
-from mok.testing import assert_close_to_reference, make_inputs
+from mok.testing import assert_close_to_reference, make_inputs, make_topk_ids
 
 
 def _schedule(inp, E):
@@ -137,3 +145,177 @@ def test_dgrad_launchers_reject_mismatches(kernel_device):
         gate_up_dgrad_scatter(gate_up, inp.w_gate, inp.w_up, sched, 16, tile_config=cfg)
     with pytest.raises(ValueError, match=r"^w_up: expected a contiguous bf16 tensor of shape \[4, 16, 32\]"):
         gate_up_dgrad_scatter(gate_up, inp.w_gate, inp.w_up.float(), sched, 16)
+
+
+# --------------------------------------------------------------------------- fp8_block
+
+# Slack for fp32 accumulation order, relative to a tensor's largest value (as in
+# test_grouped_gemm.py): NumPy's fp32 matmul under the interpreter is near exact; Hopper's FP8
+# MMA keeps fewer accumulator bits inside each 128-wide step.
+_FP8_ORDER_SLACK = {"cpu": 2.0**-18, "cuda": 2.0**-11}
+
+
+def _assert_order_close(actual, expected, slack, name, ctx):
+    """bf16 output rounding (2^-8 relative, twice RNE's bound) plus accumulation-order slack."""
+    atol = slack * expected.abs().max().item()
+    torch.testing.assert_close(
+        actual.float(), expected.float(), rtol=2.0**-8, atol=atol, msg=lambda m: f"{name} {ctx}: {m}"
+    )
+
+
+def _fp8_block_case(kernel_device, T, H, I, E, topk, used_experts):
+    """Inputs whose routes use only the first `used_experts` experts (the rest get no token)."""
+    ids = make_topk_ids(T, used_experts, topk, torch.Generator().manual_seed(T))
+    inp = make_inputs(T, H, I, E, topk, seed=T, device=kernel_device, signed_weights=True, topk_ids=ids)
+    return inp, *_schedule(inp, E)
+
+
+@pytest.mark.parametrize(
+    "T, H, I, E, topk, limit, used_experts",
+    [(37, 256, 128, 4, 2, None, 3), (19, 128, 256, 3, 1, 0.5, 3)],
+)
+def test_fp8_block_down_dgrad_swiglu(kernel_device, T, H, I, E, topk, limit, used_experts):
+    """Against the same quantized math in torch (fp32 accumulation-order tolerance) and against
+    the fp32 reference on the unquantized operands (SPEC's fp8_block bars)."""
+    inp, sched, rows, slots, experts, pad = _fp8_block_case(kernel_device, T, H, I, E, topk, used_experts)
+    ctx = f"{T=} {H=} {I=} {E=} {topk=} {limit=} {used_experts=}"
+    slack = _FP8_ORDER_SLACK[kernel_device]
+    gen = torch.Generator().manual_seed(1)
+    gate_up = _sorted(rows, torch.randn(rows.numel(), 2, I, generator=gen) * 1.5, sched.capacity_rows)
+    d_out = torch.randn(T, H, generator=gen).bfloat16().to(kernel_device)
+    d_out_q, d_out_scale = quantize_fp8_block_activations(_sorted_tokens(d_out, sched, topk))
+    _, _, w_down_t_q, w_down_t_scale = fp8_block_quantize(inp.w_down)  # [E, I, H], [E, I/128, H/128]
+    d_gate_up, d_topk_weights = down_dgrad_swiglu_fp8_block(
+        d_out_q, d_out_scale, inp.topk_weights, gate_up.to(kernel_device), w_down_t_q, w_down_t_scale, sched, limit
+    )
+    assert d_gate_up.dtype == torch.bfloat16 and d_gate_up.shape == (sched.capacity_rows, 2, I), ctx
+    assert pad.numel() > 0, f"the test wants padding rows {ctx}"
+    assert torch.equal(d_gate_up[pad].cpu(), torch.zeros(pad.numel(), 2, I, dtype=torch.bfloat16)), ctx
+
+    g, u = gate_up[rows].float().unbind(1)  # [n, I] each
+    tokens = slots // topk
+    w = inp.topk_weights.cpu().view(-1)[slots]  # [n]
+    g_c, u_c = (g, u) if limit is None else (g.clamp(max=limit), u.clamp(-limit, limit))
+    h = torch.nn.functional.silu(g_c) * u_c  # [n, I]
+    d_out_deq = fp8_block_dequantize(d_out_q.cpu(), d_out_scale.cpu())[rows]  # [n, H] fp32
+    w_down_deq = fp8_block_dequantize(w_down_t_q.cpu(), w_down_t_scale.cpu(), (128, 128))[experts]  # [n, I, H]
+    operands = {
+        "statement": (d_out_deq, w_down_deq),  # the kernel's quantized math
+        "reference": (d_out.cpu().float()[tokens], inp.w_down.cpu().float()[experts].mT),  # unquantized
+    }
+    for kind, (d_out_rows, w_down_rows) in operands.items():
+        d_out_wd = torch.einsum("nh,nih->ni", d_out_rows, w_down_rows)  # [n, I], unweighted
+        d_g, d_u = reference.swiglu_backward(w[:, None] * d_out_wd, g, u, limit)
+        expected_w = torch.zeros(T * topk)
+        expected_w[slots] = (d_out_wd * h).sum(-1)
+        actual = {"d_gate": d_gate_up[rows, 0].cpu(), "d_up": d_gate_up[rows, 1].cpu(),
+                  "d_topk_weights": d_topk_weights.cpu().view(-1)}
+        expected = {"d_gate": d_g, "d_up": d_u, "d_topk_weights": expected_w}
+        for name in actual:
+            if kind == "statement":
+                _assert_order_close(actual[name], expected[name], slack, name, ctx)
+            else:
+                assert_close_to_reference(
+                    actual[name], expected[name], "fp8_block", name=name, context=ctx, check_cosine=True
+                )
+
+
+@pytest.mark.parametrize("T, H, I, E, topk, used_experts", [(37, 128, 256, 4, 2, 3), (19, 256, 128, 3, 1, 3)])
+def test_fp8_block_gate_up_dgrad_scatter(kernel_device, T, H, I, E, topk, used_experts):
+    """Against the same quantized math in torch and against the fp32 reference."""
+    inp, sched, rows, slots, experts, pad = _fp8_block_case(kernel_device, T, H, I, E, topk, used_experts)
+    ctx = f"{T=} {H=} {I=} {E=} {topk=} {used_experts=}"
+    gen = torch.Generator().manual_seed(3)
+    d_gate_up = _sorted(rows, torch.randn(rows.numel(), 2, I, generator=gen) * 0.1, sched.capacity_rows)
+    d_gate_up[pad] = 0  # what the down dgrad leaves in padding rows
+    d_gate_up = d_gate_up.to(kernel_device)
+    grads = [quantize_fp8_block_activations(d_gate_up[:, j]) for j in (0, 1)]  # (q, scale) of d_g, d_u
+    weights = [fp8_block_quantize(w)[2:] for w in (inp.w_gate, inp.w_up)]  # (q_t [E, H, I], scale_t)
+    dx = gate_up_dgrad_scatter_fp8_block(*grads[0], *grads[1], *weights[0], *weights[1], sched, T * topk)
+    assert dx.dtype == torch.bfloat16 and dx.shape == (T * topk, H), ctx
+
+    statement = torch.zeros(T * topk, H)
+    for (q, scale), (w_q, w_scale) in zip(grads, weights):
+        grad = fp8_block_dequantize(q.cpu(), scale.cpu())[rows]  # [n, I] fp32
+        w_t = fp8_block_dequantize(w_q.cpu(), w_scale.cpu(), (128, 128))[experts]  # [n, H, I] fp32
+        statement[slots] += torch.einsum("ni,nhi->nh", grad, w_t)
+    d_g, d_u = d_gate_up[rows].cpu().float().unbind(1)
+    reference_dx = torch.zeros(T * topk, H)
+    reference_dx[slots] = (torch.einsum("ni,nih->nh", d_g, inp.w_gate.cpu().float()[experts])
+                           + torch.einsum("ni,nih->nh", d_u, inp.w_up.cpu().float()[experts]))
+    _assert_order_close(dx.cpu()[slots], statement[slots], _FP8_ORDER_SLACK[kernel_device], "dx_slots", ctx)
+    assert_close_to_reference(dx.cpu()[slots], reference_dx[slots], "fp8_block", name="dx_slots", context=ctx,
+                              check_cosine=True)
+
+
+def test_fp8_block_dgrad_ops_and_run_twice(kernel_device):
+    """The custom ops' fake shapes, and the op (a second run) bitwise equal to the launcher."""
+    from mok import ops
+
+    T, H, I, E, topk = 5, 128, 128, 2, 2
+    inp = make_inputs(T, H, I, E, topk, seed=6, device=kernel_device)
+    block_m = routing_block_m()
+    flag = torch.zeros(1, dtype=torch.int32, device=kernel_device)
+    routing = list(ops.routing_schedule(inp.topk_ids, flag, E, block_m))
+    sched = ops.routing_from_tensors(routing, block_m)
+    gen = torch.Generator().manual_seed(4)
+    gate_up = torch.randn(sched.capacity_rows, 2, I, generator=gen).bfloat16().to(kernel_device)
+    d_out = torch.randn(T, H, generator=gen).bfloat16().to(kernel_device)
+    d_out_pair = quantize_fp8_block_activations(_sorted_tokens(d_out, sched, topk))
+    w_down_t = fp8_block_quantize(inp.w_down)[2:]
+    down_args = (*d_out_pair, inp.topk_weights, gate_up, *w_down_t, routing, block_m, 0.5)
+    d_gate_up, d_topk_weights = ops.down_dgrad_swiglu_fp8_block(*down_args)
+    again = down_dgrad_swiglu_fp8_block(*d_out_pair, inp.topk_weights, gate_up, *w_down_t, sched, 0.5)
+    rows = int(sched.num_rows)
+    assert torch.equal(d_gate_up[:rows], again[0][:rows]) and torch.equal(d_topk_weights, again[1])
+
+    grads = [x for j in (0, 1) for x in quantize_fp8_block_activations(d_gate_up[:, j])]
+    weights = [x for w in (inp.w_gate, inp.w_up) for x in fp8_block_quantize(w)[2:]]
+    gate_up_args = (*grads, *weights, routing, block_m, T * topk)
+    dx = ops.gate_up_dgrad_scatter_fp8_block(*gate_up_args)
+    assert torch.equal(dx, gate_up_dgrad_scatter_fp8_block(*grads, *weights, sched, T * topk))
+    torch.library.opcheck(ops.down_dgrad_swiglu_fp8_block.op, down_args, test_utils=("test_faketensor",))
+    torch.library.opcheck(ops.gate_up_dgrad_scatter_fp8_block.op, gate_up_args, test_utils=("test_faketensor",))
+
+
+def test_fp8_block_dgrad_launchers_reject_mismatches(kernel_device):
+    T, H, I, E, topk = 8, 256, 128, 4, 2
+    inp = make_inputs(T, H, I, E, topk, device=kernel_device)
+    sched, *_ = _schedule(inp, E)
+    rows = sched.capacity_rows
+    d_out_q, d_out_s = quantize_fp8_block_activations(torch.zeros(rows, H, dtype=torch.bfloat16, device=kernel_device))
+    d_q, d_s = quantize_fp8_block_activations(torch.zeros(rows, I, dtype=torch.bfloat16, device=kernel_device))
+    gate_up = torch.zeros(rows, 2, I, dtype=torch.bfloat16, device=kernel_device)
+    wd_q, wd_s, wd_t_q, wd_t_s = fp8_block_quantize(inp.w_down)
+    _, _, wg_t_q, wg_t_s = fp8_block_quantize(inp.w_gate)
+    down = lambda *args, **kw: down_dgrad_swiglu_fp8_block(*args, sched, **kw)  # noqa: E731
+    gate_up_dgrad = lambda *args, **kw: gate_up_dgrad_scatter_fp8_block(*args, sched, T * topk, **kw)  # noqa: E731
+    bad_tiles = {**dgrad_config("down", I, H, "fp8_block"), "BLOCK_N": 256}
+    cases = [
+        (lambda: down(d_out_q, d_out_s, inp.topk_weights, gate_up, wd_t_q[:3], wd_t_s[:3]),
+         r"^w_down_t_q: expected a 3-D \[E_l, I, H\] tensor with E_l = 4 .*, got shape \[3, 128, 256\]"),
+        # w_down's own copy [E_l, H, I] reads as I = 256, H = 128: dOut's width no longer matches.
+        (lambda: down(d_out_q, d_out_s, inp.topk_weights, gate_up, wd_q, wd_s),
+         rf"^d_out_q: expected a contiguous float8_e4m3fn tensor of shape \[{rows}, 128\]"),
+        (lambda: down(d_out_q[:-1], d_out_s, inp.topk_weights, gate_up, wd_t_q, wd_t_s),
+         rf"^d_out_q: expected a contiguous float8_e4m3fn tensor of shape \[{rows}, 256\]"),
+        (lambda: down(d_out_q, d_out_s[:, :1], inp.topk_weights, gate_up, wd_t_q, wd_t_s),
+         rf"^d_out_scale: expected a contiguous float32 tensor of shape \[{rows}, 2\]"),
+        (lambda: down(d_out_q, d_out_s, inp.topk_weights, gate_up, wd_t_q, wd_t_s.double()),
+         r"^w_down_t_scale: expected a contiguous float32 tensor of shape \[4, 1, 2\]"),
+        (lambda: down(d_out_q, d_out_s, inp.topk_weights.double(), gate_up, wd_t_q, wd_t_s),
+         r"^topk_weights: expected a contiguous fp32 \[T, topk\] tensor"),
+        (lambda: down(d_out_q, d_out_s, inp.topk_weights, gate_up.float(), wd_t_q, wd_t_s),
+         rf"^gate_up: expected a contiguous bf16 tensor of shape \[{rows}, 2, 128\]"),
+        (lambda: down(d_out_q, d_out_s, inp.topk_weights, gate_up, wd_t_q, wd_t_s, tile_config=bad_tiles),
+         r"^tile_config: expected BLOCK_K 128 and BLOCK_N a divisor of 128 for the fp8_block down dgrad GEMM"),
+        (lambda: gate_up_dgrad(d_q, d_s, d_q.float(), d_s, wg_t_q, wg_t_s, wg_t_q, wg_t_s),
+         rf"^d_up_q: expected a contiguous float8_e4m3fn tensor of shape \[{rows}, 128\]"),
+        (lambda: gate_up_dgrad(d_q, d_s, d_q, d_s, wg_t_q, wg_t_s, wg_t_q.mT.contiguous().mT, wg_t_s),
+         r"^w_up_t_q: expected a contiguous float8_e4m3fn tensor .* non-contiguous"),
+        (lambda: gate_up_dgrad(d_q, d_s, d_q, d_s, wg_t_q, wg_t_s[:, :1], wg_t_q, wg_t_s),
+         r"^w_gate_t_scale: expected a contiguous float32 tensor of shape \[4, 2, 1\]"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=message):
+            call()
