@@ -4,13 +4,21 @@ Examples:
     python -m mok.bench                                   # tiny on CPU; the 3 GPU presets on CUDA
     python -m mok.bench --preset qwen3-30b --pass fwd+bwd
     python -m mok.bench --tokens 37 --hidden 64 --intermediate 32 --experts 4 --topk 2 --no-write
+    torchrun --nproc-per-node 2 -m mok.bench --preset qwen3-30b   # expert parallelism over 2 GPUs
+
+Under torchrun (WORLD_SIZE > 1), or in a process that already joined a default process
+group of several ranks, it runs the expert-parallel benchmark over them: T tokens per
+rank, the E experts split over the P ranks, mok (with `group=`) against torch-ep-nccl;
+the first rank prints the table and writes the record.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
+import os
 import shlex
 import site
 import sys
@@ -18,6 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -73,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help=f"mok precision(s): {', '.join(PRECISIONS)} (default bf16); baselines always run bf16")
     what.add_argument("--impl", action="append", metavar="NAME[,NAME]",
                       help=f"implementations: {', '.join(runner.IMPLS)} (default: mok, torch-eager, and on CUDA "
-                           "torch-compile, plus sonicmoe when importable)")
+                           "torch-compile, plus sonicmoe when importable); under torchrun "
+                           f"{', '.join(runner.EP_IMPLS)} (default: both)")
     what.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                       help="auto: CUDA when available (default: auto)")
     shape = p.add_argument_group("custom shape (any of these implies --preset custom; the rest default to tiny's, "
@@ -110,6 +120,14 @@ class Settings:
     warmup: int
     reps: int
     seed: int
+    ep: int = 1  # expert-parallel ranks (P); 1: one device
+
+
+def _world_size() -> int:
+    """Ranks of this run: the initialised default process group's, else torchrun's WORLD_SIZE, else 1."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def _custom_preset(args, parser, precisions) -> Preset:
@@ -127,8 +145,12 @@ def _custom_preset(args, parser, precisions) -> Preset:
     return preset
 
 
-def parse_settings(argv: Sequence[str] | None = None) -> tuple[Settings, argparse.Namespace]:
-    """Parses and validates the command line (argparse errors exit with status 2)."""
+def parse_settings(
+    argv: Sequence[str] | None = None, world_size: int | None = None
+) -> tuple[Settings, argparse.Namespace]:
+    """Parses and validates the command line (argparse errors exit with status 2) for a run
+    over `world_size` expert-parallel ranks (None: as `_world_size` finds them)."""
+    ep = _world_size() if world_size is None else world_size
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -161,17 +183,25 @@ def parse_settings(argv: Sequence[str] | None = None) -> tuple[Settings, argpars
         align = max(SIZE_ALIGNMENT[p] for p in precisions)
         if preset.name != "custom" and (preset.hidden_size % align or preset.intermediate_size % align):
             parser.error(f"--precision: preset {preset.name} has H/I not multiples of {align}")
+        if preset.num_experts % ep:
+            flag = "--experts" if preset.name == "custom" else f"--preset {preset.name}"
+            parser.error(f"{flag}: expected a number of experts divisible by the {ep} expert-parallel ranks, "
+                         f"got E={preset.num_experts}")
 
+    registry = runner.EP_IMPLS if ep > 1 else runner.IMPLS
     impls = _split(args.impl)
-    if not impls:
+    if not impls and ep > 1:
+        impls = list(runner.EP_IMPLS)
+    elif not impls:
         impls = ["mok", "torch-eager"]
         if device == "cuda":
             impls.append("torch-compile")
             if sonicmoe_available():
                 impls.append("sonicmoe")
-    bad = [i for i in impls if i not in runner.IMPLS]
+    bad = [i for i in impls if i not in registry]
     if bad:
-        parser.error(f"--impl: expected names from {', '.join(runner.IMPLS)}, got {', '.join(bad)}")
+        where = f" (under {ep} expert-parallel ranks)" if ep > 1 else ""
+        parser.error(f"--impl: expected names from {', '.join(registry)}{where}, got {', '.join(bad)}")
 
     warmup, reps = DEFAULT_REPS[device]
     settings = Settings(
@@ -183,23 +213,54 @@ def parse_settings(argv: Sequence[str] | None = None) -> tuple[Settings, argpars
         warmup=warmup if args.warmup is None else args.warmup,
         reps=reps if args.reps is None else args.reps,
         seed=args.seed,
+        ep=ep,
     )
     return settings, args
 
 
+@contextlib.contextmanager
+def _process_group(settings: Settings):
+    """The group the expert-parallel run spans: the default group when the caller already
+    joined one; else the one this process joins as torchrun's rank (nccl with one GPU per
+    LOCAL_RANK on CUDA, gloo on CPU) and leaves at the end. None on one device."""
+    if settings.ep == 1:
+        yield None
+        return
+    if dist.is_initialized():
+        yield dist.group.WORLD
+        return
+    if settings.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if settings.device == "cuda" else "gloo")
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the benchmark; 0 when every implementation that ran passed its check, else 1."""
+    """Runs the benchmark; 0 when every implementation that ran passed its check, else 1.
+    Under expert parallelism every rank runs it and returns the same; the first prints and writes."""
     argv = list(sys.argv[1:] if argv is None else argv)
     settings, args = parse_settings(argv)
-    console = Console()
-    if not console.is_terminal:  # piped or captured: don't squeeze the table into 80 columns
-        console = Console(width=200)
-    info = report.machine_info(settings.device)
-    cases = runner.plan(settings.presets, settings.impls, settings.precisions, settings.passes)
-    title = (f"mok.bench on {info['gpu']} · torch {info['torch']} · triton {info['triton']} · "
+    with _process_group(settings) as group:
+        leader = group is None or dist.get_rank(group) == 0
+        results, info, title = _run(settings, group, show_progress=leader)
+    if leader:
+        _report(results, info, title, settings, args, argv)
+    return 1 if any(r.status in ("FAIL", "error") for r in results) else 0
+
+
+def _run(settings: Settings, group, show_progress: bool) -> tuple[list[runner.Result], dict, str]:
+    """(results, machine info, title) of the benchmark, with a progress bar on stderr."""
+    info = report.machine_info(settings.device, num_gpus=settings.ep)
+    cases = runner.plan(settings.presets, settings.impls, settings.precisions, settings.passes,
+                        expert_parallel=settings.ep > 1)
+    ranks = f" · EP {settings.ep} (max over ranks, TFLOPS per rank)" if settings.ep > 1 else ""
+    title = (f"mok.bench on {info['gpu']}{ranks} · torch {info['torch']} · triton {info['triton']} · "
              f"warmup {settings.warmup}, median of {settings.reps}")
     progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+                        TimeElapsedColumn(), console=Console(stderr=True), transient=True, disable=not show_progress)
     with progress:
         task = progress.add_task("starting", total=runner.num_steps(cases))
 
@@ -207,35 +268,55 @@ def main(argv: Sequence[str] | None = None) -> int:
             progress.update(task, description=description, advance=1)
 
         results = runner.run(cases, warmup=settings.warmup, reps=settings.reps, seed=settings.seed,
-                             device=settings.device, progress=step)
-    report.print_table(results, console, title=title, cuda=settings.device == "cuda")
+                             device=settings.device, progress=step, group=group)
+    return results, info, title
 
-    if not args.no_write:
-        date = datetime.date.today()
-        what = args.tag or "_".join(p.name for p in settings.presets)
-        stem = report.output_stem(args.out, info["gpu"], date, what)
-        rec_settings = {
-            "device": settings.device,
-            "passes": list(settings.passes),
-            "precisions": list(settings.precisions),
-            "impls": list(settings.impls),
-            "warmup": settings.warmup,
-            "reps": settings.reps,
-            "seed": settings.seed,
-            "presets": [dataclasses.asdict(p) for p in settings.presets],
-            "timing": "CUDA events per run (perf_counter on CPU); fwd = training forward with autograd on; "
-                      "fwd+bwd = forward + torch.autograd.grad(out, leaves, d_out)",
-            "peak_mem_gb": "inputs resident + the pass's own peak (CUDA allocator)",
+
+def _report(results, info: dict, title: str, settings: Settings, args: argparse.Namespace, argv: list[str]) -> None:
+    """The table on stdout; unless --no-write, the JSON record and the PNG plot."""
+    console = Console()
+    if not console.is_terminal:  # piped or captured: don't squeeze the table into 80 columns
+        console = Console(width=200)
+    report.print_table(results, console, title=title, cuda=settings.device == "cuda")
+    if args.no_write:
+        return
+    date = datetime.date.today()
+    what = args.tag or "_".join(p.name for p in settings.presets)
+    if settings.ep > 1 and args.tag is None:
+        what += f"_ep{settings.ep}"
+    stem = report.output_stem(args.out, info["gpu"], date, what)
+    rec_settings = {
+        "device": settings.device,
+        "passes": list(settings.passes),
+        "precisions": list(settings.precisions),
+        "impls": list(settings.impls),
+        "warmup": settings.warmup,
+        "reps": settings.reps,
+        "seed": settings.seed,
+        "presets": [dataclasses.asdict(p) for p in settings.presets],
+        "timing": "CUDA events per run (perf_counter on CPU); fwd = training forward with autograd on; "
+                  "fwd+bwd = forward + torch.autograd.grad(out, leaves, d_out)",
+        "peak_mem_gb": "inputs resident + the pass's own peak (CUDA allocator)",
+    }
+    launcher = "python -m mok.bench"
+    if settings.ep > 1:
+        launcher = f"torchrun --nproc-per-node {settings.ep} -m mok.bench"
+        rec_settings["expert_parallel"] = {
+            "ranks": settings.ep,
+            "per_rank": "T tokens and routing from seed + rank, E/P local experts; TFLOPS per rank",
+            "timing": "per iteration the slowest rank's time (all_gather), then the median over iterations",
+            "mok_capacity_multiplier": runner.EP_CAPACITY_MULTIPLIER,
+            "peer_bytes_per_rank": "bytes a rank sends the other ranks per pass (mok's transport); "
+                                   "peer_gb_per_s = that over the pass's median time",
         }
-        command = "python -m mok.bench" + (" " + shlex.join(argv) if argv else "")
-        rec = report.record(results, info, command, rec_settings, date)
-        path = report.write_json(rec, stem.with_suffix(".json"))
-        console.print(f"wrote {path}")
-        if not args.no_plot:
-            png = report.plot_speedup(results, stem.with_suffix(".png"), title=title)
-            if png is not None:
-                console.print(f"wrote {png}")
-    return 1 if any(r.status in ("FAIL", "error") for r in results) else 0
+    command = launcher + (" " + shlex.join(argv) if argv else "")
+    rec = report.record(results, info, command, rec_settings, date)
+    path = report.write_json(rec, stem.with_suffix(".json"))
+    console.print(f"wrote {path}")
+    if not args.no_plot:
+        png = report.plot_speedup(results, stem.with_suffix(".png"), title=title)
+        if png is not None:
+            console.print(f"wrote {png}")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,13 @@ fp32 buffer, add the shared expert, cast to bf16. It is differentiable by autogr
 respect to x, topk_weights and every weight. `torch.compile(torch_moe, dynamic=False)` is
 the compiled baseline.
 
+`torch_ep_moe` is the same layer under expert parallelism, the way torchtitan builds it:
+the ranks exchange how many rows each sends each expert, copy the splits to the host
+(`.tolist()`, a sync: that is the baseline's real cost), move the rows with the autograd
+`all_to_all_single` (`all_to_all_single_autograd` of `_functional_collectives`, which
+torchtitan calls), regroup them by local expert, run the same expert GEMMs, send the
+results back and add them into the fp32 buffer as `torch_moe` does.
+
 `SonicMoE` wraps SonicMoE (Dao-AILab, pip `sonic-moe`) through its general-routing entry
 point, so it runs with *our* topk_ids and topk_weights and computes the same function.
 
@@ -21,9 +28,11 @@ import importlib.util
 import inspect
 
 import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
-__all__ = ["torch_moe", "grouped_mm_available", "SonicMoE", "sonicmoe_available"]
+__all__ = ["torch_moe", "torch_ep_moe", "grouped_mm_available", "SonicMoE", "sonicmoe_available"]
 
 
 def grouped_mm_available(device: torch.device | str) -> bool:
@@ -60,6 +69,39 @@ def _experts_loop(x_sorted, counts, w_gate, w_up, w_down):
     return torch.cat(ys)  # [M, H]
 
 
+def _sort_by_expert(flat_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order [M]: route indices t·topk+j sorted by expert, counts [E] int64: routes per expert).
+
+    Stable, so each expert sees its rows in ascending t·topk+j. Counts by scatter_add, not
+    bincount: bincount's output size depends on the data, which torch.compile(dynamic=False)
+    cannot trace without a graph break.
+    """
+    order = torch.argsort(flat_ids, stable=True)  # [M]
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat_ids.device)
+    counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))  # [E]
+    return order, counts
+
+
+def _run_experts(x_sorted, counts, w_gate, w_up, w_down, grouped: bool) -> torch.Tensor:
+    """Unweighted expert outputs [M, H] of rows grouped by expert (counts [E] rows each)."""
+    experts = _experts_grouped_mm if grouped else _experts_loop
+    return experts(x_sorted, counts, w_gate, w_up, w_down)
+
+
+def _weighted_combine(x, y_sorted, order, topk_weights, shared) -> torch.Tensor:
+    """out [T, H] bf16: Σ_j w[t,j]·y[t,j] added with `index_add` into an fp32 buffer, plus
+    the shared expert (dense over all tokens, `shared` = (ws_gate, ws_up, ws_down) or Nones),
+    in fp32 before the one final cast. y_sorted [M, H] holds route order[i] in row i."""
+    num_tokens, hidden = x.shape
+    token_of_route = order // topk_weights.shape[1]  # [M]
+    w_sorted = topk_weights.reshape(-1)[order].float()  # [M]
+    out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
+    out = out.index_add(0, token_of_route, y_sorted.float() * w_sorted[:, None])  # [T, H] fp32
+    if shared[0] is not None:
+        out = out + _swiglu_dense(x, *shared).float()
+    return out.to(torch.bfloat16)
+
+
 def torch_moe(
     x: torch.Tensor,  # [T, H] bf16
     topk_ids: torch.Tensor,  # [T, topk] int
@@ -78,31 +120,64 @@ def torch_moe(
     grouped: use `torch._grouped_mm` (default: where it has a fused kernel, i.e. CUDA) or a
     per-expert loop of matmuls.
     """
-    num_tokens, hidden = x.shape
-    topk = topk_ids.shape[1]
-    num_experts = w_gate.shape[0]
     if grouped is None:
         grouped = grouped_mm_available(x.device)
-    # 1. Routes sorted by expert; stable, so each expert sees its rows in ascending t·topk+j.
-    flat_ids = topk_ids.reshape(-1).long()  # [M] (scatter_add wants int64 indices)
-    order = torch.argsort(flat_ids, stable=True)  # [M] route index t·topk+j
-    token_of_route = order // topk  # [M]
-    # Counts by scatter_add, not bincount: bincount's output size depends on the data,
-    # which torch.compile(dynamic=False) cannot trace without a graph break.
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=x.device)
-    counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))  # [E]
+    topk = topk_ids.shape[1]
+    # 1. Routes sorted by expert (scatter_add wants int64 indices).
+    order, counts = _sort_by_expert(topk_ids.reshape(-1).long(), w_gate.shape[0])  # [M], [E]
     # 2. Gather the token rows, run the experts (unweighted y, bf16).
-    x_sorted = x[token_of_route]  # [M, H]
-    experts = _experts_grouped_mm if grouped else _experts_loop
-    y = experts(x_sorted, counts, w_gate, w_up, w_down)  # [M, H]
-    # 3. Router weight in fp32, then index_add back into an fp32 [T, H] buffer.
-    w_sorted = topk_weights.reshape(-1)[order].float()  # [M]
-    out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
-    out = out.index_add(0, token_of_route, y.float() * w_sorted[:, None])  # [T, H] fp32
-    # 4. Shared expert (dense over all tokens), added in fp32 before the one final cast.
-    if ws_gate is not None:
-        out = out + _swiglu_dense(x, ws_gate, ws_up, ws_down).float()
-    return out.to(torch.bfloat16)
+    y = _run_experts(x[order // topk], counts, w_gate, w_up, w_down, grouped)  # [M, H]
+    # 3. Router weight in fp32, index_add back, shared expert, one final cast.
+    return _weighted_combine(x, y, order, topk_weights, (ws_gate, ws_up, ws_down))
+
+
+def torch_ep_moe(
+    x: torch.Tensor,  # [T, H] bf16, this rank's tokens
+    topk_ids: torch.Tensor,  # [T, topk] int, GLOBAL expert ids in [0, E_l·P)
+    topk_weights: torch.Tensor,  # [T, topk] fp32
+    w_gate: torch.Tensor,  # [E_l, I, H] this rank's local experts
+    w_up: torch.Tensor,  # [E_l, I, H]
+    w_down: torch.Tensor,  # [E_l, H, I]
+    ws_gate: torch.Tensor | None = None,  # [I_s, H] this rank's copy of the shared expert
+    ws_up: torch.Tensor | None = None,  # [I_s, H]
+    ws_down: torch.Tensor | None = None,  # [H, I_s]
+    *,
+    group: dist.ProcessGroup | None = None,
+    grouped: bool | None = None,
+) -> torch.Tensor:
+    """This rank's out [T, H] bf16 under expert parallelism over `group` (None: WORLD);
+    global expert e lives on rank e // E_l. A collective: every rank of `group` calls it.
+    Differentiable by autograd; the shared expert's weight gradients are this rank's part.
+    """
+    if grouped is None:
+        grouped = grouped_mm_available(x.device)
+    group = dist.group.WORLD if group is None else group  # the functional collectives take no None
+    num_ranks = dist.get_world_size(group)
+    num_local_experts = w_gate.shape[0]
+    topk = topk_ids.shape[1]
+    # 1. Routes sorted by global expert: grouped by destination rank, then by local expert.
+    order, counts = _sort_by_expert(topk_ids.reshape(-1).long(), num_local_experts * num_ranks)  # [M], [P·E_l]
+    # 2. Rows per (source rank, local expert) this rank receives; the splits go to the host
+    #    in one copy (a sync), as all_to_all_single takes them as Python ints.
+    recv_counts = torch.empty_like(counts)  # [P·E_l]: block p = what rank p sends each local expert here
+    dist.all_to_all_single(recv_counts, counts, group=group)
+    splits = torch.cat([counts.view(num_ranks, -1).sum(1), recv_counts.view(num_ranks, -1).sum(1)]).tolist()
+    send_splits, recv_splits = splits[:num_ranks], splits[num_ranks:]
+    num_recv = sum(recv_splits)
+    # 3. Dispatch: every route's token row to its expert's rank.
+    # x_recv [N, H] is ordered by (source rank, local expert).
+    x_recv = funcol.all_to_all_single_autograd(x[order // topk], recv_splits, send_splits, group)
+    # 4. Regroup by local expert (stable: by source rank within an expert), run the experts, undo.
+    local_expert = torch.arange(num_local_experts, device=x.device).repeat(num_ranks)  # [P·E_l]
+    expert_of_row = local_expert.repeat_interleave(recv_counts, output_size=num_recv)  # [N]
+    regroup = torch.argsort(expert_of_row, stable=True)  # [N]
+    local_counts = recv_counts.view(num_ranks, -1).sum(0)  # [E_l]
+    y_grouped = _run_experts(x_recv[regroup], local_counts, w_gate, w_up, w_down, grouped)  # [N, H]
+    y_recv = torch.empty_like(y_grouped)
+    y_recv[regroup] = y_grouped  # [N, H] back in arrival order
+    # 5. Combine: the rows go back to their source, in the order they were sent (= `order`).
+    y_sorted = funcol.all_to_all_single_autograd(y_recv, send_splits, recv_splits, group)  # [M, H]
+    return _weighted_combine(x, y_sorted, order, topk_weights, (ws_gate, ws_up, ws_down))
 
 
 # --------------------------------------------------------------------------- SonicMoE

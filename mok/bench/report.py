@@ -2,8 +2,9 @@
 
 Record: `<out>/<gpu-slug>-<yyyymmdd>-<what>.json` with the machine, versions, date and
 command, and one entry per (preset, pass, impl, precision); the plot of the speedup over
-torch-eager goes next to it with the same stem and `.png`. An existing file is never
-overwritten: a second run on the same day gets a `-2`, `-3`, ... suffix.
+the baseline (torch-eager; torch-ep-nccl under expert parallelism) goes next to it with
+the same stem and `.png`. An existing file is never overwritten: a second run on the same
+day gets a `-2`, `-3`, ... suffix.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from mok.bench.runner import Result
+from mok.bench.runner import BASELINE, EP_BASELINE, Result
 
 __all__ = ["machine_info", "gpu_slug", "record", "output_stem", "write_json", "plot_speedup", "print_table"]
 
@@ -29,8 +30,8 @@ __all__ = ["machine_info", "gpu_slug", "record", "output_stem", "write_json", "p
 CEILING_TFLOPS = {"bf16": 735.0, "mxfp8": 1224.0, "fp8_block": 1224.0}
 
 
-def machine_info(device: torch.device | str) -> dict:
-    """gpu (device name), num_gpus (used: 1, no expert parallelism here), versions."""
+def machine_info(device: torch.device | str, num_gpus: int = 1) -> dict:
+    """gpu (device name), num_gpus (used: the expert-parallel ranks, 1 without), versions."""
     device = torch.device(device)
     if device.type == "cuda":
         gpu = torch.cuda.get_device_name(device)
@@ -45,7 +46,7 @@ def machine_info(device: torch.device | str) -> dict:
         triton_version = None
     return {
         "gpu": gpu,
-        "num_gpus": 1,
+        "num_gpus": num_gpus,
         "torch": torch.__version__,
         "triton": triton_version,
         "cuda": cuda,
@@ -104,12 +105,13 @@ def _label(r: Result) -> str:
 
 
 def plot_speedup(results: Sequence[Result], path: Path, title: str = "") -> Path | None:
-    """Grouped bars: speedup over torch-eager per preset/pass, one bar per impl (precision).
+    """Grouped bars: speedup over the baseline (torch-eager; torch-ep-nccl under expert
+    parallelism) per preset/pass, one bar per impl (precision).
 
     Returns None (and writes nothing) when matplotlib is missing or nothing was timed
-    next to torch-eager.
+    next to the baseline.
     """
-    timed = [r for r in results if r.speedup_vs_torch_eager is not None]
+    timed = [r for r in results if r.speedup is not None]
     if not timed:
         return None
     try:
@@ -122,7 +124,8 @@ def plot_speedup(results: Sequence[Result], path: Path, title: str = "") -> Path
         return None
     groups = list(dict.fromkeys(f"{r.preset}\n{r.pass_}" for r in timed))
     labels = list(dict.fromkeys(_label(r) for r in timed))
-    speed = {(f"{r.preset}\n{r.pass_}", _label(r)): r.speedup_vs_torch_eager for r in timed}
+    speed = {(f"{r.preset}\n{r.pass_}", _label(r)): r.speedup for r in timed}
+    baselines = ", ".join(sorted({EP_BASELINE if r.ep > 1 else BASELINE for r in timed}))
     width = 0.8 / len(labels)
     fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(groups) + 2), 4.5))
     for i, label in enumerate(labels):
@@ -132,7 +135,7 @@ def plot_speedup(results: Sequence[Result], path: Path, title: str = "") -> Path
         ax.bar_label(bars, labels=[f"{y:.2f}×" if y else "" for y in ys], fontsize=7, padding=2)
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     ax.set_xticks(range(len(groups)), groups, fontsize=8)
-    ax.set_ylabel("speedup over torch-eager (higher is better)")
+    ax.set_ylabel(f"speedup over {baselines} (higher is better)")
     ax.set_title(title.replace(" · warmup", "\nwarmup"), fontsize=9)  # two lines: fits the figure
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -181,7 +184,7 @@ def print_table(results: Sequence[Result], console: Console, title: str = "", cu
             ceiling = [_fmt(pct, ".0f")]
         table.add_row(
             r.preset, r.pass_, r.impl, r.precision, _num(r.ms), _num(r.tflops), *ceiling,
-            "-" if r.speedup_vs_torch_eager is None else f"{r.speedup_vs_torch_eager:.2f}×",
+            "-" if r.speedup is None else f"{r.speedup:.2f}×",
             _fmt(r.peak_mem_gb, ".2f"), _fmt(r.max_rel_err, ".2e"), _status(r),
         )
     console.print(table)

@@ -10,11 +10,20 @@ with its errors and not timed; one that cannot run here is reported skipped with
 
 Baselines always run in bf16 (they are what mok is compared with in every precision);
 `mok` runs once per requested precision.
+
+Under expert parallelism (`run(..., group=)` on every rank of a group of P ranks) each
+rank draws its own T tokens and routing from seed + rank and holds its E/P local experts;
+the reference is `mok.reference.ep_moe_forward/backward`, the implementations are
+`EP_IMPLS` (the baseline `torch-ep-nccl`, and `mok` with `group=`), and the ranks agree
+on every check before anything is timed (a case fails or is skipped on all of them if on
+one). A run's time is, per iteration, the slowest rank's; the median of that is reported,
+with TFLOPS per rank.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import math
 import sys
@@ -22,17 +31,21 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 import mok
 from mok import reference
-from mok.bench.baselines import SonicMoE, grouped_mm_available, torch_moe
+from mok.bench.baselines import SonicMoE, grouped_mm_available, torch_ep_moe, torch_moe
 from mok.bench.presets import Preset
 from mok.reference import Gradients
 from mok.testing import TOLERANCES, cosine_similarity, make_inputs, mismatch_report, relative_error
 from mok.testing.inputs import MoEInputs
-from mok.testing.timing import PeakMemory, time_ms
+from mok.testing.timing import PeakMemory, summarize_ms, times_ms
 
-__all__ = ["PASSES", "IMPLS", "ImplSpec", "Impl", "Skip", "Case", "Result", "plan", "num_steps", "run"]
+__all__ = [
+    "PASSES", "IMPLS", "EP_IMPLS", "BASELINE", "EP_BASELINE", "EP_CAPACITY_MULTIPLIER", "ImplSpec", "Impl", "Skip",
+    "Case", "Result", "plan", "num_steps", "run", "slowest_rank_ms",
+]
 
 PASSES = ("fwd", "fwd+bwd")
 
@@ -55,6 +68,7 @@ class Impl:
     same_function: bool = True
     note: str = ""
     extra: dict = field(default_factory=dict)
+    peer_bytes: dict[str, int] | None = None  # pass -> bytes this rank sends other ranks (expert parallelism)
 
 
 def _leaves(inp: MoEInputs) -> tuple[torch.Tensor, ...]:
@@ -100,6 +114,40 @@ def _make_mok(inp: MoEInputs, precision: str) -> Impl:
     )
 
 
+def _make_torch_ep(inp: MoEInputs, precision: str, group: dist.ProcessGroup) -> Impl:
+    grouped = grouped_mm_available(inp.x.device)
+    return Impl(lambda: torch_ep_moe(inp.x, inp.topk_ids, inp.topk_weights, *inp.weights, group=group, grouped=grouped),
+                _leaves(inp), _pad_gradients, extra={"grouped_mm": grouped})
+
+
+# Per-peer send capacity of mok's NCCL transport, as a multiple of an even share of the
+# routes (MoKConfig.schedule_capacity_multiplier). The benchmark's routing is uniformly
+# random, so each peer gets its even share within a few percent at every preset; the
+# exact worst case (None) would move P times the rows of an even split in every exchange.
+EP_CAPACITY_MULTIPLIER = 1.25
+
+
+def _make_mok_ep(inp: MoEInputs, precision: str, group: dist.ProcessGroup) -> Impl:
+    config = mok.MoKConfig(precision=precision, schedule_capacity_multiplier=EP_CAPACITY_MULTIPLIER)
+    (num_tokens, hidden), topk = inp.x.shape, inp.topk_ids.shape[1]
+    workspace = mok.get_workspace(config, group, device=inp.x.device, num_local_tokens=num_tokens,
+                                  hidden_size=hidden, topk=topk)
+    # The call's own schedule (a collective on every rank): on the triton backend it says
+    # how many rows each exchange moves; the reference backend moves what the routing needs.
+    dispatch = mok.build_schedule(workspace, config, inp.topk_ids, num_local_experts=inp.w_gate.shape[0],
+                                  has_shared_expert=inp.ws_gate is not None).dispatch
+    peer_bytes = None
+    if dispatch is not None:
+        peer_bytes = {pass_: dispatch.peer_bytes(hidden, pass_ == "fwd+bwd") for pass_ in PASSES}
+    return Impl(
+        lambda: mok.moe(inp.x, inp.topk_ids, inp.topk_weights, *inp.weights, config=config, group=group),
+        _leaves(inp),
+        _pad_gradients,
+        extra={"config": dataclasses.asdict(config)},
+        peer_bytes=peer_bytes,
+    )
+
+
 @dataclass(frozen=True)
 class ImplSpec:
     """How to build an implementation.
@@ -109,7 +157,7 @@ class ImplSpec:
         (reported skipped), not that mok's benchmark failed. Wrong numbers are FAIL still.
     """
 
-    make: Callable[[MoEInputs, str], Impl]
+    make: Callable[..., Impl]  # (inputs, precision), and the group for EP_IMPLS
     precision: str | None = None
     peer: bool = False
 
@@ -121,6 +169,13 @@ IMPLS: dict[str, ImplSpec] = {
     "sonicmoe": ImplSpec(_make_sonicmoe, "bf16", peer=True),
     "mok": ImplSpec(_make_mok, None),
 }
+# Under expert parallelism: make(inputs, precision, group).
+EP_IMPLS: dict[str, ImplSpec] = {
+    "torch-ep-nccl": ImplSpec(_make_torch_ep, "bf16"),
+    "mok": ImplSpec(_make_mok_ep, None),
+}
+# What speedups are measured against: on one device, and under expert parallelism.
+BASELINE, EP_BASELINE = "torch-eager", "torch-ep-nccl"
 
 
 @dataclass(frozen=True)
@@ -154,10 +209,16 @@ class Result:
     reps: int | None = None
     peak_mem_delta_gb: float | None = None
     speedup_vs_torch_eager: float | None = None
+    speedup_vs_torch_ep_nccl: float | None = None
     same_function: bool = True
     errors: dict = field(default_factory=dict)  # tensor name -> relative error (cosine for grads as "<name>:cos")
     message: str = ""  # why FAIL / skipped / error, or a note
     extra: dict = field(default_factory=dict)
+
+    @property
+    def speedup(self) -> float | None:
+        """Over the baseline of its kind of run: torch-eager on one device, torch-ep-nccl under EP."""
+        return self.speedup_vs_torch_ep_nccl if self.ep > 1 else self.speedup_vs_torch_eager
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -167,14 +228,20 @@ class Result:
 
 
 def plan(
-    presets: Sequence[Preset], impls: Sequence[str], precisions: Sequence[str], passes: Sequence[str]
+    presets: Sequence[Preset],
+    impls: Sequence[str],
+    precisions: Sequence[str],
+    passes: Sequence[str],
+    *,
+    expert_parallel: bool = False,
 ) -> list[Case]:
     """Cases in run order: per preset, impls in registry order (baseline first)."""
+    registry = EP_IMPLS if expert_parallel else IMPLS
     cases = []
-    ordered = [name for name in IMPLS if name in impls] + [name for name in impls if name not in IMPLS]
+    ordered = [name for name in registry if name in impls] + [name for name in impls if name not in registry]
     for preset in presets:
         for name in ordered:
-            spec = IMPLS[name]
+            spec = registry[name]
             for precision in ([spec.precision] if spec.precision else precisions):
                 cases.append(Case(preset, name, precision, tuple(passes)))
     return cases
@@ -195,11 +262,34 @@ class _Reference:
     d_out: torch.Tensor  # [T, H] bf16
 
 
-def _inputs(preset: Preset, seed: int, device) -> MoEInputs:
+def _rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """(rank, P) in `group`; (0, 1) on one device (group None)."""
+    return (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
+
+
+def _gather(value, group: dist.ProcessGroup | None) -> list:
+    """Every rank's picklable `value`, by rank; [value] on one device."""
+    if group is None:
+        return [value]
+    values = [None] * dist.get_world_size(group)
+    dist.all_gather_object(values, value, group=group)
+    return values
+
+
+def _inputs(preset: Preset, seed: int, device, group: dist.ProcessGroup | None = None) -> MoEInputs:
+    """This rank's seeded inputs (seed + rank): T tokens routed over all E experts, and its
+    E/P local experts [rank·E/P, (rank+1)·E/P) (all E on one device)."""
+    rank, num_ranks = _rank_and_size(group)
     inp = make_inputs(
         preset.num_tokens, preset.hidden_size, preset.intermediate_size, preset.num_experts, preset.topk,
-        preset.shared_intermediate_size, seed=seed, device=device,
+        preset.shared_intermediate_size, seed=seed + rank, device=device,
     )
+    if num_ranks > 1:
+        num_local_experts = preset.num_experts // num_ranks
+        local = slice(rank * num_local_experts, (rank + 1) * num_local_experts)
+        inp = dataclasses.replace(
+            inp, **{name: getattr(inp, name)[local].contiguous() for name in ("w_gate", "w_up", "w_down")}
+        )
     # Leaves that autograd differentiates; every implementation shares them.
     return dataclasses.replace(
         inp, **{name: getattr(inp, name).detach().requires_grad_() for name in
@@ -208,14 +298,20 @@ def _inputs(preset: Preset, seed: int, device) -> MoEInputs:
     )
 
 
-def _reference(inp: MoEInputs, seed: int, with_grads: bool) -> _Reference:
-    gen = torch.Generator().manual_seed(seed + 1)
+def _reference(inp: MoEInputs, seed: int, with_grads: bool, group: dist.ProcessGroup | None = None) -> _Reference:
+    rank, num_ranks = _rank_and_size(group)
+    # d_out's seeds follow the inputs' (seed + rank, rank < P): seed + 1 on one device.
+    gen = torch.Generator().manual_seed(seed + num_ranks + rank)
     d_out = torch.randn(inp.x.shape, generator=gen).to(device=inp.x.device, dtype=torch.bfloat16)
     weights = (w.detach() if w is not None else None for w in inp.weights)
     args = (inp.x.detach(), inp.topk_ids, inp.topk_weights.detach(), *weights)
+    forward, backward = reference.moe_forward, reference.moe_backward
+    if group is not None:
+        forward = functools.partial(reference.ep_moe_forward, group=group)
+        backward = functools.partial(reference.ep_moe_backward, group=group)
     with torch.no_grad():
-        out = reference.moe_forward(*args)
-        grads = reference.moe_backward(d_out, *args) if with_grads else None
+        out = forward(*args)
+        grads = backward(d_out, *args) if with_grads else None
     return _Reference(out, grads, d_out)
 
 
@@ -248,6 +344,45 @@ def _check(impl: Impl, ref: _Reference, precision: str) -> tuple[dict, dict, str
     return errors, ok, "\n".join(problems)
 
 
+@dataclass(frozen=True)
+class _Verdict:
+    """What checking one case found, on one rank or agreed by all: status "checked" (with
+    its errors, ok per pass and what missed the bar), "skipped" or "FAIL" (raised), and why."""
+
+    status: str
+    message: str = ""
+    errors: dict = field(default_factory=dict)
+    ok: dict = field(default_factory=dict)
+
+
+def _check_case(case: Case, inp: MoEInputs, ref: _Reference, group) -> tuple[Impl | None, _Verdict]:
+    spec = (IMPLS if group is None else EP_IMPLS)[case.impl]
+    try:
+        impl = spec.make(inp, case.precision) if group is None else spec.make(inp, case.precision, group)
+        errors, ok, message = _check(impl, ref, case.precision)
+    except (Skip, NotImplementedError) as exc:
+        return None, _Verdict("skipped", str(exc))
+    except Exception as exc:  # a crash is a failed check, reported, never fatal to the run
+        return None, _Verdict("skipped" if spec.peer else "FAIL", f"raised {type(exc).__name__}: {exc}")
+    return impl, _Verdict("checked", message, errors, ok)
+
+
+def _agree(mine: _Verdict, group) -> _Verdict:
+    """The ranks' common verdict, so that all of them time the same cases: FAIL or skipped
+    where any rank says so; else the worst errors over ranks, a pass ok where every rank's is."""
+    if group is None:
+        return mine
+    verdicts = _gather(mine, group)
+    for status in ("FAIL", "skipped"):
+        if any(v.status == status for v in verdicts):
+            return _Verdict(status, "\n".join(f"rank {r}: {v.message}" for r, v in enumerate(verdicts)
+                                              if v.status == status))
+    errors = {name: (min if name.endswith(":cos") else max)(v.errors[name] for v in verdicts) for name in mine.errors}
+    ok = {pass_: all(v.ok[pass_] for v in verdicts) for pass_ in mine.ok}
+    message = "\n".join(f"rank {r}: {v.message}" for r, v in enumerate(verdicts) if v.message)
+    return _Verdict("checked", message, errors, ok)
+
+
 def _summary(errors: dict, pass_: str) -> tuple[float | None, float | None]:
     """(max relative error, min cosine) over what the pass checks."""
     names = [k for k in errors if not k.endswith(":cos") and (pass_ == "fwd+bwd" or k == "out")]
@@ -258,7 +393,30 @@ def _summary(errors: dict, pass_: str) -> tuple[float | None, float | None]:
 # --------------------------------------------------------------------------- time
 
 
-def _time(impl: Impl, pass_: str, d_out: torch.Tensor, warmup: int, reps: int, device) -> tuple[dict, PeakMemory]:
+@dataclass(frozen=True)
+class _Timing:
+    """One (impl, pass) timed. stats: of the reported per-iteration times (under expert
+    parallelism the slowest rank's); peak memory: the largest over ranks; ms_per_rank:
+    each rank's own median under expert parallelism, None on one device."""
+
+    stats: dict
+    peak_mem_gb: float | None
+    peak_mem_delta_gb: float | None
+    ms_per_rank: list[float] | None
+
+
+def slowest_rank_ms(times_per_rank: Sequence[Sequence[float]]) -> list[float]:
+    """Per iteration, the slowest rank's milliseconds: an expert-parallel step ends when
+    its last rank does. times_per_rank[r][i]: rank r's iteration i."""
+    return [max(times) for times in zip(*times_per_rank, strict=True)]
+
+
+def _largest(values: Sequence[float | None]) -> float | None:
+    return None if any(v is None for v in values) else max(values)
+
+
+def _time(impl: Impl, pass_: str, d_out: torch.Tensor, warmup: int, reps: int, device, inputs_gb: float | None,
+          group) -> _Timing:
     if pass_ == "fwd":
         def fn():
             impl.forward()
@@ -266,8 +424,30 @@ def _time(impl: Impl, pass_: str, d_out: torch.Tensor, warmup: int, reps: int, d
         def fn():
             torch.autograd.grad(impl.forward(), impl.grad_inputs, d_out, allow_unused=True)
     with PeakMemory(device) as mem:
-        stats = time_ms(fn, warmup=warmup, reps=reps, device=device)
-    return stats, mem
+        times = times_ms(fn, warmup=warmup, reps=reps, device=device)
+    peak = None if mem.delta_gb is None else inputs_gb + mem.delta_gb
+    if group is None:
+        return _Timing(summarize_ms(times), peak, mem.delta_gb, None)
+    ranks = _gather((times, peak, mem.delta_gb), group)
+    return _Timing(
+        summarize_ms(slowest_rank_ms([times for times, _, _ in ranks])),
+        _largest([peak for _, peak, _ in ranks]),
+        _largest([delta for _, _, delta in ranks]),
+        [summarize_ms(times)["median"] for times, _, _ in ranks],
+    )
+
+
+def _timing_extra(impl: Impl, pass_: str, timing: _Timing) -> dict:
+    """Under expert parallelism: each rank's median and, where the implementation knows
+    them, the bytes each rank sends the others per pass and their rate over the pass."""
+    extra = {}
+    if timing.ms_per_rank is not None:
+        extra["ms_per_rank"] = timing.ms_per_rank
+    if impl.peer_bytes is not None:
+        sent = impl.peer_bytes[pass_]
+        extra["peer_bytes_per_rank"] = sent
+        extra["peer_gb_per_s"] = sent / (timing.stats["median"] * 1e-3) / 1e9
+    return extra
 
 
 def _free(device) -> None:
@@ -288,65 +468,67 @@ def run(
     seed: int = 0,
     device: torch.device | str = "cpu",
     progress: Callable[[str], None] | None = None,
+    group: dist.ProcessGroup | None = None,
 ) -> list[Result]:
-    """Checks and times every case; returns one Result per (case, pass), speedups attached."""
+    """Checks and times every case; returns one Result per (case, pass), speedups attached.
+
+    group: a process group of P > 1 ranks to run the expert-parallel benchmark over (cases
+    planned with `expert_parallel=True`; every rank calls `run` alike and gets the same
+    results); None: one device.
+    """
     step = progress or (lambda description: None)
+    num_ranks = _rank_and_size(group)[1]
     results: list[Result] = []
     for preset in dict.fromkeys(c.preset for c in cases):
         preset_cases = [c for c in cases if c.preset == preset]
         needs_grads = any("fwd+bwd" in c.passes for c in preset_cases)
         step(f"{preset.name}: inputs + fp32 reference")
-        inp = _inputs(preset, seed, device)
+        inp = _inputs(preset, seed, device, group)
         inputs_gb = torch.cuda.memory_allocated(device) / 1e9 if torch.device(device).type == "cuda" else None
-        ref = _reference(inp, seed, needs_grads)
+        ref = _reference(inp, seed, needs_grads, group)
         # Phase 1: build and check every implementation while the reference is resident.
         checked = []
         for case in preset_cases:
             step(f"{preset.name}: check {case.impl} ({case.precision})")
-            row = dict(preset=preset.name, impl=case.impl, precision=case.precision)
-            try:
-                impl = IMPLS[case.impl].make(inp, case.precision)
-                errors, ok, message = _check(impl, ref, case.precision)
-            except (Skip, NotImplementedError) as exc:
-                results += [Result(pass_=p, status="skipped", message=str(exc), **row) for p in case.passes]
+            row = dict(preset=preset.name, impl=case.impl, precision=case.precision, ep=num_ranks)
+            impl, verdict = _check_case(case, inp, ref, group)
+            verdict = _agree(verdict, group)
+            if verdict.status != "checked":
+                results += [Result(pass_=p, status=verdict.status, message=verdict.message, **row)
+                            for p in case.passes]
                 for _ in case.passes:
-                    step(f"{preset.name}: skip {case.impl}")
+                    step(f"{preset.name}: {case.impl} {verdict.status}")
                 continue
-            except Exception as exc:  # a crash is a failed check, reported, never fatal to the run
-                msg = f"raised {type(exc).__name__}: {exc}"
-                status = "skipped" if IMPLS[case.impl].peer else "FAIL"
-                results += [Result(pass_=p, status=status, message=msg, **row) for p in case.passes]
-                for _ in case.passes:
-                    step(f"{preset.name}: {case.impl} failed")
-                continue
-            checked.append((case, impl, errors, ok, message))
+            checked.append((case, impl, verdict))
         d_out = ref.d_out
         del ref
         _free(device)
         # Phase 2: time what passed, one (impl, pass) at a time.
-        for case, impl, errors, ok, message in checked:
-            row = dict(preset=preset.name, impl=case.impl, precision=case.precision,
-                       same_function=impl.same_function, extra=impl.extra)
+        for case, impl, verdict in checked:
+            row = dict(preset=preset.name, impl=case.impl, precision=case.precision, ep=num_ranks,
+                       same_function=impl.same_function)
             for pass_ in case.passes:
                 step(f"{preset.name}: time {case.impl} ({case.precision}) {pass_}")
-                max_err, min_cos = _summary(errors, pass_)
-                checked_row = dict(row, errors=errors, max_rel_err=max_err, min_cosine=min_cos)
-                if not ok[pass_]:
-                    results.append(Result(pass_=pass_, status="FAIL", message=message, **checked_row))
+                max_err, min_cos = _summary(verdict.errors, pass_)
+                checked_row = dict(row, errors=verdict.errors, max_rel_err=max_err, min_cosine=min_cos)
+                if not verdict.ok[pass_]:
+                    results.append(Result(pass_=pass_, status="FAIL", message=verdict.message, extra=impl.extra,
+                                          **checked_row))
                     continue
                 try:
-                    stats, mem = _time(impl, pass_, d_out, warmup, reps, device)
+                    timing = _time(impl, pass_, d_out, warmup, reps, device, inputs_gb, group)
                 except Exception as exc:
                     msg = f"timing raised {type(exc).__name__}: {exc}"
-                    results.append(Result(pass_=pass_, status="error", message=msg, **checked_row))
+                    results.append(Result(pass_=pass_, status="error", message=msg, extra=impl.extra, **checked_row))
                     _free(device)
                     continue
-                ms = stats["median"]
+                stats = timing.stats
                 results.append(Result(
-                    pass_=pass_, status="ok", ms=ms, tflops=preset.flops(pass_) / (ms * 1e-3) / 1e12,
-                    peak_mem_gb=None if mem.delta_gb is None else inputs_gb + mem.delta_gb,
-                    peak_mem_delta_gb=mem.delta_gb, ms_min=stats["min"], ms_p20=stats["p20"], ms_p80=stats["p80"],
-                    reps=reps, message=impl.note, **checked_row,
+                    pass_=pass_, status="ok", ms=stats["median"],
+                    tflops=preset.flops(pass_) / (stats["median"] * 1e-3) / 1e12,
+                    peak_mem_gb=timing.peak_mem_gb, peak_mem_delta_gb=timing.peak_mem_delta_gb,
+                    ms_min=stats["min"], ms_p20=stats["p20"], ms_p80=stats["p80"], reps=reps, message=impl.note,
+                    extra=impl.extra | _timing_extra(impl, pass_, timing), **checked_row,
                 ))
         del checked, inp, d_out
         _free(device)
@@ -362,10 +544,18 @@ def _sorted(results: Sequence[Result], cases: Sequence[Case]) -> list[Result]:
 
 
 def with_speedups(results: Sequence[Result]) -> list[Result]:
-    """Each timed row's speedup over torch-eager on the same preset and pass (when timed)."""
-    eager = {(r.preset, r.pass_): r.ms for r in results if r.impl == "torch-eager" and r.ms is not None}
-    return [
-        dataclasses.replace(r, speedup_vs_torch_eager=eager[(r.preset, r.pass_)] / r.ms)
-        if r.ms is not None and (r.preset, r.pass_) in eager else r
-        for r in results
-    ]
+    """Each timed row's speedup over its baseline (BASELINE on one device, EP_BASELINE under
+    expert parallelism) on the same preset and pass, when that was timed."""
+    def baseline(r: Result) -> str:
+        return EP_BASELINE if r.ep > 1 else BASELINE
+
+    base_ms = {(r.preset, r.pass_, r.ep): r.ms for r in results if r.impl == baseline(r) and r.ms is not None}
+    speedups = []
+    for r in results:
+        key = (r.preset, r.pass_, r.ep)
+        if r.ms is None or key not in base_ms:
+            speedups.append(r)
+            continue
+        name = "speedup_vs_torch_ep_nccl" if r.ep > 1 else "speedup_vs_torch_eager"
+        speedups.append(dataclasses.replace(r, **{name: base_ms[key] / r.ms}))
+    return speedups

@@ -1,7 +1,8 @@
 """Timing and peak-memory helpers shared by the benchmark and by kernel tests.
 
 `time_ms(fn, warmup=, reps=, device=)` runs `fn` `warmup` times untimed, then `reps` times
-timed one by one, and returns statistics in milliseconds. On CUDA each run is bracketed by
+timed one by one, and returns statistics in milliseconds (`times_ms` the per-call times,
+in run order; `summarize_ms` their statistics). On CUDA each run is bracketed by
 a pair of CUDA events recorded on the current stream (the GPU's own clock, no host sync
 inside the timed loop: launches queue ahead, as in training); elsewhere it uses
 `time.perf_counter` around each run (CPU work is synchronous).
@@ -19,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["time_ms", "percentile", "PeakMemory"]
+__all__ = ["time_ms", "times_ms", "summarize_ms", "percentile", "PeakMemory"]
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -37,19 +38,20 @@ def _is_cuda(device: torch.device | str | None) -> bool:
     return torch.device(device).type == "cuda"
 
 
-def time_ms(
+def times_ms(
     fn: Callable[[], object],
     *,
     warmup: int = 10,
     reps: int = 50,
     device: torch.device | str | None = None,
     setup: Callable[[], object] | None = None,
-) -> dict[str, float]:
-    """Milliseconds per call of `fn`: {median, min, max, mean, p20, p80, reps}.
+) -> list[float]:
+    """Milliseconds of each timed call of `fn`, in run order (what `time_ms` summarises).
 
-    `setup`, when given, runs before every call outside the timed region (e.g. to zero
-    gradients). `fn`'s return value is dropped right after each call, so its memory can be
-    reused by the next one. `device` None means CUDA when available.
+    Run order matters under expert parallelism: the benchmark takes, per iteration, the
+    slowest rank's time. `setup`, when given, runs before every call outside the timed
+    region (e.g. to zero gradients). `fn`'s return value is dropped right after each call,
+    so its memory can be reused by the next one. `device` None means CUDA when available.
     """
     if warmup < 0 or reps < 1:
         raise ValueError(f"warmup: expected >= 0 and reps >= 1, got warmup={warmup} reps={reps}")
@@ -58,7 +60,6 @@ def time_ms(
         if setup is not None:
             setup()
         fn()
-    times: list[float] = []
     if cuda:
         torch.cuda.synchronize()
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
@@ -69,15 +70,20 @@ def time_ms(
             fn()
             end.record()
         torch.cuda.synchronize()
-        times = [start.elapsed_time(end) for start, end in events]
-    else:
-        for _ in range(reps):
-            if setup is not None:
-                setup()
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    times.sort()
+        return [start.elapsed_time(end) for start, end in events]
+    times: list[float] = []
+    for _ in range(reps):
+        if setup is not None:
+            setup()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def summarize_ms(times: list[float]) -> dict[str, float]:
+    """{median, min, max, mean, p20, p80, reps} of per-call milliseconds."""
+    times = sorted(times)
     return {
         "median": percentile(times, 50),
         "min": times[0],
@@ -85,8 +91,20 @@ def time_ms(
         "mean": sum(times) / len(times),
         "p20": percentile(times, 20),
         "p80": percentile(times, 80),
-        "reps": float(reps),
+        "reps": float(len(times)),
     }
+
+
+def time_ms(
+    fn: Callable[[], object],
+    *,
+    warmup: int = 10,
+    reps: int = 50,
+    device: torch.device | str | None = None,
+    setup: Callable[[], object] | None = None,
+) -> dict[str, float]:
+    """Milliseconds per call of `fn`: {median, min, max, mean, p20, p80, reps} (see `times_ms`)."""
+    return summarize_ms(times_ms(fn, warmup=warmup, reps=reps, device=device, setup=setup))
 
 
 class PeakMemory:

@@ -65,6 +65,16 @@ class NcclDispatch:
         """P·C: rows of every buffer this rank sends or receives."""
         return self.world_size * self.send_capacity
 
+    def peer_bytes(self, hidden_size: int, with_backward: bool) -> int:
+        """Bytes this rank sends its P − 1 peers in one forward (and backward), C rows per
+        peer in each exchange: the plan's expert ids (C + 1 int32), x rows and y rows (H
+        bf16 each); the backward adds dOut and dx rows and the router weights and their
+        gradients (fp32). The block a rank exchanges with itself stays on the device."""
+        int32, bf16, fp32 = 4, 2, 4
+        forward = (self.send_capacity + 1) * int32 + 2 * self.send_capacity * hidden_size * bf16
+        backward = 2 * self.send_capacity * (hidden_size * bf16 + fp32)
+        return (self.world_size - 1) * (forward + (backward if with_backward else 0))
+
     def dispatch(self, x: torch.Tensor) -> torch.Tensor:
         """[T, H] token rows → [P·C, H]: the rows routed to this rank's experts."""
         return _exchange(ops.pack_rows(x, self.route_slot, self.topk, self.num_expert_rows), self.group)

@@ -13,6 +13,7 @@ about 5 s per rank for one forward + backward, so CI stops at 3.)
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import pytest
@@ -24,6 +25,7 @@ from mok.kernels.common import interpreting
 from mok.reference import ep_moe_backward, ep_moe_forward
 from mok.testing import assert_close_to_reference, make_inputs, make_topk_ids
 from mok.testing.distributed import run_distributed
+from mok.transport import nccl
 
 WORLD_SIZE = 3
 GROUP_RANKS = {3: None, 2: [0, 2]}  # P -> global ranks of its group (None = WORLD)
@@ -74,16 +76,33 @@ def _local_inputs(case: Case, num_ranks: int, rank: int, seed: int):
     return g.x, ids, g.topk_weights, weights, (g.ws_gate, g.ws_up, g.ws_down), d_out
 
 
+@contextlib.contextmanager
+def _count_peer_bytes(num_ranks: int):
+    """[bytes]: what the transport's exchanges hand the other ranks (all blocks but the own)."""
+    exchange, sent = nccl._exchange, [0]
+
+    def counting_exchange(send, group):
+        sent[0] += send.numel() * send.element_size() // num_ranks * (num_ranks - 1)
+        return exchange(send, group)
+
+    nccl._exchange = counting_exchange
+    try:
+        yield sent
+    finally:
+        nccl._exchange = exchange
+
+
 def _run_triton(config, group, x, ids, topk_weights, routed, shared, d_out, swiglu_limit):
-    """(out, gradients, schedule) of one forward + backward through the functional API."""
+    """(out, gradients, schedule, bytes sent to peers) of one forward + backward through the functional API."""
     ws = mok.get_workspace(config, group, device="cpu", num_local_tokens=x.shape[0], hidden_size=H, topk=ids.shape[1])
-    schedule = mok.build_schedule(ws, config, ids, num_local_experts=routed[0].shape[0],
-                                  has_shared_expert=shared[0] is not None)
-    args = (x, topk_weights, *shared, *routed)
-    out, ctx = mok.forward(config, ws, schedule, *args, swiglu_limit)
-    grads = mok.backward(config, ws, schedule, ctx, d_out, *args, swiglu_limit)
+    with _count_peer_bytes(dist.get_world_size(group)) as peer_bytes:
+        schedule = mok.build_schedule(ws, config, ids, num_local_experts=routed[0].shape[0],
+                                      has_shared_expert=shared[0] is not None)
+        args = (x, topk_weights, *shared, *routed)
+        out, ctx = mok.forward(config, ws, schedule, *args, swiglu_limit)
+        grads = mok.backward(config, ws, schedule, ctx, d_out, *args, swiglu_limit)
     mok.check_errors(ws)
-    return out, grads, schedule
+    return out, grads, schedule, peer_bytes[0]
 
 
 def _check_case(case: Case, num_ranks: int, rank: int, group, seed: int, run_twice: bool) -> None:
@@ -99,8 +118,10 @@ def _check_case(case: Case, num_ranks: int, rank: int, group, seed: int, run_twi
 
     ctx = (f"case={case.name!r} P={num_ranks} group_rank={rank} T={x.shape[0]} {H=} {I=} "
            f"E_l={case.experts_per_rank} topk={case.topk} I_s={case.shared_size} limit={case.swiglu_limit}")
-    out, grads, schedule = runs[0]
+    out, grads, schedule, peer_bytes = runs[0]
     assert schedule.dispatch is not None and schedule.dispatch.world_size == num_ranks, ctx
+    # What the benchmark reports as bytes per rank and pass is what the exchanges moved.
+    assert schedule.dispatch.peer_bytes(H, with_backward=True) == peer_bytes, f"{peer_bytes=} {ctx}"
     assert out.dtype == torch.bfloat16, ctx
     assert_close_to_reference(out, ref_out, name="out", context=ctx)
     for name, got, expected in zip(ref._fields, grads, ref):
@@ -110,7 +131,7 @@ def _check_case(case: Case, num_ranks: int, rank: int, group, seed: int, run_twi
         for e in range(case.experts_per_rank):
             if (getattr(ref, name)[e] == 0).all():
                 assert (getattr(grads, name)[e] == 0).all(), f"{name}[{e}] not exactly 0 {ctx}"
-    for out_again, grads_again, _ in runs[1:]:
+    for out_again, grads_again, *_ in runs[1:]:
         assert torch.equal(out, out_again), f"out differs run to run {ctx}"
         for name, a, b in zip(grads._fields, grads, grads_again):
             assert (a is None and b is None) or torch.equal(a, b), f"{name} differs run to run {ctx}"
