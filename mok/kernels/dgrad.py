@@ -72,7 +72,7 @@ from mok.fp8_block import FP8_BLOCK
 from mok.kernels.common import interpreting, round_to_bf16, tma_descriptor
 from mok.kernels.grouped_gemm import (
     check_fp8_block_pair,
-    check_fp8_block_tiles,
+    checked_tile_config,
     fp8_block_weight_shape,
     routing_block_m,
     sorted_rows_tile,
@@ -290,13 +290,9 @@ def _check_topk_weights(topk_weights: torch.Tensor | None, device: torch.device)
 def _dgrad_tiles(
     kind: str, n_dim: int, reduce_dim: int, precision: str, tile_config: dict | None, schedule: RoutingSchedule
 ) -> dict:
-    """`tile_config` or the default, checked against the schedule and the precision's scale block."""
-    cfg = tile_config or dgrad_config(kind, n_dim, reduce_dim, precision)
-    if cfg["BLOCK_M"] != schedule.block_m:
-        raise ValueError(f"schedule: expected block_m {cfg['BLOCK_M']}, got {schedule.block_m}")
-    if precision == "fp8_block":
-        check_fp8_block_tiles(cfg, f"{kind} dgrad", whole_block_n=False)
-    return cfg
+    return checked_tile_config(
+        tile_config, dgrad_config(kind, n_dim, reduce_dim, precision), schedule, precision, f"{kind} dgrad", False
+    )
 
 
 def _weight_block(precision: str, cfg: dict) -> tuple[int, int]:

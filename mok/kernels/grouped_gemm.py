@@ -276,16 +276,25 @@ def routing_block_m() -> int:
     return gemm_config("gate_up", 0, 0)["BLOCK_M"]
 
 
-def _tile_config(
-    kind: str, n_dim: int, reduce_dim: int, precision: str, tile_config: dict | None, schedule: RoutingSchedule
+def checked_tile_config(
+    tile_config: dict | None, default: dict, schedule: RoutingSchedule, precision: str, what: str, whole_block_n: bool
 ) -> dict:
-    """`tile_config` or the default, checked against the schedule and the precision's scale block."""
-    cfg = tile_config or gemm_config(kind, n_dim, reduce_dim, precision)
+    """`tile_config` or `default`, checked against the schedule's M tile and, in fp8_block,
+    the scale block (`what` names the GEMM in errors; `whole_block_n`: BLOCK_N must be 128)."""
+    cfg = tile_config or default
     if cfg["BLOCK_M"] != schedule.block_m:
         raise ValueError(f"schedule: expected block_m {cfg['BLOCK_M']}, got {schedule.block_m}")
     if precision == "fp8_block":
-        check_fp8_block_tiles(cfg, kind, whole_block_n=kind == "gate_up")
+        check_fp8_block_tiles(cfg, what, whole_block_n)
     return cfg
+
+
+def _tile_config(
+    kind: str, n_dim: int, reduce_dim: int, precision: str, tile_config: dict | None, schedule: RoutingSchedule
+) -> dict:
+    return checked_tile_config(
+        tile_config, gemm_config(kind, n_dim, reduce_dim, precision), schedule, precision, kind, kind == "gate_up"
+    )
 
 
 def check_fp8_block_tiles(cfg: dict, gemm: str, whole_block_n: bool) -> None:
