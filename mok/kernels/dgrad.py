@@ -75,6 +75,7 @@ from mok.kernels.grouped_gemm import (
     checked_tile_config,
     fp8_block_weight_shape,
     routing_block_m,
+    scatter_rows_to_slots,
     sorted_rows_tile,
     tile_coordinates,
 )
@@ -259,10 +260,7 @@ def _gate_up_dgrad_scatter_kernel(
     else:
         dx = sorted_rows_times_weight(d_gate_desc, m0, w_gate_desc, expert, n0, inter, dx, BLOCK_K, INTERPRETER)
         dx = sorted_rows_times_weight(d_up_desc, m0, w_up_desc, expert, n0, inter, dx, BLOCK_K, INTERPRETER)
-    source = tl.load(row_source_ptr + rows)
-    slot = tl.where(source >= 0, source, 0).to(tl.int64)
-    mask = (source >= 0)[:, None] & (n_offs[None, :] < hidden)
-    tl.store(dx_ptr + slot[:, None] * stride_dx_s + n_offs[None, :], round_to_bf16(dx, INTERPRETER), mask=mask)
+    scatter_rows_to_slots(dx_ptr, dx, row_source_ptr, rows, n_offs, hidden, stride_dx_s, INTERPRETER)
 
 
 # --------------------------------------------------------------------------- launchers

@@ -197,6 +197,16 @@ def sorted_rows_tile(
 
 
 @triton.jit
+def scatter_rows_to_slots(out_ptr, tile, row_source_ptr, rows, n_offs, n_dim, stride_out_s, INTERPRETER: tl.constexpr):
+    """out[row_source[r], n_offs] = bf16(tile[r]) for each sorted row r of the tile; padding
+    rows (source −1) and columns past n_dim store nothing."""
+    source = tl.load(row_source_ptr + rows)
+    slot = tl.where(source >= 0, source, 0).to(tl.int64)
+    mask = (source >= 0)[:, None] & (n_offs[None, :] < n_dim)
+    tl.store(out_ptr + slot[:, None] * stride_out_s + n_offs[None, :], round_to_bf16(tile, INTERPRETER), mask=mask)
+
+
+@triton.jit
 def _down_scatter_kernel(
     # pointers (h, w_down: bf16, or e4m3 with their scales in fp8_block)
     h_desc, w_down_desc, y_ptr,
@@ -222,10 +232,7 @@ def _down_scatter_kernel(
         h_desc, h_scale_ptr, w_down_desc, w_down_scale_ptr, m_tile * BLOCK_M, expert, n_tile * BLOCK_N, inter, hidden,
         tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRETER,
     )
-    source = tl.load(row_source_ptr + rows)
-    slot = tl.where(source >= 0, source, 0).to(tl.int64)
-    mask = (source >= 0)[:, None] & (n_offs[None, :] < hidden)
-    tl.store(y_ptr + slot[:, None] * stride_y_s + n_offs[None, :], round_to_bf16(y, INTERPRETER), mask=mask)
+    scatter_rows_to_slots(y_ptr, y, row_source_ptr, rows, n_offs, hidden, stride_y_s, INTERPRETER)
 
 
 # --------------------------------------------------------------------------- configs

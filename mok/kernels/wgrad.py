@@ -92,69 +92,43 @@ def store_weight_grad(ptrs, acc, mask, ACCUMULATE: tl.constexpr, OUT_BF16: tl.co
 
 
 @triton.jit
-def _down_wgrad_kernel(
-    # pointers
-    dy_desc, h_desc, d_w_ptr,
+def _sorted_rows_wgrad_kernel(
+    # pointers: out[e] = Σ_r a[r]ᵀ · b[r], and out2[e] = Σ_r a2[r]ᵀ · b[r] with TWO_OUTPUTS
+    a_desc, a2_desc, b_desc, out_ptr, out2_ptr,
     # schedule
     expert_offsets_ptr,
-    # sizes
-    hidden, inter,
+    # sizes: out is [E_l, m_dim, n_dim]
+    m_dim, n_dim,
     # strides
-    stride_dw_e, stride_dw_h,
+    stride_out_e, stride_out_m,
     # meta
-    ACCUMULATE: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRETER: tl.constexpr,
+    TWO_OUTPUTS: tl.constexpr, ACCUMULATE: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRETER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    expert, m0, n0 = expert_tile_coordinates(tl.program_id(0), hidden, inter, BLOCK_M, BLOCK_N)
+    """down: a = dy_sorted, b = h; gate/up: a, a2 = d_g, d_u (sharing the x_sorted tile b)."""
+    expert, m0, n0 = expert_tile_coordinates(tl.program_id(0), m_dim, n_dim, BLOCK_M, BLOCK_N)
     row_start = tl.load(expert_offsets_ptr + expert)
     row_end = tl.load(expert_offsets_ptr + expert + 1)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for r0 in range(row_start, row_end, BLOCK_K):
-        a = dy_desc.load([r0, m0]).T  # dyᵀ [BLOCK_M over H, BLOCK_K rows]
-        b = h_desc.load([r0, n0])  # h [BLOCK_K rows, BLOCK_N over I]
+        a = a_desc.load([r0, m0]).T  # aᵀ [BLOCK_M, BLOCK_K rows]
+        b = b_desc.load([r0, n0])  # b [BLOCK_K rows, BLOCK_N]
         if INTERPRETER:  # the interpreter's bf16 tl.dot is wrong (DESIGN §6); fp32 is exact
             a, b = a.to(tl.float32), b.to(tl.float32)
         acc = tl.dot(a, b, acc)
+        if TWO_OUTPUTS:
+            a2 = a2_desc.load([r0, m0]).T
+            if INTERPRETER:
+                a2 = a2.to(tl.float32)
+            acc2 = tl.dot(a2, b, acc2)
     m_offs = m0 + tl.arange(0, BLOCK_M)
     n_offs = n0 + tl.arange(0, BLOCK_N)
-    ptrs = d_w_ptr + expert.to(tl.int64) * stride_dw_e + m_offs[:, None].to(tl.int64) * stride_dw_h + n_offs[None, :]
-    mask = (m_offs < hidden)[:, None] & (n_offs < inter)[None, :]
-    store_weight_grad(ptrs, acc, mask, ACCUMULATE, OUT_BF16, INTERPRETER)
-
-
-@triton.jit
-def _gate_up_wgrad_kernel(
-    # pointers
-    d_gate_desc, d_up_desc, x_desc, d_w_gate_ptr, d_w_up_ptr,
-    # schedule
-    expert_offsets_ptr,
-    # sizes
-    hidden, inter,
-    # strides
-    stride_dw_e, stride_dw_i,
-    # meta
-    ACCUMULATE: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRETER: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    expert, m0, n0 = expert_tile_coordinates(tl.program_id(0), inter, hidden, BLOCK_M, BLOCK_N)
-    row_start = tl.load(expert_offsets_ptr + expert)
-    row_end = tl.load(expert_offsets_ptr + expert + 1)
-    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for r0 in range(row_start, row_end, BLOCK_K):
-        a_gate = d_gate_desc.load([r0, m0]).T  # d_gᵀ [BLOCK_M over I, BLOCK_K rows]
-        a_up = d_up_desc.load([r0, m0]).T
-        b = x_desc.load([r0, n0])  # [BLOCK_K rows, BLOCK_N over H]
-        if INTERPRETER:
-            a_gate, a_up, b = a_gate.to(tl.float32), a_up.to(tl.float32), b.to(tl.float32)
-        acc_gate = tl.dot(a_gate, b, acc_gate)
-        acc_up = tl.dot(a_up, b, acc_up)
-    m_offs = m0 + tl.arange(0, BLOCK_M)
-    n_offs = n0 + tl.arange(0, BLOCK_N)
-    offs = expert.to(tl.int64) * stride_dw_e + m_offs[:, None].to(tl.int64) * stride_dw_i + n_offs[None, :]
-    mask = (m_offs < inter)[:, None] & (n_offs < hidden)[None, :]
-    store_weight_grad(d_w_gate_ptr + offs, acc_gate, mask, ACCUMULATE, OUT_BF16, INTERPRETER)
-    store_weight_grad(d_w_up_ptr + offs, acc_up, mask, ACCUMULATE, OUT_BF16, INTERPRETER)
+    offs = expert.to(tl.int64) * stride_out_e + m_offs[:, None].to(tl.int64) * stride_out_m + n_offs[None, :]
+    mask = (m_offs < m_dim)[:, None] & (n_offs < n_dim)[None, :]
+    store_weight_grad(out_ptr + offs, acc, mask, ACCUMULATE, OUT_BF16, INTERPRETER)
+    if TWO_OUTPUTS:
+        store_weight_grad(out2_ptr + offs, acc2, mask, ACCUMULATE, OUT_BF16, INTERPRETER)
 
 
 # --------------------------------------------------------------------------- launchers
@@ -177,6 +151,25 @@ def _check_block_k(cfg: dict, schedule: RoutingSchedule) -> None:
 _MAIN_GRAD_DTYPES = (torch.float32, torch.bfloat16)
 
 
+def _launch_wgrad(a, a2, b, out, out2, schedule: RoutingSchedule, cfg: dict, accumulate: bool) -> None:
+    """One launch of `_sorted_rows_wgrad_kernel` over out [E_l, m_dim, n_dim] (a2, out2 None
+    for a single output); a, a2 [rows, m_dim] and b [rows, n_dim] in the sorted layout."""
+    _check_block_k(cfg, schedule)
+    experts, m_dim, n_dim = out.shape
+    a_block = (cfg["BLOCK_K"], cfg["BLOCK_M"])
+    a_desc = tma_descriptor(a, a_block)
+    grid = (experts * triton.cdiv(m_dim, cfg["BLOCK_M"]) * triton.cdiv(n_dim, cfg["BLOCK_N"]),)
+    _sorted_rows_wgrad_kernel[grid](
+        a_desc, a_desc if a2 is None else tma_descriptor(a2, a_block),
+        tma_descriptor(b, (cfg["BLOCK_K"], cfg["BLOCK_N"])), out, out if out2 is None else out2,
+        schedule.expert_offsets,
+        m_dim, n_dim,
+        out.stride(0), out.stride(1),
+        TWO_OUTPUTS=out2 is not None, ACCUMULATE=accumulate, OUT_BF16=out.dtype == torch.bfloat16,
+        INTERPRETER=interpreting(), **cfg,
+    )
+
+
 def down_wgrad(
     dy_sorted: torch.Tensor,  # [<= capacity_rows, H] bf16, w·dOut in the sorted layout (zeros at padding)
     h: torch.Tensor,  # [<= capacity_rows, I] bf16, the forward's h (zeros at padding)
@@ -192,20 +185,11 @@ def down_wgrad(
     check_sorted_rows("h", h, inter, schedule)
     if main_grad is not None:
         _check("main_grad", main_grad, _MAIN_GRAD_DTYPES, (experts, hidden, inter), device)
-    cfg = tile_config or wgrad_config("down", hidden, inter)
-    _check_block_k(cfg, schedule)
     out = main_grad
     if out is None:
         out = torch.empty(experts, hidden, inter, dtype=torch.bfloat16, device=device)  # [E_l, H, I]
-    grid = (experts * triton.cdiv(hidden, cfg["BLOCK_M"]) * triton.cdiv(inter, cfg["BLOCK_N"]),)
-    _down_wgrad_kernel[grid](
-        tma_descriptor(dy_sorted, (cfg["BLOCK_K"], cfg["BLOCK_M"])),
-        tma_descriptor(h, (cfg["BLOCK_K"], cfg["BLOCK_N"])), out,
-        schedule.expert_offsets,
-        hidden, inter,
-        out.stride(0), out.stride(1),
-        ACCUMULATE=main_grad is not None, OUT_BF16=out.dtype == torch.bfloat16, INTERPRETER=interpreting(), **cfg,
-    )
+    cfg = tile_config or wgrad_config("down", hidden, inter)
+    _launch_wgrad(dy_sorted, None, h, out, None, schedule, cfg, accumulate=main_grad is not None)
     return out
 
 
@@ -233,16 +217,6 @@ def gate_up_wgrad(
         d_w_gate = torch.empty(experts, inter, hidden, dtype=torch.bfloat16, device=device)  # [E_l, I, H]
         d_w_up = torch.empty_like(d_w_gate)  # [E_l, I, H]
     cfg = tile_config or wgrad_config("gate_up", inter, hidden)
-    _check_block_k(cfg, schedule)
-    a_block = (cfg["BLOCK_K"], cfg["BLOCK_M"])
-    grid = (experts * triton.cdiv(inter, cfg["BLOCK_M"]) * triton.cdiv(hidden, cfg["BLOCK_N"]),)
-    _gate_up_wgrad_kernel[grid](
-        tma_descriptor(d_gate_up[:, 0], a_block), tma_descriptor(d_gate_up[:, 1], a_block),
-        tma_descriptor(x_sorted, (cfg["BLOCK_K"], cfg["BLOCK_N"])), d_w_gate, d_w_up,
-        schedule.expert_offsets,
-        hidden, inter,
-        d_w_gate.stride(0), d_w_gate.stride(1),
-        ACCUMULATE=main_grad_gate is not None, OUT_BF16=d_w_gate.dtype == torch.bfloat16,
-        INTERPRETER=interpreting(), **cfg,
-    )
+    _launch_wgrad(d_gate_up[:, 0], d_gate_up[:, 1], x_sorted, d_w_gate, d_w_up, schedule, cfg,
+                  accumulate=main_grad_gate is not None)
     return d_w_gate, d_w_up
