@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 PRECISIONS = ("bf16", "mxfp8", "fp8_block")
 BACKENDS = ("auto", "triton", "reference")
-TRANSPORTS = ("auto", "nccl")
+TRANSPORTS = ("auto", "symmetric", "nccl")
 
 # Rows a precision needs H and I to be multiples of (SPEC §4).
 SIZE_ALIGNMENT = {"bf16": 8, "mxfp8": 32, "fp8_block": 128}
@@ -31,8 +31,13 @@ class MoKConfig:
         routes one rank can have to one peer.
     strict: check device-side error flags (capacity overflow, bad expert ids) right after
         each call, at the cost of a host sync; otherwise they are raised by `check_errors`.
-    transport: how the triton backend moves rows between expert-parallel ranks: "nccl"
-        (`torch.distributed` collectives, any process group) or "auto" (nccl for now).
+    transport: how the triton backend moves rows between expert-parallel ranks:
+        "symmetric" (peer stores into symmetric memory over NVLink, one host), "nccl"
+        (`torch.distributed` collectives, any process group) or "auto" (symmetric where
+        every GPU of the group can reach its peers' memory, else nccl).
+    peer_timeout_s: how long a device-side wait for a peer rank spins before it gives up
+        with an error (symmetric transport): a rank that never arrives becomes a Python
+        error from `check_errors`, not a hang.
     """
 
     precision: str = "bf16"
@@ -44,6 +49,7 @@ class MoKConfig:
     schedule_capacity_multiplier: float | None = None
     strict: bool = False
     transport: str = "auto"
+    peer_timeout_s: float = 30.0
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -65,6 +71,9 @@ class MoKConfig:
             raise ValueError(f"schedule_capacity_multiplier: expected None or a number >= 1, got {multiplier!r}")
         if not isinstance(self.strict, bool):
             raise TypeError(f"strict: expected a bool, got {type(self.strict).__name__}")
+        timeout = self.peer_timeout_s
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout <= 3600:
+            raise ValueError(f"peer_timeout_s: expected a number of seconds in (0, 3600], got {timeout!r}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport: expected one of {TRANSPORTS}, got {self.transport!r}")
 

@@ -38,7 +38,7 @@ from mok.kernels.common import ERROR_BAD_EXPERT_ID, ERROR_CAPACITY_OVERFLOW, ERR
 from mok.fp8_block import FP8_BLOCK, fp8_block_round
 from mok.mxfp8 import mxfp8_dequantize, mxfp8_quantize
 from mok.reference import Gradients
-from mok.transport import NcclDispatch, NcclTransport, create_transport
+from mok.transport import Dispatch, Transport, create_transport
 from mok.validation import check_layer_inputs, check_tensor, check_topk_ids_values
 
 __all__ = [
@@ -66,7 +66,8 @@ class MoKError(RuntimeError):
 _ERROR_MESSAGES = {
     ERROR_BAD_EXPERT_ID: "topk_ids held an expert id out of range or repeated within a row",
     ERROR_CAPACITY_OVERFLOW: "routing exceeded the schedule capacity (raise schedule_capacity_multiplier)",
-    ERROR_PEER_TIMEOUT: "a peer rank did not arrive within the spin bound",
+    ERROR_PEER_TIMEOUT: "a peer rank did not arrive within MoKConfig.peer_timeout_s (a rank died, hung or skipped "
+                        "a call); the ranks are out of step: call clear_workspace_cache() before the next call",
 }
 
 
@@ -89,7 +90,7 @@ class Workspace:
     topk: int
     error_flag: torch.Tensor  # [1] int32, bits ERROR_*; zeroed by check_errors
     buffers: dict = field(default_factory=dict)
-    transport: NcclTransport | None = None  # moves rows between the ranks of the group (P > 1)
+    transport: Transport | None = None  # moves rows between the ranks of the group (P > 1)
 
 
 _WORKSPACE_CACHE: dict[tuple, Workspace] = {}
@@ -124,10 +125,12 @@ def create_workspace(
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     world_size, rank = _group_size_and_rank(group)
+    error_flag = torch.zeros(1, dtype=torch.int32, device=device)
     transport = None
     if world_size > 1:
         _check_same_across_ranks(group, {"hidden_size": hidden_size, "topk": topk}, device)
-        transport = create_transport(config, group, device=device, num_local_tokens=num_local_tokens, topk=topk)
+        transport = create_transport(config, group, device=device, num_local_tokens=num_local_tokens,
+                                     hidden_size=hidden_size, topk=topk, error_flag=error_flag)
     return Workspace(
         device=device,
         group=group,
@@ -136,7 +139,7 @@ def create_workspace(
         num_local_tokens=num_local_tokens,
         hidden_size=hidden_size,
         topk=topk,
-        error_flag=torch.zeros(1, dtype=torch.int32, device=device),
+        error_flag=error_flag,
         transport=transport,
     )
 
@@ -159,18 +162,22 @@ def get_workspace(
     num_local_tokens: int,
     hidden_size: int,
     topk: int,
+    cache: dict | None = None,
 ) -> Workspace:
-    """The cached workspace for these arguments (created on first use)."""
+    """The cached workspace for these arguments (created on first use), from `cache` if
+    given (`MoKMoE` gives each layer its own, so layers never share buffers), else from
+    the module-wide cache that `clear_workspace_cache` empties."""
+    cache = _WORKSPACE_CACHE if cache is None else cache
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     key = (config, id(group) if group is not None else None, device, num_local_tokens, hidden_size, topk)
-    workspace = _WORKSPACE_CACHE.get(key)
+    workspace = cache.get(key)
     if workspace is None:
         workspace = create_workspace(
             config, group, device=device, num_local_tokens=num_local_tokens, hidden_size=hidden_size, topk=topk
         )
-        _WORKSPACE_CACHE[key] = workspace
+        cache[key] = workspace
     return workspace
 
 
@@ -242,7 +249,7 @@ class Schedule:
     routing: tuple[torch.Tensor, ...] | None = None
     shared_routing: tuple[torch.Tensor, ...] | None = None
     block_m: int = 0
-    dispatch: NcclDispatch | None = None
+    dispatch: Dispatch | None = None
 
 
 def build_schedule(
@@ -496,8 +503,8 @@ def _routed_backward(schedule, saved, d_out, x, topk_weights, routed, swiglu_lim
             d_out, x, topk_weights, routed, saved, schedule.routing, schedule.block_m,
             topk, num_tokens * topk, swiglu_limit, main_grads,
         )
+    expert_x = dispatch.received_x(saved["expert_x"], x)  # [P·C, H]
     expert_d_out, expert_weights = dispatch.dispatch_grad(d_out, topk_weights)  # [P·C, H], [P·C, 1]
-    expert_x = saved["expert_x"]
     dx_rows, d_weight_rows, grads = _expert_mlp_backward(
         expert_d_out, expert_x, expert_weights, routed, saved, schedule.routing, schedule.block_m,
         1, expert_x.shape[0], swiglu_limit, main_grads,
@@ -611,10 +618,12 @@ def _check_main_grads(main_grads, weights: dict[str, torch.Tensor | None]) -> di
 
 class _MoELayer(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, config, group, swiglu_limit, x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down):
+    def forward(ctx, config, group, swiglu_limit, workspace_cache, x, topk_ids, topk_weights, w_gate, w_up, w_down,
+                ws_gate, ws_up, ws_down):
         num_tokens, hidden = x.shape
         workspace = get_workspace(
-            config, group, device=x.device, num_local_tokens=num_tokens, hidden_size=hidden, topk=topk_ids.shape[1]
+            config, group, device=x.device, num_local_tokens=num_tokens, hidden_size=hidden, topk=topk_ids.shape[1],
+            cache=workspace_cache,
         )
         schedule = build_schedule(
             workspace, config, topk_ids, num_local_experts=w_gate.shape[0], has_shared_expert=ws_gate is not None
@@ -637,7 +646,7 @@ class _MoELayer(torch.autograd.Function):
             w_gate, w_up, w_down, swiglu_limit,
         )
         return (
-            None, None, None, grads.d_x, None, grads.d_topk_weights, grads.d_w_gate, grads.d_w_up, grads.d_w_down,
+            None, None, None, None, grads.d_x, None, grads.d_topk_weights, grads.d_w_gate, grads.d_w_up, grads.d_w_down,
             grads.d_ws_gate, grads.d_ws_up, grads.d_ws_down,
         )
 
@@ -656,10 +665,12 @@ def moe(
     config: MoKConfig | None = None,
     swiglu_limit: float | None = None,
     group: dist.ProcessGroup | None = None,
+    workspace_cache: dict | None = None,
 ) -> torch.Tensor:
-    """The whole layer as one autograd-aware call: out [T, H] bf16."""
+    """The whole layer as one autograd-aware call: out [T, H] bf16. `workspace_cache`:
+    where its workspace is cached (`get_workspace`'s `cache`)."""
     config = MoKConfig() if config is None else config
     if not isinstance(config, MoKConfig):
         raise TypeError(f"config: expected a MoKConfig or None, got {type(config).__name__}")
     check_layer_inputs(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, precision=config.precision)
-    return _MoELayer.apply(config, group, swiglu_limit, x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
+    return _MoELayer.apply(config, group, swiglu_limit, workspace_cache, x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)

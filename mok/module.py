@@ -79,6 +79,10 @@ class MoKMoE(nn.Module):
             self.ws_gate, self.ws_up, self.ws_down = param(I_s, H), param(I_s, H), param(H, I_s)
         else:
             self.ws_gate = self.ws_up = self.ws_down = None
+        # This layer's own workspaces: under expert parallelism the received token rows stay
+        # in the workspace until the backward, and a workspace shared with another layer
+        # would make this layer's backward send them again.
+        self._workspaces: dict = {}
         self.reset_parameters()
 
     @torch.no_grad()
@@ -106,6 +110,7 @@ class MoKMoE(nn.Module):
             config=self.config,
             swiglu_limit=self.swiglu_limit,
             group=self.ep_group,
+            workspace_cache=self._workspaces,
         )
         return out.view(*lead, self.hidden_size)
 

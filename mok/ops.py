@@ -460,15 +460,16 @@ from mok.kernels import dispatch  # noqa: E402  (appended section keeps its impo
 @_custom_op("route_slots", ("error_flag",))
 def route_slots(
     topk_ids: torch.Tensor, error_flag: torch.Tensor, num_local_experts: int, world_size: int, send_capacity: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(route_slot [T·topk] int32, send_expert [P·C] int32) of `dispatch.route_slots`."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(route_slot [T·topk], send_expert [P·C], send_route [P·C]) int32 of `dispatch.route_slots`."""
     return dispatch.route_slots(topk_ids, num_local_experts, world_size, send_capacity, error_flag)
 
 
 @route_slots.op.register_fake
 def _(topk_ids, error_flag, num_local_experts, world_size, send_capacity):
     new = topk_ids.new_empty
-    return new(topk_ids.numel(), dtype=torch.int32), new(world_size * send_capacity, dtype=torch.int32)
+    send_rows = world_size * send_capacity
+    return new(topk_ids.numel(), dtype=torch.int32), new(send_rows, dtype=torch.int32), new(send_rows, dtype=torch.int32)
 
 
 @_custom_op("pack_rows", ())

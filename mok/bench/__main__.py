@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--impl", action="append", metavar="NAME[,NAME]",
                       help=f"implementations: {', '.join(runner.IMPLS)} (default: mok, torch-eager, and on CUDA "
                            "torch-compile, plus sonicmoe when importable); under torchrun "
-                           f"{', '.join(runner.EP_IMPLS)} (default: both)")
+                           f"{', '.join(runner.EP_IMPLS)} (default: all)")
     what.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                       help="auto: CUDA when available (default: auto)")
     shape = p.add_argument_group("custom shape (any of these implies --preset custom; the rest default to tiny's, "

@@ -14,7 +14,8 @@ Baselines always run in bf16 (they are what mok is compared with in every precis
 Under expert parallelism (`run(..., group=)` on every rank of a group of P ranks) each
 rank draws its own T tokens and routing from seed + rank and holds its E/P local experts;
 the reference is `mok.reference.ep_moe_forward/backward`, the implementations are
-`EP_IMPLS` (the baseline `torch-ep-nccl`, and `mok` with `group=`), and the ranks agree
+`EP_IMPLS` (the baseline `torch-ep-nccl`, `mok` with `group=` on the transport "auto"
+picks, and `mok-nccl` on the NCCL transport), and the ranks agree
 on every check before anything is timed (a case fails or is skipped on all of them if on
 one). A run's time is, per iteration, the slowest rank's; the median of that is reported,
 with TFLOPS per rank.
@@ -127,8 +128,8 @@ def _make_torch_ep(inp: MoEInputs, precision: str, group: dist.ProcessGroup) -> 
 EP_CAPACITY_MULTIPLIER = 1.25
 
 
-def _make_mok_ep(inp: MoEInputs, precision: str, group: dist.ProcessGroup) -> Impl:
-    config = mok.MoKConfig(precision=precision, schedule_capacity_multiplier=EP_CAPACITY_MULTIPLIER)
+def _make_mok_ep(inp: MoEInputs, precision: str, group: dist.ProcessGroup, transport: str = "auto") -> Impl:
+    config = mok.MoKConfig(precision=precision, schedule_capacity_multiplier=EP_CAPACITY_MULTIPLIER, transport=transport)
     (num_tokens, hidden), topk = inp.x.shape, inp.topk_ids.shape[1]
     workspace = mok.get_workspace(config, group, device=inp.x.device, num_local_tokens=num_tokens,
                                   hidden_size=hidden, topk=topk)
@@ -173,6 +174,7 @@ IMPLS: dict[str, ImplSpec] = {
 EP_IMPLS: dict[str, ImplSpec] = {
     "torch-ep-nccl": ImplSpec(_make_torch_ep, "bf16"),
     "mok": ImplSpec(_make_mok_ep, None),
+    "mok-nccl": ImplSpec(functools.partial(_make_mok_ep, transport="nccl"), None),
 }
 # What speedups are measured against: on one device, and under expert parallelism.
 BASELINE, EP_BASELINE = "torch-eager", "torch-ep-nccl"

@@ -61,6 +61,7 @@ def _route_slots_kernel(
     expert_offsets_ptr,  # [E + 1] int32: first sorted row of each global expert
     route_slot_ptr,  # [T·topk] int32, out
     send_expert_ptr,  # [P·C] int32, out (pre-filled with −1)
+    send_route_ptr,  # [P·C] int32, out (pre-filled with −1)
     error_flag_ptr,  # [1] int32
     # sizes
     num_routes, num_local_experts, send_capacity,
@@ -79,6 +80,7 @@ def _route_slots_kernel(
     slot = tl.where(fits, dest * send_capacity + place, -1)
     tl.store(route_slot_ptr + routes, slot, mask=in_range)
     tl.store(send_expert_ptr + slot, expert - dest * num_local_experts, mask=fits)
+    tl.store(send_route_ptr + slot, routes, mask=fits)
     if tl.max((has_row & ~fits).to(tl.int32), axis=0) > 0:
         tl.atomic_or(error_flag_ptr, _OVERFLOW_BIT)
 
@@ -129,17 +131,17 @@ def _receive_expert_ids_kernel(
     recv_ids_ptr,  # [P, C + 1] int32: each source's ids, then its error flag
     expert_ids_ptr,  # [C·P] int32, out
     error_flag_ptr,  # [1] int32
-    world_size, send_capacity,
+    world_size, send_capacity, stride_recv,
     BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     places = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     sources = tl.arange(0, BLOCK_P)
     is_source = sources < world_size
     mask = (places < send_capacity)[:, None] & is_source[None, :]
-    ids = tl.load(recv_ids_ptr + sources[None, :] * (send_capacity + 1) + places[:, None], mask=mask)
+    ids = tl.load(recv_ids_ptr + sources[None, :] * stride_recv + places[:, None], mask=mask)
     tl.store(expert_ids_ptr + places[:, None] * world_size + sources[None, :], ids, mask=mask)
     if tl.program_id(0) == 0:
-        flags = tl.load(recv_ids_ptr + sources * (send_capacity + 1) + send_capacity, mask=is_source, other=0)
+        flags = tl.load(recv_ids_ptr + sources * stride_recv + send_capacity, mask=is_source, other=0)
         peers_flags = tl.reduce(flags, 0, _bitwise_or)
         if peers_flags != 0:
             tl.atomic_or(error_flag_ptr, peers_flags)
@@ -160,10 +162,10 @@ def route_slots(
     world_size: int,
     send_capacity: int,
     error_flag: torch.Tensor,  # [1] int32
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(route_slot [T·topk] int32, send_expert [P·C] int32): each route's row in the send
-    buffer (−1: beyond capacity or a bad id), and the local expert id each send row
-    carries (−1: an empty row)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(route_slot [T·topk] int32, send_expert [P·C] int32, send_route [P·C] int32): each
+    route's row in the send buffer (−1: beyond capacity or a bad id), and the local expert
+    id and the route t·topk + j each send row carries (−1: an empty row)."""
     for name, value in (("num_local_experts", num_local_experts), ("world_size", world_size),
                         ("send_capacity", send_capacity)):
         if not isinstance(value, int) or value < 1:
@@ -174,12 +176,13 @@ def route_slots(
     num_routes = route_row.shape[0]
     route_slot = torch.empty(num_routes, dtype=torch.int32, device=topk_ids.device)  # [T·topk]
     send_expert = torch.full((world_size * send_capacity,), -1, dtype=torch.int32, device=topk_ids.device)  # [P·C]
+    send_route = torch.full_like(send_expert, -1)  # [P·C]
     _route_slots_kernel[(triton.cdiv(num_routes, _ROUTES_PER_PROGRAM),)](
-        topk_ids, route_row, expert_offsets, route_slot, send_expert, error_flag,
+        topk_ids, route_row, expert_offsets, route_slot, send_expert, send_route, error_flag,
         num_routes, num_local_experts, send_capacity,
         BLOCK_R=_ROUTES_PER_PROGRAM, num_warps=4,
     )
-    return route_slot, send_expert
+    return route_slot, send_expert, send_route
 
 
 def _copy_grid(num_routes: int, width: int) -> tuple[tuple[int, int], int, int]:
@@ -242,21 +245,21 @@ def unpack_rows(
 
 
 def receive_expert_ids(
-    recv_ids: torch.Tensor,  # [P, C + 1] int32
+    recv_ids: torch.Tensor,  # [P, C + 1] int32 (rows may be strided)
     error_flag: torch.Tensor,  # [1] int32
 ) -> torch.Tensor:
     """expert_ids [C·P, 1] int32: row c·P + p holds the local expert id of source p's c-th
     row (−1: empty), the layout the receiver's schedule reads; ORs the sources' error
     flags (the last column) into `error_flag`."""
-    if recv_ids.dim() != 2 or recv_ids.dtype != torch.int32 or not recv_ids.is_contiguous() or recv_ids.shape[1] < 2:
-        raise ValueError(f"recv_ids: expected a contiguous [P, C + 1] int32 tensor with C >= 1, got "
-                         f"{recv_ids.dtype} {list(recv_ids.shape)}")
+    if recv_ids.dim() != 2 or recv_ids.dtype != torch.int32 or recv_ids.stride(1) != 1 or recv_ids.shape[1] < 2:
+        raise ValueError(f"recv_ids: expected a [P, C + 1] int32 tensor with C >= 1 and unit column stride, got "
+                         f"{recv_ids.dtype} {list(recv_ids.shape)} strides {recv_ids.stride()}")
     _check_error_flag(error_flag, recv_ids.device)
     world_size, send_capacity = recv_ids.shape[0], recv_ids.shape[1] - 1
     expert_ids = torch.empty(send_capacity * world_size, 1, dtype=torch.int32, device=recv_ids.device)  # [C·P, 1]
     block_p = triton.next_power_of_2(world_size)
     block_c = max(1, _COPY_ELEMENTS // block_p)
     _receive_expert_ids_kernel[(triton.cdiv(send_capacity, block_c),)](
-        recv_ids, expert_ids, error_flag, world_size, send_capacity, BLOCK_C=block_c, BLOCK_P=block_p, num_warps=4,
+        recv_ids, expert_ids, error_flag, world_size, send_capacity, recv_ids.stride(0), BLOCK_C=block_c, BLOCK_P=block_p, num_warps=4,
     )
     return expert_ids

@@ -13,9 +13,11 @@ the dispatch then moves rows along the routes:
 The experts see every received row as a token with topk = 1, so the same kernels run
 with and without expert parallelism.
 
+"symmetric" (`SymmetricTransport`): peer stores into symmetric memory (NVLink) from
+Triton kernels, device-side arrival counters, only the rows that exist travel; one host.
 "nccl" (`NcclTransport`): `torch.distributed.all_to_all_single` with equal splits, on
-any process group (NCCL on GPUs, gloo on CPU). "auto" picks it for now; a transport on
-symmetric memory (NVLink peer stores inside the kernels) will take the same place.
+any process group (NCCL on GPUs, gloo on CPU; across hosts). "auto" picks symmetric
+where every rank's GPU can reach every peer's memory, else nccl.
 """
 
 from __future__ import annotations
@@ -25,8 +27,13 @@ import torch.distributed as dist
 
 from mok.config import MoKConfig
 from mok.transport.nccl import NcclDispatch, NcclTransport
+from mok.transport.symmetric import SymmetricDispatch, SymmetricTransport, symmetric_memory_unsupported
 
-__all__ = ["NcclDispatch", "NcclTransport", "create_transport"]
+__all__ = ["Dispatch", "Transport", "NcclDispatch", "NcclTransport", "SymmetricDispatch", "SymmetricTransport",
+           "create_transport"]
+
+Transport = NcclTransport | SymmetricTransport
+Dispatch = NcclDispatch | SymmetricDispatch
 
 
 def create_transport(
@@ -35,8 +42,19 @@ def create_transport(
     *,
     device: torch.device,
     num_local_tokens: int,
+    hidden_size: int,
     topk: int,
-) -> NcclTransport:
-    """The transport `config.transport` names, for this group (a collective: every rank of
-    `group` must call it)."""
+    error_flag: torch.Tensor,
+) -> Transport:
+    """The transport `config.transport` names ("auto": symmetric where it can run), for
+    this group (a collective: every rank of `group` must call it). `error_flag` is the
+    workspace's."""
+    name = config.transport
+    if name in ("auto", "symmetric"):
+        reason = symmetric_memory_unsupported(group, device)
+        if reason is None:
+            return SymmetricTransport(config, group, device=device, num_local_tokens=num_local_tokens, topk=topk,
+                                      hidden_size=hidden_size, error_flag=error_flag)
+        if name == "symmetric":
+            raise ValueError(f"config.transport: 'symmetric' cannot run on this group: {reason}; use 'nccl' or 'auto'")
     return NcclTransport(config, group, device=device, num_local_tokens=num_local_tokens, topk=topk)

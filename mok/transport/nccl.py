@@ -20,11 +20,9 @@ order whatever its routing, so a rank whose routes overflow cannot leave a peer 
 The router weight goes to the expert's rank beside the dOut row (its own [P·C, 1]
 exchange) and is applied there in fp32, not folded into a bf16 w·dOut row.
 
-Capacity: each rank may send each peer C = min(T_max·min(topk, E_l), ⌈R / P⌉) rows,
-T_max the largest `num_local_tokens` of the ranks' workspaces (one C for all: equal splits), R =
-`MoKConfig.receive_capacity` (None: the exact worst case, which never overflows). Routes
-past C set ERROR_CAPACITY_OVERFLOW on every rank (raised by `check_errors`, or at once
-with `strict=True`) and contribute zeros; nothing is written out of bounds. Memory per
+Capacity C and the receiver's schedule: `mok/transport/common.py`. Routes past C set
+ERROR_CAPACITY_OVERFLOW on every rank (raised by `check_errors`, or at once with
+`strict=True`) and contribute zeros; nothing is written out of bounds. Memory per
 call: the send and receive buffers of P·C rows per direction, and the P·C received token
 rows, kept for the backward.
 
@@ -39,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from mok import ops
-from mok.config import MoKConfig
+from mok.transport.common import RouteCapacity, receiver_schedule
 
 
 def _exchange(send: torch.Tensor, group) -> torch.Tensor:
@@ -79,6 +77,10 @@ class NcclDispatch:
         """[T, H] token rows → [P·C, H]: the rows routed to this rank's experts."""
         return _exchange(ops.pack_rows(x, self.route_slot, self.topk, self.num_expert_rows), self.group)
 
+    def received_x(self, expert_x: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The received token rows for the backward: what `dispatch` returned, kept as is."""
+        return expert_x
+
     def combine(self, y_rows: torch.Tensor) -> torch.Tensor:
         """[P·C, W] rows computed for the received rows → [T·topk, W] in route slots (zeros
         for routes not sent)."""
@@ -95,27 +97,9 @@ class NcclDispatch:
         return self.combine(dx_rows), d_topk_weights
 
 
-class NcclTransport:
+class NcclTransport(RouteCapacity):
     """Expert parallelism over `group` through `all_to_all_single` (module docstring).
     Creating one is a collective: the ranks agree on the largest token count."""
-
-    def __init__(
-        self, config: MoKConfig, group: dist.ProcessGroup | None, *, device: torch.device, num_local_tokens: int,
-        topk: int,
-    ):
-        self.group = group
-        self.world_size = dist.get_world_size(group)
-        most_tokens = torch.tensor([num_local_tokens], dtype=torch.int64, device=device)
-        dist.all_reduce(most_tokens, op=dist.ReduceOp.MAX, group=group)
-        self.max_local_tokens = int(most_tokens.item())  # once per workspace, not per call
-        self.topk = topk
-        self.receive_capacity = config.receive_capacity(self.max_local_tokens, topk, self.world_size)
-
-    def send_capacity(self, num_local_experts: int) -> int:
-        """C: rows one rank may send one peer. A token's ids are distinct, so at most
-        min(topk, E_l) of its routes go to one rank."""
-        worst_case = self.max_local_tokens * min(self.topk, num_local_experts)
-        return min(worst_case, -(-self.receive_capacity // self.world_size))
 
     def plan(
         self, topk_ids: torch.Tensor, num_local_experts: int, error_flag: torch.Tensor, block_m: int
@@ -123,13 +107,8 @@ class NcclTransport:
         """This call's dispatch, and the schedule (the tensors of `ops.routing_schedule`) of
         the P·C rows this rank's experts receive. A collective."""
         num_ranks, capacity = self.world_size, self.send_capacity(num_local_experts)
-        route_slot, send_expert = ops.route_slots(topk_ids, error_flag, num_local_experts, num_ranks, capacity)
+        route_slot, send_expert, _ = ops.route_slots(topk_ids, error_flag, num_local_experts, num_ranks, capacity)
         # [P, C + 1]: this rank's error flag rides with the ids, so every rank learns of all ranks' routing errors
         send_ids = torch.cat([send_expert.view(num_ranks, capacity), error_flag.expand(num_ranks, 1)], dim=1)
-        expert_ids = ops.receive_expert_ids(_exchange(send_ids, self.group), error_flag)  # [C·P, 1], row c·P + p
-        interleaved, *tables = ops.routing_schedule(expert_ids, error_flag, num_local_experts, block_m, True)
-        # Row c·P + p of the schedule is row p·C + c of the received buffers.
-        row_source = torch.where(
-            interleaved >= 0, interleaved % num_ranks * capacity + interleaved // num_ranks, interleaved
-        )
-        return NcclDispatch(self.group, num_ranks, capacity, topk_ids.shape[1], route_slot), (row_source, *tables)
+        schedule = receiver_schedule(_exchange(send_ids, self.group), error_flag, num_local_experts, block_m)
+        return NcclDispatch(self.group, num_ranks, capacity, topk_ids.shape[1], route_slot), schedule

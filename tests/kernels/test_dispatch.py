@@ -45,11 +45,15 @@ def _ids(T, E_l, P, topk, routing, gen):
 def test_route_slots_bit_exact(kernel_device, T, E_l, P, topk, C, routing):
     ids = _ids(T, E_l, P, topk, routing, torch.Generator().manual_seed(T * P))
     flag = torch.zeros(1, dtype=torch.int32, device=kernel_device)
-    route_slot, send_expert = route_slots(ids.int().to(kernel_device), E_l, P, C, flag)
+    route_slot, send_expert, send_route = route_slots(ids.int().to(kernel_device), E_l, P, C, flag)
     expected_slot, expected_expert = route_slots_in_torch(ids, E_l, P, C)
     ctx = f"{T=} {E_l=} {P=} {topk=} {C=} {routing=}"
     assert torch.equal(route_slot.cpu(), expected_slot), ctx
     assert torch.equal(send_expert.cpu(), expected_expert), ctx
+    sent = expected_slot >= 0
+    expected_route = torch.full_like(expected_expert, -1)
+    expected_route[expected_slot[sent].long()] = torch.arange(T * topk, dtype=torch.int32)[sent]
+    assert torch.equal(send_route.cpu(), expected_route), ctx
     overflowed = bool((expected_slot < 0).any())
     assert int(flag) == (ERROR_CAPACITY_OVERFLOW if overflowed else 0), ctx
     if C == T * min(topk, E_l):
@@ -61,7 +65,7 @@ def test_route_slots_bad_ids_get_no_slot(kernel_device):
     ids = make_topk_ids(T, E_l * P, topk, torch.Generator().manual_seed(1))
     ids[4, 1] = ids[4, 0]  # repeated within a row
     flag = torch.zeros(1, dtype=torch.int32, device=kernel_device)
-    route_slot, send_expert = route_slots(ids.to(kernel_device), E_l, P, T * topk, flag)
+    route_slot, send_expert, send_route = route_slots(ids.to(kernel_device), E_l, P, T * topk, flag)
     assert int(flag) == ERROR_BAD_EXPERT_ID
     slots = route_slot.cpu().view(T, topk)
     assert (slots[4] == -1).all() and (slots[torch.arange(T) != 4] >= 0).all()
@@ -74,7 +78,7 @@ def test_pack_and_unpack_rows_bit_exact(kernel_device, width, dtype):
     gen = torch.Generator().manual_seed(width)
     ids = make_topk_ids(T, E_l * P, topk, gen)
     flag = torch.zeros(1, dtype=torch.int32, device=kernel_device)
-    route_slot, send_expert = route_slots(ids.to(kernel_device), E_l, P, C, flag)
+    route_slot, send_expert, send_route = route_slots(ids.to(kernel_device), E_l, P, C, flag)
     slots = route_slot.cpu().long()
     sent = slots >= 0
     assert int(flag) == ERROR_CAPACITY_OVERFLOW and not sent.all(), "the case should overflow"
@@ -97,14 +101,16 @@ def test_pack_and_unpack_rows_bit_exact(kernel_device, width, dtype):
     assert torch.equal(out, expected), f"{width=} {dtype=}"
 
 
-@pytest.mark.parametrize("P, C", [(1, 5), (3, 7), (5, 1)])
-def test_receive_expert_ids_interleave_sources_and_or_their_flags(kernel_device, P, C):
+@pytest.mark.parametrize("P, C, extra_columns", [(1, 5, 0), (3, 7, 7), (5, 1, 0)])
+def test_receive_expert_ids_interleave_sources_and_or_their_flags(kernel_device, P, C, extra_columns):
+    """extra_columns: the ids are the first C + 1 columns of wider rows (a strided view)."""
     gen = torch.Generator().manual_seed(P * C)
-    recv_ids = torch.randint(-1, 4, (P, C + 1), generator=gen, dtype=torch.int32)
+    rows = torch.randint(-1, 4, (P, C + 1 + extra_columns), generator=gen, dtype=torch.int32)
+    recv_ids = rows[:, : C + 1]
     recv_ids[:, C] = 0
     recv_ids[P // 2, C] = ERROR_CAPACITY_OVERFLOW  # one source overflowed
     flag = torch.full((1,), ERROR_BAD_EXPERT_ID, dtype=torch.int32, device=kernel_device)  # set before
-    expert_ids = receive_expert_ids(recv_ids.to(kernel_device), flag)
+    expert_ids = receive_expert_ids(rows.to(kernel_device)[:, : C + 1], flag)
     assert torch.equal(expert_ids.cpu(), recv_ids[:, :C].t().reshape(C * P, 1)), f"{P=} {C=}"
     assert int(flag) == ERROR_BAD_EXPERT_ID | ERROR_CAPACITY_OVERFLOW, f"{P=} {C=}"
 
@@ -116,7 +122,7 @@ def test_dispatch_ops_schema_and_fake_impls(kernel_device):
     gen = torch.Generator().manual_seed(0)
     ids = make_topk_ids(T, E_l * P, topk, gen).to(kernel_device)
     flag = torch.zeros(1, dtype=torch.int32, device=kernel_device)
-    route_slot, send_expert = ops.route_slots(ids, flag, E_l, P, C)
+    route_slot, send_expert, send_route = ops.route_slots(ids, flag, E_l, P, C)
     x = torch.randn(T, H, generator=gen).bfloat16().to(kernel_device)
     recv = torch.randn(P * C, H, generator=gen).bfloat16().to(kernel_device)
     recv_ids = torch.cat([send_expert.view(P, C), flag.expand(P, 1)], dim=1)
@@ -146,5 +152,5 @@ def test_dispatch_launchers_reject_bad_arguments():
         pack_rows(torch.zeros(4, 8), torch.zeros(8, dtype=torch.int32), 1, 8)
     with pytest.raises(ValueError, match="^recv: expected a 2-D tensor"):
         unpack_rows(torch.zeros(8), torch.zeros(8, dtype=torch.int32))
-    with pytest.raises(ValueError, match=r"^recv_ids: expected a contiguous \[P, C \+ 1\] int32"):
+    with pytest.raises(ValueError, match=r"^recv_ids: expected a \[P, C \+ 1\] int32"):
         receive_expert_ids(torch.zeros(2, 1, dtype=torch.int32), flag)

@@ -1,0 +1,138 @@
+"""The triton backend under expert parallelism on GPUs (two ranks, NCCL group), through
+both transports: the EP reference's numbers at SPEC's bf16 bars, no host sync, bitwise
+the same run to run, across capacities and across transports (both place every row at
+the same received position and build the same schedule), through `MoKMoE`; and a rank
+that skips a call makes the other raise instead of hanging. Skipped without 2 GPUs.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import mok
+from mok.reference import ep_moe_backward, ep_moe_forward
+from mok.testing import assert_close_to_reference, make_inputs
+from mok.testing.distributed import run_distributed
+
+TRANSPORTS = ("nccl", "symmetric")
+MULTIPLIERS = (None, 1.25)
+
+
+def _equal_results(a, b) -> bool:
+    (out_a, grads_a), (out_b, grads_b) = a, b
+    return torch.equal(out_a, out_b) and all(torch.equal(x, y) for x, y in zip(grads_a, grads_b))
+
+
+def _layer_worker(rank: int, world_size: int) -> list[str]:
+    """qwen3-like rank shares (E_l = 16, topk = 8, T = 4096 + 512·rank) plus a shared expert,
+    for the exact worst-case capacity (C = 8·T_max) and for multiplier 1.25 (C = 5·T_max
+    against about 4·T routes per peer), through each transport. Collectives first,
+    comparisons after."""
+    torch.cuda.set_device(rank)
+    group = dist.group.WORLD
+    T, H, I, E_l, topk, I_s = 4096 + 512 * rank, 2048, 768, 16, 8, 512
+    g = make_inputs(T, H, I, E_l * world_size, topk, I_s, seed=rank, device="cuda", signed_weights=True)
+    experts = slice(rank * E_l, (rank + 1) * E_l)
+    routed = tuple(w[experts].contiguous() for w in (g.w_gate, g.w_up, g.w_down))
+    shared = (g.ws_gate, g.ws_up, g.ws_down)
+    d_out = torch.randn(T, H, device="cuda", generator=torch.Generator("cuda").manual_seed(rank)).bfloat16()
+    args = (g.x, g.topk_weights, *shared, *routed)
+    results = {}
+    for transport in TRANSPORTS:
+        for multiplier in MULTIPLIERS:
+            config = mok.MoKConfig(backend="triton", schedule_capacity_multiplier=multiplier, transport=transport)
+            ws = mok.create_workspace(config, group, device="cuda", num_local_tokens=T, hidden_size=H, topk=topk)
+
+            def step():
+                schedule = mok.build_schedule(ws, config, g.topk_ids, num_local_experts=E_l)
+                out, ctx = mok.forward(config, ws, schedule, *args)
+                return out, mok.backward(config, ws, schedule, ctx, d_out, *args)
+
+            step()  # compiles the kernels
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                runs = [step(), step()]
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            results[transport, multiplier] = (runs, int(ws.error_flag.item()), type(ws.transport).__name__)
+    layers = {}
+    for transport in TRANSPORTS:
+        layer = mok.MoKMoE(H, I, E_l * world_size, topk, I_s, ep_group=group, device="cuda",
+                           config=mok.MoKConfig(backend="triton", transport=transport))
+        with torch.no_grad():
+            for name, w in zip(("w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down"), (*routed, *shared)):
+                getattr(layer, name).copy_(w)
+        x = g.x.clone().requires_grad_()
+        layer(x, g.topk_ids, g.topk_weights).backward(d_out)
+        layers[transport] = (x.grad, layer.w_down.grad)
+    ref_args = (g.x, g.topk_ids, g.topk_weights, *routed, *shared)
+    ref_out = ep_moe_forward(*ref_args, group=group)
+    ref = ep_moe_backward(d_out, *ref_args, group=group)
+
+    failures = []
+    ctx = f"P={world_size} {rank=} {T=} {H=} {I=} {E_l=} {topk=} {I_s=}"
+    first = results[TRANSPORTS[0], None][0][0]
+    for (transport, multiplier), (runs, flags, transport_class) in results.items():
+        where = f"transport={transport} ({transport_class}) schedule_capacity_multiplier={multiplier} {ctx}"
+        (out, grads), again = runs
+        try:
+            assert transport_class.lower().startswith(transport), f"got the wrong transport {where}"
+            assert flags == 0, f"error flag {flags} {where}"
+            assert _equal_results(runs[0], again), f"results differ run to run {where}"
+            assert _equal_results(runs[0], first), f"results differ from nccl's at the exact capacity {where}"
+            assert_close_to_reference(out, ref_out, name="out", context=where)
+            for name, got, expected in zip(ref._fields, grads, ref):
+                assert_close_to_reference(got, expected, name=name, context=where, check_cosine=True)
+        except AssertionError as err:
+            failures.append(str(err))
+    for transport, (d_x, d_w_down) in layers.items():
+        _, grads = results[transport, None][0][0]
+        if not (torch.equal(d_x, grads.d_x) and torch.equal(d_w_down, grads.d_w_down)):
+            failures.append(f"MoKMoE(ep_group=..., transport={transport}) gradients differ from the functional API's {ctx}")
+    return failures
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_gpu_ep_two_ranks_both_transports():
+    failures = run_distributed(_layer_worker, 2, timeout_s=600, backend="nccl")
+    reports = [f"[rank {r}] {msg}" for r, msgs in enumerate(failures) for msg in msgs]
+    assert not reports, "\n\n".join(reports)
+
+
+def _absent_rank_worker(rank: int, world_size: int) -> tuple[str, float]:
+    """Rank 1 creates the workspace but skips the layer call; rank 0 calls it and must get
+    a Python error from check_errors within the timeout (plus launch time), not a hang.
+    Rank 1 stays alive until then (its memory is the target of rank 0's stores)."""
+    torch.cuda.set_device(rank)
+    group = dist.group.WORLD
+    T, H, I, E_l, topk = 256, 256, 128, 2, 2
+    config = mok.MoKConfig(backend="triton", transport="symmetric", peer_timeout_s=2.0)
+    ws = mok.create_workspace(config, group, device="cuda", num_local_tokens=T, hidden_size=H, topk=topk)
+    message, seconds = "", 0.0
+    if rank == 0:
+        g = make_inputs(T, H, I, E_l * world_size, topk, 0, seed=0, device="cuda")
+        routed = tuple(w[:E_l].contiguous() for w in (g.w_gate, g.w_up, g.w_down))
+        start = time.monotonic()
+        schedule = mok.build_schedule(ws, config, g.topk_ids, num_local_experts=E_l)
+        mok.forward(config, ws, schedule, g.x, g.topk_weights, None, None, None, *routed)
+        try:
+            mok.check_errors(ws)
+        except RuntimeError as err:
+            message = str(err)
+        seconds = time.monotonic() - start
+    dist.barrier()
+    return message, seconds
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_gpu_absent_rank_raises_instead_of_hanging():
+    (message, seconds), _ = run_distributed(_absent_rank_worker, 2, timeout_s=120, backend="nccl")
+    assert "did not arrive" in message, f"rank 0 got {message!r}"
+    assert seconds < 60, f"rank 0 raised after {seconds:.1f} s"
