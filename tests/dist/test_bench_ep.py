@@ -1,5 +1,5 @@
 """`python -m mok.bench` under expert parallelism, on 2 gloo processes (what torchrun runs
-on every rank), the reference backend on the CPU: both implementations pass the check
+on every rank), the reference backend on the CPU: every implementation passes the check
 against the EP reference, the record says ep = 2, and the time reported is the median
 of the per-iteration maximum over ranks.
 """
@@ -67,7 +67,8 @@ def test_bench_under_expert_parallelism(ranks):
     assert rec["num_gpus"] == P and rec["command"].startswith(f"torchrun --nproc-per-node {P} -m mok.bench")
     assert rec["settings"]["expert_parallel"]["ranks"] == P
     rows = {(r["impl"], r["pass"]): r for r in rec["results"]}
-    assert set(rows) == {(i, p) for i in ("torch-ep-nccl", "mok") for p in ("fwd", "fwd+bwd")}, list(rows)
+    impls = ("torch-ep-nccl", "mok", "mok-nccl")
+    assert set(rows) == {(i, p) for i in impls for p in ("fwd", "fwd+bwd")}, list(rows)
     max_err, min_cos = TOLERANCES["bf16"]
     for (impl, pass_), r in rows.items():
         ctx = f"{impl=} {pass_=} {P=}"
@@ -142,8 +143,8 @@ def test_bad_expert_parallel_arguments_are_argparse_errors(argv, message, capsys
     assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_expert_parallel_settings_default_to_both_ep_impls():
+def test_expert_parallel_settings_default_to_every_ep_impl():
     settings, _ = cli.parse_settings(["--preset", "tiny"], world_size=P)
-    assert settings.ep == P and settings.impls == ("torch-ep-nccl", "mok")
+    assert settings.ep == P and settings.impls == ("torch-ep-nccl", "mok", "mok-nccl")
     cases = runner.plan(settings.presets, settings.impls, settings.precisions, settings.passes, expert_parallel=True)
-    assert [c.impl for c in cases] == ["torch-ep-nccl", "mok"]  # the baseline first
+    assert [c.impl for c in cases] == ["torch-ep-nccl", "mok", "mok-nccl"]  # the baseline first
