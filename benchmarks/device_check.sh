@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: versions, GPU tests, kernel tuning sweep, benchmark.
 #   usage: bash benchmarks/device_check.sh [STEPS]
-#   STEPS ⊂ {tests,tune,profile,bench,sonic,sanitize,fp8,train,ep} (default: tests bench);
-#   ep needs two GPUs (nvidia-h200-x2).
-#   env: STEP_TIMEOUT, TUNE_ARGS, PROFILE_PRESETS, PROFILE_ARGS, BENCH_ARGS, TRAIN_ARGS
+#   STEPS ⊂ {tests,tune,profile,bench,sonic,sanitize,fp8,train,ep,epbench} (default: tests bench);
+#   ep and epbench need two GPUs (nvidia-h200-x2).
+#   env: STEP_TIMEOUT, TUNE_ARGS, PROFILE_PRESETS, PROFILE_ARGS, BENCH_ARGS, EP_BENCH_ARGS, TRAIN_ARGS
 # Writes logs, JSON records and plots under $OUT (or ./bench_out).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -27,7 +27,11 @@ for step in $steps; do
         python3 -m pytest -q -x -p no:cacheprovider tests/kernels 2>&1 | tail -40 | tee "$OUT/sanitize.log" ;;
     fp8) timeout $T python3 benchmarks/bench_fp8_gemm.py --out "$OUT/fp8-gemm.json" 2>&1 | tee "$OUT/fp8.log" ;;
     train) timeout $T python3 examples/train_moe_lm.py --out "$OUT" ${TRAIN_ARGS:-} 2>&1 | tee "$OUT/train_moe_lm.log" | grep -v "step .*[1-9]00/" ;;
-    ep) timeout $T python3 -m pytest -q -rs -p no:cacheprovider tests/dist/test_ep_nccl.py -k gpu 2>&1 | tee "$OUT/ep.log" ;;
+    ep) timeout $T python3 -m pytest -q -rs -p no:cacheprovider tests/dist/test_ep_gpu.py 2>&1 | tee "$OUT/ep.log" ;;
+    epbench) timeout $T torchrun --nproc-per-node 2 -m mok.bench --out "$OUT" --no-plot ${EP_BENCH_ARGS:---preset qwen3-30b} 2>&1 \
+          | grep -v "^W1130\|OMP_NUM\|\*\*\*" | tee "$OUT/epbench.log"
+        timeout $T torchrun --nproc-per-node 2 benchmarks/bench_dispatch.py --programs 16,32,64 --out "$OUT/dispatch.json" 2>&1 \
+          | grep "programs\|Error" | tee -a "$OUT/epbench.log" ;;
     sonic) tar -xJf .bundle/sonicmoe-site.tar.xz -C /tmp && BENCH_ARGS="${BENCH_ARGS:-} --sonicmoe-site /tmp/site" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac

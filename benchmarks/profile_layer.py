@@ -1,7 +1,7 @@
 """Per-kernel GPU time of one mok layer call on a preset (torch.profiler), to see where
 the time goes beyond the GEMMs.
 
-    python benchmarks/profile_layer.py --preset qwen3-30b [--backward] [--iters 10]
+    python benchmarks/profile_layer.py --preset qwen3-30b [--backward] [--precision fp8_block] [--iters 10]
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--preset", default="qwen3-30b", choices=list(GPU_PRESETS))
     parser.add_argument("--backward", action="store_true", help="profile forward + backward")
+    parser.add_argument("--precision", default="bf16", choices=mok.config.PRECISIONS)
     parser.add_argument("--iters", type=int, default=10)
     args = parser.parse_args()
     p = PRESETS[args.preset]
@@ -27,9 +28,10 @@ def main() -> None:
                       p.shared_intermediate_size, seed=0, device="cuda")
     leaves = [t.requires_grad_() for t in (inp.x, inp.topk_weights, *[w for w in inp.weights if w is not None])]
     d_out = torch.randn_like(inp.x)
+    config = mok.MoKConfig(precision=args.precision)
 
     def step():
-        out = mok.moe(inp.x, inp.topk_ids, inp.topk_weights, *inp.weights)
+        out = mok.moe(inp.x, inp.topk_ids, inp.topk_weights, *inp.weights, config=config)
         if args.backward:
             torch.autograd.grad(out, leaves, d_out)
 
@@ -45,8 +47,8 @@ def main() -> None:
         if evt.device_type == torch.autograd.DeviceType.CUDA and evt.self_device_time_total > 0:
             rows[evt.key] = (evt.self_device_time_total / args.iters / 1000, evt.count // args.iters)
     total = sum(ms for ms, _ in rows.values())
-    print(f"{args.preset} {'fwd+bwd' if args.backward else 'fwd'}: {total:.3f} ms of kernels per call")
-    for name, (ms, count) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:15]:
+    print(f"{args.preset} {args.precision} {'fwd+bwd' if args.backward else 'fwd'}: {total:.3f} ms of kernels per call")
+    for name, (ms, count) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:20]:
         print(f"  {ms:8.3f} ms  x{count:<3d} {name[:90]}")
 
 

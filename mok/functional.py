@@ -25,9 +25,11 @@ sync), and `MoKConfig(strict=True)` calls it after every step.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
 
 from mok import reference
 from mok import ops
@@ -200,10 +202,9 @@ def check_errors(workspace: Workspace) -> None:
 # --------------------------------------------------------------------------- backend choice
 
 
-# What the triton backend still lacks for each low precision.
+# What the triton backend still lacks for each low precision (bf16 and fp8_block run).
 _TRITON_MISSING = {
     "mxfp8": "its grouped GEMMs are not written yet (only its quantizer kernel)",
-    "fp8_block": "its backward grouped GEMMs are not written yet (its quantizers and forward GEMMs are, unwired)",
 }
 
 
@@ -211,7 +212,7 @@ def _triton_unsupported(config: MoKConfig, workspace: Workspace) -> str | None:
     """Why the triton backend cannot run this call, or None when it can."""
     if workspace.device.type != "cuda" and not interpreting():
         return f"it runs on CUDA devices (or under TRITON_INTERPRET=1), not {workspace.device}"
-    if config.precision != "bf16":
+    if config.precision in _TRITON_MISSING:
         return f"precision={config.precision!r}: {_TRITON_MISSING[config.precision]}"
     return None
 
@@ -361,11 +362,76 @@ def _reference_call(fn, config, workspace, schedule, x, topk_weights, ws_gate, w
         return fn(*args, swiglu_limit=swiglu_limit, routed_x=routed_x)
 
 
-def _expert_mlp(x, w_gate, w_up, w_down, routing, block_m, topk, num_slots, swiglu_limit, needs_backward):
+class _Fp8BlockWeight(NamedTuple):
+    """A routed weight [E_l, N, K] as the fp8_block GEMMs read it (`mok.fp8_block_quantize`'s
+    outputs): q [E_l, N, K] with scale [E_l, N/128, K/128] for the forward, the transposed
+    copy q_t [E_l, K, N] with scale_t [E_l, K/128, N/128] for the dgrads."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    q_t: torch.Tensor
+    scale_t: torch.Tensor
+
+
+# weight -> ((its _version, its data_ptr), its _Fp8BlockWeight); an entry goes with its weight.
+_FP8_BLOCK_WEIGHTS = WeakIdKeyDictionary()
+
+
+@torch.compiler.assume_constant_result
+def _capturing_cuda_graph() -> bool:
+    """Whether the current CUDA stream is capturing a graph. Folded to a constant while
+    torch.compile traces (torch 2.11's dynamo refused the bool-returning call in a
+    fullgraph trace on H200), where `_fp8_block_weight` quantizes inside the graph anyway."""
+    return torch.cuda.is_current_stream_capturing()
+
+
+def _fp8_block_weight(w: torch.Tensor) -> _Fp8BlockWeight:
+    """w's fp8_block copies (both orientations, the Triton quantizer), made once per version of
+    w: forward and backward of a step share them, and an optimizer's in-place update (which
+    bumps `w._version`) makes the next call quantize again. The key is host state, so a hit
+    costs no device work and no sync. While torch.compile traces or a CUDA graph captures, w is
+    quantized on every call instead, so the graph holds the quantization and each replay reads
+    the weight as it is then; so is an inference-mode tensor, which has no version counter."""
+    if torch.compiler.is_compiling() or (w.is_cuda and _capturing_cuda_graph()) or w.is_inference():
+        return _Fp8BlockWeight(*ops.quantize_fp8_block_weights(w))
+    key = (w._version, w.data_ptr())
+    cached = _FP8_BLOCK_WEIGHTS.get(w)
+    if cached is None or cached[0] != key:
+        cached = _FP8_BLOCK_WEIGHTS[w] = (key, _Fp8BlockWeight(*ops.quantize_fp8_block_weights(w)))
+    return cached[1]
+
+
+def _triton_routed_weights(precision: str, routed: tuple[torch.Tensor, ...]) -> tuple:
+    """The routed weights as the triton backend's expert GEMMs take them: the bf16 tensors, or
+    in fp8_block their `_Fp8BlockWeight`s, which select the fp8_block GEMMs in `_expert_mlp`
+    and `_expert_mlp_backward` (the shared expert's weights stay bf16 tensors)."""
+    if precision == "fp8_block":
+        return tuple(_fp8_block_weight(w) for w in routed)
+    return routed
+
+
+def _expert_mlp(x, w_gate, w_up, w_down, routing, block_m, topk, num_slots, swiglu_limit, needs_backward,
+                peer_rows=None):
     """y [num_slots, H] of the experts in `routing`, and what their backward reads (empty
-    without `needs_backward`): the pre-activations g, u and h of every sorted row."""
+    without `needs_backward`): the pre-activations g, u and h of every sorted row.
+
+    With `_Fp8BlockWeight`s the GEMMs run in fp8_block: x quantized in 1×128 blocks along H,
+    h quantized by the gate/up epilogue for the down GEMM. The backward then gets g, u only
+    (it quantizes h along the rows, from g, u, for the down wgrad)."""
+    if isinstance(w_gate, _Fp8BlockWeight):
+        x_q, x_scale = ops.quantize_fp8_block_activations(x)  # [T, H] e4m3, [T, H/128] fp32
+        h_q, h_scale, gate_up = ops.gate_up_swiglu_fp8_block(
+            x_q, x_scale, w_gate.q, w_gate.scale, w_up.q, w_up.scale, routing, block_m, topk, swiglu_limit,
+            needs_backward,
+        )
+        y = ops.down_scatter_fp8_block(h_q, h_scale, w_down.q, w_down.scale, routing, block_m, num_slots)
+        return y, ({"gate_up": gate_up} if needs_backward else {})
     h, gate_up = ops.gate_up_swiglu(x, w_gate, w_up, routing, block_m, topk, swiglu_limit, needs_backward)
-    y = ops.down_scatter(h, w_down, routing, block_m, num_slots)
+    if peer_rows is None:
+        y = ops.down_scatter(h, w_down, routing, block_m, num_slots)
+    else:  # the rows go to the sources' slots on their ranks (`Dispatch.peer_rows`)
+        ops.down_scatter_to_peers(h, w_down, routing, block_m, *_peer_op_args(peer_rows))
+        y = None
     return y, ({"gate_up": gate_up, "h": h} if needs_backward else {})
 
 
@@ -378,15 +444,41 @@ def _routed_forward(schedule, x, routed, topk, swiglu_limit, needs_backward):
     if dispatch is None:
         return _expert_mlp(x, *routed, schedule.routing, schedule.block_m, topk, x.shape[0] * topk, swiglu_limit, needs_backward)
     expert_x = dispatch.dispatch(x)  # [P·C, H]
+    peer_rows = _epilogue_peer_rows(dispatch, "y", routed)
     y_rows, saved = _expert_mlp(
-        expert_x, *routed, schedule.routing, schedule.block_m, 1, expert_x.shape[0], swiglu_limit, needs_backward
+        expert_x, *routed, schedule.routing, schedule.block_m, 1, expert_x.shape[0], swiglu_limit, needs_backward,
+        peer_rows,
     )
-    return dispatch.combine(y_rows), {**saved, "expert_x": expert_x}
+    if peer_rows is None:
+        y = dispatch.combine(y_rows)
+    else:
+        y = dispatch.combined(ops.scatter_programs("down", schedule.routing, schedule.block_m, *_hidden_inter(routed)))
+    return y, {**saved, "expert_x": expert_x}
+
+
+def _epilogue_peer_rows(dispatch, kind: str, routed):
+    """Where the GEMM epilogue producing `kind` ("y" or "dx") stores its rows: on the
+    sources' ranks where the transport allows it (symmetric memory) and the GEMM supports
+    it (bf16), else None (the rows come back through `combine` / `combine_grad`)."""
+    return None if isinstance(routed[0], _Fp8BlockWeight) else dispatch.peer_rows(kind)
+
+
+def _peer_op_args(peer_rows) -> tuple:
+    """A `comm.PeerRows` as the `*_to_peers` ops take it."""
+    return (peer_rows.local_out, peer_rows.out_peer_ptrs, peer_rows.return_route, peer_rows.arrivals_peer_ptrs,
+            peer_rows.capacity, peer_rows.arrival_slot)
+
+
+def _hidden_inter(routed) -> tuple[int, int]:
+    """(H, I) of the routed bf16 weights."""
+    _, hidden, inter = routed[2].shape  # w_down [E_l, H, I]
+    return hidden, inter
 
 
 def _triton_forward(schedule, x, topk_weights, shared, routed, swiglu_limit, needs_backward):
     """out and what the backward reads: the pre-activations g, u and h of every routed row
-    (and of the shared expert), 6·I bytes per route; nothing without `needs_backward`."""
+    (and of the shared expert), 6·I bytes per route (fp8_block: g, u only, 4·I); nothing
+    without `needs_backward`. `routed` as `_triton_routed_weights` gives them."""
     num_tokens, topk = topk_weights.shape
     y, saved = _routed_forward(schedule, x, routed, topk, swiglu_limit, needs_backward)
     y_shared = None
@@ -427,6 +519,7 @@ def forward(
 def _forward_checked(config, workspace, schedule, x, topk_weights, shared, routed, swiglu_limit, needs_backward):
     """`forward` after its argument checks (`moe` checks once for both)."""
     if schedule.backend == "triton":
+        routed = _triton_routed_weights(config.precision, routed)
         out, saved = _triton_forward(schedule, x, topk_weights, shared, routed, swiglu_limit, needs_backward)
         if config.strict:
             check_errors(workspace)
@@ -459,7 +552,7 @@ def recompute_forward_context(
 
 
 def _expert_mlp_backward(d_out, x, topk_weights, weights, saved, routing, block_m, topk, num_slots, swiglu_limit,
-                         main_grads=(None, None, None), *, token_order=False):
+                         main_grads=(None, None, None), *, token_order=False, peer_rows=None):
     """dx_slots [num_slots, H] and the weight gradients of the experts in `routing` (plus
     d_topk_weights [T, topk] fp32 when `topk_weights` is given, else an empty tensor), from
     the forward's `saved` g,u ("gate_up") and h ("h"). A weight with a `main_grads` buffer
@@ -468,28 +561,71 @@ def _expert_mlp_backward(d_out, x, topk_weights, weights, saved, routing, block_
 
     The GEMMs read x and dOut in the sorted layout; `token_order=True` says the routing's
     sorted rows are the tokens in order and there is no router weight (the shared
-    expert's), so x and dOut serve as they are instead of being gathered."""
+    expert's), so x and dOut serve as they are instead of being gathered.
+
+    With `_Fp8BlockWeight`s the GEMMs run in fp8_block: the dgrads read dOut and d_g, d_u
+    quantized in 1×128 blocks along H and I against the weights' transposed copies; the
+    wgrads reduce over rows, so their operands (x, w·dOut, d_g|d_u, and h recomputed from the
+    saved g, u) are quantized in 1×128 blocks along the sorted rows. Gradients stay bf16."""
     w_gate, w_up, w_down = weights
     main_gate, main_up, main_down = main_grads
     if token_order:
         x_sorted, d_out_sorted, dy_sorted = x, d_out, d_out
     else:
         x_sorted, d_out_sorted, dy_sorted = ops.gather_sorted_rows(x, d_out, topk_weights, routing, block_m, topk)
-    d_gate_up, d_topk_weights = ops.down_dgrad_swiglu(
-        d_out_sorted, topk_weights, saved["gate_up"], w_down, routing, block_m, swiglu_limit
+    if not isinstance(w_gate, _Fp8BlockWeight):
+        d_gate_up, d_topk_weights = ops.down_dgrad_swiglu(
+            d_out_sorted, topk_weights, saved["gate_up"], w_down, routing, block_m, swiglu_limit
+        )
+        if peer_rows is None:
+            dx_slots = ops.gate_up_dgrad_scatter(d_gate_up, w_gate, w_up, routing, block_m, num_slots)
+        else:  # the rows go to the sources' slots on their ranks (`Dispatch.peer_rows`)
+            ops.gate_up_dgrad_scatter_to_peers(d_gate_up, w_gate, w_up, routing, block_m, *_peer_op_args(peer_rows))
+            dx_slots = None
+        d_w_gate, d_w_up = _weight_grads(
+            ops.gate_up_wgrad, ops.gate_up_wgrad_accumulate, (d_gate_up, x_sorted), (main_gate, main_up),
+            routing, block_m,
+        )
+        d_w_down = _weight_grads(
+            ops.down_wgrad, ops.down_wgrad_accumulate, (dy_sorted, saved["h"]), (main_down,), routing, block_m
+        )
+        return dx_slots, d_topk_weights, (d_w_gate, d_w_up, d_w_down)
+
+    rows_in_use = routing[4]  # [1] int32: the schedule's num_rows; the quantizers skip the rest
+    d_out_pair = ops.quantize_fp8_block_activations(d_out_sorted, rows_in_use)  # [rows, H] e4m3, [rows, H/128] fp32
+    d_gate_up, d_topk_weights = ops.down_dgrad_swiglu_fp8_block(
+        *d_out_pair, topk_weights, saved["gate_up"], w_down.q_t, w_down.scale_t, routing, block_m, swiglu_limit
     )
-    dx_slots = ops.gate_up_dgrad_scatter(d_gate_up, w_gate, w_up, routing, block_m, num_slots)
-    if main_gate is None:
-        d_w_gate, d_w_up = ops.gate_up_wgrad(d_gate_up, x_sorted, routing, block_m)
-    else:
-        ops.gate_up_wgrad_accumulate(main_gate, main_up, d_gate_up, x_sorted, routing, block_m)
-        d_w_gate, d_w_up = main_gate, main_up
-    if main_down is None:
-        d_w_down = ops.down_wgrad(dy_sorted, saved["h"], routing, block_m)
-    else:
-        ops.down_wgrad_accumulate(main_down, dy_sorted, saved["h"], routing, block_m)
-        d_w_down = main_down
+    d_gate_pair, d_up_pair = (ops.quantize_fp8_block_activations(d_gate_up[:, j], rows_in_use) for j in (0, 1))
+    dx_slots = ops.gate_up_dgrad_scatter_fp8_block(
+        *d_gate_pair, *d_up_pair, w_gate.q_t, w_gate.scale_t, w_up.q_t, w_up.scale_t, routing, block_m, num_slots
+    )
+    # Each wgrad's operands are quantized right before it runs: [W, rows] e4m3 and [rows / S, W] fp32 each.
+    gate_up_operands = (
+        *ops.quantize_fp8_block_sorted_t(d_gate_up.flatten(1), routing, block_m),  # d_gᵀ then d_uᵀ: [2·I, rows]
+        *ops.quantize_fp8_block_sorted_t(x_sorted, routing, block_m),  # [H, rows]
+    )
+    d_w_gate, d_w_up = _weight_grads(
+        ops.gate_up_wgrad_fp8_block, ops.gate_up_wgrad_fp8_block_accumulate, gate_up_operands, (main_gate, main_up),
+        routing, block_m,
+    )
+    down_operands = (
+        *ops.quantize_fp8_block_sorted_t(dy_sorted, routing, block_m),  # [H, rows]
+        *ops.quantize_fp8_block_swiglu_sorted_t(saved["gate_up"], routing, block_m, swiglu_limit),  # [I, rows]
+    )
+    d_w_down = _weight_grads(
+        ops.down_wgrad_fp8_block, ops.down_wgrad_fp8_block_accumulate, down_operands, (main_down,), routing, block_m
+    )
     return dx_slots, d_topk_weights, (d_w_gate, d_w_up, d_w_down)
+
+
+def _weight_grads(fresh_op, accumulate_op, operands, main_grads, routing, block_m):
+    """`fresh_op`'s new gradient(s) from `operands`; or, when `main_grads` holds buffers,
+    `accumulate_op` adds into them in place and they are returned in the gradients' places."""
+    if main_grads[0] is None:
+        return fresh_op(*operands, routing, block_m)
+    accumulate_op(*main_grads, *operands, routing, block_m)
+    return main_grads if len(main_grads) > 1 else main_grads[0]
 
 
 def _routed_backward(schedule, saved, d_out, x, topk_weights, routed, swiglu_limit, main_grads):
@@ -505,11 +641,15 @@ def _routed_backward(schedule, saved, d_out, x, topk_weights, routed, swiglu_lim
         )
     expert_x = dispatch.received_x(saved["expert_x"], x)  # [P·C, H]
     expert_d_out, expert_weights = dispatch.dispatch_grad(d_out, topk_weights)  # [P·C, H], [P·C, 1]
+    peer_rows = _epilogue_peer_rows(dispatch, "dx", routed)
     dx_rows, d_weight_rows, grads = _expert_mlp_backward(
         expert_d_out, expert_x, expert_weights, routed, saved, schedule.routing, schedule.block_m,
-        1, expert_x.shape[0], swiglu_limit, main_grads,
+        1, expert_x.shape[0], swiglu_limit, main_grads, peer_rows=peer_rows,
     )
-    return (*dispatch.combine_grad(dx_rows, d_weight_rows), grads)
+    if peer_rows is None:
+        return (*dispatch.combine_grad(dx_rows, d_weight_rows), grads)
+    programs = ops.scatter_programs("gate_up_dgrad", schedule.routing, schedule.block_m, *_hidden_inter(routed))
+    return (*dispatch.combined_grad(d_weight_rows, programs), grads)
 
 
 def _triton_backward(schedule, saved, d_out, x, topk_weights, shared, routed, swiglu_limit, main_grads) -> Gradients:
@@ -572,9 +712,10 @@ def backward(
     if schedule.backend == "triton":
         if context.backend != "triton":
             raise ValueError(f"context: expected a context of the triton backend (the schedule's), got {context.backend!r}")
+        routed = _triton_routed_weights(config.precision, (w_gate, w_up, w_down))
         return _triton_backward(
-            schedule, context.saved, d_out, x, topk_weights, (ws_gate, ws_up, ws_down), (w_gate, w_up, w_down),
-            swiglu_limit, main_grads,
+            schedule, context.saved, d_out, x, topk_weights, (ws_gate, ws_up, ws_down), routed, swiglu_limit,
+            main_grads,
         )
     grads = _reference_call(
         reference.moe_backward, config, workspace, schedule, x, topk_weights, ws_gate, ws_up, ws_down,

@@ -409,6 +409,165 @@ def _(main_grad_gate, main_grad_up, d_gate_up, x_sorted, schedule_tensors, block
     return None
 
 
+@_custom_op("down_wgrad_fp8_block", ())
+def down_wgrad_fp8_block(
+    dy_t_q: torch.Tensor,
+    dy_t_scale: torch.Tensor,
+    h_t_q: torch.Tensor,
+    h_t_scale: torch.Tensor,
+    schedule_tensors: list[torch.Tensor],
+    block_m: int,
+) -> torch.Tensor:
+    """d_w_down [E_l, H, I] bf16 from w·dOut and h quantized in 1×128 blocks along the sorted
+    rows (`quantize_fp8_block_sorted_t` pairs), fp32 accumulation."""
+    routing = routing_from_tensors(schedule_tensors, block_m)
+    return wgrad.down_wgrad_fp8_block(dy_t_q, dy_t_scale, h_t_q, h_t_scale, routing)
+
+
+@down_wgrad_fp8_block.op.register_fake
+def _(dy_t_q, dy_t_scale, h_t_q, h_t_scale, schedule_tensors, block_m):
+    return dy_t_scale.new_empty(schedule_tensors[3].shape[0], dy_t_q.shape[0], h_t_q.shape[0], dtype=torch.bfloat16)
+
+
+@_custom_op("down_wgrad_fp8_block_accumulate", ("main_grad",))
+def down_wgrad_fp8_block_accumulate(
+    main_grad: torch.Tensor,
+    dy_t_q: torch.Tensor,
+    dy_t_scale: torch.Tensor,
+    h_t_q: torch.Tensor,
+    h_t_scale: torch.Tensor,
+    schedule_tensors: list[torch.Tensor],
+    block_m: int,
+) -> None:
+    """main_grad [E_l, H, I] fp32/bf16 += the fp8_block d_w_down, in place."""
+    routing = routing_from_tensors(schedule_tensors, block_m)
+    wgrad.down_wgrad_fp8_block(dy_t_q, dy_t_scale, h_t_q, h_t_scale, routing, main_grad=main_grad)
+
+
+@down_wgrad_fp8_block_accumulate.op.register_fake
+def _(main_grad, dy_t_q, dy_t_scale, h_t_q, h_t_scale, schedule_tensors, block_m):
+    return None
+
+
+@_custom_op("gate_up_wgrad_fp8_block", ())
+def gate_up_wgrad_fp8_block(
+    d_gate_up_t_q: torch.Tensor,
+    d_gate_up_t_scale: torch.Tensor,
+    x_t_q: torch.Tensor,
+    x_t_scale: torch.Tensor,
+    schedule_tensors: list[torch.Tensor],
+    block_m: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d_w_gate, d_w_up) [E_l, I, H] bf16 from d_g|d_u and x quantized in 1×128 blocks along
+    the sorted rows (`quantize_fp8_block_sorted_t` pairs), fp32 accumulation."""
+    routing = routing_from_tensors(schedule_tensors, block_m)
+    return wgrad.gate_up_wgrad_fp8_block(d_gate_up_t_q, d_gate_up_t_scale, x_t_q, x_t_scale, routing)
+
+
+@gate_up_wgrad_fp8_block.op.register_fake
+def _(d_gate_up_t_q, d_gate_up_t_scale, x_t_q, x_t_scale, schedule_tensors, block_m):
+    shape = (schedule_tensors[3].shape[0], d_gate_up_t_q.shape[0] // 2, x_t_q.shape[0])
+    return x_t_scale.new_empty(shape, dtype=torch.bfloat16), x_t_scale.new_empty(shape, dtype=torch.bfloat16)
+
+
+@_custom_op("gate_up_wgrad_fp8_block_accumulate", ("main_grad_gate", "main_grad_up"))
+def gate_up_wgrad_fp8_block_accumulate(
+    main_grad_gate: torch.Tensor,
+    main_grad_up: torch.Tensor,
+    d_gate_up_t_q: torch.Tensor,
+    d_gate_up_t_scale: torch.Tensor,
+    x_t_q: torch.Tensor,
+    x_t_scale: torch.Tensor,
+    schedule_tensors: list[torch.Tensor],
+    block_m: int,
+) -> None:
+    """main_grad_gate, main_grad_up [E_l, I, H] fp32/bf16 += the fp8_block d_w_gate, d_w_up, in place."""
+    routing = routing_from_tensors(schedule_tensors, block_m)
+    wgrad.gate_up_wgrad_fp8_block(
+        d_gate_up_t_q, d_gate_up_t_scale, x_t_q, x_t_scale, routing, main_grad_gate, main_grad_up
+    )
+
+
+@gate_up_wgrad_fp8_block_accumulate.op.register_fake
+def _(main_grad_gate, main_grad_up, d_gate_up_t_q, d_gate_up_t_scale, x_t_q, x_t_scale, schedule_tensors, block_m):
+    return None
+
+
+# --------------------------------------------------------------------------- fp8_block quantize
+
+from mok.kernels import quant_fp8_block  # noqa: E402  (appended section keeps its imports here)
+from mok.kernels.quant_fp8_block import sorted_scale_rows  # noqa: E402
+
+
+@_custom_op("quantize_fp8_block_activations", ())
+def quantize_fp8_block_activations(
+    x: torch.Tensor, num_rows: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [M, K] e4m3, scale [M, K/128] fp32): x [M, K] in 1×128 blocks along K; rows at or past
+    num_rows[0] (a schedule's rows in use, when given) left unwritten."""
+    return quant_fp8_block.quantize_fp8_block_activations(x, num_rows)
+
+
+@quantize_fp8_block_activations.op.register_fake
+def _(x, num_rows=None):
+    M, K = x.shape
+    return x.new_empty(M, K, dtype=torch.float8_e4m3fn), x.new_empty(M, -(-K // 128), dtype=torch.float32)
+
+
+@_custom_op("quantize_fp8_block_weights", ())
+def quantize_fp8_block_weights(
+    w: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, scale, q_t, scale_t) of a weight [E, N, K] in 128×128 blocks, as `mok.fp8_block_quantize`."""
+    return quant_fp8_block.quantize_fp8_block_weights(w)
+
+
+@quantize_fp8_block_weights.op.register_fake
+def _(w):
+    *lead, N, K = w.shape
+    nb, kb = -(-N // 128), -(-K // 128)
+    new = w.new_empty
+    return (
+        new(*lead, N, K, dtype=torch.float8_e4m3fn), new(*lead, nb, kb, dtype=torch.float32),
+        new(*lead, K, N, dtype=torch.float8_e4m3fn), new(*lead, kb, nb, dtype=torch.float32),
+    )
+
+
+@_custom_op("quantize_fp8_block_sorted_t", ())
+def quantize_fp8_block_sorted_t(
+    a: torch.Tensor, schedule_tensors: list[torch.Tensor], block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_t [W, rows] e4m3, scale_t [rows / S, W] fp32): a sorted-layout [R, W] operand in 1×128
+    blocks along its rows, per expert, transposed (`quant_fp8_block.quantize_fp8_block_sorted_t`)."""
+    return quant_fp8_block.quantize_fp8_block_sorted_t(a, routing_from_tensors(schedule_tensors, block_m))
+
+
+@quantize_fp8_block_sorted_t.op.register_fake
+def _(a, schedule_tensors, block_m):
+    rows, width = schedule_tensors[0].shape[0], a.shape[1]
+    return a.new_empty(width, rows, dtype=torch.float8_e4m3fn), a.new_empty(
+        rows // sorted_scale_rows(block_m), width, dtype=torch.float32
+    )
+
+
+@_custom_op("quantize_fp8_block_swiglu_sorted_t", ())
+def quantize_fp8_block_swiglu_sorted_t(
+    gate_up: torch.Tensor, schedule_tensors: list[torch.Tensor], block_m: int, swiglu_limit: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_t [I, rows] e4m3, scale_t [rows / S, I] fp32): h recomputed from the saved g, u
+    [rows, 2, I] and quantized as `quantize_fp8_block_sorted_t`."""
+    routing = routing_from_tensors(schedule_tensors, block_m)
+    return quant_fp8_block.quantize_fp8_block_swiglu_sorted_t(gate_up, routing, swiglu_limit)
+
+
+@quantize_fp8_block_swiglu_sorted_t.op.register_fake
+def _(gate_up, schedule_tensors, block_m, swiglu_limit):
+    rows, inter = schedule_tensors[0].shape[0], gate_up.shape[2]
+    return gate_up.new_empty(inter, rows, dtype=torch.float8_e4m3fn), gate_up.new_empty(
+        rows // sorted_scale_rows(block_m), inter, dtype=torch.float32
+    )
+
+
 # --------------------------------------------------------------------------- mxfp8 quantize
 
 from mok.kernels import quant  # noqa: E402  (appended section keeps its imports here)
@@ -503,3 +662,59 @@ def receive_expert_ids(recv_ids: torch.Tensor, error_flag: torch.Tensor) -> torc
 @receive_expert_ids.op.register_fake
 def _(recv_ids, error_flag):
     return recv_ids.new_empty((recv_ids.shape[1] - 1) * recv_ids.shape[0], 1)
+
+
+# --------------------------------------------------------------------------- epilogues that store on the peers
+
+from mok.kernels.comm import PeerRows  # noqa: E402  (appended section keeps its imports here)
+
+
+def _peer_rows(out, out_peer_ptrs, return_route, arrivals_peer_ptrs, capacity, arrival_slot) -> PeerRows:
+    return PeerRows(out_peer_ptrs, return_route, capacity, arrivals_peer_ptrs, arrival_slot, out)
+
+
+@_custom_op("down_scatter_to_peers", ("out",))
+def down_scatter_to_peers(
+    h: torch.Tensor, w_down: torch.Tensor, schedule_tensors: list[torch.Tensor], block_m: int,
+    out: torch.Tensor, out_peer_ptrs: torch.Tensor, return_route: torch.Tensor, arrivals_peer_ptrs: torch.Tensor,
+    capacity: int, arrival_slot: int,
+) -> None:
+    """The down GEMM with each received row's y stored in its source's slot on the source's
+    rank (`grouped_gemm.down_scatter` with `PeerRows`); `out` is this rank's slot buffer,
+    which the peers fill. Every program signals `arrival_slot` (`scatter_programs`)."""
+    routing = routing_from_tensors(schedule_tensors, block_m)
+    peer_rows = _peer_rows(out, out_peer_ptrs, return_route, arrivals_peer_ptrs, capacity, arrival_slot)
+    grouped_gemm.down_scatter(h, w_down, routing, 0, peer_rows=peer_rows)
+
+
+@down_scatter_to_peers.op.register_fake
+def _(h, w_down, schedule_tensors, block_m, out, out_peer_ptrs, return_route, arrivals_peer_ptrs, capacity,
+      arrival_slot):
+    return None
+
+
+@_custom_op("gate_up_dgrad_scatter_to_peers", ("out",))
+def gate_up_dgrad_scatter_to_peers(
+    d_gate_up: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, schedule_tensors: list[torch.Tensor],
+    block_m: int, out: torch.Tensor, out_peer_ptrs: torch.Tensor, return_route: torch.Tensor,
+    arrivals_peer_ptrs: torch.Tensor, capacity: int, arrival_slot: int,
+) -> None:
+    """The gate/up dgrad with each received row's dx stored in its source's slot on the
+    source's rank, as `down_scatter_to_peers`."""
+    routing = routing_from_tensors(schedule_tensors, block_m)
+    peer_rows = _peer_rows(out, out_peer_ptrs, return_route, arrivals_peer_ptrs, capacity, arrival_slot)
+    dgrad.gate_up_dgrad_scatter(d_gate_up, w_gate, w_up, routing, 0, peer_rows=peer_rows)
+
+
+@gate_up_dgrad_scatter_to_peers.op.register_fake
+def _(d_gate_up, w_gate, w_up, schedule_tensors, block_m, out, out_peer_ptrs, return_route, arrivals_peer_ptrs,
+      capacity, arrival_slot):
+    return None
+
+
+def scatter_programs(gemm: str, schedule_tensors: list[torch.Tensor], block_m: int, hidden: int, inter: int) -> int:
+    """Programs of a `*_to_peers` launch (`gemm` "down" or "gate_up_dgrad"): each signals
+    once, and a receiver waits for this many from every peer (the same on every rank)."""
+    routing = routing_from_tensors(schedule_tensors, block_m)
+    cfg = grouped_gemm.gemm_config("down", hidden, inter) if gemm == "down" else dgrad.dgrad_config("gate_up", hidden, inter)
+    return grouped_gemm.scatter_grid(routing, hidden, cfg)

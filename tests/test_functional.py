@@ -170,15 +170,14 @@ def test_fp8_block_needs_sizes_multiple_of_128():
         mok.moe(inp.x, inp.topk_ids, inp.topk_weights, *inp.weights, config=mok.MoKConfig(precision="fp8_block"))
 
 
-def test_fp8_block_runs_on_the_reference_backend_only(kernel_device):
+def test_fp8_block_backend_choice(kernel_device):
+    """fp8_block runs on the triton backend: backend="triton" takes it, "auto" does on CUDA."""
     inp = make_inputs(8, 128, 128, 4, 2, seed=1, device=kernel_device)
     ws = mok.get_workspace(mok.MoKConfig(), None, device=kernel_device, num_local_tokens=8, hidden_size=128, topk=2)
-    sched = mok.build_schedule(ws, mok.MoKConfig(precision="fp8_block"), inp.topk_ids, num_local_experts=4)
-    assert sched.backend == "reference"
-    expected = r"backend='triton' cannot run this call: precision='fp8_block': its backward grouped GEMMs are not written"
-    with pytest.raises(NotImplementedError, match=expected):
-        mok.moe(inp.x, inp.topk_ids, inp.topk_weights, *inp.weights,
-                config=mok.MoKConfig(precision="fp8_block", backend="triton"))
+    for backend, expected in (("triton", "triton"), ("auto", "triton" if kernel_device == "cuda" else "reference")):
+        config = mok.MoKConfig(precision="fp8_block", backend=backend)
+        sched = mok.build_schedule(ws, config, inp.topk_ids, num_local_experts=4)
+        assert sched.backend == expected, f"{backend=} {kernel_device=}"
 
 
 def test_error_flag_raises_once():

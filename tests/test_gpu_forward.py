@@ -1,5 +1,6 @@
 """GPU-only properties of the triton forward: preset-sized accuracy, determinism over 10
-runs, no host sync, CUDA-graph capture, torch.compile(fullgraph=True)."""
+runs, no host sync, CUDA-graph capture, torch.compile(fullgraph=True) (bf16 and fp8_block),
+and a whole training step captured in a CUDA graph."""
 
 import pytest
 import torch
@@ -12,9 +13,9 @@ from mok.testing import assert_close_to_reference, make_inputs
 pytestmark = pytest.mark.gpu
 
 
-def _layer_and_inputs(T=2048, H=1024, I=512, E=32, topk=4, I_s=256, seed=0):
+def _layer_and_inputs(T=2048, H=1024, I=512, E=32, topk=4, I_s=256, seed=0, precision="bf16"):
     torch.manual_seed(seed)
-    layer = mok.MoKMoE(H, I, E, topk, shared_intermediate_size=I_s, device="cuda")
+    layer = mok.MoKMoE(H, I, E, topk, shared_intermediate_size=I_s, precision=precision, device="cuda")
     inp = make_inputs(T, H, I, E, topk, seed=seed, device="cuda")
     return layer, inp
 
@@ -71,8 +72,9 @@ def test_cuda_graph_replay_equals_eager():
     assert not torch.equal(static_out, eager)
 
 
-def test_torch_compile_fullgraph():
-    layer, inp = _layer_and_inputs()
+@pytest.mark.parametrize("precision", ["bf16", "fp8_block"])
+def test_torch_compile_fullgraph(precision):
+    layer, inp = _layer_and_inputs(precision=precision)
     with torch.no_grad():
         eager = layer(inp.x, inp.topk_ids, inp.topk_weights)
         compiled = torch.compile(layer.forward, fullgraph=True)
@@ -80,10 +82,12 @@ def test_torch_compile_fullgraph():
     assert torch.equal(out, eager)
 
 
-def test_cuda_graph_of_a_training_step():
+@pytest.mark.parametrize("precision", ["bf16", "fp8_block"])
+def test_cuda_graph_of_a_training_step(precision):
     """Forward, backward and an optimizer step captured in one CUDA graph: two replays give
-    the same parameters, bit for bit, as two eager steps from the same start."""
-    layer, inp = _layer_and_inputs()
+    the same parameters, bit for bit, as two eager steps from the same start (in fp8_block the
+    graph quantizes the weights each replay, so it reads what the optimizer wrote)."""
+    layer, inp = _layer_and_inputs(precision=precision)
     optimizer = torch.optim.SGD(layer.parameters(), lr=0.05, momentum=0.9)
     d_out = torch.randn_like(inp.x)
     start = [p.detach().clone() for p in layer.parameters()]

@@ -37,6 +37,8 @@ counters are the only atomics and carry no data.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -169,6 +171,44 @@ def _wait_arrivals_kernel(
 
 
 # --------------------------------------------------------------------------- launchers
+
+
+@dataclass(frozen=True)
+class PeerRows:
+    """Where a GEMM epilogue stores its rows under expert parallelism (BY_RETURN's rule:
+    received row i = p·C + c goes to rank p's `out` buffer at row return_route[i]), and
+    the arrival every program of that launch signals when done (`signal_peers`). The GEMM
+    launchers take it (`grouped_gemm.down_scatter`, `dgrad.gate_up_dgrad_scatter`), so the
+    rows cross NVLink while the other tiles compute."""
+
+    out_peer_ptrs: torch.Tensor  # [P] int64: each rank's `out` buffer
+    return_route: torch.Tensor  # [P·C] int32: the source's route of each received row, −1: empty
+    capacity: int  # C
+    arrivals_peer_ptrs: torch.Tensor  # [P] int64: each rank's arrival counters
+    arrival_slot: int  # kind·P + my_rank
+    local_out: torch.Tensor  # [rows, W] bf16: this rank's `out` buffer (same layout on every rank)
+
+    def checked_local_out(self, width: int, device: torch.device) -> torch.Tensor:
+        out = self.local_out
+        if out.dim() != 2 or out.shape[1] != width or out.dtype != torch.bfloat16 or out.stride(1) != 1 \
+                or out.device != device:
+            raise ValueError(f"peer_rows.local_out: expected a bf16 [rows, {width}] tensor with unit column stride on "
+                             f"{device}, got {out.dtype} {list(out.shape)} on {out.device}")
+        return out
+
+    @staticmethod
+    def kernel_args(peer_rows: PeerRows | None, placeholder: torch.Tensor) -> tuple:
+        """The kernels' peer arguments (out_peer_ptrs, return_route, capacity, num_out_rows,
+        arrivals_peer_ptrs, arrival_slot, num_ranks); unread placeholders without peers."""
+        if peer_rows is None:
+            return placeholder, placeholder, 1, 0, placeholder, 0, 1
+        return (peer_rows.out_peer_ptrs, peer_rows.return_route, peer_rows.capacity, peer_rows.local_out.shape[0],
+                peer_rows.arrivals_peer_ptrs, peer_rows.arrival_slot, peer_rows.out_peer_ptrs.shape[0])
+
+    @staticmethod
+    def kernel_meta(peer_rows: PeerRows | None) -> dict:
+        num_ranks = 1 if peer_rows is None else peer_rows.out_peer_ptrs.shape[0]
+        return dict(PEER=peer_rows is not None, BLOCK_P=triton.next_power_of_2(num_ranks))
 
 
 def _check_peer_ptrs(name: str, ptrs: torch.Tensor, num_ranks: int, device: torch.device) -> None:

@@ -69,12 +69,14 @@ import triton
 import triton.language as tl
 
 from mok.fp8_block import FP8_BLOCK
+from mok.kernels.comm import PeerRows, signal_peers
 from mok.kernels.common import interpreting, round_to_bf16, tma_descriptor
 from mok.kernels.grouped_gemm import (
     check_fp8_block_pair,
     checked_tile_config,
     fp8_block_weight_shape,
     routing_block_m,
+    scatter_grid,
     scatter_rows_to_slots,
     sorted_rows_tile,
     tile_coordinates,
@@ -234,12 +236,16 @@ def _gate_up_dgrad_scatter_kernel(
     hidden, inter, max_m_tiles,
     # strides
     stride_dx_s,
+    # expert parallelism (PEER): rows to the sources' slots on their ranks, then one arrival per program
+    out_peer_ptrs, return_route_ptr, capacity, num_out_rows, arrivals_peer_ptrs, arrival_slot, num_ranks,
     # meta
-    PRECISION: tl.constexpr, INTERPRETER: tl.constexpr,
+    PRECISION: tl.constexpr, INTERPRETER: tl.constexpr, PEER: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     m_tile, n_tile = tile_coordinates(tl.program_id(0), max_m_tiles, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     if m_tile * BLOCK_M >= tl.load(num_rows_ptr):
+        if PEER:
+            signal_peers(arrivals_peer_ptrs, arrival_slot, num_ranks, BLOCK_P)  # the receivers count every program
         return
     expert = tl.load(tile_expert_ptr + m_tile)
     rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -260,7 +266,10 @@ def _gate_up_dgrad_scatter_kernel(
     else:
         dx = sorted_rows_times_weight(d_gate_desc, m0, w_gate_desc, expert, n0, inter, dx, BLOCK_K, INTERPRETER)
         dx = sorted_rows_times_weight(d_up_desc, m0, w_up_desc, expert, n0, inter, dx, BLOCK_K, INTERPRETER)
-    scatter_rows_to_slots(dx_ptr, dx, row_source_ptr, rows, n_offs, hidden, stride_dx_s, INTERPRETER)
+    scatter_rows_to_slots(dx_ptr, dx, row_source_ptr, rows, n_offs, hidden, stride_dx_s,
+                          out_peer_ptrs, return_route_ptr, capacity, num_out_rows, PEER, INTERPRETER)
+    if PEER:
+        signal_peers(arrivals_peer_ptrs, arrival_slot, num_ranks, BLOCK_P)
 
 
 # --------------------------------------------------------------------------- launchers
@@ -394,11 +403,14 @@ def down_dgrad_swiglu_fp8_block(
 
 def _launch_gate_up_dgrad_scatter(
     precision: str, d_gate, d_gate_scale, d_up, d_up_scale, w_gate, w_gate_scale, w_up, w_up_scale,
-    schedule: RoutingSchedule, num_slots: int, hidden: int, inter: int, cfg: dict,
+    schedule: RoutingSchedule, num_slots: int, hidden: int, inter: int, cfg: dict, peer_rows: PeerRows | None = None,
 ) -> torch.Tensor:
     """One launch of `_gate_up_dgrad_scatter_kernel`; the scales are None in bf16."""
-    dx = torch.empty(num_slots, hidden, dtype=torch.bfloat16, device=d_gate.device)  # [T·topk, H] bf16
-    grid = (schedule.max_tiles * triton.cdiv(hidden, cfg["BLOCK_N"]),)
+    if peer_rows is None:
+        dx = torch.empty(num_slots, hidden, dtype=torch.bfloat16, device=d_gate.device)  # [T·topk, H] bf16
+    else:
+        dx = peer_rows.checked_local_out(hidden, d_gate.device)
+    grid = (scatter_grid(schedule, hidden, cfg),)
     a_block = (cfg["BLOCK_M"], cfg["BLOCK_K"])
     b_block = _weight_block(precision, cfg)
     scales = (dx if s is None else s for s in (d_gate_scale, d_up_scale, w_gate_scale, w_up_scale))  # dx: unread
@@ -409,7 +421,8 @@ def _launch_gate_up_dgrad_scatter(
         schedule.row_source, schedule.tile_expert, schedule.num_rows,
         hidden, inter, schedule.max_tiles,
         dx.stride(0),
-        PRECISION=precision, INTERPRETER=interpreting(), **cfg,
+        *PeerRows.kernel_args(peer_rows, dx),
+        PRECISION=precision, INTERPRETER=interpreting(), **PeerRows.kernel_meta(peer_rows), **cfg,
     )
     return dx
 
@@ -421,9 +434,11 @@ def gate_up_dgrad_scatter(
     schedule: RoutingSchedule,
     num_slots: int,
     tile_config: dict | None = None,
+    peer_rows: PeerRows | None = None,
 ) -> torch.Tensor:
     """dx_slots [num_slots, H] bf16: each sorted row's d_g·Wg[e] + d_u·Wu[e] stored at its
-    slot row_source[r]. Slots no route points to are left unwritten."""
+    slot row_source[r]. Slots no route points to are left unwritten. `peer_rows`: as in
+    `grouped_gemm.down_scatter` (the rows go to the sources' ranks)."""
     num_experts, inter, hidden = w_gate.shape
     device = d_gate_up.device
     _check_bf16("d_gate_up", d_gate_up, (schedule.capacity_rows, 2, inter), device)
@@ -432,7 +447,7 @@ def gate_up_dgrad_scatter(
     cfg = _dgrad_tiles("gate_up", hidden, inter, "bf16", tile_config, schedule)
     return _launch_gate_up_dgrad_scatter(
         "bf16", d_gate_up[:, 0], None, d_gate_up[:, 1], None, w_gate, None, w_up, None,
-        schedule, num_slots, hidden, inter, cfg,
+        schedule, num_slots, hidden, inter, cfg, peer_rows,
     )
 
 

@@ -35,8 +35,9 @@ What the fp8_block backward needs from this forward: g and u (`store_gate_up`, b
 bf16 mode) to recompute h and the SwiGLU derivative; h_q is not kept (the down wgrad
 reduces over rows, so it needs h quantized along rows, not along I). Its dgrad GEMMs reduce
 over I (gate/up) and H (down), so they read the weights' transposed copies (`q_t`,
-`scale_t` of `mok.fp8_block_quantize`), K-major again; its gate/up wgrad reduces over rows
-and quantizes x along them itself (x_q's blocks run along H).
+`scale_t` of `mok.fp8_block_quantize`), K-major again; its wgrads reduce over rows, so a
+separate quantizer (`quant_fp8_block.quantize_fp8_block_sorted_t`) re-quantizes their
+operands along the rows (x_q's blocks run along H).
 
 Every output element is computed by one program with a fixed K loop: deterministic.
 Caller contract: the schedule was built for these tensors with the same BLOCK_M.
@@ -51,6 +52,7 @@ import triton
 import triton.language as tl
 
 from mok.fp8_block import FP8_BLOCK
+from mok.kernels.comm import PeerRows, signal_peers
 from mok.kernels.common import interpreting, round_to_bf16, tma_descriptor
 from mok.kernels.quant_fp8_block import quantize_row_blocks
 from mok.kernels.schedule import RoutingSchedule
@@ -197,13 +199,28 @@ def sorted_rows_tile(
 
 
 @triton.jit
-def scatter_rows_to_slots(out_ptr, tile, row_source_ptr, rows, n_offs, n_dim, stride_out_s, INTERPRETER: tl.constexpr):
+def scatter_rows_to_slots(
+    out_ptr, tile, row_source_ptr, rows, n_offs, n_dim, stride_out_s,
+    out_peer_ptrs, return_route_ptr, capacity, num_out_rows,
+    PEER: tl.constexpr, INTERPRETER: tl.constexpr,
+):
     """out[row_source[r], n_offs] = bf16(tile[r]) for each sorted row r of the tile; padding
-    rows (source −1) and columns past n_dim store nothing."""
+    rows (source −1) and columns past n_dim store nothing. PEER (expert parallelism, the
+    source is a received row i = p·C + c): the row goes to rank p's buffer at row
+    return_route[i] (`comm.PeerRows`), a store over NVLink for another rank."""
     source = tl.load(row_source_ptr + rows)
-    slot = tl.where(source >= 0, source, 0).to(tl.int64)
-    mask = (source >= 0)[:, None] & (n_offs[None, :] < n_dim)
-    tl.store(out_ptr + slot[:, None] * stride_out_s + n_offs[None, :], round_to_bf16(tile, INTERPRETER), mask=mask)
+    values = round_to_bf16(tile, INTERPRETER)
+    col_ok = (n_offs < n_dim)[None, :]
+    if PEER:
+        route = tl.load(return_route_ptr + source, mask=source >= 0, other=-1)
+        ok = (route >= 0) & (route < num_out_rows)
+        base = tl.load(out_peer_ptrs + source // capacity, mask=ok, other=0).to(tl.pointer_type(tl.bfloat16))
+        base = tl.multiple_of(base, 16)  # 256-byte aligned buffers: 16-byte stores (see comm.py)
+        tl.store(base[:, None] + route.to(tl.int64)[:, None] * stride_out_s + n_offs[None, :], values,
+                 mask=ok[:, None] & col_ok)
+    else:
+        slot = tl.where(source >= 0, source, 0).to(tl.int64)
+        tl.store(out_ptr + slot[:, None] * stride_out_s + n_offs[None, :], values, mask=(source >= 0)[:, None] & col_ok)
 
 
 @triton.jit
@@ -218,12 +235,16 @@ def _down_scatter_kernel(
     hidden, inter, max_m_tiles,
     # strides
     stride_y_s,
+    # expert parallelism (PEER): rows to the sources' slots on their ranks, then one arrival per program
+    out_peer_ptrs, return_route_ptr, capacity, num_out_rows, arrivals_peer_ptrs, arrival_slot, num_ranks,
     # meta
-    PRECISION: tl.constexpr, INTERPRETER: tl.constexpr,
+    PRECISION: tl.constexpr, INTERPRETER: tl.constexpr, PEER: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     m_tile, n_tile = tile_coordinates(tl.program_id(0), max_m_tiles, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     if m_tile * BLOCK_M >= tl.load(num_rows_ptr):
+        if PEER:
+            signal_peers(arrivals_peer_ptrs, arrival_slot, num_ranks, BLOCK_P)  # the receivers count every program
         return
     expert = tl.load(tile_expert_ptr + m_tile)
     rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -232,7 +253,10 @@ def _down_scatter_kernel(
         h_desc, h_scale_ptr, w_down_desc, w_down_scale_ptr, m_tile * BLOCK_M, expert, n_tile * BLOCK_N, inter, hidden,
         tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRETER,
     )
-    scatter_rows_to_slots(y_ptr, y, row_source_ptr, rows, n_offs, hidden, stride_y_s, INTERPRETER)
+    scatter_rows_to_slots(y_ptr, y, row_source_ptr, rows, n_offs, hidden, stride_y_s,
+                          out_peer_ptrs, return_route_ptr, capacity, num_out_rows, PEER, INTERPRETER)
+    if PEER:
+        signal_peers(arrivals_peer_ptrs, arrival_slot, num_ranks, BLOCK_P)
 
 
 # --------------------------------------------------------------------------- configs
@@ -442,13 +466,19 @@ def gate_up_swiglu_fp8_block(
     return h_q.view(torch.float8_e4m3fn), h_scale, gate_up
 
 
+def scatter_grid(schedule: RoutingSchedule, hidden: int, cfg: dict) -> int:
+    """Programs of a launch whose tiles cover [schedule rows, hidden] (the down GEMM, the
+    gate/up dgrad): under expert parallelism every one of them signals its arrival."""
+    return schedule.max_tiles * triton.cdiv(hidden, cfg["BLOCK_N"])
+
+
 def _launch_down_scatter(
-    precision: str, h, h_scale, w_down, w_down_scale, y, schedule: RoutingSchedule, cfg: dict
+    precision: str, h, h_scale, w_down, w_down_scale, y, schedule: RoutingSchedule, cfg: dict,
+    peer_rows: PeerRows | None = None,
 ) -> None:
     """One launch of `_down_scatter_kernel`; the scales are None in bf16."""
     hidden, inter = w_down.shape[1], w_down.shape[2]
-    grid = (schedule.max_tiles * triton.cdiv(hidden, cfg["BLOCK_N"]),)
-    _down_scatter_kernel[grid](
+    _down_scatter_kernel[(scatter_grid(schedule, hidden, cfg),)](
         tma_descriptor(h, (cfg["BLOCK_M"], cfg["BLOCK_K"])),
         tma_descriptor(w_down, (cfg["BLOCK_N"], cfg["BLOCK_K"])),
         y,
@@ -456,7 +486,8 @@ def _launch_down_scatter(
         schedule.row_source, schedule.tile_expert, schedule.num_rows,
         hidden, inter, schedule.max_tiles,
         y.stride(0),
-        PRECISION=precision, INTERPRETER=interpreting(), **cfg,
+        *PeerRows.kernel_args(peer_rows, y),
+        PRECISION=precision, INTERPRETER=interpreting(), **PeerRows.kernel_meta(peer_rows), **cfg,
     )
 
 
@@ -466,16 +497,23 @@ def down_scatter(
     schedule: RoutingSchedule,
     num_slots: int,
     tile_config: dict | None = None,
+    peer_rows: PeerRows | None = None,
 ) -> torch.Tensor:
     """y [num_slots, H] bf16: each sorted row's unweighted output stored at its slot
-    row_source[r]. Slots no route points to are left unwritten."""
+    row_source[r]. Slots no route points to are left unwritten. With `peer_rows` (expert
+    parallelism) the rows go to the sources' ranks instead and nothing is allocated; the
+    launch's `scatter_grid` programs each signal `peer_rows`' arrival, and the result is
+    `peer_rows.local_out`, filled once this rank has waited for every peer's signals."""
     num_experts, hidden, inter = w_down.shape
     if h.dim() != 2 or h.shape != (schedule.capacity_rows, inter) or h.dtype != torch.bfloat16:
         raise ValueError(f"h: expected a bf16 [{schedule.capacity_rows}, {inter}] tensor, got {h.dtype} {list(h.shape)}")
     _check_weights("w_down", w_down, (schedule.num_local_experts, hidden, inter), h.device)
     cfg = _tile_config("down", hidden, inter, "bf16", tile_config, schedule)
-    y = torch.empty(num_slots, hidden, dtype=torch.bfloat16, device=h.device)  # [T·topk, H]
-    _launch_down_scatter("bf16", h, None, w_down, None, y, schedule, cfg)
+    if peer_rows is None:
+        y = torch.empty(num_slots, hidden, dtype=torch.bfloat16, device=h.device)  # [T·topk, H]
+    else:
+        y = peer_rows.checked_local_out(hidden, h.device)
+    _launch_down_scatter("bf16", h, None, w_down, None, y, schedule, cfg, peer_rows)
     return y
 
 

@@ -29,6 +29,24 @@ fixed order: deterministic run to run.
 Caller contract: the schedule was built for these rows; every row in
 [expert_offsets[e], expert_offsets[e+1]) of each operand holds its data (zeros at
 padding: the forward's h is zero there because its gathered x rows are).
+
+fp8_block (SPEC §2; the constexpr PRECISION, launchers `*_fp8_block`): the reduction runs
+over rows, so both operands are quantized in 1×128 blocks along the rows, per expert
+(`quant_fp8_block.quantize_fp8_block_sorted_t`, a separate launch per operand ahead of these
+GEMMs: x_sorted, dy_sorted, d_gate_up viewed as [rows, 2·I] in one launch, and h recomputed
+from the saved g, u by `quantize_fp8_block_swiglu_sorted_t`; the forward's h_q has its
+blocks along I and is not kept). Each operand arrives transposed, aqᵀ [W, capacity_rows]
+with its scales sa [capacity_rows / S, W], so both MMA operands are K-major (rows
+contiguous), and each K step of BLOCK_K rows lies inside one block b of one expert:
+
+    out[e, m, n] = Σ_steps  sa[b, m] · sb[b, n] · Σ_{r in step} aqᵀ[m, r] · bqᵀ[n, r]     (fp32)
+
+Both scales are per output row / column here (no scalar weight scale), applied to each
+step's fresh FP8 `tl.dot` as the forward's main loop does. BLOCK_K divides S = gcd(block_m,
+128) (checked): on the GPU block_m = BLOCK_K = 128, one step per block as in DeepSeek-V3;
+under the interpreter's block_m = 16, eight 16-row steps share a block's scales (the same
+sum in another fp32 order). Padding rows quantize to exact zeros; NaN in a row makes its
+128-row column blocks NaN, and with them the columns of out that read them.
 """
 
 from __future__ import annotations
@@ -37,14 +55,37 @@ import torch
 import triton
 import triton.language as tl
 
+from mok.fp8_block import FP8_BLOCK
 from mok.kernels.common import interpreting, round_to_bf16, tma_descriptor
 from mok.kernels.gather import check_sorted_rows
+from mok.kernels.quant_fp8_block import sorted_scale_rows
 from mok.kernels.schedule import RoutingSchedule
+
+_SCALE_BLOCK = tl.constexpr(FP8_BLOCK)  # kernels read only constexpr globals
 
 # --------------------------------------------------------------------------- configs
 
+# fp8_block tiles. BLOCK_K = 128 rows is the scale block (the GPU schedule's block_m), one fresh
+# FP8 dot per block. Starting points, not yet timed, sized against H200's limits (227 KiB of
+# shared memory per block, 255 registers per thread) and checked with ptxas for sm_90a
+# (triton 3.6, compiled without a GPU):
+_FP8_BLOCK_TILES = {
+    # 8 warps, two accumulators of 128×64 fp32 and a step's fresh dots: ptxas 203 registers, no
+    # spills. Shared memory per stage: d_gᵀ, d_uᵀ 128×128 B and xᵀ 64×128 B = 40 KiB; 4 stages =
+    # 160 KiB. 128×128 tiles (half the d_g, d_u reloads) hit 255 registers and spill ~560 B per
+    # thread at 3 stages (144 KiB): the first alternative to time.
+    "gate_up": dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, num_warps=8, num_stages=4),
+    # 8 warps, one 128×128 accumulator: ptxas 209 registers, no spills; 32 KiB per stage (dyᵀ,
+    # hᵀ), 4 stages = 128 KiB. Not bf16's BLOCK_N = 256: its accumulator plus a fresh 128×256 dot
+    # would spill (the forward's down GEMM measured so with ptxas).
+    "down": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4),
+    # BLOCK_K divides S = gcd(16, 128) = 16, the interpreter schedule's block_m; whole 128-wide
+    # output tiles keep the interpreter's program count (its cost) low: 8× quicker than 32×64.
+    "interpreter": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=16, num_warps=4, num_stages=1),
+}
 
-def wgrad_config(kind: str, m_dim: int, n_dim: int) -> dict:
+
+def wgrad_config(kind: str, m_dim: int, n_dim: int, precision: str = "bf16") -> dict:
     """Tile config of a wgrad GEMM (`kind` "down" or "gate_up") with output [m_dim, n_dim].
 
     H200, bf16, measured over sorted TMA operands (BENCHMARKS.md): 8 warps, 64 rows per
@@ -54,7 +95,10 @@ def wgrad_config(kind: str, m_dim: int, n_dim: int) -> dict:
     tiles where the output is wide enough, 3 stages: 438–636 TFLOPS (128×128: 375–569).
     BLOCK_K divides the schedule's BLOCK_M (128). The reduction runs over an
     expert's rows, whose count changes every step, so it is not part of any key.
+    fp8_block: `_FP8_BLOCK_TILES`, the same for every shape until measured.
     """
+    if precision == "fp8_block":
+        return dict(_FP8_BLOCK_TILES["interpreter" if interpreting() else kind])
     if interpreting():  # BLOCK_K divides the interpreter's routing BLOCK_M (16)
         return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=16, num_warps=4, num_stages=1)
     if kind == "down":
@@ -94,15 +138,19 @@ def store_weight_grad(ptrs, acc, mask, ACCUMULATE: tl.constexpr, OUT_BF16: tl.co
 @triton.jit
 def _sorted_rows_wgrad_kernel(
     # pointers: out[e] = Σ_r a[r]ᵀ · b[r], and out2[e] = Σ_r a2[r]ᵀ · b[r] with TWO_OUTPUTS
+    # (bf16: a, a2, b [rows, ·]; fp8_block: their transposed e4m3 copies [·, capacity_rows])
     a_desc, a2_desc, b_desc, out_ptr, out2_ptr,
+    # fp8_block scales (unused in bf16): [capacity_rows / S, ·] fp32
+    a_scale_ptr, a2_scale_ptr, b_scale_ptr,
     # schedule
     expert_offsets_ptr,
     # sizes: out is [E_l, m_dim, n_dim]
     m_dim, n_dim,
     # strides
-    stride_out_e, stride_out_m,
+    stride_out_e, stride_out_m, stride_a_scale, stride_b_scale,
     # meta
-    TWO_OUTPUTS: tl.constexpr, ACCUMULATE: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRETER: tl.constexpr,
+    PRECISION: tl.constexpr, TWO_OUTPUTS: tl.constexpr, ACCUMULATE: tl.constexpr, OUT_BF16: tl.constexpr,
+    INTERPRETER: tl.constexpr, SCALE_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """down: a = dy_sorted, b = h; gate/up: a, a2 = d_g, d_u (sharing the x_sorted tile b)."""
@@ -112,16 +160,32 @@ def _sorted_rows_wgrad_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for r0 in range(row_start, row_end, BLOCK_K):
-        a = a_desc.load([r0, m0]).T  # aᵀ [BLOCK_M, BLOCK_K rows]
-        b = b_desc.load([r0, n0])  # b [BLOCK_K rows, BLOCK_N]
-        if INTERPRETER:  # the interpreter's bf16 tl.dot is wrong (DESIGN §6); fp32 is exact
-            a, b = a.to(tl.float32), b.to(tl.float32)
-        acc = tl.dot(a, b, acc)
-        if TWO_OUTPUTS:
-            a2 = a2_desc.load([r0, m0]).T
-            if INTERPRETER:
-                a2 = a2.to(tl.float32)
-            acc2 = tl.dot(a2, b, acc2)
+        if PRECISION == "fp8_block":
+            # No upcast: the interpreter's fp8 tl.dot is right (DESIGN §6 concerns bf16).
+            a = a_desc.load([m0, r0])  # aᵀ [BLOCK_M, BLOCK_K rows], K-major
+            b = b_desc.load([n0, r0]).T  # b [BLOCK_K rows, BLOCK_N] from K-major bᵀ
+            # The scale row of the 128-row block (counted from the expert's first row) holding r0.
+            slot = ((row_start + (r0 - row_start) // _SCALE_BLOCK * _SCALE_BLOCK) // SCALE_ROWS).to(tl.int64)
+            scale_m = m0 + tl.arange(0, BLOCK_M)
+            scale_n = n0 + tl.arange(0, BLOCK_N)
+            a_scale = tl.load(a_scale_ptr + slot * stride_a_scale + scale_m, mask=scale_m < m_dim, other=0.0)
+            b_scale = tl.load(b_scale_ptr + slot * stride_b_scale + scale_n, mask=scale_n < n_dim, other=0.0)
+            acc += tl.dot(a, b) * (a_scale[:, None] * b_scale[None, :])
+            if TWO_OUTPUTS:
+                a2 = a2_desc.load([m0, r0])
+                a2_scale = tl.load(a2_scale_ptr + slot * stride_a_scale + scale_m, mask=scale_m < m_dim, other=0.0)
+                acc2 += tl.dot(a2, b) * (a2_scale[:, None] * b_scale[None, :])
+        else:
+            a = a_desc.load([r0, m0]).T  # aᵀ [BLOCK_M, BLOCK_K rows]
+            b = b_desc.load([r0, n0])  # b [BLOCK_K rows, BLOCK_N]
+            if INTERPRETER:  # the interpreter's bf16 tl.dot is wrong (DESIGN §6); fp32 is exact
+                a, b = a.to(tl.float32), b.to(tl.float32)
+            acc = tl.dot(a, b, acc)
+            if TWO_OUTPUTS:
+                a2 = a2_desc.load([r0, m0]).T
+                if INTERPRETER:
+                    a2 = a2.to(tl.float32)
+                acc2 = tl.dot(a2, b, acc2)
     m_offs = m0 + tl.arange(0, BLOCK_M)
     n_offs = n0 + tl.arange(0, BLOCK_N)
     offs = expert.to(tl.int64) * stride_out_e + m_offs[:, None].to(tl.int64) * stride_out_m + n_offs[None, :]
@@ -143,31 +207,70 @@ def _check(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...], shape: t
         )
 
 
-def _check_block_k(cfg: dict, schedule: RoutingSchedule) -> None:
+def _check_block_k(cfg: dict, schedule: RoutingSchedule, precision: str) -> None:
+    """No K step may cross an expert's end (bf16, fp8_block) or a scale block (fp8_block)."""
     if schedule.block_m % cfg["BLOCK_K"]:
         raise ValueError(f"schedule: expected a block_m that BLOCK_K={cfg['BLOCK_K']} divides, got {schedule.block_m}")
+    if precision == "fp8_block" and FP8_BLOCK % cfg["BLOCK_K"]:
+        raise ValueError(
+            f"tile_config: expected a BLOCK_K that divides {FP8_BLOCK} (the scale block) for the fp8_block wgrad, "
+            f"got {cfg['BLOCK_K']}"
+        )
 
 
 _MAIN_GRAD_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def _launch_wgrad(a, a2, b, out, out2, schedule: RoutingSchedule, cfg: dict, accumulate: bool) -> None:
+def _launch_wgrad(
+    precision: str, a, a2, b, scales, out, out2, schedule: RoutingSchedule, cfg: dict, accumulate: bool
+) -> None:
     """One launch of `_sorted_rows_wgrad_kernel` over out [E_l, m_dim, n_dim] (a2, out2 None
-    for a single output); a, a2 [rows, m_dim] and b [rows, n_dim] in the sorted layout."""
-    _check_block_k(cfg, schedule)
+    for a single output). bf16: a, a2 [rows, m_dim] and b [rows, n_dim] in the sorted layout,
+    `scales` None; fp8_block: their transposed e4m3 copies [m_dim or n_dim, capacity_rows] and
+    `scales` = (a's, a2's or None, b's) [capacity_rows / S, ·] fp32, unit column stride."""
+    _check_block_k(cfg, schedule, precision)
     experts, m_dim, n_dim = out.shape
-    a_block = (cfg["BLOCK_K"], cfg["BLOCK_M"])
+    if precision == "fp8_block":  # K-major tiles of the transposed copies
+        a_block, b_block = (cfg["BLOCK_M"], cfg["BLOCK_K"]), (cfg["BLOCK_N"], cfg["BLOCK_K"])
+        a_scale, a2_scale, b_scale = scales
+    else:
+        a_block, b_block = (cfg["BLOCK_K"], cfg["BLOCK_M"]), (cfg["BLOCK_K"], cfg["BLOCK_N"])
+        a_scale = a2_scale = b_scale = out  # an unread stand-in
     a_desc = tma_descriptor(a, a_block)
     grid = (experts * triton.cdiv(m_dim, cfg["BLOCK_M"]) * triton.cdiv(n_dim, cfg["BLOCK_N"]),)
     _sorted_rows_wgrad_kernel[grid](
         a_desc, a_desc if a2 is None else tma_descriptor(a2, a_block),
-        tma_descriptor(b, (cfg["BLOCK_K"], cfg["BLOCK_N"])), out, out if out2 is None else out2,
+        tma_descriptor(b, b_block), out, out if out2 is None else out2,
+        a_scale, a_scale if a2_scale is None else a2_scale, b_scale,
         schedule.expert_offsets,
         m_dim, n_dim,
-        out.stride(0), out.stride(1),
-        TWO_OUTPUTS=out2 is not None, ACCUMULATE=accumulate, OUT_BF16=out.dtype == torch.bfloat16,
-        INTERPRETER=interpreting(), **cfg,
+        out.stride(0), out.stride(1), a_scale.stride(0), b_scale.stride(0),
+        PRECISION=precision, TWO_OUTPUTS=out2 is not None, ACCUMULATE=accumulate,
+        OUT_BF16=out.dtype == torch.bfloat16, INTERPRETER=interpreting(),
+        SCALE_ROWS=sorted_scale_rows(schedule.block_m), **cfg,
     )
+
+
+def _down_output(main_grad: torch.Tensor | None, schedule: RoutingSchedule, hidden: int, inter: int, device):
+    """main_grad (checked), or a new bf16 d_w_down [E_l, H, I]."""
+    shape = (schedule.num_local_experts, hidden, inter)
+    if main_grad is not None:
+        _check("main_grad", main_grad, _MAIN_GRAD_DTYPES, shape, device)
+        return main_grad
+    return torch.empty(shape, dtype=torch.bfloat16, device=device)  # [E_l, H, I]
+
+
+def _gate_up_outputs(main_grad_gate, main_grad_up, schedule: RoutingSchedule, inter: int, hidden: int, device):
+    """The two main_grads (checked), or new bf16 d_w_gate, d_w_up [E_l, I, H]."""
+    shape = (schedule.num_local_experts, inter, hidden)
+    if (main_grad_gate is None) != (main_grad_up is None):
+        raise ValueError("main_grad_gate, main_grad_up: expected both or neither")
+    if main_grad_gate is not None:
+        _check("main_grad_gate", main_grad_gate, _MAIN_GRAD_DTYPES, shape, device)
+        _check("main_grad_up", main_grad_up, (main_grad_gate.dtype,), shape, device)
+        return main_grad_gate, main_grad_up
+    d_w_gate = torch.empty(shape, dtype=torch.bfloat16, device=device)  # [E_l, I, H]
+    return d_w_gate, torch.empty_like(d_w_gate)  # [E_l, I, H]
 
 
 def down_wgrad(
@@ -179,17 +282,11 @@ def down_wgrad(
 ) -> torch.Tensor:
     """d_w_down [E_l, H, I]: a new bf16 tensor, or `main_grad` after `main_grad += d_w_down`."""
     hidden, inter = dy_sorted.shape[-1], h.shape[-1]
-    device = h.device
-    experts = schedule.num_local_experts
     check_sorted_rows("dy_sorted", dy_sorted, hidden, schedule)
     check_sorted_rows("h", h, inter, schedule)
-    if main_grad is not None:
-        _check("main_grad", main_grad, _MAIN_GRAD_DTYPES, (experts, hidden, inter), device)
-    out = main_grad
-    if out is None:
-        out = torch.empty(experts, hidden, inter, dtype=torch.bfloat16, device=device)  # [E_l, H, I]
+    out = _down_output(main_grad, schedule, hidden, inter, h.device)
     cfg = tile_config or wgrad_config("down", hidden, inter)
-    _launch_wgrad(dy_sorted, None, h, out, None, schedule, cfg, accumulate=main_grad is not None)
+    _launch_wgrad("bf16", dy_sorted, None, h, None, out, None, schedule, cfg, accumulate=main_grad is not None)
     return out
 
 
@@ -204,19 +301,70 @@ def gate_up_wgrad(
     """(d_w_gate, d_w_up) [E_l, I, H]: new bf16 tensors, or the two main_grads after `+=`."""
     hidden, inter = x_sorted.shape[-1], d_gate_up.shape[-1]
     device = d_gate_up.device
-    experts = schedule.num_local_experts
     check_sorted_rows("x_sorted", x_sorted, hidden, schedule)
     _check("d_gate_up", d_gate_up, (torch.bfloat16,), (schedule.capacity_rows, 2, inter), device)
-    if (main_grad_gate is None) != (main_grad_up is None):
-        raise ValueError("main_grad_gate, main_grad_up: expected both or neither")
-    if main_grad_gate is not None:
-        _check("main_grad_gate", main_grad_gate, _MAIN_GRAD_DTYPES, (experts, inter, hidden), device)
-        _check("main_grad_up", main_grad_up, (main_grad_gate.dtype,), (experts, inter, hidden), device)
-        d_w_gate, d_w_up = main_grad_gate, main_grad_up
-    else:
-        d_w_gate = torch.empty(experts, inter, hidden, dtype=torch.bfloat16, device=device)  # [E_l, I, H]
-        d_w_up = torch.empty_like(d_w_gate)  # [E_l, I, H]
+    d_w_gate, d_w_up = _gate_up_outputs(main_grad_gate, main_grad_up, schedule, inter, hidden, device)
     cfg = tile_config or wgrad_config("gate_up", inter, hidden)
-    _launch_wgrad(d_gate_up[:, 0], d_gate_up[:, 1], x_sorted, d_w_gate, d_w_up, schedule, cfg,
+    _launch_wgrad("bf16", d_gate_up[:, 0], d_gate_up[:, 1], x_sorted, None, d_w_gate, d_w_up, schedule, cfg,
                   accumulate=main_grad_gate is not None)
+    return d_w_gate, d_w_up
+
+
+def _check_sorted_t_pair(q_name: str, q: torch.Tensor, scale_name: str, scale: torch.Tensor, width: int,
+                         schedule: RoutingSchedule) -> None:
+    """q: e4m3 [width, capacity_rows]; scale: fp32 [capacity_rows / S, width] (`quantize_fp8_block_sorted_t`)."""
+    rows, device = schedule.capacity_rows, schedule.row_source.device
+    _check(q_name, q, (torch.float8_e4m3fn,), (width, rows), device)
+    _check(scale_name, scale, (torch.float32,), (rows // sorted_scale_rows(schedule.block_m), width), device)
+
+
+def down_wgrad_fp8_block(
+    dy_t_q: torch.Tensor,  # [H, capacity_rows] float8_e4m3fn, w·dOut's sorted rows in 1×128 column blocks
+    dy_t_scale: torch.Tensor,  # [capacity_rows / S, H] fp32
+    h_t_q: torch.Tensor,  # [I, capacity_rows] float8_e4m3fn, h recomputed from the saved g, u
+    h_t_scale: torch.Tensor,  # [capacity_rows / S, I] fp32
+    schedule: RoutingSchedule,
+    main_grad: torch.Tensor | None = None,  # [E_l, H, I] fp32/bf16, accumulated into in place
+    tile_config: dict | None = None,
+) -> torch.Tensor:
+    """The fp8_block down wgrad: d_w_down [E_l, H, I], a new bf16 tensor or `main_grad` after
+    `+=`, as `down_wgrad`. dy's pair comes from `quantize_fp8_block_sorted_t(dy_sorted)`, h's
+    from `quantize_fp8_block_swiglu_sorted_t(gate_up)`, for this schedule."""
+    hidden, inter = dy_t_q.shape[0], h_t_q.shape[0]
+    _check_sorted_t_pair("dy_t_q", dy_t_q, "dy_t_scale", dy_t_scale, hidden, schedule)
+    _check_sorted_t_pair("h_t_q", h_t_q, "h_t_scale", h_t_scale, inter, schedule)
+    out = _down_output(main_grad, schedule, hidden, inter, h_t_q.device)
+    cfg = tile_config or wgrad_config("down", hidden, inter, "fp8_block")
+    _launch_wgrad("fp8_block", dy_t_q, None, h_t_q, (dy_t_scale, None, h_t_scale), out, None, schedule, cfg,
+                  accumulate=main_grad is not None)
+    return out
+
+
+def gate_up_wgrad_fp8_block(
+    d_gate_up_t_q: torch.Tensor,  # [2·I, capacity_rows] float8_e4m3fn: d_gᵀ then d_uᵀ, in 1×128 column blocks
+    d_gate_up_t_scale: torch.Tensor,  # [capacity_rows / S, 2·I] fp32
+    x_t_q: torch.Tensor,  # [H, capacity_rows] float8_e4m3fn, x's sorted rows in 1×128 column blocks
+    x_t_scale: torch.Tensor,  # [capacity_rows / S, H] fp32
+    schedule: RoutingSchedule,
+    main_grad_gate: torch.Tensor | None = None,  # [E_l, I, H] fp32/bf16, accumulated into in place
+    main_grad_up: torch.Tensor | None = None,  # [E_l, I, H], same dtype as main_grad_gate
+    tile_config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp8_block gate/up wgrad: (d_w_gate, d_w_up) [E_l, I, H], new bf16 tensors or the two
+    main_grads after `+=`, as `gate_up_wgrad`. d_gate_up's pair comes from one
+    `quantize_fp8_block_sorted_t(d_gate_up.flatten(1))` ([rows, 2, I] read as [rows, 2·I]),
+    x's from `quantize_fp8_block_sorted_t(x_sorted)`, for this schedule."""
+    if d_gate_up_t_q.dim() != 2 or d_gate_up_t_q.shape[0] % 2:
+        raise ValueError(
+            f"d_gate_up_t_q: expected a 2-D [2·I, capacity_rows] tensor, got shape {list(d_gate_up_t_q.shape)}"
+        )
+    inter, hidden = d_gate_up_t_q.shape[0] // 2, x_t_q.shape[0]
+    device = x_t_q.device
+    _check_sorted_t_pair("d_gate_up_t_q", d_gate_up_t_q, "d_gate_up_t_scale", d_gate_up_t_scale, 2 * inter, schedule)
+    _check_sorted_t_pair("x_t_q", x_t_q, "x_t_scale", x_t_scale, hidden, schedule)
+    d_w_gate, d_w_up = _gate_up_outputs(main_grad_gate, main_grad_up, schedule, inter, hidden, device)
+    cfg = tile_config or wgrad_config("gate_up", inter, hidden, "fp8_block")
+    scales = (d_gate_up_t_scale[:, :inter], d_gate_up_t_scale[:, inter:], x_t_scale)  # column views, row stride 2·I
+    _launch_wgrad("fp8_block", d_gate_up_t_q[:inter], d_gate_up_t_q[inter:], x_t_q, scales, d_w_gate, d_w_up,
+                  schedule, cfg, accumulate=main_grad_gate is not None)
     return d_w_gate, d_w_up

@@ -21,3 +21,27 @@ def e4m3_decode(byte: int) -> float:
 
 # Values of bytes 0..126: 0 … 448, increasing (the non-negative finite codes).
 E4M3_POSITIVE_VALUES = torch.tensor([e4m3_decode(b) for b in range(0x7F)], dtype=torch.float64)
+
+
+def sorted_column_blocks(expert_offsets: torch.Tensor, block_m: int) -> list[tuple[int, int, int]]:
+    """(first row, end row, scale row) of every 1×128 column block of a sorted-layout operand as
+    `mok.kernels.quant_fp8_block.quantize_fp8_block_sorted_t` forms them: per expert, 128 rows
+    at a time from its first row (the last block ragged); scale row = first row / gcd(block_m, 128)."""
+    offsets = expert_offsets.tolist()
+    scale_rows = math.gcd(block_m, 128)
+    return [
+        (r0, min(r0 + 128, end), r0 // scale_rows)
+        for start, end in zip(offsets[:-1], offsets[1:])
+        for r0 in range(start, end, 128)
+    ]
+
+
+def dequantize_sorted_t(q_t: torch.Tensor, scale_t: torch.Tensor, expert_offsets: torch.Tensor,
+                        block_m: int) -> torch.Tensor:
+    """[rows, W] fp32 from q_t [W, rows] e4m3 and scale_t [rows / S, W]: each column block's
+    elements times its scale, transposed back; rows no expert owns are 0."""
+    q_t, scale_t = q_t.cpu(), scale_t.cpu()
+    out = torch.zeros(q_t.shape[1], q_t.shape[0])
+    for r0, r1, slot in sorted_column_blocks(expert_offsets.cpu(), block_m):
+        out[r0:r1] = (q_t[:, r0:r1].float() * scale_t[slot][:, None]).T
+    return out

@@ -77,6 +77,10 @@ class NcclDispatch:
         """[T, H] token rows → [P·C, H]: the rows routed to this rank's experts."""
         return _exchange(ops.pack_rows(x, self.route_slot, self.topk, self.num_expert_rows), self.group)
 
+    def peer_rows(self, kind: str) -> None:
+        """Epilogues cannot store on the peers over NCCL: the caller combines."""
+        return None
+
     def received_x(self, expert_x: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The received token rows for the backward: what `dispatch` returned, kept as is."""
         return expert_x

@@ -13,7 +13,7 @@ layout on every rank, so a region's address on rank p is p's base + the same off
     recv_weights    [P·C] fp32           source p, beside its dOut rows    down dgrad
     dx_slots        [R, H] bf16          the experts' ranks, row t·topk+j  d_x epilogue
     d_weight_slots  [R] fp32             the experts' ranks, per route     d_topk_weights
-    arrivals        [5, P] int32         every rank, one counter per (kind, source)
+    arrivals        [6, P] int32         every rank, one counter per (kind, source)
 
 (C the largest send capacity of `common.py`, R = T_max·topk, L = 2C + 2 rounded up to a
 multiple of _INFO_CHUNK.) One layer call on each rank:
@@ -21,10 +21,12 @@ multiple of _INFO_CHUNK.) One layer call on each rank:
     plan       route_slots → push row p of [ids | flag | routes] to rank p → wait →
                the receiver's schedule (`common.py`) and each received row's route
     forward    push x rows to the experts' ranks (BY_SLOT) → wait → (caller: gate/up +
-               SwiGLU, down into the received order) → push y rows straight into the
-               sources' slots t·topk + j (BY_RETURN) → wait
-    backward   push dOut rows and router weights → wait → (caller: dgrad, wgrad) → push
-               dx rows and router-weight gradients into the sources' slots → wait
+               SwiGLU, then the down GEMM, whose epilogue stores y rows straight into
+               the sources' slots t·topk + j on their ranks: `peer_rows`) → wait
+    backward   push dOut rows and router weights → wait → (caller: dgrad, wgrad; the
+               gate/up dgrad's epilogue stores dx rows into the sources' slots) → push
+               the router-weight gradients → wait
+    (`combine` / `combine_grad` push rows computed into the received order instead.)
 
 Only rows that exist travel (no padding to capacity as with equal-split collectives),
 and the returning rows land in their slots, so nothing is unpacked. Routes past the
@@ -63,8 +65,9 @@ from mok.config import MoKConfig
 from mok.kernels import comm
 from mok.transport.common import RouteCapacity, receiver_schedule
 
-# One push per kind and call; the receiver counts each kind's arrivals apart.
-_KINDS = ("plan", "x", "y", "d_out", "dx")
+# One push (or one GEMM launch storing on the peers) per kind and call; the receiver
+# counts each kind's arrivals apart.
+_KINDS = ("plan", "x", "y", "d_out", "dx", "d_weight")
 # Int32 words per pushed row of the plan's [P, L] block: the block travels as L / 1024
 # rows per peer, so the push spreads it over programs like any other rows.
 _INFO_CHUNK = 1024
@@ -104,7 +107,8 @@ class SymmetricTransport(RouteCapacity):
         self.device = device
         self.error_flag = error_flag  # the workspace's: waits past the timeout set a bit in it
         self.num_programs = {"plan": config.fwd_num_comm_sms, "x": config.fwd_num_comm_sms, "y": config.fwd_num_comm_sms,
-                             "d_out": config.bwd_num_comm_sms, "dx": config.bwd_num_comm_sms}
+                             "d_out": config.bwd_num_comm_sms, "dx": config.bwd_num_comm_sms,
+                             "d_weight": config.bwd_num_comm_sms}
         self._check_same_across_ranks()
         num_ranks, max_capacity = self.world_size, self.send_capacity(topk)  # E_l >= topk: the largest C
         num_slots = self.max_local_tokens * topk
@@ -160,10 +164,12 @@ class SymmetricTransport(RouteCapacity):
                        self.error_flag, num_dst_rows=shape[0], my_rank=self.rank, num_programs=self.num_programs[kind],
                        **kwargs)
 
-    def wait(self, kind: str) -> None:
-        """Peers' pushes of `kind` visible here (bounded; `comm.wait_arrivals`)."""
-        comm.wait_arrivals(self.views["arrivals"], self.expected, self.error_flag, _KINDS.index(kind),
-                           self.num_programs[kind], self.config.peer_timeout_s)
+    def wait(self, kind: str, programs_per_peer: int | None = None) -> None:
+        """Peers' pushes of `kind` visible here (bounded; `comm.wait_arrivals`): each peer's
+        `programs_per_peer` programs (default: its push's) have signalled."""
+        programs = self.num_programs[kind] if programs_per_peer is None else programs_per_peer
+        comm.wait_arrivals(self.views["arrivals"], self.expected, self.error_flag, _KINDS.index(kind), programs,
+                           self.config.peer_timeout_s)
 
     def plan(
         self, topk_ids: torch.Tensor, num_local_experts: int, error_flag: torch.Tensor, block_m: int
@@ -251,6 +257,32 @@ class SymmetricDispatch:
         if self._x_generation != self.transport.x_generation:
             return self.dispatch(x)
         return expert_x
+
+    def peer_rows(self, kind: str) -> comm.PeerRows:
+        """Where the down GEMM ("y") or the gate/up dgrad ("dx") stores its rows itself: in
+        the sources' slots on their ranks, so the rows cross NVLink while other tiles
+        compute. Then `combined` / `combined_grad` instead of `combine` / `combine_grad`."""
+        transport, region = self.transport, {"y": "y_slots", "dx": "dx_slots"}[kind]
+        return comm.PeerRows(transport.peer_ptrs[region], self.return_route, self.send_capacity,
+                             transport.peer_ptrs["arrivals"], _KINDS.index(kind) * self.world_size + transport.rank,
+                             transport.views[region])
+
+    def combined(self, num_programs: int) -> torch.Tensor:
+        """y [T·topk, H] in route slots, once the peers' down GEMMs of `num_programs`
+        programs each (`peer_rows("y")`) have landed; a view of the transport's y_slots."""
+        self.transport.wait("y", num_programs)
+        return self._slots("y_slots")
+
+    def combined_grad(self, d_weight_rows: torch.Tensor, num_programs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `combine_grad`, with the dx rows stored by the peers' gate/up dgrads of
+        `num_programs` programs each (`peer_rows("dx")`); the router-weight gradients
+        [P·C, 1] fp32 travel on their own."""
+        transport = self.transport
+        transport.push("d_weight", d_weight_rows.reshape(-1, 1), self.return_route, "d_weight_slots", by_slot=False,
+                       capacity=self.send_capacity)
+        transport.wait("dx", num_programs)
+        transport.wait("d_weight")
+        return self._slots("dx_slots"), self._slots("d_weight_slots").view(-1, self.topk).clone()
 
     def combine(self, y_rows: torch.Tensor) -> torch.Tensor:
         """[P·C, H] rows computed for the received rows → [T·topk, H] in route slots (zeros

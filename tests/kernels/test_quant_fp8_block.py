@@ -3,14 +3,26 @@
 Scales compare by bits, except that any NaN equals any NaN (a payload carries no meaning).
 Edge cases: zero, subnormal, NaN/±Inf blocks, ragged edges, values at E4M3 rounding ties
 and its subnormal range (rows anchored by 448 have scale exactly 1, so the cast sees them
-unchanged), values near fp32's max, a strided input, and no rows at all.
+unchanged), values near fp32's max, a strided input, and no rows at all. The sorted-layout
+quantizers (1×128 blocks down the columns, per expert) against the reference applied to
+each block's transpose, with rows past the schedule poisoned with NaN (never read).
 """
 
 import pytest
 import torch
 
 from mok.fp8_block import fp8_block_quantize, fp8_block_quantize_activations
-from mok.kernels.quant_fp8_block import quantize_fp8_block_activations, quantize_fp8_block_weights
+from mok.kernels.grouped_gemm import routing_block_m
+from mok.kernels.quant_fp8_block import (
+    quantize_fp8_block_activations,
+    quantize_fp8_block_sorted_t,
+    quantize_fp8_block_swiglu_sorted_t,
+    quantize_fp8_block_weights,
+    sorted_scale_rows,
+)
+from mok.kernels.schedule import build_routing_schedule
+from mok.testing import make_topk_ids
+from mok.testing.fp8 import dequantize_sorted_t, sorted_column_blocks
 
 
 def _assert_same(got, want, ctx):
@@ -110,6 +122,17 @@ def test_strided_and_empty(kernel_device):
     assert q.shape == (0, 256) and scale.shape == (0, 2)
 
 
+def test_activations_stop_at_num_rows(kernel_device):
+    """Rows at or past num_rows[0] are neither read (NaN there changes nothing) nor written."""
+    x = torch.randn(70, 256, generator=torch.Generator().manual_seed(12)).bfloat16()
+    x[37:] = float("nan")
+    num_rows = torch.tensor([37], dtype=torch.int32, device=kernel_device)
+    q, scale = quantize_fp8_block_activations(x.to(kernel_device), num_rows)
+    _assert_same((q[:37].contiguous(), scale[:37].contiguous()), fp8_block_quantize_activations(x[:37]), "num_rows")
+    with pytest.raises(ValueError, match=r"^num_rows: expected a \[1\] int32 tensor"):
+        quantize_fp8_block_activations(x.to(kernel_device), num_rows.long())
+
+
 def test_launcher_errors(kernel_device):
     with pytest.raises(TypeError, match="x: expected dtype torch.bfloat16 or torch.float32, got torch.float16"):
         quantize_fp8_block_activations(torch.zeros(2, 128, dtype=torch.float16, device=kernel_device))
@@ -121,3 +144,94 @@ def test_launcher_errors(kernel_device):
         quantize_fp8_block_weights(torch.zeros(1, 1, 128, 128, device=kernel_device))
     with pytest.raises(TypeError, match="w: expected a torch.Tensor"):
         quantize_fp8_block_weights(None)
+
+
+# --------------------------------------------------------------------------- sorted layout, blocks along rows
+
+
+def _sorted_case(kernel_device, T, E, topk, used_experts, seed):
+    """A schedule whose routes use experts 0..used_experts-1 only (the rest get no rows), its
+    (first row, end row, scale row) column blocks, and a [capacity_rows, ...] tensor maker:
+    random values in the schedule's rows, NaN past num_rows."""
+    ids = make_topk_ids(T, used_experts, topk, torch.Generator().manual_seed(seed))
+    flag = torch.zeros(1, dtype=torch.int32, device=kernel_device)
+    sched = build_routing_schedule(ids.to(kernel_device), E, routing_block_m(), flag)
+    num_rows = int(sched.num_rows)
+    gen = torch.Generator().manual_seed(seed + 1)
+
+    def rows(*shape, scale=1.0):
+        out = torch.full((sched.capacity_rows, *shape), float("nan"))
+        out[:num_rows] = torch.randn(num_rows, *shape, generator=gen) * scale
+        return out
+
+    return sched, sorted_column_blocks(sched.expert_offsets.cpu(), sched.block_m), rows
+
+
+@pytest.mark.parametrize(
+    "dtype, T, E, topk, used_experts, W", [(torch.bfloat16, 200, 4, 2, 3, 200), (torch.float32, 1, 3, 1, 3, 128)]
+)
+def test_sorted_t_blocks_bit_exact(kernel_device, dtype, T, E, topk, used_experts, W):
+    sched, blocks, rows = _sorted_case(kernel_device, T, E, topk, used_experts, seed=T + W)
+    ctx = f"{kernel_device=} {dtype=} {T=} {E=} {topk=} {used_experts=} {W=} block_m={sched.block_m}"
+    sizes = {r1 - r0 for r0, r1, _ in blocks}
+    if sched.block_m < 128:  # the interpreter's schedule pads experts to 16 rows: an expert's last block is short
+        assert min(sizes) < 128 and (T == 1 or 128 in sizes), f"the test wants ragged and whole blocks {ctx}"
+    else:  # experts padded to whole 128-row blocks
+        assert sizes == {128}, f"expected whole 128-row blocks {ctx}"
+    a = rows(W, scale=torch.logspace(-3, 3, W)).to(dtype)
+    a[blocks[0][0], 7] = float("nan")  # one column block of the first expert turns NaN, nothing else
+    # An operand shorter than the capacity reads zeros past its end (stopping inside the last block).
+    short = blocks[-1][1] - 3
+    for name, operand in (("full", a), ("short", a[:short])):
+        q_t, scale_t = quantize_fp8_block_sorted_t(operand.to(kernel_device), sched)
+        assert q_t.shape == (W, sched.capacity_rows) and q_t.dtype == torch.float8_e4m3fn, f"{name} {ctx}"
+        assert scale_t.shape == (sched.capacity_rows // sorted_scale_rows(sched.block_m), W), f"{name} {ctx}"
+        padded = torch.zeros_like(a)
+        padded[: operand.shape[0]] = operand
+        for r0, r1, slot in blocks:
+            want = fp8_block_quantize_activations(padded[r0:r1].T.contiguous())  # [W, n], [W, 1]
+            got = (q_t.cpu()[:, r0:r1].contiguous(), scale_t.cpu()[slot : slot + 1].T.contiguous())
+            _assert_same(got, want, f"{name} rows [{r0}, {r1}) {ctx}")
+    assert scale_t.cpu()[blocks[0][2]].isnan().sum() == 1, ctx
+
+
+@pytest.mark.parametrize("limit", [0.7])
+def test_swiglu_sorted_t_quantizes_h(kernel_device, limit):
+    """h recomputed from g, u: each block's scale is amax(h)/448 and its elements within E4M3's
+    rounding (half an ulp: 2^-4 relative, 2^-10·scale in the subnormals); zero g, u give zeros."""
+    sched, blocks, rows = _sorted_case(kernel_device, 150, 4, 2, 3, seed=11)
+    ctx = f"{kernel_device=} {limit=} block_m={sched.block_m}"
+    gate_up = rows(2, 256, scale=1.5).bfloat16()
+    padding = (sched.row_source.cpu()[: int(sched.num_rows)] < 0).nonzero().flatten()
+    gate_up[padding] = 0  # what the forward stores there
+    q_t, scale_t = quantize_fp8_block_swiglu_sorted_t(gate_up.to(kernel_device), sched, limit)
+    g, u = gate_up.float().unbind(1)
+    if limit is not None:
+        g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+    h = torch.nn.functional.silu(g) * u  # [rows, I] fp32
+    h_deq = dequantize_sorted_t(q_t, scale_t, sched.expert_offsets, sched.block_m)
+    for r0, r1, slot in blocks:
+        block, scale = h[r0:r1], scale_t.cpu()[slot]  # [n, I], [I]
+        amax = block.abs().amax(0)
+        torch.testing.assert_close(scale, amax / 448.0, rtol=2.0**-18, atol=0.0,
+                                   msg=lambda m: f"[{r0}, {r1}) {ctx}: {m}")
+        excess = (h_deq[r0:r1] - block).abs() - torch.maximum(2.0**-4 * block.abs(), 2.0**-10 * scale) - 2.0**-18 * amax
+        assert excess.max() <= 0, f"rows [{r0}, {r1}) off by more than E4M3 rounding {ctx}"
+    assert padding.numel() > 0 and torch.all(q_t.cpu()[:, padding].float() == 0), ctx
+
+
+def test_sorted_t_launcher_errors(kernel_device):
+    sched, _, rows = _sorted_case(kernel_device, 8, 3, 2, 3, seed=3)
+    a = rows(128).bfloat16().to(kernel_device)
+    too_many = rf"^a: expected at most {sched.capacity_rows} rows \(the schedule's capacity\)"
+    with pytest.raises(ValueError, match=too_many):
+        quantize_fp8_block_sorted_t(torch.cat([a, a]), sched)
+    with pytest.raises(TypeError, match="a: expected dtype torch.bfloat16 or torch.float32, got torch.float16"):
+        quantize_fp8_block_sorted_t(a.half(), sched)
+    with pytest.raises(ValueError, match="a: expected unit stride along the last dim"):
+        quantize_fp8_block_sorted_t(a.T.contiguous().T, sched)
+    gate_up = torch.zeros(sched.capacity_rows, 2, 128, dtype=torch.bfloat16, device=kernel_device)
+    with pytest.raises(ValueError, match=r"^gate_up: expected \[rows, 2, I\] with g and u adjacent"):
+        quantize_fp8_block_swiglu_sorted_t(gate_up[:, :, :64], sched)
+    with pytest.raises(ValueError, match=r"gate_up: expected a 3-D \[rows, 2, I\] tensor"):
+        quantize_fp8_block_swiglu_sorted_t(gate_up[:, 0], sched)

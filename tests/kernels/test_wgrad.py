@@ -1,15 +1,21 @@
-"""Weight-gradient grouped GEMMs against per-expert fp32 sums, including experts with no
-rows (exact zeros), rows past the schedule's end poisoned with NaN (must never be read),
-and in-place main_grad accumulation in fp32 and bf16."""
+"""Weight-gradient grouped GEMMs (bf16 and fp8_block) against per-expert fp32 sums, including
+experts with no rows (exact zeros), rows past the schedule's end poisoned with NaN (must never
+be read), and in-place main_grad accumulation in fp32 and bf16."""
 
 import pytest
 import torch
 
 from mok.kernels.grouped_gemm import routing_block_m
+from mok.kernels.quant_fp8_block import (
+    quantize_fp8_block_sorted_t,
+    quantize_fp8_block_swiglu_sorted_t,
+    sorted_scale_rows,
+)
 from mok.kernels.schedule import build_routing_schedule
 from mok.kernels.gather import gather_sorted_rows
-from mok.kernels.wgrad import down_wgrad, gate_up_wgrad
+from mok.kernels.wgrad import down_wgrad, down_wgrad_fp8_block, gate_up_wgrad, gate_up_wgrad_fp8_block, wgrad_config
 from mok.testing import assert_close_to_reference, make_inputs
+from mok.testing.fp8 import dequantize_sorted_t
 
 
 def _low_ids(T, topk, gen):
@@ -111,3 +117,152 @@ def test_wgrad_rejects_a_k_step_that_crosses_experts(kernel_device):
         down_wgrad(sorted_rows(H), sorted_rows(I), sched, tile_config=cfg)
     with pytest.raises(ValueError, match=r"^schedule: expected a block_m that BLOCK_K="):
         gate_up_wgrad(sorted_rows(2, I), sorted_rows(H), sched, tile_config=cfg)
+
+
+# --------------------------------------------------------------------------- fp8_block
+
+# Slack for fp32 accumulation order, relative to a tensor's largest value (as in
+# test_grouped_gemm.py): NumPy's fp32 matmul under the interpreter is near exact; Hopper's FP8
+# MMA keeps fewer accumulator bits inside each 128-wide step.
+_FP8_ORDER_SLACK = {"cpu": 2.0**-18, "cuda": 2.0**-11}
+
+
+def _assert_order_close(actual, expected, slack, name, ctx):
+    """bf16 output rounding (2^-8 relative, twice RNE's bound) plus accumulation-order slack."""
+    atol = slack * expected.abs().max().item()
+    torch.testing.assert_close(
+        actual.float(), expected.float(), rtol=2.0**-8, atol=atol, msg=lambda m: f"{name} {ctx}: {m}"
+    )
+
+
+@pytest.mark.parametrize(
+    "T, H, I, E, topk, limit, main_grad", [(270, 128, 128, 5, 2, 0.5, False), (1, 256, 128, 3, 1, None, True)]
+)
+def test_fp8_block_wgrad(kernel_device, T, H, I, E, topk, limit, main_grad):
+    """Operands quantized along the sorted rows (x, w·dOut, d_g|d_u, and h from g, u), then the
+    fp8_block wgrads against the same quantized math in torch (fp32 accumulation-order tolerance)
+    and against fp32 sums of the unquantized operands (SPEC's fp8_block bars); experts without
+    rows give exact zeros, and (`main_grad`) accumulation into fp32 buffers adds the same sums.
+    T = 270 gives experts more than 128 rows (several scale blocks each, the last ragged)."""
+    _, sched, rows, _, experts, sorted_rows, _, gen = _setup(T, H, I, E, topk, kernel_device, seed=T + 1)
+    ctx = f"{T=} {H=} {I=} {E=} {topk=} {limit=} block_m={sched.block_m}"
+    assert T == 1 or experts.bincount().max() > 128, f"the test wants experts with several row blocks {ctx}"
+    slack = _FP8_ORDER_SLACK[kernel_device]
+    # Random rows stand in for gather.py's x_sorted and w·dOut (zeros at padding, NaN past num_rows).
+    gate_up, d_gate_up, x_sorted, dy_sorted = sorted_rows(2, I), sorted_rows(2, I), sorted_rows(H), sorted_rows(H)
+    operands = {
+        "x": quantize_fp8_block_sorted_t(x_sorted, sched),  # [H, rows], [rows / S, H]
+        "dy": quantize_fp8_block_sorted_t(dy_sorted, sched),
+        "d_gate_up": quantize_fp8_block_sorted_t(d_gate_up.flatten(1), sched),  # [2·I, rows]
+        "h": quantize_fp8_block_swiglu_sorted_t(gate_up, sched, limit),  # [I, rows]
+    }
+    d_w_down = down_wgrad_fp8_block(*operands["dy"], *operands["h"], sched)
+    d_w_gate, d_w_up = gate_up_wgrad_fp8_block(*operands["d_gate_up"], *operands["x"], sched)
+
+    deq = {name: dequantize_sorted_t(*pair, sched.expert_offsets, sched.block_m)[rows]
+           for name, pair in operands.items()}
+    g, u = gate_up.cpu().float()[rows].unbind(1)
+    if limit is not None:
+        g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+    unquantized = {
+        "x": x_sorted.cpu().float()[rows],
+        "dy": dy_sorted.cpu().float()[rows],
+        "d_gate_up": d_gate_up.cpu().float()[rows].flatten(1),
+        "h": torch.nn.functional.silu(g) * u,
+    }
+    expected = {}
+    for kind, ops in (("statement", deq), ("reference", unquantized)):
+        expected[kind] = {
+            "d_w_down": _per_expert(E, experts, lambda m: ops["dy"][m].T @ ops["h"][m]),
+            "d_w_gate": _per_expert(E, experts, lambda m: ops["d_gate_up"][m, :I].T @ ops["x"][m]),
+            "d_w_up": _per_expert(E, experts, lambda m: ops["d_gate_up"][m, I:].T @ ops["x"][m]),
+        }
+    empty = [e for e in range(E) if not (experts == e).any()]
+    assert empty, f"the test wants an expert with no rows {ctx}"
+    for name, got in (("d_w_down", d_w_down), ("d_w_gate", d_w_gate), ("d_w_up", d_w_up)):
+        assert got.dtype == torch.bfloat16 and got.shape == expected["statement"][name].shape, f"{name} {ctx}"
+        used = [e for e in range(E) if e not in empty]
+        _assert_order_close(got.cpu()[used], expected["statement"][name][used], slack, name, ctx)
+        assert_close_to_reference(got.cpu()[used], expected["reference"][name][used], "fp8_block", name=name,
+                                  context=ctx, check_cosine=True)
+        assert torch.equal(got.cpu()[empty], torch.zeros_like(got.cpu()[empty])), f"{name}: empty experts {ctx}"
+    if not main_grad:
+        return
+    main = {name: torch.randn(t.shape, generator=gen).to(kernel_device) for name, t in
+            (("down", d_w_down), ("gate", d_w_gate), ("up", d_w_up))}
+    start = {name: t.clone() for name, t in main.items()}
+    assert down_wgrad_fp8_block(*operands["dy"], *operands["h"], sched, main_grad=main["down"]) is main["down"]
+    gate_up_wgrad_fp8_block(*operands["d_gate_up"], *operands["x"], sched, main["gate"], main["up"])
+    for name, fresh in (("down", d_w_down), ("gate", d_w_gate), ("up", d_w_up)):
+        assert_close_to_reference(main[name] - start[name], fresh.float(), name=f"main_grad {name}", context=ctx)
+        assert torch.equal(main[name][empty], start[name][empty]), f"main_grad {name}: empty experts {ctx}"
+
+
+def test_fp8_block_wgrad_rejects_mismatches(kernel_device):
+    T, H, I, E, topk = 8, 128, 128, 3, 2
+    inp, sched, _, _, _, sorted_rows, _, _ = _setup(T, H, I, E, topk, kernel_device, seed=5)
+    dy, h = (quantize_fp8_block_sorted_t(sorted_rows(w), sched) for w in (H, I))
+    d_gate_up = quantize_fp8_block_sorted_t(sorted_rows(2 * I), sched)
+    rows = sched.capacity_rows
+    tiles = wgrad_config("down", H, I, "fp8_block")
+    # A schedule of 256-row tiles lets a 256-row K step stay inside one expert, but not inside one scale block.
+    flag = torch.zeros(1, dtype=torch.int32, device=kernel_device)
+    wide = build_routing_schedule(inp.topk_ids, E, 256, flag)
+    wide_dy, wide_h = (quantize_fp8_block_sorted_t(torch.zeros(wide.capacity_rows, w, device=kernel_device), wide)
+                       for w in (H, I))
+    cases = [
+        (lambda: down_wgrad_fp8_block(dy[0][:, :-16], dy[1], *h, sched),
+         rf"^dy_t_q: expected a contiguous float8_e4m3fn tensor of shape \[128, {rows}\] "
+         rf"on .*, got .* \[128, {rows - 16}\]"),
+        (lambda: down_wgrad_fp8_block(*dy, h[0], h[1][:, :64], sched),
+         r"^h_t_scale: expected a contiguous float32 tensor of shape \[\d+, 128\]"),
+        (lambda: down_wgrad_fp8_block(*dy, *h, sched, main_grad=torch.zeros(E, I, H + 128, device=kernel_device)),
+         r"^main_grad: expected a contiguous float32/bfloat16 tensor of shape \[3, 128, 128\]"),
+        (lambda: gate_up_wgrad_fp8_block(d_gate_up[0][1:], d_gate_up[1], *dy, sched),
+         r"^d_gate_up_t_q: expected a 2-D \[2·I, capacity_rows\] tensor"),
+        (lambda: gate_up_wgrad_fp8_block(*d_gate_up, dy[0].float(), dy[1], sched),
+         r"^x_t_q: expected a contiguous float8_e4m3fn tensor"),
+        (lambda: down_wgrad_fp8_block(*dy, *h, sched, tile_config={**tiles, "BLOCK_K": 3 * sched.block_m}),
+         r"^schedule: expected a block_m that BLOCK_K="),
+        (lambda: down_wgrad_fp8_block(*wide_dy, *wide_h, wide, tile_config={**tiles, "BLOCK_K": 256}),
+         r"^tile_config: expected a BLOCK_K that divides 128 \(the scale block\) for the fp8_block wgrad, got 256"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=message):
+            call()
+
+
+def test_fp8_block_backward_ops_and_fake_impls(kernel_device):
+    """The fp8_block quantizer and wgrad custom ops: fake impls with the real shapes and dtypes
+    (what torch.compile and CUDA graphs rely on). The layer tests run them for real."""
+    from mok import ops
+
+    T, H, I, E, topk = 6, 128, 128, 2, 2
+    inp = make_inputs(T, H, I, E, topk, seed=7, device=kernel_device)
+    block_m = routing_block_m()
+    flag = torch.zeros(1, dtype=torch.int32, device=kernel_device)
+    routing = list(ops.routing_schedule(inp.topk_ids, flag, E, block_m))
+    rows = routing[0].shape[0]
+    gen = torch.Generator().manual_seed(7)
+    gate_up = torch.randn(rows, 2, I, generator=gen).bfloat16().to(kernel_device)
+    x_sorted = torch.randn(rows, H, generator=gen).bfloat16().to(kernel_device)
+    scale_rows = rows // sorted_scale_rows(block_m)
+    fp8 = lambda *shape: torch.randn(*shape, generator=gen).to(kernel_device, torch.float8_e4m3fn)  # noqa: E731
+    scales = lambda width: torch.rand(scale_rows, width, generator=gen).to(kernel_device)  # noqa: E731
+    x_t, h_t, d_gate_up_t = (fp8(H, rows), scales(H)), (fp8(I, rows), scales(I)), (fp8(2 * I, rows), scales(2 * I))
+    zeros = lambda *shape: torch.zeros(*shape, device=kernel_device)  # noqa: E731
+    cases = [
+        (ops.quantize_fp8_block_activations, (x_sorted, routing[4])),
+        (ops.quantize_fp8_block_weights, (inp.w_gate,)),
+        (ops.quantize_fp8_block_sorted_t, (x_sorted, routing, block_m)),
+        (ops.quantize_fp8_block_swiglu_sorted_t, (gate_up, routing, block_m, 0.5)),
+        (ops.down_wgrad_fp8_block, (*x_t, *h_t, routing, block_m)),
+        (ops.gate_up_wgrad_fp8_block, (*d_gate_up_t, *x_t, routing, block_m)),
+        (ops.down_wgrad_fp8_block_accumulate, (zeros(E, H, I), *x_t, *h_t, routing, block_m)),
+        (ops.gate_up_wgrad_fp8_block_accumulate,
+         (zeros(E, I, H), zeros(E, I, H), *d_gate_up_t, *x_t, routing, block_m)),
+    ]
+    # Fake impls only: opcheck's schema test compares inputs with float ops that float8 lacks on the
+    # CPU; the accumulating ops declare their mutations as the bf16 ones, whose schema is checked.
+    for op, args in cases:
+        torch.library.opcheck(op.op, args, test_utils=("test_faketensor",))
