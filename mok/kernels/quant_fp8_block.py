@@ -260,7 +260,13 @@ def _quantize_sorted_t_kernel(
     # Each row of the transposed tile is one column block: the activations' rule applies as is.
     q, scale = quantize_row_blocks(tl.trans(a), INTERPRETER)  # [BLOCK_W, BLOCK_R] uint8, [BLOCK_W, 1] fp32
     q_ptrs = q_t_ptr + cols.to(tl.int64)[:, None] * capacity_rows + rows[None, :]
-    tl.store(q_ptrs, q, mask=col_ok[:, None] & in_expert[None, :])
+    if SCALE_ROWS == BLOCK_R:
+        # Whole blocks (the GPU's schedule pads experts to 128 rows): no block crosses an
+        # expert's end, and a mask that is constant along the rows lets the bytes go out as
+        # 16-byte vectors (a per-row mask made them single-byte stores).
+        tl.store(q_ptrs, q, mask=col_ok[:, None])
+    else:
+        tl.store(q_ptrs, q, mask=col_ok[:, None] & in_expert[None, :])
     slot = (row0 // SCALE_ROWS).to(tl.int64)
     tl.store(scale_t_ptr + slot * width + cols, tl.reshape(scale, (BLOCK_W,)), mask=col_ok)
 

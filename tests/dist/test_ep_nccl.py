@@ -207,3 +207,49 @@ def test_config_transport_is_validated():
     for bad in (0, -1.0, True, "30"):
         with pytest.raises(ValueError, match=r"^peer_timeout_s: expected a number of seconds"):
             mok.MoKConfig(peer_timeout_s=bad)
+
+
+# --------------------------------------------------------------------------- P = 4: plan and row moves only
+
+
+def _plan_worker(rank: int, world_size: int) -> list[str]:
+    """The NCCL transport's plan and row moves at P = 4 (no GEMMs, so the interpreter stays
+    quick): every route's token row reaches its expert's rank and comes back to its slot;
+    the receiver's schedule places each received row under its expert, and inside each
+    expert takes the sources round-robin (received row p·C + c in ascending c·P + p)."""
+    group = dist.group.WORLD
+    E_l, topk, T = 2, 3, 5 + 2 * rank
+    gen = torch.Generator().manual_seed(100 + rank)
+    ids = make_topk_ids(T, E_l * world_size, topk, gen)
+    x = torch.randn(T, H, generator=gen).bfloat16()
+    config = mok.MoKConfig(backend="triton", transport="nccl")
+    ws = mok.create_workspace(config, group, device="cpu", num_local_tokens=T, hidden_size=H, topk=topk)
+    schedule = mok.build_schedule(ws, config, ids, num_local_experts=E_l)
+    dispatch = schedule.dispatch
+    received = dispatch.dispatch(x)
+    back = dispatch.combine(received)
+    failures, ctx = [], f"P={world_size} {rank=} {T=} {E_l=} {topk=}"
+    if not torch.equal(back, x.repeat_interleave(topk, dim=0)):
+        failures.append(f"token rows did not come back to their slots {ctx}")
+    if int(ws.error_flag) != 0:
+        failures.append(f"error flag {int(ws.error_flag)} {ctx}")
+    row_source, tile_expert, _, expert_counts, num_rows = schedule.routing
+    capacity, block_m = dispatch.send_capacity, schedule.block_m
+    row_source = row_source[: int(num_rows)]
+    placed = (row_source >= 0).nonzero().flatten()
+    if placed.numel() != int(expert_counts.sum()):
+        failures.append(f"{placed.numel()} rows placed for {int(expert_counts.sum())} received routes {ctx}")
+    for expert in range(E_l):
+        rows = placed[tile_expert[placed // block_m] == expert]
+        sources = row_source[rows].long()
+        interleaved = sources % capacity * world_size + sources // capacity
+        if not bool((interleaved[1:] > interleaved[:-1]).all()):
+            failures.append(f"expert {expert}'s rows are not in round-robin source order {ctx}")
+    return failures
+
+
+@pytest.mark.skipif(not interpreting(), reason="the CPU ranks run the kernels under TRITON_INTERPRET=1")
+def test_nccl_transport_plan_and_row_moves_at_four_ranks():
+    failures = run_distributed(_plan_worker, 4, timeout_s=300)
+    reports = [f"[rank {r}] {msg}" for r, msgs in enumerate(failures) for msg in msgs]
+    assert not reports, "\n".join(reports)
