@@ -601,30 +601,28 @@ def _expert_mlp_backward(d_out, x, topk_weights, weights, saved, routing, block_
         *d_gate_pair, *d_up_pair, w_gate.q_t, w_gate.scale_t, w_up.q_t, w_up.scale_t, routing, block_m, num_slots
     )
     # Each wgrad's operands are quantized right before it runs: [W, rows] e4m3 and [rows / S, W] fp32 each.
-    gate_up_operands = (
-        *ops.quantize_fp8_block_sorted_t(d_gate_up.flatten(1), routing, block_m),  # d_gᵀ then d_uᵀ: [2·I, rows]
-        *ops.quantize_fp8_block_sorted_t(x_sorted, routing, block_m),  # [H, rows]
-    )
+    d_gate_up_t = ops.quantize_fp8_block_sorted_t(d_gate_up.flatten(1), routing, block_m)  # d_gᵀ, d_uᵀ: [2·I, rows]
+    x_t = ops.quantize_fp8_block_sorted_t(x_sorted, routing, block_m)  # [H, rows]
     d_w_gate, d_w_up = _weight_grads(
-        ops.gate_up_wgrad_fp8_block, ops.gate_up_wgrad_fp8_block_accumulate, gate_up_operands, (main_gate, main_up),
-        routing, block_m,
+        ops.gate_up_wgrad, ops.gate_up_wgrad_accumulate, (d_gate_up_t[0], x_t[0]), (main_gate, main_up), routing,
+        block_m, scales=(d_gate_up_t[1], x_t[1]),
     )
-    down_operands = (
-        *ops.quantize_fp8_block_sorted_t(dy_sorted, routing, block_m),  # [H, rows]
-        *ops.quantize_fp8_block_swiglu_sorted_t(saved["gate_up"], routing, block_m, swiglu_limit),  # [I, rows]
-    )
+    dy_t = ops.quantize_fp8_block_sorted_t(dy_sorted, routing, block_m)  # [H, rows]
+    h_t = ops.quantize_fp8_block_swiglu_sorted_t(saved["gate_up"], routing, block_m, swiglu_limit)  # [I, rows]
     d_w_down = _weight_grads(
-        ops.down_wgrad_fp8_block, ops.down_wgrad_fp8_block_accumulate, down_operands, (main_down,), routing, block_m
+        ops.down_wgrad, ops.down_wgrad_accumulate, (dy_t[0], h_t[0]), (main_down,), routing, block_m,
+        scales=(dy_t[1], h_t[1]),
     )
     return dx_slots, d_topk_weights, (d_w_gate, d_w_up, d_w_down)
 
 
-def _weight_grads(fresh_op, accumulate_op, operands, main_grads, routing, block_m):
-    """`fresh_op`'s new gradient(s) from `operands`; or, when `main_grads` holds buffers,
-    `accumulate_op` adds into them in place and they are returned in the gradients' places."""
+def _weight_grads(fresh_op, accumulate_op, operands, main_grads, routing, block_m, scales=()):
+    """`fresh_op`'s new gradient(s) from `operands` (and their fp8_block `scales`); or, when
+    `main_grads` holds buffers, `accumulate_op` adds into them in place and they are
+    returned in the gradients' places."""
     if main_grads[0] is None:
-        return fresh_op(*operands, routing, block_m)
-    accumulate_op(*main_grads, *operands, routing, block_m)
+        return fresh_op(*operands, routing, block_m, *scales)
+    accumulate_op(*main_grads, *operands, routing, block_m, *scales)
     return main_grads if len(main_grads) > 1 else main_grads[0]
 
 

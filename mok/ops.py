@@ -337,57 +337,81 @@ def _(d_gate_q, d_gate_scale, d_up_q, d_up_scale, w_gate_t_q, w_gate_t_scale, w_
 # --------------------------------------------------------------------------- backward: wgrad
 
 
+# bf16: the sorted operands as they are ([rows, W]). fp8_block (scales given): their
+# transposed copies quantized in 1×128 blocks along the rows ([W, rows] e4m3, scales
+# [rows / S, W] fp32: `quantize_fp8_block_sorted_t`), for the fp8 main loop of the same kernel.
+
+
+def _wgrad_widths(a: torch.Tensor, b: torch.Tensor, fp8: bool) -> tuple[int, int]:
+    """(width of a, width of b): the output's two dims."""
+    return (a.shape[0], b.shape[0]) if fp8 else (a.shape[-1], b.shape[-1])
+
+
 @_custom_op("down_wgrad", ())
 def down_wgrad(
-    dy_sorted: torch.Tensor,
+    dy: torch.Tensor,
     h: torch.Tensor,
     schedule_tensors: list[torch.Tensor],
     block_m: int,
+    dy_scale: torch.Tensor | None = None,
+    h_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """d_w_down [E_l, H, I] bf16 = Σ_rows (w·dOut)ᵀ h per expert, fp32 accumulation."""
-    routing = routing_from_tensors(schedule_tensors, block_m)
-    return wgrad.down_wgrad(dy_sorted, h, routing)
+    return _down_wgrad(dy, h, schedule_tensors, block_m, dy_scale, h_scale, None)
 
 
 @down_wgrad.op.register_fake
-def _(dy_sorted, h, schedule_tensors, block_m):
-    return h.new_empty(schedule_tensors[3].shape[0], dy_sorted.shape[1], h.shape[1])
+def _(dy, h, schedule_tensors, block_m, dy_scale=None, h_scale=None):
+    hidden, inter = _wgrad_widths(dy, h, dy_scale is not None)
+    return h.new_empty(schedule_tensors[3].shape[0], hidden, inter, dtype=torch.bfloat16)
 
 
 @_custom_op("down_wgrad_accumulate", ("main_grad",))
 def down_wgrad_accumulate(
     main_grad: torch.Tensor,
-    dy_sorted: torch.Tensor,
+    dy: torch.Tensor,
     h: torch.Tensor,
     schedule_tensors: list[torch.Tensor],
     block_m: int,
+    dy_scale: torch.Tensor | None = None,
+    h_scale: torch.Tensor | None = None,
 ) -> None:
     """main_grad [E_l, H, I] fp32/bf16 += d_w_down, in place (Megatron-style main_grad)."""
-    routing = routing_from_tensors(schedule_tensors, block_m)
-    wgrad.down_wgrad(dy_sorted, h, routing, main_grad=main_grad)
+    _down_wgrad(dy, h, schedule_tensors, block_m, dy_scale, h_scale, main_grad)
 
 
 @down_wgrad_accumulate.op.register_fake
-def _(main_grad, dy_sorted, h, schedule_tensors, block_m):
+def _(main_grad, dy, h, schedule_tensors, block_m, dy_scale=None, h_scale=None):
     return None
+
+
+def _down_wgrad(dy, h, schedule_tensors, block_m, dy_scale, h_scale, main_grad):
+    routing = routing_from_tensors(schedule_tensors, block_m)
+    if dy_scale is None:
+        return wgrad.down_wgrad(dy, h, routing, main_grad=main_grad)
+    return wgrad.down_wgrad_fp8_block(dy, dy_scale, h, h_scale, routing, main_grad=main_grad)
 
 
 @_custom_op("gate_up_wgrad", ())
 def gate_up_wgrad(
     d_gate_up: torch.Tensor,
-    x_sorted: torch.Tensor,
+    x: torch.Tensor,
     schedule_tensors: list[torch.Tensor],
     block_m: int,
+    d_gate_up_scale: torch.Tensor | None = None,
+    x_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d_w_gate, d_w_up) [E_l, I, H] bf16 = Σ_rows d_gᵀ x, d_uᵀ x per expert, fp32 accumulation."""
-    routing = routing_from_tensors(schedule_tensors, block_m)
-    return wgrad.gate_up_wgrad(d_gate_up, x_sorted, routing)
+    """(d_w_gate, d_w_up) [E_l, I, H] bf16 = Σ_rows d_gᵀ x, d_uᵀ x per expert, fp32 accumulation.
+    fp8_block: d_gate_up's copy is d_gᵀ then d_uᵀ, [2·I, rows]."""
+    return _gate_up_wgrad(d_gate_up, x, schedule_tensors, block_m, d_gate_up_scale, x_scale, None, None)
 
 
 @gate_up_wgrad.op.register_fake
-def _(d_gate_up, x_sorted, schedule_tensors, block_m):
-    shape = (schedule_tensors[3].shape[0], d_gate_up.shape[2], x_sorted.shape[1])
-    return d_gate_up.new_empty(shape), d_gate_up.new_empty(shape)
+def _(d_gate_up, x, schedule_tensors, block_m, d_gate_up_scale=None, x_scale=None):
+    fp8 = d_gate_up_scale is not None
+    inter, hidden = _wgrad_widths(d_gate_up, x, fp8)
+    shape = (schedule_tensors[3].shape[0], inter // 2 if fp8 else inter, hidden)
+    return x.new_empty(shape, dtype=torch.bfloat16), x.new_empty(shape, dtype=torch.bfloat16)
 
 
 @_custom_op("gate_up_wgrad_accumulate", ("main_grad_gate", "main_grad_up"))
@@ -395,102 +419,26 @@ def gate_up_wgrad_accumulate(
     main_grad_gate: torch.Tensor,
     main_grad_up: torch.Tensor,
     d_gate_up: torch.Tensor,
-    x_sorted: torch.Tensor,
+    x: torch.Tensor,
     schedule_tensors: list[torch.Tensor],
     block_m: int,
+    d_gate_up_scale: torch.Tensor | None = None,
+    x_scale: torch.Tensor | None = None,
 ) -> None:
     """main_grad_gate, main_grad_up [E_l, I, H] fp32/bf16 += d_w_gate, d_w_up, in place."""
-    routing = routing_from_tensors(schedule_tensors, block_m)
-    wgrad.gate_up_wgrad(d_gate_up, x_sorted, routing, main_grad_gate, main_grad_up)
+    _gate_up_wgrad(d_gate_up, x, schedule_tensors, block_m, d_gate_up_scale, x_scale, main_grad_gate, main_grad_up)
 
 
 @gate_up_wgrad_accumulate.op.register_fake
-def _(main_grad_gate, main_grad_up, d_gate_up, x_sorted, schedule_tensors, block_m):
+def _(main_grad_gate, main_grad_up, d_gate_up, x, schedule_tensors, block_m, d_gate_up_scale=None, x_scale=None):
     return None
 
 
-@_custom_op("down_wgrad_fp8_block", ())
-def down_wgrad_fp8_block(
-    dy_t_q: torch.Tensor,
-    dy_t_scale: torch.Tensor,
-    h_t_q: torch.Tensor,
-    h_t_scale: torch.Tensor,
-    schedule_tensors: list[torch.Tensor],
-    block_m: int,
-) -> torch.Tensor:
-    """d_w_down [E_l, H, I] bf16 from w·dOut and h quantized in 1×128 blocks along the sorted
-    rows (`quantize_fp8_block_sorted_t` pairs), fp32 accumulation."""
+def _gate_up_wgrad(d_gate_up, x, schedule_tensors, block_m, d_gate_up_scale, x_scale, main_gate, main_up):
     routing = routing_from_tensors(schedule_tensors, block_m)
-    return wgrad.down_wgrad_fp8_block(dy_t_q, dy_t_scale, h_t_q, h_t_scale, routing)
-
-
-@down_wgrad_fp8_block.op.register_fake
-def _(dy_t_q, dy_t_scale, h_t_q, h_t_scale, schedule_tensors, block_m):
-    return dy_t_scale.new_empty(schedule_tensors[3].shape[0], dy_t_q.shape[0], h_t_q.shape[0], dtype=torch.bfloat16)
-
-
-@_custom_op("down_wgrad_fp8_block_accumulate", ("main_grad",))
-def down_wgrad_fp8_block_accumulate(
-    main_grad: torch.Tensor,
-    dy_t_q: torch.Tensor,
-    dy_t_scale: torch.Tensor,
-    h_t_q: torch.Tensor,
-    h_t_scale: torch.Tensor,
-    schedule_tensors: list[torch.Tensor],
-    block_m: int,
-) -> None:
-    """main_grad [E_l, H, I] fp32/bf16 += the fp8_block d_w_down, in place."""
-    routing = routing_from_tensors(schedule_tensors, block_m)
-    wgrad.down_wgrad_fp8_block(dy_t_q, dy_t_scale, h_t_q, h_t_scale, routing, main_grad=main_grad)
-
-
-@down_wgrad_fp8_block_accumulate.op.register_fake
-def _(main_grad, dy_t_q, dy_t_scale, h_t_q, h_t_scale, schedule_tensors, block_m):
-    return None
-
-
-@_custom_op("gate_up_wgrad_fp8_block", ())
-def gate_up_wgrad_fp8_block(
-    d_gate_up_t_q: torch.Tensor,
-    d_gate_up_t_scale: torch.Tensor,
-    x_t_q: torch.Tensor,
-    x_t_scale: torch.Tensor,
-    schedule_tensors: list[torch.Tensor],
-    block_m: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d_w_gate, d_w_up) [E_l, I, H] bf16 from d_g|d_u and x quantized in 1×128 blocks along
-    the sorted rows (`quantize_fp8_block_sorted_t` pairs), fp32 accumulation."""
-    routing = routing_from_tensors(schedule_tensors, block_m)
-    return wgrad.gate_up_wgrad_fp8_block(d_gate_up_t_q, d_gate_up_t_scale, x_t_q, x_t_scale, routing)
-
-
-@gate_up_wgrad_fp8_block.op.register_fake
-def _(d_gate_up_t_q, d_gate_up_t_scale, x_t_q, x_t_scale, schedule_tensors, block_m):
-    shape = (schedule_tensors[3].shape[0], d_gate_up_t_q.shape[0] // 2, x_t_q.shape[0])
-    return x_t_scale.new_empty(shape, dtype=torch.bfloat16), x_t_scale.new_empty(shape, dtype=torch.bfloat16)
-
-
-@_custom_op("gate_up_wgrad_fp8_block_accumulate", ("main_grad_gate", "main_grad_up"))
-def gate_up_wgrad_fp8_block_accumulate(
-    main_grad_gate: torch.Tensor,
-    main_grad_up: torch.Tensor,
-    d_gate_up_t_q: torch.Tensor,
-    d_gate_up_t_scale: torch.Tensor,
-    x_t_q: torch.Tensor,
-    x_t_scale: torch.Tensor,
-    schedule_tensors: list[torch.Tensor],
-    block_m: int,
-) -> None:
-    """main_grad_gate, main_grad_up [E_l, I, H] fp32/bf16 += the fp8_block d_w_gate, d_w_up, in place."""
-    routing = routing_from_tensors(schedule_tensors, block_m)
-    wgrad.gate_up_wgrad_fp8_block(
-        d_gate_up_t_q, d_gate_up_t_scale, x_t_q, x_t_scale, routing, main_grad_gate, main_grad_up
-    )
-
-
-@gate_up_wgrad_fp8_block_accumulate.op.register_fake
-def _(main_grad_gate, main_grad_up, d_gate_up_t_q, d_gate_up_t_scale, x_t_q, x_t_scale, schedule_tensors, block_m):
-    return None
+    if d_gate_up_scale is None:
+        return wgrad.gate_up_wgrad(d_gate_up, x, routing, main_gate, main_up)
+    return wgrad.gate_up_wgrad_fp8_block(d_gate_up, d_gate_up_scale, x, x_scale, routing, main_gate, main_up)
 
 
 # --------------------------------------------------------------------------- fp8_block quantize

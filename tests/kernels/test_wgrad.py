@@ -256,11 +256,11 @@ def test_fp8_block_backward_ops_and_fake_impls(kernel_device):
         (ops.quantize_fp8_block_weights, (inp.w_gate,)),
         (ops.quantize_fp8_block_sorted_t, (x_sorted, routing, block_m)),
         (ops.quantize_fp8_block_swiglu_sorted_t, (gate_up, routing, block_m, 0.5)),
-        (ops.down_wgrad_fp8_block, (*x_t, *h_t, routing, block_m)),
-        (ops.gate_up_wgrad_fp8_block, (*d_gate_up_t, *x_t, routing, block_m)),
-        (ops.down_wgrad_fp8_block_accumulate, (zeros(E, H, I), *x_t, *h_t, routing, block_m)),
-        (ops.gate_up_wgrad_fp8_block_accumulate,
-         (zeros(E, I, H), zeros(E, I, H), *d_gate_up_t, *x_t, routing, block_m)),
+        (ops.down_wgrad, (x_t[0], h_t[0], routing, block_m, x_t[1], h_t[1])),
+        (ops.gate_up_wgrad, (d_gate_up_t[0], x_t[0], routing, block_m, d_gate_up_t[1], x_t[1])),
+        (ops.down_wgrad_accumulate, (zeros(E, H, I), x_t[0], h_t[0], routing, block_m, x_t[1], h_t[1])),
+        (ops.gate_up_wgrad_accumulate,
+         (zeros(E, I, H), zeros(E, I, H), d_gate_up_t[0], x_t[0], routing, block_m, d_gate_up_t[1], x_t[1])),
     ]
     # Fake impls only: opcheck's schema test compares inputs with float ops that float8 lacks on the
     # CPU; the accumulating ops declare their mutations as the bf16 ones, whose schema is checked.
