@@ -40,7 +40,7 @@ from mok.kernels.common import ERROR_BAD_EXPERT_ID, ERROR_CAPACITY_OVERFLOW, ERR
 from mok.fp8_block import FP8_BLOCK, fp8_block_round
 from mok.mxfp8 import mxfp8_dequantize, mxfp8_quantize
 from mok.reference import Gradients
-from mok.transport import Dispatch, Transport, create_transport
+from mok.transport import Dispatch, Transport, check_same_across_ranks, create_transport
 from mok.validation import check_layer_inputs, check_tensor, check_topk_ids_values
 
 __all__ = [
@@ -130,7 +130,7 @@ def create_workspace(
     error_flag = torch.zeros(1, dtype=torch.int32, device=device)
     transport = None
     if world_size > 1:
-        _check_same_across_ranks(group, {"hidden_size": hidden_size, "topk": topk}, device)
+        check_same_across_ranks(group, {"hidden_size": hidden_size, "topk": topk}, device)
         transport = create_transport(config, group, device=device, num_local_tokens=num_local_tokens,
                                      hidden_size=hidden_size, topk=topk, error_flag=error_flag)
     return Workspace(
@@ -144,16 +144,6 @@ def create_workspace(
         error_flag=error_flag,
         transport=transport,
     )
-
-
-def _check_same_across_ranks(group, values: dict[str, int], device: torch.device) -> None:
-    mine = torch.tensor(list(values.values()), dtype=torch.int64, device=device)
-    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, mine, group=group)
-    for rank, theirs in enumerate(gathered):
-        for (name, value), other in zip(values.items(), theirs.tolist()):
-            if other != value:
-                raise ValueError(f"{name}: expected the same value on every rank, got {value} here and {other} on rank {rank}")
 
 
 def get_workspace(

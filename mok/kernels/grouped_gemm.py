@@ -52,7 +52,7 @@ import triton
 import triton.language as tl
 
 from mok.fp8_block import FP8_BLOCK
-from mok.kernels.comm import PeerRows, signal_peers
+from mok.kernels.comm import PeerRows, peer_row_starts, signal_peers
 from mok.kernels.common import interpreting, round_to_bf16, tma_descriptor
 from mok.kernels.quant_fp8_block import quantize_row_blocks
 from mok.kernels.schedule import RoutingSchedule
@@ -214,10 +214,8 @@ def scatter_rows_to_slots(
     if PEER:
         route = tl.load(return_route_ptr + source, mask=source >= 0, other=-1)
         ok = (route >= 0) & (route < num_out_rows)
-        base = tl.load(out_peer_ptrs + source // capacity, mask=ok, other=0).to(tl.pointer_type(tl.bfloat16))
-        base = tl.multiple_of(base, 16)  # 256-byte aligned buffers: 16-byte stores (see comm.py)
-        tl.store(base[:, None] + route.to(tl.int64)[:, None] * stride_out_s + n_offs[None, :], values,
-                 mask=ok[:, None] & col_ok)
+        out_rows = peer_row_starts(out_peer_ptrs, source // capacity, route, stride_out_s, ok, tl.bfloat16)
+        tl.store(out_rows[:, None] + n_offs[None, :], values, mask=ok[:, None] & col_ok)
     else:
         slot = tl.where(source >= 0, source, 0).to(tl.int64)
         tl.store(out_ptr + slot[:, None] * stride_out_s + n_offs[None, :], values, mask=(source >= 0)[:, None] & col_ok)

@@ -26,11 +26,12 @@ import torch
 import torch.distributed as dist
 
 from mok.config import MoKConfig
+from mok.transport.common import check_same_across_ranks
 from mok.transport.nccl import NcclDispatch, NcclTransport
 from mok.transport.symmetric import SymmetricDispatch, SymmetricTransport, symmetric_memory_unsupported
 
 __all__ = ["Dispatch", "Transport", "NcclDispatch", "NcclTransport", "SymmetricDispatch", "SymmetricTransport",
-           "create_transport"]
+           "check_same_across_ranks", "create_transport"]
 
 Transport = NcclTransport | SymmetricTransport
 Dispatch = NcclDispatch | SymmetricDispatch

@@ -20,6 +20,18 @@ from mok import ops
 from mok.config import MoKConfig
 
 
+def check_same_across_ranks(group: dist.ProcessGroup | None, values: dict[str, int], device: torch.device) -> None:
+    """Raises ValueError naming the first of `values` that some rank of `group` holds
+    differently (a collective: every rank passes the same names)."""
+    mine = torch.tensor(list(values.values()), dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    for rank, theirs in enumerate(gathered):
+        for (name, value), other in zip(values.items(), theirs.tolist()):
+            if other != value:
+                raise ValueError(f"{name}: expected the same value on every rank, got {value} here and {other} on rank {rank}")
+
+
 class RouteCapacity:
     """C for a group (module docstring). Creating one is a collective: the ranks agree on
     the largest token count (a host sync, once per workspace)."""

@@ -63,7 +63,7 @@ import torch.distributed as dist
 from mok import ops
 from mok.config import MoKConfig
 from mok.kernels import comm
-from mok.transport.common import RouteCapacity, receiver_schedule
+from mok.transport.common import RouteCapacity, check_same_across_ranks, receiver_schedule
 
 # One push (or one GEMM launch storing on the peers) per kind and call; the receiver
 # counts each kind's arrivals apart.
@@ -109,7 +109,9 @@ class SymmetricTransport(RouteCapacity):
         self.num_programs = {"plan": config.fwd_num_comm_sms, "x": config.fwd_num_comm_sms, "y": config.fwd_num_comm_sms,
                              "d_out": config.bwd_num_comm_sms, "dx": config.bwd_num_comm_sms,
                              "d_weight": config.bwd_num_comm_sms}
-        self._check_same_across_ranks()
+        # the receivers count the senders' programs: every rank must launch alike
+        check_same_across_ranks(group, {"config.fwd_num_comm_sms": config.fwd_num_comm_sms,
+                                        "config.bwd_num_comm_sms": config.bwd_num_comm_sms}, device)
         num_ranks, max_capacity = self.world_size, self.send_capacity(topk)  # E_l >= topk: the largest C
         num_slots = self.max_local_tokens * topk
         self.regions = {  # name -> (shape, dtype)
@@ -142,15 +144,6 @@ class SymmetricTransport(RouteCapacity):
         dist.barrier(group=group)  # every rank's counters are zero before anyone signals
         self.x_generation = 0  # dispatches of x so far (received_x compares)
         self._info_index: dict[int, torch.Tensor] = {}
-
-    def _check_same_across_ranks(self) -> None:
-        """The receivers count the senders' programs: every rank must launch alike."""
-        mine = torch.tensor([self.config.fwd_num_comm_sms, self.config.bwd_num_comm_sms], device=self.device)
-        everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(everyone, mine, group=self.group)
-        if any(not torch.equal(other, mine) for other in everyone):
-            raise ValueError(f"config: expected fwd_num_comm_sms and bwd_num_comm_sms equal on every rank, got "
-                             f"{[t.tolist() for t in everyone]}")
 
     @staticmethod
     def _info_width(capacity: int) -> int:
