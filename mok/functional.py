@@ -192,18 +192,10 @@ def check_errors(workspace: Workspace) -> None:
 # --------------------------------------------------------------------------- backend choice
 
 
-# What the triton backend still lacks for each low precision (bf16 and fp8_block run).
-_TRITON_MISSING = {
-    "mxfp8": "its grouped GEMMs are not written yet (only its quantizer kernel)",
-}
-
-
 def _triton_unsupported(config: MoKConfig, workspace: Workspace) -> str | None:
-    """Why the triton backend cannot run this call, or None when it can."""
+    """Why the triton backend cannot run this call, or None when it can (every precision runs)."""
     if workspace.device.type != "cuda" and not interpreting():
         return f"it runs on CUDA devices (or under TRITON_INTERPRET=1), not {workspace.device}"
-    if config.precision in _TRITON_MISSING:
-        return f"precision={config.precision!r}: {_TRITON_MISSING[config.precision]}"
     return None
 
 
@@ -363,8 +355,27 @@ class _Fp8BlockWeight(NamedTuple):
     scale_t: torch.Tensor
 
 
-# weight -> ((its _version, its data_ptr), its _Fp8BlockWeight); an entry goes with its weight.
-_FP8_BLOCK_WEIGHTS = WeakIdKeyDictionary()
+class _Mxfp8Weight(NamedTuple):
+    """A routed weight [E_l, N, K] as the mxfp8 GEMMs read it on Hopper: rounded to the MXFP8
+    grid and held in bf16 (`quant.mxfp8_round`, exact), `rows` in blocks of 32 along K for the
+    forward, `cols` along N for the dgrads; both [E_l, N, K]."""
+
+    rows: torch.Tensor
+    cols: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.rows.shape
+
+
+# The low-precision copies of a routed weight, by precision (looked up in `ops` at call time).
+_WEIGHT_COPIES = {
+    "fp8_block": lambda w: _Fp8BlockWeight(*ops.quantize_fp8_block_weights(w)),
+    "mxfp8": lambda w: _Mxfp8Weight(*ops.mxfp8_round(w, True, True)),
+}
+
+# weight -> ((precision, its _version, its data_ptr), its copies); an entry goes with its weight.
+_WEIGHT_COPY_CACHE = WeakIdKeyDictionary()
 
 
 @torch.compiler.assume_constant_result
@@ -375,29 +386,40 @@ def _capturing_cuda_graph() -> bool:
     return torch.cuda.is_current_stream_capturing()
 
 
-def _fp8_block_weight(w: torch.Tensor) -> _Fp8BlockWeight:
-    """w's fp8_block copies (both orientations, the Triton quantizer), made once per version of
-    w: forward and backward of a step share them, and an optimizer's in-place update (which
-    bumps `w._version`) makes the next call quantize again. The key is host state, so a hit
-    costs no device work and no sync. While torch.compile traces or a CUDA graph captures, w is
-    quantized on every call instead, so the graph holds the quantization and each replay reads
-    the weight as it is then; so is an inference-mode tensor, which has no version counter."""
+def _weight_copy(w: torch.Tensor, precision: str) -> _Fp8BlockWeight | _Mxfp8Weight:
+    """w's copies for `precision`'s GEMMs (both orientations, one Triton launch), made once per
+    version of w: forward and backward of a step share them, and an optimizer's in-place update
+    (which bumps `w._version`) makes the next call quantize again. The key is host state, so a
+    hit costs no device work and no sync. While torch.compile traces or a CUDA graph captures,
+    w is quantized on every call instead, so the graph holds the quantization and each replay
+    reads the weight as it is then; so is an inference-mode tensor, which has no version counter."""
+    make = _WEIGHT_COPIES[precision]
     if torch.compiler.is_compiling() or (w.is_cuda and _capturing_cuda_graph()) or w.is_inference():
-        return _Fp8BlockWeight(*ops.quantize_fp8_block_weights(w))
-    key = (w._version, w.data_ptr())
-    cached = _FP8_BLOCK_WEIGHTS.get(w)
+        return make(w)
+    key = (precision, w._version, w.data_ptr())
+    cached = _WEIGHT_COPY_CACHE.get(w)
     if cached is None or cached[0] != key:
-        cached = _FP8_BLOCK_WEIGHTS[w] = (key, _Fp8BlockWeight(*ops.quantize_fp8_block_weights(w)))
+        cached = _WEIGHT_COPY_CACHE[w] = (key, make(w))
     return cached[1]
 
 
 def _triton_routed_weights(precision: str, routed: tuple[torch.Tensor, ...]) -> tuple:
     """The routed weights as the triton backend's expert GEMMs take them: the bf16 tensors, or
-    in fp8_block their `_Fp8BlockWeight`s, which select the fp8_block GEMMs in `_expert_mlp`
-    and `_expert_mlp_backward` (the shared expert's weights stay bf16 tensors)."""
-    if precision == "fp8_block":
-        return tuple(_fp8_block_weight(w) for w in routed)
-    return routed
+    their `_Fp8BlockWeight`s / `_Mxfp8Weight`s, which select those precisions' paths in
+    `_expert_mlp` and `_expert_mlp_backward` (the shared expert's weights stay bf16 tensors)."""
+    if precision == "bf16":
+        return routed
+    return tuple(_weight_copy(w, precision) for w in routed)
+
+
+def _forward_weight(w):
+    """The tensor a bf16-kernel forward GEMM reads for a routed (or shared) weight."""
+    return w.rows if isinstance(w, _Mxfp8Weight) else w
+
+
+def _dgrad_weight(w):
+    """The tensor a bf16-kernel dgrad GEMM reads: in mxfp8 the copy rounded along N."""
+    return w.cols if isinstance(w, _Mxfp8Weight) else w
 
 
 def _expert_mlp(x, w_gate, w_up, w_down, routing, block_m, topk, num_slots, swiglu_limit, needs_backward,
@@ -407,7 +429,11 @@ def _expert_mlp(x, w_gate, w_up, w_down, routing, block_m, topk, num_slots, swig
 
     With `_Fp8BlockWeight`s the GEMMs run in fp8_block: x quantized in 1×128 blocks along H,
     h quantized by the gate/up epilogue for the down GEMM. The backward then gets g, u only
-    (it quantizes h along the rows, from g, u, for the down wgrad)."""
+    (it quantizes h along the rows, from g, u, for the down wgrad).
+
+    With `_Mxfp8Weight`s the bf16 GEMMs read operands rounded to the MXFP8 grid (exact in bf16,
+    `quant.mxfp8_round`): x and h in blocks of 32 along H and I, the weights' `rows` copies.
+    The backward gets h unrounded (its wgrad rounds it along the rows)."""
     if isinstance(w_gate, _Fp8BlockWeight):
         x_q, x_scale = ops.quantize_fp8_block_activations(x)  # [T, H] e4m3, [T, H/128] fp32
         h_q, h_scale, gate_up = ops.gate_up_swiglu_fp8_block(
@@ -416,11 +442,18 @@ def _expert_mlp(x, w_gate, w_up, w_down, routing, block_m, topk, num_slots, swig
         )
         y = ops.down_scatter_fp8_block(h_q, h_scale, w_down.q, w_down.scale, routing, block_m, num_slots)
         return y, ({"gate_up": gate_up} if needs_backward else {})
-    h, gate_up = ops.gate_up_swiglu(x, w_gate, w_up, routing, block_m, topk, swiglu_limit, needs_backward)
+    mxfp8 = isinstance(w_gate, _Mxfp8Weight)
+    if mxfp8:
+        x = ops.mxfp8_round(x)[0]  # [T, H] on the grid along H
+    h, gate_up = ops.gate_up_swiglu(
+        x, _forward_weight(w_gate), _forward_weight(w_up), routing, block_m, topk, swiglu_limit, needs_backward
+    )
+    h_operand = ops.mxfp8_round(h, True, False, routing, block_m)[0] if mxfp8 else h  # [rows, I]
+    w_down_operand = _forward_weight(w_down)
     if peer_rows is None:
-        y = ops.down_scatter(h, w_down, routing, block_m, num_slots)
+        y = ops.down_scatter(h_operand, w_down_operand, routing, block_m, num_slots)
     else:  # the rows go to the sources' slots on their ranks (`Dispatch.peer_rows`)
-        ops.down_scatter_to_peers(h, w_down, routing, block_m, *_peer_op_args(peer_rows))
+        ops.down_scatter_to_peers(h_operand, w_down_operand, routing, block_m, *_peer_op_args(peer_rows))
         y = None
     return y, ({"gate_up": gate_up, "h": h} if needs_backward else {})
 
@@ -460,7 +493,7 @@ def _peer_op_args(peer_rows) -> tuple:
 
 
 def _hidden_inter(routed) -> tuple[int, int]:
-    """(H, I) of the routed bf16 weights."""
+    """(H, I) of the routed weights (bf16, or their mxfp8 copies)."""
     _, hidden, inter = routed[2].shape  # w_down [E_l, H, I]
     return hidden, inter
 
@@ -556,28 +589,44 @@ def _expert_mlp_backward(d_out, x, topk_weights, weights, saved, routing, block_
     With `_Fp8BlockWeight`s the GEMMs run in fp8_block: the dgrads read dOut and d_g, d_u
     quantized in 1×128 blocks along H and I against the weights' transposed copies; the
     wgrads reduce over rows, so their operands (x, w·dOut, d_g|d_u, and h recomputed from the
-    saved g, u) are quantized in 1×128 blocks along the sorted rows. Gradients stay bf16."""
+    saved g, u) are quantized in 1×128 blocks along the sorted rows. Gradients stay bf16.
+
+    With `_Mxfp8Weight`s the bf16 GEMMs read operands rounded to the MXFP8 grid along their
+    reduction dims: dOut along H and d_g, d_u along I against the weights' `cols` copies;
+    x, w·dOut (both from the gather), d_g|d_u and h along the sorted rows."""
     w_gate, w_up, w_down = weights
     main_gate, main_up, main_down = main_grads
-    if token_order:
+    mxfp8 = isinstance(w_gate, _Mxfp8Weight)
+    if token_order:  # the shared expert: bf16
         x_sorted, d_out_sorted, dy_sorted = x, d_out, d_out
     else:
-        x_sorted, d_out_sorted, dy_sorted = ops.gather_sorted_rows(x, d_out, topk_weights, routing, block_m, topk)
+        x_sorted, d_out_sorted, dy_sorted = ops.gather_sorted_rows(
+            x, d_out, topk_weights, routing, block_m, topk, mxfp8
+        )
     if not isinstance(w_gate, _Fp8BlockWeight):
         d_gate_up, d_topk_weights = ops.down_dgrad_swiglu(
-            d_out_sorted, topk_weights, saved["gate_up"], w_down, routing, block_m, swiglu_limit
+            d_out_sorted, topk_weights, saved["gate_up"], _dgrad_weight(w_down), routing, block_m, swiglu_limit
         )
+        h = saved["h"]
+        d_gate_up_dgrad = d_gate_up_wgrad = d_gate_up  # [rows, 2, I]
+        if mxfp8:
+            rows, cols = ops.mxfp8_round(d_gate_up.flatten(1), True, True, routing, block_m)
+            d_gate_up_dgrad, d_gate_up_wgrad = rows.view_as(d_gate_up), cols.view_as(d_gate_up)
+            h = ops.mxfp8_round(h, False, True, routing, block_m)[1]
+        dgrad_weights = (_dgrad_weight(w_gate), _dgrad_weight(w_up))
         if peer_rows is None:
-            dx_slots = ops.gate_up_dgrad_scatter(d_gate_up, w_gate, w_up, routing, block_m, num_slots)
+            dx_slots = ops.gate_up_dgrad_scatter(d_gate_up_dgrad, *dgrad_weights, routing, block_m, num_slots)
         else:  # the rows go to the sources' slots on their ranks (`Dispatch.peer_rows`)
-            ops.gate_up_dgrad_scatter_to_peers(d_gate_up, w_gate, w_up, routing, block_m, *_peer_op_args(peer_rows))
+            ops.gate_up_dgrad_scatter_to_peers(
+                d_gate_up_dgrad, *dgrad_weights, routing, block_m, *_peer_op_args(peer_rows)
+            )
             dx_slots = None
         d_w_gate, d_w_up = _weight_grads(
-            ops.gate_up_wgrad, ops.gate_up_wgrad_accumulate, (d_gate_up, x_sorted), (main_gate, main_up),
+            ops.gate_up_wgrad, ops.gate_up_wgrad_accumulate, (d_gate_up_wgrad, x_sorted), (main_gate, main_up),
             routing, block_m,
         )
         d_w_down = _weight_grads(
-            ops.down_wgrad, ops.down_wgrad_accumulate, (dy_sorted, saved["h"]), (main_down,), routing, block_m
+            ops.down_wgrad, ops.down_wgrad_accumulate, (dy_sorted, h), (main_down,), routing, block_m
         )
         return dx_slots, d_topk_weights, (d_w_gate, d_w_up, d_w_down)
 

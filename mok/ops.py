@@ -214,16 +214,18 @@ def gather_sorted_rows(
     schedule_tensors: list[torch.Tensor],
     block_m: int,
     topk: int,
+    mxfp8: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x_sorted, d_out_sorted, dy_sorted = w·dOut [rows, H] bf16 in the sorted layout
-    (zeros at padding; dy_sorted an empty [0, H] without topk_weights)."""
+    (zeros at padding; dy_sorted an empty [0, H] without topk_weights); with `mxfp8`, each
+    rounded to the MXFP8 grid of the GEMM that reads it."""
     routing = routing_from_tensors(schedule_tensors, block_m)
-    x_sorted, d_out_sorted, dy_sorted = gather.gather_sorted_rows(x, d_out, topk_weights, routing, topk)
+    x_sorted, d_out_sorted, dy_sorted = gather.gather_sorted_rows(x, d_out, topk_weights, routing, topk, mxfp8)
     return x_sorted, d_out_sorted, x.new_empty(0, x.shape[1]) if dy_sorted is None else dy_sorted
 
 
 @gather_sorted_rows.op.register_fake
-def _(x, d_out, topk_weights, schedule_tensors, block_m, topk):
+def _(x, d_out, topk_weights, schedule_tensors, block_m, topk, mxfp8=False):
     rows, hidden = schedule_tensors[0].shape[0], x.shape[1]
     return x.new_empty(rows, hidden), x.new_empty(rows, hidden), x.new_empty(0 if topk_weights is None else rows, hidden)
 
@@ -557,6 +559,54 @@ def mxfp8_quantize(
     and outputs (the pair not asked for is None again); bit-exact with it."""
     q, scale, q_t, scale_t = _mxfp8_quantize(t, rowwise, colwise)
     return (q if rowwise else None, scale if rowwise else None, q_t if colwise else None, scale_t if colwise else None)
+
+
+def _pair_or_empty(t: torch.Tensor, pair: tuple[torch.Tensor | None, torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pair of optional outputs with each None an empty [0] tensor (custom ops cannot return None)."""
+    return tuple(t.new_empty(0, dtype=torch.bfloat16) if p is None else p for p in pair)
+
+
+def _rounded_fake(t, rowwise, colwise):
+    return tuple(t.new_empty(t.shape if wanted else (0,), dtype=torch.bfloat16) for wanted in (rowwise, colwise))
+
+
+@_custom_op("mxfp8_round", ())
+def _mxfp8_round(t: torch.Tensor, rowwise: bool, colwise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, cols) of `quant.mxfp8_round`, bf16 in t's shape (one not asked for: empty [0])."""
+    return _pair_or_empty(t, quant.mxfp8_round(t, rowwise, colwise))
+
+
+@_mxfp8_round.op.register_fake
+def _(t, rowwise, colwise):
+    quant.validate_mxfp8_quantize_args(t, rowwise, colwise)
+    return _rounded_fake(t, rowwise, colwise)
+
+
+@_custom_op("mxfp8_round_sorted", ())
+def _mxfp8_round_sorted(
+    a: torch.Tensor, schedule_tensors: list[torch.Tensor], block_m: int, rowwise: bool, colwise: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`mok::mxfp8_round` of a sorted-layout operand [rows, W] (padding rows zeros)."""
+    return _pair_or_empty(a, quant.mxfp8_round(a, rowwise, colwise, routing_from_tensors(schedule_tensors, block_m)))
+
+
+@_mxfp8_round_sorted.op.register_fake
+def _(a, schedule_tensors, block_m, rowwise, colwise):
+    return _rounded_fake(a, rowwise, colwise)
+
+
+def mxfp8_round(
+    t: torch.Tensor, rowwise: bool = True, colwise: bool = False,
+    schedule_tensors: list[torch.Tensor] | None = None, block_m: int = 0,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """t rounded to the MXFP8 grid along its rows and/or columns, bf16 (`quant.mxfp8_round`;
+    with `schedule_tensors`, t is an operand in that schedule's sorted layout); None for the
+    orientation not asked for."""
+    if schedule_tensors is None:
+        rows, cols = _mxfp8_round(t, rowwise, colwise)
+    else:
+        rows, cols = _mxfp8_round_sorted(t, schedule_tensors, block_m, rowwise, colwise)
+    return rows if rowwise else None, cols if colwise else None
 
 
 # --------------------------------------------------------------------------- expert-parallel dispatch

@@ -1,5 +1,5 @@
 """GPU-only properties of the triton forward: preset-sized accuracy, determinism over 10
-runs, no host sync, CUDA-graph capture, torch.compile(fullgraph=True) (bf16 and fp8_block),
+runs, no host sync, CUDA-graph capture, torch.compile(fullgraph=True) (bf16, fp8_block, mxfp8),
 and a whole training step captured in a CUDA graph."""
 
 import pytest
@@ -72,7 +72,7 @@ def test_cuda_graph_replay_equals_eager():
     assert not torch.equal(static_out, eager)
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp8_block"])
+@pytest.mark.parametrize("precision", ["bf16", "fp8_block", "mxfp8"])
 def test_torch_compile_fullgraph(precision):
     layer, inp = _layer_and_inputs(precision=precision)
     with torch.no_grad():
@@ -82,10 +82,10 @@ def test_torch_compile_fullgraph(precision):
     assert torch.equal(out, eager)
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp8_block"])
+@pytest.mark.parametrize("precision", ["bf16", "fp8_block", "mxfp8"])
 def test_cuda_graph_of_a_training_step(precision):
     """Forward, backward and an optimizer step captured in one CUDA graph: two replays give
-    the same parameters, bit for bit, as two eager steps from the same start (in fp8_block the
+    the same parameters, bit for bit, as two eager steps from the same start (in fp8_block and mxfp8 the
     graph quantizes the weights each replay, so it reads what the optimizer wrote)."""
     layer, inp = _layer_and_inputs(precision=precision)
     optimizer = torch.optim.SGD(layer.parameters(), lr=0.05, momentum=0.9)

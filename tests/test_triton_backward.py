@@ -1,9 +1,9 @@
 """The triton backend's backward through autograd and the functional API, against
 `reference.moe_backward` on the forward's odd cases (T = 1, ragged T + shared expert, the
 SwiGLU clamp, topk = 1, topk = E, all tokens to one expert, empty experts), with signed
-router weights; run-twice and recompute-then-backward bitwise identical. fp8_block: the whole
-layer (forward and backward) within SPEC's low-precision bars, the shared expert within
-bf16's, and its weight copies quantized once per version of each weight."""
+router weights; run-twice and recompute-then-backward bitwise identical. fp8_block and mxfp8:
+the whole layer (forward and backward) within SPEC's low-precision bars, the shared expert
+within bf16's, and the weight copies made once per version of each weight."""
 
 import pytest
 import torch
@@ -130,34 +130,54 @@ def test_gpu_preset_backward_within_bf16_bar(preset):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp8_block", "mxfp8"])
 @pytest.mark.parametrize("preset", ["qwen3-30b", "deepseek-v3-slice"])
-def test_gpu_preset_fp8_block_within_its_bar(preset):
-    """fp8_block forward and backward on the GPU presets: the routed outputs and gradients within
-    SPEC's fp8_block bar, the shared expert's weight gradients within bf16's."""
+def test_gpu_preset_low_precision_within_its_bar(preset, precision):
+    """fp8_block and mxfp8 forward and backward on the GPU presets: the routed outputs and
+    gradients within SPEC's low-precision bar, the shared expert's weight gradients within bf16's."""
     from mok.bench.presets import PRESETS
 
     p = PRESETS[preset]
     inp = make_inputs(p.num_tokens, p.hidden_size, p.intermediate_size, p.num_experts, p.topk,
                       p.shared_intermediate_size, seed=1, device="cuda", signed_weights=True)
     d_out = torch.randn(p.num_tokens, p.hidden_size, device="cuda").bfloat16()
-    config = mok.MoKConfig(precision="fp8_block", backend="triton", strict=True)
+    config = mok.MoKConfig(precision=precision, backend="triton", strict=True)
     ws, sched, args = _functional(inp, config)
     out, ctx = mok.forward(config, ws, sched, *args)
     grads = mok.backward(config, ws, sched, ctx, d_out, *args)
     ref_args = (inp.x, inp.topk_ids, inp.topk_weights, *inp.weights)
-    assert_close_to_reference(out, reference.moe_forward(*ref_args), "fp8_block", name="out", context=preset,
+    assert_close_to_reference(out, reference.moe_forward(*ref_args), precision, name="out", context=preset,
                               check_cosine=True)
     for name, g, r in zip(grads._fields, grads, reference.moe_backward(d_out, *ref_args)):
-        precision = "bf16" if name.startswith("d_ws_") else "fp8_block"
-        assert_close_to_reference(g, r, precision, name=name, context=preset, check_cosine=True)
+        bar = "bf16" if name.startswith("d_ws_") else precision
+        assert_close_to_reference(g, r, bar, name=name, context=preset, check_cosine=True)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("precision", ["bf16", "fp8_block"])
+@pytest.mark.parametrize("precision", ["bf16", "fp8_block", "mxfp8"])
+def test_gpu_ten_steps_bitwise_identical(precision):
+    """Forward and backward ten times on the same inputs: every output and gradient equal bit
+    for bit to the first step's."""
+    inp = make_inputs(4096, 1024, 512, 32, 4, 256, seed=2, device="cuda", signed_weights=True)
+    d_out = torch.randn(4096, 1024, device="cuda").bfloat16()
+    config = mok.MoKConfig(precision=precision, backend="triton")
+    ws, sched, args = _functional(inp, config)
+    first = None
+    for step in range(10):
+        out, ctx = mok.forward(config, ws, sched, *args)
+        result = (out, *mok.backward(config, ws, sched, ctx, d_out, *args))
+        if first is None:
+            first = result
+        for name, a, b in zip(("out", *reference.Gradients._fields), first, result):
+            assert (a is None and b is None) or torch.equal(a, b), f"{name}: step {step} differs ({precision})"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["bf16", "fp8_block", "mxfp8"])
 def test_gpu_backward_no_host_sync_and_cuda_graph(precision):
-    """No host sync in a step (in fp8_block: with the weight copies cached), and a captured step
-    replays bitwise; in fp8_block the graph quantizes the weights itself, so a replay after an
-    in-place update reads the updated weights."""
+    """No host sync in a step (in fp8_block and mxfp8: with the weight copies cached), and a
+    captured step replays bitwise; there the graph quantizes the weights itself, so a replay after
+    an in-place update reads the updated weights."""
     inp = make_inputs(2048, 1024, 512, 32, 4, 256, seed=0, device="cuda", signed_weights=True)
     d_out = torch.randn(2048, 1024, device="cuda").bfloat16()
     config = mok.MoKConfig(precision=precision, backend="triton")
@@ -226,7 +246,7 @@ def test_main_grads_accumulate_in_place(kernel_device, backend, dtype):
         mok.backward(config, ws, sched, ctx, d_out, *args, main_grads={"w_down": buffers["w_gate"][:, :16]})
 
 
-# --------------------------------------------------------------------------- fp8_block
+# --------------------------------------------------------------------------- fp8_block and mxfp8
 
 # No clamp in the comparisons with the reference: a swiglu_limit inside the bulk of g, u lets
 # FP8 rounding flip clamp masks, and then the format itself misses SPEC's bars (so does the
@@ -235,12 +255,12 @@ def test_main_grads_accumulate_in_place(kernel_device, backend, dtype):
 # the same quantized math (tests/kernels).
 
 
-def _assert_fp8_block_within_bars(out, grads, inp, d_out, ctx):
-    """out and every routed gradient within SPEC's fp8_block bar against the fp32 reference on
-    the unquantized inputs, the shared expert's weight gradients (bf16 GEMMs on dOut and x)
+def _assert_low_precision_within_bars(precision, out, grads, inp, d_out, ctx, expect_empty=True):
+    """out and every routed gradient within SPEC's bar for `precision` against the fp32 reference
+    on the unquantized inputs, the shared expert's weight gradients (bf16 GEMMs on dOut and x)
     within bf16's; exact zeros for experts without tokens."""
     args = (inp.x, inp.topk_ids, inp.topk_weights, *inp.weights)
-    assert_close_to_reference(out, reference.moe_forward(*args), "fp8_block", name="out", context=ctx,
+    assert_close_to_reference(out, reference.moe_forward(*args), precision, name="out", context=ctx,
                               check_cosine=True)
     ref = reference.moe_backward(d_out, *args)
     for name, g, r in zip(ref._fields, grads, ref):
@@ -248,24 +268,24 @@ def _assert_fp8_block_within_bars(out, grads, inp, d_out, ctx):
             expected_dtype = torch.float32 if name == "d_topk_weights" else torch.bfloat16
             assert g is not None and g.dtype == expected_dtype and g.device == d_out.device, f"{name} {ctx}"
         if name == "d_topk_weights" and inp.topk_ids.numel() < 4:
-            _assert_router_gradient_within_bar(g, inp, d_out, ctx)
+            _assert_router_gradient_within_bar(precision, g, inp, d_out, ctx)
         else:
-            precision = "bf16" if name.startswith("d_ws_") else "fp8_block"
-            assert_close_to_reference(g, r, precision, name=name, context=ctx, check_cosine=True)
+            bar = "bf16" if name.startswith("d_ws_") else precision
+            assert_close_to_reference(g, r, bar, name=name, context=ctx, check_cosine=True)
     empty = set(range(inp.w_gate.shape[0])) - set(inp.topk_ids.flatten().tolist())
-    assert empty, f"the test wants experts without tokens {ctx}"
+    assert bool(empty) == expect_empty, f"the test wants {'' if expect_empty else 'no '}experts without tokens {ctx}"
     for e in empty:
         for name in ("d_w_gate", "d_w_up", "d_w_down"):
             grad = getattr(grads, name)[e]
             assert torch.equal(grad, torch.zeros_like(grad)), f"{name}[{e}] {ctx}"
 
 
-def _assert_router_gradient_within_bar(d_topk_weights, inp, d_out, ctx):
+def _assert_router_gradient_within_bar(precision, d_topk_weights, inp, d_out, ctx):
     """A handful of router-weight gradients: each is one dot product ⟨dOut[t], y⟩, whose own
     relative error is unbounded under cancellation, so SPEC's ratio of sums over so few values
-    says nothing. Each error is held to the fp8_block bar relative to the dot's Σ|terms| instead,
+    says nothing. Each error is held to the precision's bar relative to the dot's Σ|terms| instead,
     the scale on which a rounded dot product's error is bounded."""
-    max_err = TOLERANCES["fp8_block"][0]
+    max_err = TOLERANCES[precision][0]
     num_tokens, topk = inp.topk_ids.shape
     for t in range(num_tokens):
         for j in range(topk):
@@ -278,22 +298,50 @@ def _assert_router_gradient_within_bar(d_topk_weights, inp, d_out, ctx):
             )
 
 
-def test_fp8_block_layer_one_token_matches_reference(kernel_device):
-    """mok.moe (autograd) in fp8_block on the triton backend: T = 1, topk = 1, a shared expert,
-    experts without tokens."""
+@pytest.mark.parametrize("precision", ["fp8_block", "mxfp8"])
+def test_low_precision_layer_one_token_matches_reference(kernel_device, precision):
+    """mok.moe (autograd) in a low precision on the triton backend: T = 1, topk = 1, a shared
+    expert, experts without tokens."""
     T, H, I, E, topk, I_s = 1, 256, 128, 3, 1, 16
     inp = OddCase(T, H, I, E, topk, I_s).inputs(seed=1, device=kernel_device)
     ctx = f"{T=} {H=} {I=} {E=} {topk=} {I_s=}"
     d_out = torch.randn(T, H, generator=torch.Generator().manual_seed(1)).bfloat16().to(kernel_device)
     x, topk_weights, *weights = _leaves(inp)
-    config = mok.MoKConfig(precision="fp8_block", backend="triton")
+    config = mok.MoKConfig(precision=precision, backend="triton")
     out = mok.moe(x, inp.topk_ids, topk_weights, *weights, config=config)
     out.backward(d_out)
     grads = reference.Gradients(x.grad, topk_weights.grad, *(None if w is None else w.grad for w in weights))
-    _assert_fp8_block_within_bars(out, grads, inp, d_out, ctx)
+    _assert_low_precision_within_bars(precision, out, grads, inp, d_out, ctx)
 
 
-def test_fp8_block_layer_run_twice_and_weight_cache(kernel_device, monkeypatch):
+@pytest.mark.parametrize(
+    "case", [OddCase(13, 32, 32, 4, 4), OddCase(23, 32, 64, 4, 1, routing="one expert"), OddCase(37, 64, 96, 5, 2, 32)],
+    ids=["topk = E", "all to one expert", "ragged T + shared"],
+)
+def test_mxfp8_layer_odd_cases_match_reference(kernel_device, case):
+    """mxfp8 (sizes multiples of 32 only) on the forward's odd cases: every expert busy, one
+    expert taking every token, T off every tile with a shared expert."""
+    inp = case.inputs(seed=case.num_tokens, device=kernel_device)
+    ctx = f"mxfp8 {case}"
+    d_out = torch.randn(case.num_tokens, case.hidden_size, generator=torch.Generator().manual_seed(3))
+    d_out = d_out.bfloat16().to(kernel_device)
+    x, topk_weights, *weights = _leaves(inp)
+    out = mok.moe(x, inp.topk_ids, topk_weights, *weights, config=mok.MoKConfig(precision="mxfp8", backend="triton"))
+    out.backward(d_out)
+    grads = reference.Gradients(x.grad, topk_weights.grad, *(None if w is None else w.grad for w in weights))
+    _assert_low_precision_within_bars("mxfp8", out, grads, inp, d_out, ctx, expect_empty=case.routing == "one expert")
+
+
+# The op that makes each precision's weight copies, and how to compare two copies bit for bit.
+_WEIGHT_COPY_OP = {"fp8_block": "quantize_fp8_block_weights", "mxfp8": "mxfp8_round"}
+
+
+def _bits(t):
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+@pytest.mark.parametrize("precision", ["fp8_block", "mxfp8"])
+def test_low_precision_layer_run_twice_and_weight_cache(kernel_device, monkeypatch, precision):
     """Through the functional API, twice: bitwise run to run, within the bars against the
     reference, each routed weight quantized once per version (forward, backward and the second
     step share the copies); an in-place update (an optimizer step) then makes only that weight
@@ -303,9 +351,16 @@ def test_fp8_block_layer_run_twice_and_weight_cache(kernel_device, monkeypatch):
     ctx = f"{T=} {H=} {I=} {E=} {topk=}"
     d_out = torch.randn(T, H, generator=torch.Generator().manual_seed(9)).bfloat16().to(kernel_device)
     quantized = []
-    quantize = ops.quantize_fp8_block_weights
-    monkeypatch.setattr(ops, "quantize_fp8_block_weights", lambda w: quantized.append(w) or quantize(w))
-    config = mok.MoKConfig(precision="fp8_block", backend="triton")
+    quantize = getattr(ops, _WEIGHT_COPY_OP[precision])
+    routed = (inp.w_gate, inp.w_up, inp.w_down)
+
+    def recording(t, *args):  # mxfp8_round also rounds activations: record the weights only
+        if any(t is w for w in routed):
+            quantized.append(t)
+        return quantize(t, *args)
+
+    monkeypatch.setattr(ops, _WEIGHT_COPY_OP[precision], recording)
+    config = mok.MoKConfig(precision=precision, backend="triton")
     ws = mok.get_workspace(config, None, device=inp.x.device, num_local_tokens=T, hidden_size=H, topk=topk)
     sched = mok.build_schedule(ws, config, inp.topk_ids, num_local_experts=E, has_shared_expert=False)
     args = (inp.x, inp.topk_weights, None, None, None, inp.w_gate, inp.w_up, inp.w_down)
@@ -320,12 +375,12 @@ def test_fp8_block_layer_run_twice_and_weight_cache(kernel_device, monkeypatch):
         assert (a is None and b is None) or torch.equal(a, b), f"{name}: run twice differs {ctx}"
     assert [id(w) for w in quantized] == [id(inp.w_gate), id(inp.w_up), id(inp.w_down)], ctx
     mok.check_errors(ws)
-    _assert_fp8_block_within_bars(out, grads, inp, d_out, ctx)
+    _assert_low_precision_within_bars(precision, out, grads, inp, d_out, ctx)
 
     with torch.no_grad():
         inp.w_down.mul_(-1)  # an optimizer's in-place update: a new version of w_down
-    copies = functional._triton_routed_weights("fp8_block", (inp.w_gate, inp.w_up, inp.w_down))
+    copies = functional._triton_routed_weights(precision, routed)
     assert [id(w) for w in quantized[3:]] == [id(inp.w_down)], f"only the updated weight is quantized again {ctx}"
-    for got, want in zip(copies[2], quantize(inp.w_down)):
-        assert torch.equal(got.view(torch.uint8) if got.dtype != torch.float32 else got,
-                           want.view(torch.uint8) if want.dtype != torch.float32 else want), ctx
+    want = quantize(inp.w_down, True, True) if precision == "mxfp8" else quantize(inp.w_down)
+    for got, expected in zip(copies[2], want):
+        assert torch.equal(_bits(got), _bits(expected)), ctx

@@ -64,7 +64,13 @@ def test_bad_ids_raise_in_strict_mode(kernel_device):
         mok.check_errors(ws)
 
 
-def test_triton_backend_refuses_what_it_cannot_run():
+def test_triton_backend_refuses_what_it_cannot_run(monkeypatch):
+    """CPU tensors without the interpreter: backend="triton" says why; "auto" takes the reference."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
     inp = make_inputs(8, 64, 64, 4, 2)
-    with pytest.raises(NotImplementedError, match="backend=.triton. cannot run this call"):
-        mok.moe(inp.x, inp.topk_ids, inp.topk_weights, *inp.weights, config=mok.MoKConfig(backend="triton", precision="mxfp8"))
+    args = (inp.x, inp.topk_ids, inp.topk_weights, *inp.weights)
+    expected = r"backend='triton' cannot run this call: it runs on CUDA devices \(or under TRITON_INTERPRET=1\), not cpu"
+    with pytest.raises(NotImplementedError, match=expected):
+        mok.moe(*args, config=mok.MoKConfig(backend="triton", precision="mxfp8"))
+    out = mok.moe(*args, config=mok.MoKConfig(precision="mxfp8"))
+    assert out.shape == inp.x.shape and torch.isfinite(out).all()

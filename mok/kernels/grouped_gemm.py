@@ -276,7 +276,7 @@ _FP8_BLOCK_TILES = {
     # (128 more) spill (ptxas: 255 registers and spills).
     "down": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4),
     # BLOCK_M as the bf16 interpreter config, so one schedule serves both precisions.
-    "interpreter": dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=4, num_warps=4, num_stages=1),
+    "interpreter": dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, GROUP_M=4, num_warps=4, num_stages=1),
 }
 
 
@@ -287,13 +287,14 @@ def gemm_config(kind: str, n_dim: int, reduce_dim: int, precision: str = "bf16")
     benchmarks/results/h200-20261130-gemm-tiles.json): 128×128 tiles with two
     accumulators for gate/up and 128×256 for the single-accumulator down GEMM at 8
     warps; TMA loads of the weights beat pointer loads by 2–25%; 128×64 / 64×128 tiles
-    at 4 warps lose 15%. Under the interpreter, small tiles keep the CPU tests fast.
+    at 4 warps lose 15%. Under the interpreter, small tiles keep the CPU tests fast (BLOCK_M
+    32, a whole MXFP8 block of rows).
     fp8_block: `_FP8_BLOCK_TILES`, the same for every shape until measured.
     """
     if precision == "fp8_block":
         return dict(_FP8_BLOCK_TILES["interpreter" if interpreting() else kind])
     if interpreting():
-        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1)
+        return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1)
     if kind == "gate_up":  # 4 stages: +2–4% at I ≤ 2048, −4% at mixtral's I = 14336 (H200 sweep)
         stages = 4 if n_dim <= 2048 else 3
         return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=stages)

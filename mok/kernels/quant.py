@@ -1,4 +1,5 @@
-"""MXFP8 quantization (OCP MX v1.0), rowwise and colwise from one read, bit-exact with `mok.mxfp8`.
+"""MXFP8 quantization (OCP MX v1.0), rowwise and colwise from one read, bit-exact with `mok.mxfp8`;
+and rounding to the MXFP8 grid in bf16 (`mxfp8_round`), what the mxfp8 GEMMs read on Hopper.
 
     per block b of 32:  exp_b = clamp(ceil(log2(amax_b / 448)), -127, 127),
                         q[i] = e4m3_rne_saturate(x[i] · 2^-exp_b),   scale_b = exp_b + 127
@@ -23,6 +24,19 @@ into `q_t`. Tiles start at multiples of BLOCK_M/BLOCK_N (both multiples of 32), 
 32-block never straddles tiles; masked-off elements load as 0 bits, which no amax notices,
 and only the dim being blocked must be a multiple of 32.
 
+Rounding (`mxfp8_round`, the triton backend's mxfp8 GEMM operands on Hopper): the same blocks,
+exponents and bytes, decoded back to values, `e4m3(q) · 2^exp`, and stored as bf16 in the
+input's own layout. bf16 holds every such value exactly (E4M3's 3 mantissa bits and
+E8M0's exponents fit in bf16's 7 and fp32's range; only values below bf16's smallest
+subnormal, 2^-133, in blocks whose amax is under ~2^-118, are lost). So a bf16 tensor-core
+GEMM over rounded operands, accumulating in fp32, computes the MX GEMM exactly: each
+product of two rounded values is exact in fp32. Hopper has no MX MMA instruction; this is
+SPEC §2's "dequantize into bf16 MMA", with the dequantization done by the operand's
+producer. For an operand in the expert-sorted layout (`schedule`), padding rows count
+as zeros and are written as zeros, and rows past the schedule's `num_rows` are skipped:
+the schedule pads every expert to a multiple of its BLOCK_M (a multiple of 32), so a
+block of 32 rows never mixes experts.
+
 Caller contract: reads `t` (any strides), writes the four outputs in full. No atomics, no
 reductions across programs: the bytes are a pure function of the input (deterministic).
 
@@ -40,10 +54,11 @@ import torch
 import triton
 import triton.language as tl
 
-from mok.kernels.common import interpreting
+from mok.kernels.common import interpreting, round_to_bf16
+from mok.kernels.schedule import RoutingSchedule
 from mok.mxfp8 import E4M3_NAN_BYTE, E8M0_NAN, MX_BLOCK, _check_block_dim, _check_input
 
-__all__ = ["mxfp8_quantize_triton", "validate_mxfp8_quantize_args"]
+__all__ = ["mxfp8_quantize_triton", "validate_mxfp8_quantize_args", "mxfp8_round", "mxfp8_round_tile"]
 
 # Tile: 64 x 128 elements = 8 KiB of bf16 in, two 8 KiB byte tiles out. Untuned; big
 # enough to amortise the index math, small enough for 4 warps' registers (64 fp32 values
@@ -89,13 +104,15 @@ def _pow2_neg(exp):
 
 
 @triton.jit
-def _e4m3_rne_saturate_bits(x, INTERPRETER: tl.constexpr):
-    """fp32 -> E4M3 byte (uint8), round to nearest even, finite values saturating to ±448.
+def _e4m3_rne_saturate_bits(x, INTEGER_PATH: tl.constexpr):
+    """fp32 -> E4M3 byte (uint8), round to nearest even, finite values saturating to ±448;
+    INTEGER_PATH rounds with integer arithmetic instead of the hardware conversion.
 
     NaN blocks are overwritten by the caller, so NaN handling here does not matter."""
     x = tl.minimum(tl.maximum(x, -448.0), 448.0)
-    if INTERPRETER:
-        # The interpreter's fp8 cast is wrong (module docstring): round the bits ourselves.
+    if INTEGER_PATH:
+        # The interpreter's fp8 cast is wrong (module docstring), and H200's was in the rounding's
+        # 3-D tiles (`_round_blocks`): round the bits ourselves.
         bits = x.to(tl.uint32, bitcast=True)
         sign = (bits >> 24) & 0x80
         mag = bits & 0x7FFFFFFF  # ≤ bits of 448
@@ -116,6 +133,44 @@ def _e4m3_rne_saturate_bits(x, INTERPRETER: tl.constexpr):
     else:
         out = x.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
     return out
+
+
+@triton.jit
+def _e4m3_value(q):
+    """The fp32 value of E4M3 bytes (uint8); integer decoding, identical on GPU and CPU."""
+    b = q.to(tl.int32)
+    sign = (b & 0x80) << 24
+    exp_field = (b >> 3) & 0xF
+    mantissa = b & 0x7
+    normal = sign | ((exp_field + 120) << 23) | (mantissa << 20)
+    subnormal = sign | (mantissa.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True)  # ±m · 2^-9, ±0 kept
+    return tl.where(exp_field == 0, subnormal, normal).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _round_blocks(x, AXIS: tl.constexpr):
+    """x (fp32, 3-D, blocks of 32 along AXIS) rounded to the MXFP8 grid: the quantizer's bytes
+    and exponents decoded back, NaN for a block holding NaN or Inf. The E4M3 rounding takes the
+    integer path: with the hardware conversion here, H200 (triton 3.6) gave wrong values for
+    some tile shapes, while the quantizer kernel's 2-D conversion is right."""
+    amax = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=AXIS)
+    exp, non_finite = _block_exponent(amax)
+    exp = tl.expand_dims(exp, AXIS)
+    q = _e4m3_rne_saturate_bits(x * _pow2_neg(exp), True)
+    value = _e4m3_value(q) * _pow2_neg(-exp)  # exact: a power of two times ≤ 4 significant bits
+    return tl.where(tl.expand_dims(non_finite, AXIS), float("nan"), value)
+
+
+@triton.jit
+def mxfp8_round_tile(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ALONG_M: tl.constexpr):
+    """A [BLOCK_M, BLOCK_N] fp32 tile rounded to the MXFP8 grid in blocks of 32 along N (a
+    GEMM operand reduced over N), or along M with ALONG_M (reduced over M). The tile must
+    hold whole blocks (it starts at a multiple of 32 on the blocked axis)."""
+    if ALONG_M:
+        rounded = _round_blocks(tl.reshape(x, (BLOCK_M // 32, 32, BLOCK_N)), 1)
+    else:
+        rounded = _round_blocks(tl.reshape(x, (BLOCK_M, BLOCK_N // 32, 32)), 2)
+    return tl.reshape(rounded, (BLOCK_M, BLOCK_N))
 
 
 # --------------------------------------------------------------------------- kernel
@@ -179,6 +234,42 @@ def _mxfp8_quantize_kernel(
         tl.store(scale_t_ptr + st_offs, scale_t, mask=col_ok[:, None] & (sblocks_t < M // 32)[None, :])
 
 
+@triton.jit
+def _mxfp8_round_kernel(
+    # pointers: input (bf16 or fp32), bf16 outputs in the input's layout (contiguous)
+    x_ptr, rows_out_ptr, cols_out_ptr,
+    # schedule of a sorted-layout input (SORTED only)
+    row_source_ptr, num_rows_ptr,
+    # sizes, strides (elements)
+    M, N, stride_x_e, stride_x_m, stride_x_n,
+    # constexpr meta
+    ROWWISE: tl.constexpr, COLWISE: tl.constexpr, SORTED: tl.constexpr, INTERPRETER: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_m, pid_n, expert = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    row_ok, col_ok = rows < M, cols < N
+    load_rows = row_ok
+    if SORTED:  # rows past num_rows: nobody reads them; padding rows: zeros
+        num_rows = tl.load(num_rows_ptr)
+        if pid_m * BLOCK_M >= num_rows:
+            return
+        row_ok = row_ok & (rows < num_rows)
+        load_rows = row_ok & (tl.load(row_source_ptr + rows, mask=row_ok, other=-1) >= 0)
+    rows64, cols64 = rows.to(tl.int64), cols.to(tl.int64)
+    offs = expert * stride_x_e + rows64[:, None] * stride_x_m + cols64[None, :] * stride_x_n
+    x = tl.load(x_ptr + offs, mask=load_rows[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    out_offs = expert * M * N + rows64[:, None] * N + cols64[None, :]
+    store_mask = row_ok[:, None] & col_ok[None, :]
+    if ROWWISE:
+        rounded = mxfp8_round_tile(x, BLOCK_M, BLOCK_N, False)
+        tl.store(rows_out_ptr + out_offs, round_to_bf16(rounded, INTERPRETER), mask=store_mask)
+    if COLWISE:
+        rounded = mxfp8_round_tile(x, BLOCK_M, BLOCK_N, True)
+        tl.store(cols_out_ptr + out_offs, round_to_bf16(rounded, INTERPRETER), mask=store_mask)
+
+
 # --------------------------------------------------------------------------- launcher
 
 
@@ -234,3 +325,38 @@ def mxfp8_quantize_triton(
         )
     as_e4m3 = lambda b: None if b is None else b.view(torch.float8_e4m3fn)  # noqa: E731
     return as_e4m3(q), scale, as_e4m3(q_t), scale_t
+
+
+def mxfp8_round(
+    t: torch.Tensor, rowwise: bool = True, colwise: bool = False, schedule: RoutingSchedule | None = None
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """t [..., M, N] (bf16 or fp32) rounded to the MXFP8 grid, as bf16 in t's shape (contiguous):
+    `(rows, cols)`, rows with blocks of 32 along N (for a GEMM reducing over N), cols along M;
+    the one not asked for is None. Equal to `mxfp8_dequantize(*mxfp8_quantize(t)[:2])` (rows)
+    and to the transpose of the colwise pair's dequantization (cols), rounded to bf16 (exact).
+    With `schedule`, t [rows ≤ capacity_rows, N] is an operand in its sorted layout: padding
+    rows count and come out as zeros, rows past its `num_rows` are left unwritten."""
+    validate_mxfp8_quantize_args(t, rowwise, colwise)
+    if schedule is not None and (t.dim() != 2 or t.shape[0] > schedule.capacity_rows or schedule.block_m % MX_BLOCK
+                                 or t.device != schedule.row_source.device):
+        raise ValueError(
+            f"t: expected a [rows <= {schedule.capacity_rows}, N] tensor on {schedule.row_source.device} in the "
+            f"schedule's sorted layout (BLOCK_M {schedule.block_m}, a multiple of {MX_BLOCK}), got "
+            f"{list(t.shape)} on {t.device}"
+        )
+    x3 = t if t.dim() == 3 else t.unsqueeze(0)  # [E, M, N]
+    E, M, N = x3.shape
+    rows_out = torch.empty(t.shape, dtype=torch.bfloat16, device=t.device) if rowwise else None
+    cols_out = torch.empty(t.shape, dtype=torch.bfloat16, device=t.device) if colwise else None
+    if t.numel() > 0:
+        block_m = min(BLOCK_M_MAX, max(MX_BLOCK, triton.next_power_of_2(M)))
+        block_n = min(BLOCK_N_MAX, max(MX_BLOCK, triton.next_power_of_2(N)))
+        out = rows_out if rows_out is not None else cols_out
+        sched = (schedule.row_source, schedule.num_rows) if schedule is not None else (out, out)  # unused without it
+        _mxfp8_round_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, block_n), E)](
+            x3, out if rows_out is None else rows_out, out if cols_out is None else cols_out, *sched,
+            M, N, x3.stride(0), x3.stride(1), x3.stride(2),
+            ROWWISE=rowwise, COLWISE=colwise, SORTED=schedule is not None, INTERPRETER=interpreting(),
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
+        )
+    return rows_out, cols_out

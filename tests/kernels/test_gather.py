@@ -6,6 +6,7 @@ import torch
 
 from mok.kernels.gather import gather_sorted_rows
 from mok.kernels.grouped_gemm import routing_block_m
+from mok.kernels.quant import mxfp8_round
 from mok.kernels.schedule import build_routing_schedule
 from mok.testing import make_inputs
 
@@ -47,3 +48,28 @@ def test_gather_rejects_bad_inputs(kernel_device):
         gather_sorted_rows(inp.x, inp.x[:4], None, sched, 2)
     with pytest.raises(ValueError, match=r"^topk_weights: expected a float32 \[8, 2\] tensor"):
         gather_sorted_rows(inp.x, inp.x, inp.topk_weights[:, :1], sched, 2)
+
+
+@pytest.mark.parametrize("T, H, E, topk", [(37, 64, 5, 2), (50, 608, 4, 1)])
+def test_gather_mxfp8_rounds_each_copy_for_its_gemm(kernel_device, T, H, E, topk):
+    """mxfp8: d_out_sorted on the grid along H, x_sorted and dy_sorted along the sorted rows (dy
+    from the fp32 product w·dOut), each equal to `mxfp8_round` of the plain copy."""
+    inp = make_inputs(T, H, 32, E, topk, seed=T + 1, device=kernel_device)
+    sched = build_routing_schedule(inp.topk_ids, E, routing_block_m(), torch.zeros(1, dtype=torch.int32, device=kernel_device))
+    d_out = torch.randn(T, H, generator=torch.Generator().manual_seed(2)).bfloat16().to(kernel_device)
+    x_mx, d_out_mx, dy_mx = gather_sorted_rows(inp.x, d_out, inp.topk_weights, sched, topk, mxfp8=True)
+    x_plain, d_out_plain, _ = gather_sorted_rows(inp.x, d_out, inp.topk_weights, sched, topk)
+    num_rows = int(sched.num_rows)
+    source = sched.row_source[:num_rows].long()
+    real = source >= 0
+    w = torch.where(real, inp.topk_weights.view(-1)[source.clamp(min=0)], 0.0)  # [num_rows] fp32
+    dy_fp32 = w[:, None] * d_out_plain[:num_rows].float()
+    expected = {
+        "x_sorted": (x_mx, mxfp8_round(x_plain[:num_rows], False, True)[1]),
+        "d_out_sorted": (d_out_mx, mxfp8_round(d_out_plain[:num_rows], True, False)[0]),
+        "dy_sorted": (dy_mx, mxfp8_round(dy_fp32, False, True)[1]),
+    }
+    ctx = f"{T=} {H=} {E=} {topk=}"
+    for name, (got, want) in expected.items():
+        assert torch.equal(got[:num_rows], want), f"{name} {ctx}"
+    assert not torch.equal(x_mx[:num_rows], x_plain[:num_rows]), f"x_sorted must be rounded {ctx}"

@@ -1,4 +1,5 @@
-"""The Triton MXFP8 quantizer against mok.mxfp8 (the reference): bit-exact bytes, same errors."""
+"""The Triton MXFP8 quantizer against mok.mxfp8 (the reference): bit-exact bytes, same errors;
+and its rounding (`mxfp8_round`, the mxfp8 GEMM operands) against quantize -> dequantize."""
 
 import re
 
@@ -7,7 +8,8 @@ import torch
 
 import mok
 from mok import mxfp8, ops
-from mok.kernels.quant import mxfp8_quantize_triton
+from mok.kernels.common import interpreting
+from mok.kernels.quant import mxfp8_quantize_triton, mxfp8_round
 
 NAMES = ("q", "scale", "q_t", "scale_t")
 
@@ -179,3 +181,76 @@ def test_custom_op(kernel_device):
     )
     fake_q_t = ops._mxfp8_quantize.op(t[:, :32], False, True)
     assert fake_q_t[0].shape == (0,) and fake_q_t[2].shape == (2, 96, 32), "placeholder for the pair not asked"
+
+
+# --------------------------------------------------------------------------- rounding (mxfp8_round)
+
+
+def _assert_round_matches_dequantized(t, context, schedule=None):
+    """mxfp8_round's rows and cols against the reference's quantize -> dequantize, as bf16, bit
+    for bit (NaN blocks as NaN); and the dequantized values are exact in bf16 where they are
+    at least bf16's smallest normal (the rounding loses nothing a bf16 GEMM needs)."""
+    rows, cols = mxfp8_round(t, True, True, schedule)
+    q, scale, q_t, scale_t = mxfp8.mxfp8_quantize(t.cpu(), rowwise=True, colwise=True)
+    for name, got, exact in (("rows", rows, mxfp8.mxfp8_dequantize(q, scale)),
+                             ("cols", cols, mxfp8.mxfp8_dequantize(q_t, scale_t).transpose(-2, -1))):
+        want = exact.bfloat16()
+        got = got.cpu()
+        assert got.shape == t.shape and got.dtype == torch.bfloat16, f"{name}: {got.dtype} {list(got.shape)}; {context}"
+        nan = want.isnan()
+        assert torch.equal(got.isnan(), nan), f"{name}: NaN blocks differ; {context}"
+        checked = ~nan
+        if interpreting():  # triton 3.6's interpreter converts fp32 subnormals to bf16 wrongly (seen on CPU)
+            checked &= want.float().abs() >= 2.0**-126
+        bad = (got.view(torch.int16) != want.view(torch.int16)) & checked
+        assert not bad.any(), (
+            f"{name}: {int(bad.sum())} values differ, first at {bad.nonzero()[0].tolist()}: "
+            f"got {got[bad][0].item()}, want {want[bad][0].item()}; {context}"
+        )
+        normal = exact.abs() >= 2.0**-126
+        assert torch.equal(want.float()[normal], exact[normal]), f"{name}: not exact in bf16; {context}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(96, 160), (3, 64, 96), (32, 32)])
+def test_round_random_matches_dequantized_quantization(kernel_device, shape, dtype):
+    t = _random(shape, dtype, seed=sum(shape) + 1, device=kernel_device)
+    _assert_round_matches_dequantized(t, f"{shape=} {dtype=}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_round_edge_cases(kernel_device, dtype):
+    """Zero blocks, amax at the exponent steps, subnormals, huge values, E4M3 ties, NaN and Inf."""
+    _assert_round_matches_dequantized(_edge_tensor().to(dtype).to(kernel_device), f"edge cases {dtype=}")
+
+
+def test_round_sorted_layout_masks_padding_and_skips_unused_rows(kernel_device):
+    """A sorted-layout operand: padding rows (row_source -1) hold garbage that must neither
+    reach their block's scale nor survive (they come out zero); rows past num_rows stay as
+    they were in the output (unwritten), which the comparison below leaves out."""
+    from mok.kernels.grouped_gemm import routing_block_m
+    from mok.kernels.schedule import build_routing_schedule
+
+    T, E, topk, W = 37, 5, 2, 64
+    ids = torch.randint(0, E, (T, topk), generator=torch.Generator().manual_seed(2)).to(kernel_device)
+    sched = build_routing_schedule(ids, E, routing_block_m(), torch.zeros(1, dtype=torch.int32, device=kernel_device))
+    a = _random((sched.capacity_rows, W), torch.bfloat16, seed=5, device=kernel_device)
+    source = sched.row_source.cpu()
+    num_rows = int(sched.num_rows)
+    pad = (source[:num_rows] < 0).nonzero().flatten()
+    assert pad.numel() > 0, "the test wants padding rows"
+    a[pad.to(kernel_device)] = 3.0e4  # garbage far above the real rows' scale
+    rows, cols = mxfp8_round(a, True, True, sched)
+    clean = a.clone()
+    clean[pad.to(kernel_device)] = 0
+    want_rows, want_cols = mxfp8_round(clean[:num_rows], True, True)  # num_rows is a multiple of BLOCK_M
+    assert torch.equal(rows[:num_rows], want_rows) and torch.equal(cols[:num_rows], want_cols)
+    assert not torch.equal(mxfp8_round(a[:num_rows], False, True)[1], want_cols), "the garbage must matter unmasked"
+
+
+def test_round_errors(kernel_device):
+    t = torch.randn(64, 40, device=kernel_device)
+    with pytest.raises(ValueError, match=r"dim N \(last\) = 40 must be a multiple of 32"):
+        mxfp8_round(t, True, False)
+    with pytest.raises(TypeError, match=r"^t: expected dtype torch.bfloat16 or torch.float32, got torch.float16"):
+        mxfp8_round(t[:, :32].half(), True, False)
