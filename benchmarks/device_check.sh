@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: versions, GPU tests, kernel tuning sweep, benchmark.
 #   usage: bash benchmarks/device_check.sh [STEPS]
-#   STEPS ⊂ {tests,tune,profile,bench,sonic,sanitize,fp8,train,ep,epbench} (default: tests bench);
+#   STEPS ⊂ {tests,lowp,tune,profile,bench,sonic,sanitize,fp8,train,ep,epbench} (default: tests bench);
+#   lowp: the GPU tests of fp8_block and mxfp8 alone (every preset, ten steps, graphs, compile).
 #   ep and epbench need two GPUs (nvidia-h200-x2).
 #   env: STEP_TIMEOUT, TUNE_ARGS, PROFILE_PRESETS, PROFILE_ARGS, BENCH_ARGS, EP_BENCH_ARGS, TRAIN_ARGS
 # Writes logs, JSON records and plots under $OUT (or ./bench_out).
@@ -25,6 +26,8 @@ for step in $steps; do
     profile) for p in ${PROFILE_PRESETS:-qwen3-30b}; do timeout $T python3 benchmarks/profile_layer.py --preset $p $PROFILE_ARGS; done 2>&1 | grep -v -i warn | tee "$OUT/profile.log" ;;
     sanitize) PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --print-limit 20 \
         python3 -m pytest -q -x -p no:cacheprovider tests/kernels 2>&1 | tail -40 | tee "$OUT/sanitize.log" ;;
+    lowp) timeout $T python3 -m pytest -q -p no:cacheprovider tests/test_triton_backward.py tests/test_gpu_forward.py \
+          -k "low_precision or mxfp8 or fp8_block or ten_steps" 2>&1 | tail -15 | tee "$OUT/lowp.log" ;;
     fp8) timeout $T python3 benchmarks/bench_fp8_gemm.py --out "$OUT/fp8-gemm.json" 2>&1 | tee "$OUT/fp8.log" ;;
     train) timeout $T python3 examples/train_moe_lm.py --out "$OUT" ${TRAIN_ARGS:-} 2>&1 | tee "$OUT/train_moe_lm.log" | grep -v "step .*[1-9]00/" ;;
     ep) timeout $T python3 -m pytest -q -rs -p no:cacheprovider tests/dist/test_ep_gpu.py 2>&1 | tee "$OUT/ep.log" ;;

@@ -131,7 +131,7 @@ def test_gpu_preset_backward_within_bf16_bar(preset):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["fp8_block", "mxfp8"])
-@pytest.mark.parametrize("preset", ["qwen3-30b", "deepseek-v3-slice"])
+@pytest.mark.parametrize("preset", ["qwen3-30b", "deepseek-v3-slice", "mixtral-8x7b"])
 def test_gpu_preset_low_precision_within_its_bar(preset, precision):
     """fp8_block and mxfp8 forward and backward on the GPU presets: the routed outputs and
     gradients within SPEC's low-precision bar, the shared expert's weight gradients within bf16's."""
@@ -330,6 +330,9 @@ def test_mxfp8_layer_odd_cases_match_reference(kernel_device, case):
     out.backward(d_out)
     grads = reference.Gradients(x.grad, topk_weights.grad, *(None if w is None else w.grad for w in weights))
     _assert_low_precision_within_bars("mxfp8", out, grads, inp, d_out, ctx, expect_empty=case.routing == "one expert")
+    with torch.no_grad():
+        bf16_out = mok.moe(inp.x, inp.topk_ids, inp.topk_weights, *inp.weights, config=mok.MoKConfig(backend="triton"))
+    assert not torch.equal(out, bf16_out), f"mxfp8 must round the routed operands {ctx}"
 
 
 # The op that makes each precision's weight copies, and how to compare two copies bit for bit.

@@ -1,5 +1,6 @@
 """The triton backend under expert parallelism, through the NCCL-fallback transport (here
-on gloo, kernels interpreted on the CPU), against the EP reference at SPEC's bf16 bars.
+on gloo, kernels interpreted on the CPU), against the EP reference at SPEC's bf16 bars (one
+case in mxfp8, at its bars).
 
 Each rank draws its own tokens (a different count per rank), global expert ids and its
 local experts from a seed; both sides get the same local inputs over the same group.
@@ -41,6 +42,8 @@ class Case:
     swiglu_limit: float | None = None
     int32_ids: bool = False
     min_tokens: int = 6  # rank r brings min_tokens + r tokens
+    precision: str = "bf16"
+    intermediate_size: int = I  # mxfp8 needs a multiple of 32
 
 
 # Few cases, each covering several edges: the interpreter is slow. The clamp's masks are
@@ -51,6 +54,7 @@ CASES = (
     Case("shared + empty expert + clamp", experts_per_rank=2, topk=2, routing="empty expert", swiglu_limit=2.5),
     Case("all to one rank + topk 1", experts_per_rank=2, topk=1, shared_size=0, routing="one rank", int32_ids=True,
          min_tokens=3),
+    Case("mxfp8 + shared", experts_per_rank=2, topk=2, precision="mxfp8", intermediate_size=32, min_tokens=8),
 )
 
 
@@ -67,7 +71,7 @@ def _local_inputs(case: Case, num_ranks: int, rank: int, seed: int):
         ids = make_topk_ids(T, E_l, topk, gen) + E_l
     else:
         ids = make_topk_ids(T, E, topk, gen)
-    g = make_inputs(T, H, I, E, topk, case.shared_size, seed=seed, signed_weights=True, topk_ids=ids)
+    g = make_inputs(T, H, case.intermediate_size, E, topk, case.shared_size, seed=seed, signed_weights=True, topk_ids=ids)
     experts = slice(rank * E_l, (rank + 1) * E_l)
     ids = g.topk_ids.to(torch.int32 if case.int32_ids else torch.int64)
     d_out = torch.randn(T, H, generator=gen).bfloat16()
@@ -108,23 +112,24 @@ def _check_case(case: Case, num_ranks: int, rank: int, group, seed: int, run_twi
     """Runs every collective first and compares afterwards, so a failed comparison on one
     rank cannot leave its peers waiting in a collective it skipped."""
     x, ids, topk_weights, routed, shared, d_out = _local_inputs(case, num_ranks, rank, seed)
-    config = mok.MoKConfig(backend="triton", strict=True)
+    config = mok.MoKConfig(backend="triton", strict=True, precision=case.precision)
     runs = [_run_triton(config, group, x, ids, topk_weights, routed, shared, d_out, case.swiglu_limit)
             for _ in range(2 if run_twice else 1)]
     ref_args = (x, ids, topk_weights, *routed, *shared)
     ref_out = ep_moe_forward(*ref_args, swiglu_limit=case.swiglu_limit, group=group)
     ref = ep_moe_backward(d_out, *ref_args, swiglu_limit=case.swiglu_limit, group=group)
 
-    ctx = (f"case={case.name!r} P={num_ranks} group_rank={rank} T={x.shape[0]} {H=} {I=} "
+    ctx = (f"case={case.name!r} P={num_ranks} group_rank={rank} T={x.shape[0]} {H=} I={case.intermediate_size} "
            f"E_l={case.experts_per_rank} topk={case.topk} I_s={case.shared_size} limit={case.swiglu_limit}")
     out, grads, schedule, peer_bytes = runs[0]
     assert schedule.dispatch is not None and schedule.dispatch.world_size == num_ranks, ctx
     # What the benchmark reports as bytes per rank and pass is what the exchanges moved.
     assert schedule.dispatch.peer_bytes(H, with_backward=True) == peer_bytes, f"{peer_bytes=} {ctx}"
     assert out.dtype == torch.bfloat16, ctx
-    assert_close_to_reference(out, ref_out, name="out", context=ctx)
+    assert_close_to_reference(out, ref_out, case.precision, name="out", context=ctx)
     for name, got, expected in zip(ref._fields, grads, ref):
-        assert_close_to_reference(got, expected, name=name, context=ctx, check_cosine=True)
+        bar = "bf16" if name.startswith("d_ws_") else case.precision  # the shared expert stays bf16
+        assert_close_to_reference(got, expected, bar, name=name, context=ctx, check_cosine=True)
     # Experts that got no row from any rank: exact zeros.
     for name in ("d_w_gate", "d_w_up", "d_w_down"):
         for e in range(case.experts_per_rank):
