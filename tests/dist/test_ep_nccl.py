@@ -6,14 +6,18 @@ Each rank draws its own tokens (a different count per rank), global expert ids a
 local experts from a seed; both sides get the same local inputs over the same group.
 The same comparison on GPUs, through both transports, is in test_ep_gpu.py.
 
-One spawn of 3 gloo processes serves both P: P = 3 on WORLD and P = 2 on ranks {0, 2}, so
-group ranks differ from global ranks. (P = 4 works the same way; the interpreter takes
-about 5 s per rank for one forward + backward, so CI stops at 3.)
+One spawn of W gloo processes serves two P: P = W on WORLD and P = ⌈W/2⌉ on the even ranks
+{0, 2, ...}, so group ranks differ from global ranks. CI spawns W = 3 (P = 3 and 2): the
+interpreter takes about 5 s per rank for one forward + backward. Larger groups run the same
+checks with `MOK_EP_CPU_WORLD`, e.g. W = 8 for P = 8 and 4:
+
+    MOK_EP_CPU_WORLD=8 TRITON_INTERPRET=1 pytest tests/dist/test_ep_nccl.py -k matches_ep_reference
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 
 import pytest
@@ -27,8 +31,8 @@ from mok.testing import assert_close_to_reference, make_inputs, make_topk_ids
 from mok.testing.distributed import run_distributed
 from mok.transport import nccl
 
-WORLD_SIZE = 3
-GROUP_RANKS = {3: None, 2: [0, 2]}  # P -> global ranks of its group (None = WORLD)
+WORLD_SIZE = int(os.environ.get("MOK_EP_CPU_WORLD", "3"))
+GROUP_RANKS = {WORLD_SIZE: None, (WORLD_SIZE + 1) // 2: list(range(0, WORLD_SIZE, 2))}  # P -> its global ranks (None = WORLD)
 H, I = 32, 16
 
 
@@ -181,7 +185,7 @@ def _ep_worker(rank: int, world_size: int) -> dict[int, list[str]]:
             continue
         group_rank = dist.get_rank(groups[P])
         checks = [lambda c=c, i=i: _check_case(c, P, group_rank, groups[P], seed=100 * P + 10 * i + group_rank,
-                                               run_twice=i == 0 and P == 3)
+                                               run_twice=i == 0 and P == WORLD_SIZE)
                   for i, c in enumerate(CASES)]
         checks.append(lambda: _check_capacity_overflow(P, group_rank, groups[P]))
         for check in checks:
@@ -195,7 +199,7 @@ def _ep_worker(rank: int, world_size: int) -> dict[int, list[str]]:
 
 @pytest.fixture(scope="module")
 def ep_failures() -> list[dict[int, list[str]]]:
-    return run_distributed(_ep_worker, WORLD_SIZE, timeout_s=400)
+    return run_distributed(_ep_worker, WORLD_SIZE, timeout_s=400 * max(1, WORLD_SIZE // 3))
 
 
 @pytest.mark.skipif(not interpreting(), reason="the CPU ranks run the kernels under TRITON_INTERPRET=1")
