@@ -363,10 +363,6 @@ class _Mxfp8Weight(NamedTuple):
     rows: torch.Tensor
     cols: torch.Tensor
 
-    @property
-    def shape(self) -> torch.Size:
-        return self.rows.shape
-
 
 # The low-precision copies of a routed weight, by precision (looked up in `ops` at call time).
 _WEIGHT_COPIES = {
@@ -382,7 +378,7 @@ _WEIGHT_COPY_CACHE = WeakIdKeyDictionary()
 def _capturing_cuda_graph() -> bool:
     """Whether the current CUDA stream is capturing a graph. Folded to a constant while
     torch.compile traces (torch 2.11's dynamo refused the bool-returning call in a
-    fullgraph trace on H200), where `_fp8_block_weight` quantizes inside the graph anyway."""
+    fullgraph trace on H200), where `_weight_copy` quantizes inside the graph anyway."""
     return torch.cuda.is_current_stream_capturing()
 
 
@@ -494,7 +490,7 @@ def _peer_op_args(peer_rows) -> tuple:
 
 def _hidden_inter(routed) -> tuple[int, int]:
     """(H, I) of the routed weights (bf16, or their mxfp8 copies)."""
-    _, hidden, inter = routed[2].shape  # w_down [E_l, H, I]
+    _, hidden, inter = _forward_weight(routed[2]).shape  # w_down [E_l, H, I]
     return hidden, inter
 
 
