@@ -1,7 +1,11 @@
 """Per-kernel GPU time of one mok layer call on a preset (torch.profiler), to see where
 the time goes beyond the GEMMs.
 
-    python benchmarks/profile_layer.py --preset qwen3-30b [--backward] [--precision fp8_block] [--iters 10]
+    python benchmarks/profile_layer.py --preset qwen3-30b [--backward] [--precision fp8_block] [--iters 10] [--registers]
+
+`--registers` also lists every Triton kernel the call compiled with its registers per
+thread and the bytes it spills (ptxas's numbers, as the driver reports them on load): a
+kernel that spills is the first suspect when it runs slower than its FLOPs or bytes say.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ def main() -> None:
     parser.add_argument("--backward", action="store_true", help="profile forward + backward")
     parser.add_argument("--precision", default="bf16", choices=mok.config.PRECISIONS)
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--registers", action="store_true", help="list registers and spills of each compiled kernel")
     args = parser.parse_args()
     p = PRESETS[args.preset]
     inp = make_inputs(p.num_tokens, p.hidden_size, p.intermediate_size, p.num_experts, p.topk,
@@ -50,6 +55,26 @@ def main() -> None:
     print(f"{args.preset} {args.precision} {'fwd+bwd' if args.backward else 'fwd'}: {total:.3f} ms of kernels per call")
     for name, (ms, count) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:20]:
         print(f"  {ms:8.3f} ms  x{count:<3d} {name[:90]}")
+    if args.registers:
+        _print_registers()
+
+
+def _print_registers() -> None:
+    """Registers and spill bytes of every compiled specialization of mok's Triton kernels."""
+    import gc
+
+    from triton.runtime.jit import JITFunction
+
+    print("registers per thread / spilled bytes of each compiled kernel (warps, stages):")
+    for fn in gc.get_objects():
+        if not issubclass(type(fn), JITFunction) or not fn.__module__.startswith("mok."):
+            continue
+        for kernel_cache, *_ in fn.device_caches.values():
+            for kernel in kernel_cache.values():
+                kernel._init_handles()
+                meta = kernel.metadata
+                print(f"  {fn.__name__:36s} {kernel.n_regs:4d} regs {kernel.n_spills:6d} B spilled"
+                      f"  ({meta.num_warps} warps, {meta.num_stages} stages)")
 
 
 if __name__ == "__main__":

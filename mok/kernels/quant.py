@@ -65,9 +65,6 @@ __all__ = ["mxfp8_quantize_triton", "validate_mxfp8_quantize_args", "mxfp8_round
 # per thread), and both sides multiples of MX_BLOCK so blocks never straddle tiles.
 BLOCK_M_MAX = 64
 BLOCK_N_MAX = 128
-# The rounding kernel's 64×128 tile with both orientations at 4 warps spilled 2.2 KB per
-# thread (ptxas, sm_90a, triton 3.6); at 8 warps it takes 215 registers and spills nothing.
-_ROUND_WARPS = 8
 
 
 # --------------------------------------------------------------------------- helpers
@@ -114,8 +111,7 @@ def _e4m3_rne_saturate_bits(x, INTEGER_PATH: tl.constexpr):
     NaN blocks are overwritten by the caller, so NaN handling here does not matter."""
     x = tl.minimum(tl.maximum(x, -448.0), 448.0)
     if INTEGER_PATH:
-        # The interpreter's fp8 cast is wrong (module docstring), and H200's was in the rounding's
-        # 3-D tiles (`_round_blocks`): round the bits ourselves.
+        # The interpreter's fp8 cast is wrong (module docstring): round the bits ourselves.
         bits = x.to(tl.uint32, bitcast=True)
         sign = (bits >> 24) & 0x80
         mag = bits & 0x7FFFFFFF  # ≤ bits of 448
@@ -139,28 +135,36 @@ def _e4m3_rne_saturate_bits(x, INTEGER_PATH: tl.constexpr):
 
 
 @triton.jit
-def _e4m3_value(q):
-    """The fp32 value of E4M3 bytes (uint8); integer decoding, identical on GPU and CPU."""
-    b = q.to(tl.int32)
-    sign = (b & 0x80) << 24
-    exp_field = (b >> 3) & 0xF
-    mantissa = b & 0x7
-    normal = sign | ((exp_field + 120) << 23) | (mantissa << 20)
-    subnormal = sign | (mantissa.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True)  # ±m · 2^-9, ±0 kept
-    return tl.where(exp_field == 0, subnormal, normal).to(tl.float32, bitcast=True)
+def _e4m3_round_value(x):
+    """x (fp32, |x| ≤ 448 or NaN) rounded to the nearest E4M3 value, ties to even, as fp32:
+    the value of `_e4m3_rne_saturate_bits(x)`'s byte, without making the byte. About a third
+    of the integer path's work, which bounds the rounding kernels (H200's integer ALUs).
+
+    Normal range (|x| ≥ 2^-6): keep 3 of fp32's 23 mantissa bits, RNE on the bits (a carry
+    moves into the exponent; |x| ≤ 448 cannot round past 448). Subnormal range: steps of
+    2^-9, which is fp32's ulp at 2^14, so adding and subtracting 2^14 rounds |x| to them
+    (RNE, exact); 2^-6 itself may come out, the smallest normal, as the byte path gives."""
+    bits = x.to(tl.uint32, bitcast=True)
+    sign = bits & 0x80000000
+    mag = bits & 0x7FFFFFFF
+    normal = (mag + 0x7FFFF + ((mag >> 20) & 1)) & 0xFFF00000
+    magnitude = mag.to(tl.float32, bitcast=True)
+    subnormal = ((magnitude + 16384.0) - 16384.0).to(tl.uint32, bitcast=True)
+    rounded = tl.where(mag >= (121 << 23), normal, subnormal)
+    return (sign | rounded).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _round_blocks(x, AXIS: tl.constexpr):
-    """x (fp32, 3-D, blocks of 32 along AXIS) rounded to the MXFP8 grid: the quantizer's bytes
-    and exponents decoded back, NaN for a block holding NaN or Inf. The E4M3 rounding takes the
-    integer path: with the hardware conversion here, H200 (triton 3.6) gave wrong values for
-    some tile shapes, while the quantizer kernel's 2-D conversion is right."""
+    """x (fp32, 3-D, blocks of 32 along AXIS) rounded to the MXFP8 grid: the values of the
+    quantizer's bytes and exponents, NaN for a block holding NaN or Inf. The E4M3 rounding is
+    done on the fp32 bits (`_e4m3_round_value`): with the hardware conversion here, H200
+    (triton 3.6) gave wrong values for some tile shapes, while the quantizer kernel's 2-D
+    conversion is right."""
     amax = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=AXIS)
     exp, non_finite = _block_exponent(amax)
     exp = tl.expand_dims(exp, AXIS)
-    q = _e4m3_rne_saturate_bits(x * _pow2_neg(exp), True)
-    value = _e4m3_value(q) * _pow2_neg(-exp)  # exact: a power of two times ≤ 4 significant bits
+    value = _e4m3_round_value(x * _pow2_neg(exp)) * _pow2_neg(-exp)  # exact: 2^k times ≤ 4 significant bits
     return tl.where(tl.expand_dims(non_finite, AXIS), float("nan"), value)
 
 
@@ -360,6 +364,6 @@ def mxfp8_round(
             x3, out if rows_out is None else rows_out, out if cols_out is None else cols_out, *sched,
             M, N, x3.stride(0), x3.stride(1), x3.stride(2),
             ROWWISE=rowwise, COLWISE=colwise, SORTED=schedule is not None, INTERPRETER=interpreting(),
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=_ROUND_WARPS,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
         )
     return rows_out, cols_out
