@@ -11,9 +11,6 @@ ERROR_BAD_EXPERT_ID = 1
 ERROR_CAPACITY_OVERFLOW = 2
 ERROR_PEER_TIMEOUT = 4
 
-# Tokens one schedule program handles; 128 gives ~128 programs for 16K tokens.
-TOKENS_PER_CHUNK = 128
-
 
 def interpreting() -> bool:
     """True under TRITON_INTERPRET=1 (kernels run on the CPU through NumPy)."""

@@ -8,17 +8,21 @@ of BLOCK_M, so every M tile of a grouped GEMM belongs to exactly one expert; ins
 expert the routes keep ascending t·topk + j. Everything stays on the device: capacities
 come from the host (T·topk + E_l·(BLOCK_M − 1) rows at most), counts never leave the GPU.
 
-Three launches, a counting sort without atomics on data (hence deterministic):
-1. `_count_routes_kernel` (one program per token chunk): how many of the chunk's tokens
-   route to each expert; flags expert ids out of range or repeated within a row.
+Three launches, a counting sort without atomics on data (hence deterministic), over
+chunks of CHUNK_TOKENS tokens (about ROUTES_PER_CHUNK routes each):
+1. `_count_routes_kernel` (one program per chunk): a histogram of the chunk's expert ids;
+   flags ids out of range or repeated within a row.
 2. `_scan_counts_kernel` (one program): prefix sums over chunks and experts, the
    per-expert offsets, the tile→expert table and the padding rows.
-3. `_place_routes_kernel` (one program per chunk): writes each route's source into its row
-   (or, for `sorted_route_rows`, each route's row into its source: the inverse map).
+3. `_place_routes_kernel` (one program per chunk): sorts the chunk's routes by the key
+   (expert, t·topk + j) and writes each route's source into its row (or, for
+   `sorted_route_rows`, each route's row into its source: the inverse map).
 
-Because ids are distinct within a row, a token routes to an expert at most once, so the
-rank of route (t, j) inside its expert is the number of earlier tokens that route there:
-an exclusive prefix sum over tokens of a [tokens, experts] membership matrix.
+After the sort, the routes of expert e sit at positions [first_e, first_e + count_e) of
+the chunk, in ascending t·topk + j, so the route at position p goes to row
+expert_offsets[e] + (routes of e in earlier chunks) + p − first_e. The scan stores the
+chunk's part of that sum, `row_base[chunk, e]`; the place kernel adds the rest.
+A token with a bad id has none of its routes counted or placed.
 
 Caller contract: `topk_ids` [T, topk] int32/int64 on the device. Outputs are fully
 rewritten every call (safe to reuse across calls and under CUDA graphs). Bad ids set bit
@@ -36,13 +40,15 @@ import torch
 import triton
 import triton.language as tl
 
-from mok.kernels.common import ERROR_BAD_EXPERT_ID, TOKENS_PER_CHUNK
+from mok.kernels.common import ERROR_BAD_EXPERT_ID, interpreting
 
 _BAD_ID_BIT = tl.constexpr(ERROR_BAD_EXPERT_ID)  # kernels read only constexpr globals
 
-# Membership matrices are [SUB_TOKENS, EXPERTS_PAD]; keep them near 8K elements so they
-# stay in registers whatever the expert count.
-_MEMBERSHIP_ELEMENTS = 8192
+# Routes one count/place program handles (a power of two: the place kernel sorts them in
+# registers). 1024 gives 128 programs for qwen3-30b's 16K tokens × topk 8, one per SM.
+ROUTES_PER_CHUNK = 1024
+# The scan walks [rows, EXPERTS_PAD] tiles of about this many elements.
+_SCAN_TILE_ELEMENTS = 8192
 
 
 @dataclass(frozen=True, eq=False)
@@ -64,26 +70,57 @@ class RoutingSchedule:
 
 
 @triton.jit
-def _route_membership(topk_ids_ptr, token0, num_tokens, topk, num_experts,
-                      SUB_TOKENS: tl.constexpr, EXPERTS_PAD: tl.constexpr, SKIP_EMPTY_IDS: tl.constexpr):
-    """[SUB_TOKENS, EXPERTS_PAD] int32: 1 where token0 + row routes to that expert; and
-    a [SUB_TOKENS] flag of rows with bad ids (out of range or repeated; −1 is no route,
-    not a bad id, with SKIP_EMPTY_IDS)."""
-    tokens = token0 + tl.arange(0, SUB_TOKENS)
-    in_range = tokens < num_tokens
-    experts = tl.arange(0, EXPERTS_PAD)
-    member = tl.zeros((SUB_TOKENS, EXPERTS_PAD), dtype=tl.int32)
-    bad = tl.zeros((SUB_TOKENS,), dtype=tl.int1)
+def _chunk_routes(topk_ids_ptr, chunk, num_tokens, topk, num_experts,
+                  CHUNK_TOKENS: tl.constexpr, TOPK_PAD: tl.constexpr, SKIP_EMPTY_IDS: tl.constexpr):
+    """The chunk's routes as [CHUNK_TOKENS, TOPK_PAD] tiles: (ids int32, placed: a route to
+    count and place, entry: a real (t, j) of topk_ids, bad: the token has a bad id). A bad id
+    is out of range or repeated within its row; −1 is no route, not a bad id, with
+    SKIP_EMPTY_IDS."""
+    tokens = chunk * CHUNK_TOKENS + tl.arange(0, CHUNK_TOKENS)
+    js = tl.arange(0, TOPK_PAD)
+    entry = (tokens < num_tokens)[:, None] & (js < topk)[None, :]
+    row_ptrs = topk_ids_ptr + tokens.to(tl.int64) * topk
+    ids = tl.load(row_ptrs[:, None] + js[None, :], mask=entry, other=-1).to(tl.int32)
+    in_range = (ids >= 0) & (ids < num_experts)
+    bad = entry & ~in_range
+    if SKIP_EMPTY_IDS:
+        bad = bad & (ids != -1)
+    # Repeats: compare with each column in turn (re-read from L1), which keeps the work at
+    # CHUNK_TOKENS·TOPK_PAD per column whatever topk is.
     for j in range(topk):
-        ids = tl.load(topk_ids_ptr + tokens.to(tl.int64) * topk + j, mask=in_range, other=0).to(tl.int32)
-        out_of_range = (ids < 0) | (ids >= num_experts)
-        if SKIP_EMPTY_IDS:
-            out_of_range = out_of_range & (ids != -1)
-        bad = bad | (in_range & out_of_range)
-        member += (in_range[:, None] & (ids[:, None] == experts[None, :])).to(tl.int32)
-    bad = bad | (tl.max(member, axis=1) > 1)
-    member = tl.where(bad[:, None], 0, member)
-    return member, bad
+        column = tl.load(row_ptrs + j, mask=tokens < num_tokens, other=-1).to(tl.int32)
+        bad = bad | (entry & in_range & (ids == column[:, None]) & (js != j)[None, :])
+    bad_token = tl.max(bad.to(tl.int32), axis=1) > 0
+    placed = entry & in_range & ~bad_token[:, None]
+    return ids, placed, entry, bad_token
+
+
+@triton.jit
+def _compare_exchange(keys, ROUTES: tl.constexpr, HALF: tl.constexpr, RUN: tl.constexpr):
+    """One step of a bitonic network over keys [ROUTES]: partners HALF apart swap into
+    ascending order inside runs of RUN keys whose index has bit log2(RUN) clear, descending
+    where it is set."""
+    pairs = tl.permute(tl.reshape(keys, (ROUTES // (2 * HALF), 2, HALF)), (0, 2, 1))
+    first, second = tl.split(pairs)
+    block_start = tl.arange(0, ROUTES // (2 * HALF)) * (2 * HALF)
+    ascending = ((block_start // RUN) % 2 == 0)[:, None]
+    low, high = tl.minimum(first, second), tl.maximum(first, second)
+    pairs = tl.join(tl.where(ascending, low, high), tl.where(ascending, high, low))
+    return tl.reshape(tl.permute(pairs, (0, 2, 1)), (ROUTES,))
+
+
+@triton.jit
+def _sort(keys, ROUTES: tl.constexpr, INTERPRETER: tl.constexpr):
+    """keys [ROUTES] ascending. `tl.sort` on the GPU; under the interpreter, a bitonic
+    network through reshapes (triton 3.6's interpreter runs tl.sort's reductions element by
+    element in Python: ~27 s for 1024 keys, seen on CPU)."""
+    if INTERPRETER:
+        for stage in tl.static_range(1, ROUTES.bit_length()):  # merge sorted runs of 2^(stage-1)
+            for level in tl.static_range(stage):
+                keys = _compare_exchange(keys, ROUTES, 2 ** (stage - 1 - level), 2 ** stage)
+    else:
+        keys = tl.sort(keys)
+    return keys
 
 
 @triton.jit
@@ -92,26 +129,23 @@ def _count_routes_kernel(
     chunk_counts_ptr,  # [num_chunks, EXPERTS_PAD] int32, out
     error_flag_ptr,  # [1] int32
     num_tokens, topk, num_experts,
-    SUB_TOKENS: tl.constexpr, TOKENS_PER_CHUNK: tl.constexpr, EXPERTS_PAD: tl.constexpr,
+    CHUNK_TOKENS: tl.constexpr, TOPK_PAD: tl.constexpr, ROUTES: tl.constexpr, EXPERTS_PAD: tl.constexpr,
     SKIP_EMPTY_IDS: tl.constexpr,
 ):
     chunk = tl.program_id(0)
-    counts = tl.zeros((EXPERTS_PAD,), dtype=tl.int32)
-    any_bad = tl.zeros((SUB_TOKENS,), dtype=tl.int1)
-    for sub in range(0, TOKENS_PER_CHUNK, SUB_TOKENS):
-        member, bad = _route_membership(topk_ids_ptr, chunk * TOKENS_PER_CHUNK + sub, num_tokens, topk,
-                                        num_experts, SUB_TOKENS, EXPERTS_PAD, SKIP_EMPTY_IDS)
-        counts += tl.sum(member, axis=0)
-        any_bad = any_bad | bad
+    ids, placed, _, bad_token = _chunk_routes(topk_ids_ptr, chunk, num_tokens, topk, num_experts,
+                                              CHUNK_TOKENS, TOPK_PAD, SKIP_EMPTY_IDS)
+    placed = tl.reshape(placed, (ROUTES,))
+    counts = tl.histogram(tl.where(placed, tl.reshape(ids, (ROUTES,)), 0), EXPERTS_PAD, mask=placed)
     tl.store(chunk_counts_ptr + chunk * EXPERTS_PAD + tl.arange(0, EXPERTS_PAD), counts)
-    if tl.max(any_bad.to(tl.int32), axis=0) > 0:
+    if tl.max(bad_token.to(tl.int32), axis=0) > 0:
         tl.atomic_or(error_flag_ptr, _BAD_ID_BIT)
 
 
 @triton.jit
 def _scan_counts_kernel(
     chunk_counts_ptr,  # [num_chunks, EXPERTS_PAD] int32
-    chunk_base_ptr,  # [num_chunks, EXPERTS_PAD] int32, out: first row of each expert for each chunk
+    row_base_ptr,  # [num_chunks, EXPERTS_PAD] int32, out: see the module docstring
     row_source_ptr,  # [capacity_rows] int32, out (padding rows only)
     tile_expert_ptr,  # [max_tiles] int32, out
     expert_offsets_ptr,  # [E_l + 1] int32, out
@@ -129,8 +163,9 @@ def _scan_counts_kernel(
         chunks = c0 + tl.arange(0, CHUNKS_PER_STEP)
         offs = chunks[:, None] * EXPERTS_PAD + experts[None, :]
         counts = tl.load(chunk_counts_ptr + offs, mask=(chunks < num_chunks)[:, None], other=0)
-        tl.store(chunk_base_ptr + offs, tl.cumsum(counts, axis=0) - counts + totals[None, :],
-                 mask=(chunks < num_chunks)[:, None])
+        earlier_chunks = tl.cumsum(counts, axis=0) - counts + totals[None, :]  # routes of e before the chunk
+        first_in_chunk = tl.cumsum(counts, axis=1) - counts  # first_e: routes of lower experts in the chunk
+        tl.store(row_base_ptr + offs, earlier_chunks - first_in_chunk, mask=(chunks < num_chunks)[:, None])
         totals += tl.sum(counts, axis=0)
     padded = tl.cdiv(totals, BLOCK_M) * BLOCK_M
     padded_end = tl.cumsum(padded, axis=0)
@@ -163,37 +198,36 @@ def _scan_counts_kernel(
 @triton.jit
 def _place_routes_kernel(
     topk_ids_ptr,  # [T, topk]
-    chunk_base_ptr,  # [num_chunks, EXPERTS_PAD] int32
+    row_base_ptr,  # [num_chunks, EXPERTS_PAD] int32
     expert_offsets_ptr,  # [E_l + 1] int32
     row_source_ptr,  # [capacity_rows] int32, out (unless STORE_ROUTE_ROW)
     route_row_ptr,  # [T·topk] int32, out (with STORE_ROUTE_ROW)
     num_tokens, topk, num_experts,
-    SUB_TOKENS: tl.constexpr, TOKENS_PER_CHUNK: tl.constexpr, EXPERTS_PAD: tl.constexpr,
-    SKIP_EMPTY_IDS: tl.constexpr, STORE_ROUTE_ROW: tl.constexpr,
+    CHUNK_TOKENS: tl.constexpr, TOPK_PAD: tl.constexpr, ROUTES: tl.constexpr, EXPERTS_PAD: tl.constexpr,
+    SKIP_EMPTY_IDS: tl.constexpr, STORE_ROUTE_ROW: tl.constexpr, INTERPRETER: tl.constexpr,
 ):
     chunk = tl.program_id(0)
-    experts = tl.arange(0, EXPERTS_PAD)
-    # Next free row of each expert for this chunk's routes.
-    base = tl.load(expert_offsets_ptr + experts, mask=experts < num_experts, other=0)
-    base += tl.load(chunk_base_ptr + chunk * EXPERTS_PAD + experts)
-    for sub in range(0, TOKENS_PER_CHUNK, SUB_TOKENS):
-        token0 = chunk * TOKENS_PER_CHUNK + sub
-        member, bad = _route_membership(topk_ids_ptr, token0, num_tokens, topk, num_experts,
-                                        SUB_TOKENS, EXPERTS_PAD, SKIP_EMPTY_IDS)
-        rank = tl.cumsum(member, axis=0) - member + base[None, :]
-        tokens = token0 + tl.arange(0, SUB_TOKENS)
-        ok = (tokens < num_tokens) & ~bad
-        for j in range(topk):
-            ids = tl.load(topk_ids_ptr + tokens.to(tl.int64) * topk + j, mask=ok, other=-1).to(tl.int32)
-            row = tl.sum(tl.where(ids[:, None] == experts[None, :], rank, 0), axis=1)
-            placed = ok
-            if SKIP_EMPTY_IDS:  # an empty entry (−1) has no row
-                placed = placed & (ids >= 0)
-            if STORE_ROUTE_ROW:
-                tl.store(route_row_ptr + tokens * topk + j, tl.where(placed, row, -1), mask=tokens < num_tokens)
-            else:
-                tl.store(row_source_ptr + row, tokens * topk + j, mask=placed)
-        base += tl.sum(member, axis=0)
+    ids, placed, entry, _ = _chunk_routes(topk_ids_ptr, chunk, num_tokens, topk, num_experts,
+                                          CHUNK_TOKENS, TOPK_PAD, SKIP_EMPTY_IDS)
+    # Key (expert, local route), routes that are not placed last; keys are distinct.
+    local = tl.arange(0, ROUTES)
+    expert_key = tl.where(placed, ids, EXPERTS_PAD)
+    keys = _sort(tl.reshape(expert_key, (ROUTES,)) * ROUTES + local, ROUTES, INTERPRETER)
+    expert = keys // ROUTES
+    local = keys % ROUTES
+    is_placed = expert < EXPERTS_PAD
+    expert = tl.where(is_placed, expert, 0)
+    row = (tl.load(expert_offsets_ptr + expert, mask=is_placed, other=0)
+           + tl.load(row_base_ptr + chunk * EXPERTS_PAD + expert, mask=is_placed, other=0)
+           + tl.arange(0, ROUTES))
+    token = chunk * CHUNK_TOKENS + local // TOPK_PAD
+    j = local % TOPK_PAD
+    source = token * topk + j
+    if STORE_ROUTE_ROW:
+        is_entry = (token < num_tokens) & (j < topk)
+        tl.store(route_row_ptr + source, tl.where(is_placed, row, -1), mask=is_entry)
+    else:
+        tl.store(row_source_ptr + row, source, mask=is_placed)
 
 
 def capacity_rows(num_routes: int, num_local_experts: int, block_m: int) -> int:
@@ -207,32 +241,35 @@ def _check_topk_ids(topk_ids: torch.Tensor) -> None:
 
 
 def _count_and_scan(topk_ids, num_experts, block_m, row_source, tile_expert, error_flag, skip_empty_ids):
-    """Launches the count and scan kernels (steps 1 and 2); returns (chunk_base,
+    """Launches the count and scan kernels (steps 1 and 2); returns (row_base,
     expert_offsets, expert_counts, num_rows, meta), meta being what the place kernel shares.
     Fills the padding rows of `row_source` and all of `tile_expert` ([max_tiles])."""
     num_tokens, topk = topk_ids.shape
     device = topk_ids.device
     experts_pad = triton.next_power_of_2(num_experts)
-    sub_tokens = max(1, min(TOKENS_PER_CHUNK, _MEMBERSHIP_ELEMENTS // experts_pad))
-    num_chunks = triton.cdiv(num_tokens, TOKENS_PER_CHUNK)
+    topk_pad = triton.next_power_of_2(topk)
+    chunk_tokens = max(1, min(ROUTES_PER_CHUNK // topk_pad, triton.next_power_of_2(num_tokens)))
+    num_chunks = triton.cdiv(num_tokens, chunk_tokens)
+    if (experts_pad + 1) * chunk_tokens * topk_pad >= 2**31:
+        raise ValueError(f"num_local_experts: {num_experts} experts with topk {topk} overflow the schedule's sort keys")
 
     chunk_counts = torch.empty(num_chunks, experts_pad, dtype=torch.int32, device=device)  # [chunks, E_pad]
-    chunk_base = torch.empty_like(chunk_counts)  # [chunks, E_pad]
+    row_base = torch.empty_like(chunk_counts)  # [chunks, E_pad]
     expert_offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=device)  # [E_l + 1]
     expert_counts = torch.empty(num_experts, dtype=torch.int32, device=device)  # [E_l]
     num_rows = torch.empty(1, dtype=torch.int32, device=device)
 
-    meta = dict(SUB_TOKENS=sub_tokens, TOKENS_PER_CHUNK=TOKENS_PER_CHUNK, EXPERTS_PAD=experts_pad,
+    meta = dict(CHUNK_TOKENS=chunk_tokens, TOPK_PAD=topk_pad, ROUTES=chunk_tokens * topk_pad, EXPERTS_PAD=experts_pad,
                 SKIP_EMPTY_IDS=skip_empty_ids)
     _count_routes_kernel[(num_chunks,)](topk_ids, chunk_counts, error_flag, num_tokens, topk, num_experts, **meta)
-    per_step = max(1, _MEMBERSHIP_ELEMENTS // experts_pad)
+    per_step = max(1, _SCAN_TILE_ELEMENTS // experts_pad)
     _scan_counts_kernel[(1,)](
-        chunk_counts, chunk_base, row_source, tile_expert, expert_offsets, expert_counts, num_rows,
+        chunk_counts, row_base, row_source, tile_expert, expert_offsets, expert_counts, num_rows,
         num_experts, num_chunks, tile_expert.shape[0],
         BLOCK_M=block_m, EXPERTS_PAD=experts_pad, CHUNKS_PER_STEP=per_step,
-        EXPERTS_PER_STEP=max(1, _MEMBERSHIP_ELEMENTS // block_m), TILES_PER_STEP=per_step, num_warps=8,
+        EXPERTS_PER_STEP=max(1, _SCAN_TILE_ELEMENTS // block_m), TILES_PER_STEP=per_step, num_warps=8,
     )
-    return chunk_base, expert_offsets, expert_counts, num_rows, meta
+    return row_base, expert_offsets, expert_counts, num_rows, meta
 
 
 def build_routing_schedule(
@@ -251,12 +288,12 @@ def build_routing_schedule(
     rows = capacity_rows(num_tokens * topk, num_local_experts, block_m)
     row_source = torch.empty(rows, dtype=torch.int32, device=topk_ids.device)  # [capacity_rows]
     tile_expert = torch.empty(rows // block_m, dtype=torch.int32, device=topk_ids.device)  # [max_tiles]
-    chunk_base, expert_offsets, expert_counts, num_rows, meta = _count_and_scan(
+    row_base, expert_offsets, expert_counts, num_rows, meta = _count_and_scan(
         topk_ids, num_local_experts, block_m, row_source, tile_expert, error_flag, skip_empty_ids
     )
-    _place_routes_kernel[(chunk_base.shape[0],)](
-        topk_ids, chunk_base, expert_offsets, row_source, row_source, num_tokens, topk, num_local_experts,
-        STORE_ROUTE_ROW=False, **meta,
+    _place_routes_kernel[(row_base.shape[0],)](
+        topk_ids, row_base, expert_offsets, row_source, row_source, num_tokens, topk, num_local_experts,
+        STORE_ROUTE_ROW=False, INTERPRETER=interpreting(), **meta,
     )
     return RoutingSchedule(row_source, tile_expert, expert_offsets, expert_counts, num_rows, block_m, rows, num_local_experts)
 
@@ -275,11 +312,11 @@ def sorted_route_rows(
     num_tokens, topk = topk_ids.shape
     route_row = torch.empty(num_tokens * topk, dtype=torch.int32, device=topk_ids.device)  # [T·topk]
     no_rows = torch.empty(0, dtype=torch.int32, device=topk_ids.device)  # block_m = 1: no padding, no tiles
-    chunk_base, expert_offsets, _, _, meta = _count_and_scan(
+    row_base, expert_offsets, _, _, meta = _count_and_scan(
         topk_ids, num_experts, 1, no_rows, no_rows, error_flag, False
     )
-    _place_routes_kernel[(chunk_base.shape[0],)](
-        topk_ids, chunk_base, expert_offsets, no_rows, route_row, num_tokens, topk, num_experts,
-        STORE_ROUTE_ROW=True, **meta,
+    _place_routes_kernel[(row_base.shape[0],)](
+        topk_ids, row_base, expert_offsets, no_rows, route_row, num_tokens, topk, num_experts,
+        STORE_ROUTE_ROW=True, INTERPRETER=interpreting(), **meta,
     )
     return route_row, expert_offsets
