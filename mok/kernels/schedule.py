@@ -72,10 +72,10 @@ class RoutingSchedule:
 @triton.jit
 def _chunk_routes(topk_ids_ptr, chunk, num_tokens, topk, num_experts,
                   CHUNK_TOKENS: tl.constexpr, TOPK_PAD: tl.constexpr, SKIP_EMPTY_IDS: tl.constexpr):
-    """The chunk's routes as [CHUNK_TOKENS, TOPK_PAD] tiles: (ids int32, placed: a route to
-    count and place, entry: a real (t, j) of topk_ids, bad: the token has a bad id). A bad id
-    is out of range or repeated within its row; −1 is no route, not a bad id, with
-    SKIP_EMPTY_IDS."""
+    """(ids, placed) [CHUNK_TOKENS, TOPK_PAD] and bad_token [CHUNK_TOKENS] of the chunk: the
+    ids as int32, which entries are routes to count and place, which tokens have a bad id
+    (out of range or repeated within the row; with SKIP_EMPTY_IDS, −1 is no route, not a
+    bad id). A token with a bad id places none of its routes."""
     tokens = chunk * CHUNK_TOKENS + tl.arange(0, CHUNK_TOKENS)
     js = tl.arange(0, TOPK_PAD)
     entry = (tokens < num_tokens)[:, None] & (js < topk)[None, :]
@@ -92,7 +92,7 @@ def _chunk_routes(topk_ids_ptr, chunk, num_tokens, topk, num_experts,
         bad = bad | (entry & in_range & (ids == column[:, None]) & (js != j)[None, :])
     bad_token = tl.max(bad.to(tl.int32), axis=1) > 0
     placed = entry & in_range & ~bad_token[:, None]
-    return ids, placed, entry, bad_token
+    return ids, placed, bad_token
 
 
 @triton.jit
@@ -133,7 +133,7 @@ def _count_routes_kernel(
     SKIP_EMPTY_IDS: tl.constexpr,
 ):
     chunk = tl.program_id(0)
-    ids, placed, _, bad_token = _chunk_routes(topk_ids_ptr, chunk, num_tokens, topk, num_experts,
+    ids, placed, bad_token = _chunk_routes(topk_ids_ptr, chunk, num_tokens, topk, num_experts,
                                               CHUNK_TOKENS, TOPK_PAD, SKIP_EMPTY_IDS)
     placed = tl.reshape(placed, (ROUTES,))
     counts = tl.histogram(tl.where(placed, tl.reshape(ids, (ROUTES,)), 0), EXPERTS_PAD, mask=placed)
@@ -207,7 +207,7 @@ def _place_routes_kernel(
     SKIP_EMPTY_IDS: tl.constexpr, STORE_ROUTE_ROW: tl.constexpr, INTERPRETER: tl.constexpr,
 ):
     chunk = tl.program_id(0)
-    ids, placed, entry, _ = _chunk_routes(topk_ids_ptr, chunk, num_tokens, topk, num_experts,
+    ids, placed, _ = _chunk_routes(topk_ids_ptr, chunk, num_tokens, topk, num_experts,
                                           CHUNK_TOKENS, TOPK_PAD, SKIP_EMPTY_IDS)
     # Key (expert, local route), routes that are not placed last; keys are distinct.
     local = tl.arange(0, ROUTES)
@@ -248,6 +248,7 @@ def _count_and_scan(topk_ids, num_experts, block_m, row_source, tile_expert, err
     device = topk_ids.device
     experts_pad = triton.next_power_of_2(num_experts)
     topk_pad = triton.next_power_of_2(topk)
+    # Fewer tokens than a chunk holds: one chunk of just enough (a smaller sort).
     chunk_tokens = max(1, min(ROUTES_PER_CHUNK // topk_pad, triton.next_power_of_2(num_tokens)))
     num_chunks = triton.cdiv(num_tokens, chunk_tokens)
     if (experts_pad + 1) * chunk_tokens * topk_pad >= 2**31:
