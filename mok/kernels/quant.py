@@ -180,6 +180,18 @@ def mxfp8_round_tile(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ALONG_M: t
     return tl.reshape(rounded, (BLOCK_M, BLOCK_N))
 
 
+@triton.jit
+def _tile_indices(M, N, stride_x_e, stride_x_m, stride_x_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's tile of an [E, M, N] input (programs: m tile, n tile, expert): (expert,
+    rows [BLOCK_M], cols [BLOCK_N], both int64, their in-bounds masks, and the input's
+    element offsets [BLOCK_M, BLOCK_N])."""
+    expert = tl.program_id(2).to(tl.int64)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs = expert * stride_x_e + rows[:, None] * stride_x_m + cols[None, :] * stride_x_n
+    return expert, rows, cols, rows < M, cols < N, offs
+
+
 # --------------------------------------------------------------------------- kernel
 
 
@@ -195,13 +207,9 @@ def _mxfp8_quantize_kernel(
     ROWWISE: tl.constexpr, COLWISE: tl.constexpr, IS_BF16: tl.constexpr, INTERPRETER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pid_m, pid_n, expert = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    row_ok, col_ok = rows < M, cols < N
+    expert, rows64, cols64, row_ok, col_ok, offs = _tile_indices(
+        M, N, stride_x_e, stride_x_m, stride_x_n, BLOCK_M, BLOCK_N)
     mask = row_ok[:, None] & col_ok[None, :]  # [BLOCK_M, BLOCK_N]
-    rows64, cols64 = rows.to(tl.int64), cols.to(tl.int64)
-    offs = expert * stride_x_e + rows64[:, None] * stride_x_m + cols64[None, :] * stride_x_n
 
     bits = _load_fp32_bits(x_ptr, offs, mask, IS_BF16)  # [BLOCK_M, BLOCK_N] int32, read once
     x = bits.to(tl.float32, bitcast=True)
@@ -219,7 +227,7 @@ def _mxfp8_quantize_kernel(
         q = tl.where(nan_block, 0x7F, q).to(tl.uint8)  # E4M3_NAN_BYTE
         tl.store(q_ptr + plane + rows64[:, None] * N + cols64[None, :], q, mask=mask)
 
-        sblocks = pid_n * (BLOCK_N // 32) + tl.arange(0, BLOCK_N // 32)  # [BLOCK_N/32]
+        sblocks = tl.program_id(1) * (BLOCK_N // 32) + tl.arange(0, BLOCK_N // 32)  # [BLOCK_N/32]
         scale = tl.where(non_finite, 255, exp + 127).to(tl.uint8)  # E8M0_NAN
         s_offs = plane // 32 + rows64[:, None] * (N // 32) + sblocks[None, :]
         tl.store(scale_ptr + s_offs, scale, mask=row_ok[:, None] & (sblocks < N // 32)[None, :])
@@ -235,7 +243,7 @@ def _mxfp8_quantize_kernel(
         q_t = tl.trans(tl.where(nan_block_t, 0x7F, q_t).to(tl.uint8))  # [BLOCK_N, BLOCK_M]
         tl.store(q_t_ptr + plane + cols64[:, None] * M + rows64[None, :], q_t, mask=tl.trans(mask))
 
-        sblocks_t = pid_m * (BLOCK_M // 32) + tl.arange(0, BLOCK_M // 32)  # [BLOCK_M/32]
+        sblocks_t = tl.program_id(0) * (BLOCK_M // 32) + tl.arange(0, BLOCK_M // 32)  # [BLOCK_M/32]
         scale_t = tl.trans(tl.where(non_finite_t, 255, exp_t + 127).to(tl.uint8))  # [BLOCK_N, BLOCK_M/32]
         st_offs = plane // 32 + cols64[:, None] * (M // 32) + sblocks_t[None, :]
         tl.store(scale_t_ptr + st_offs, scale_t, mask=col_ok[:, None] & (sblocks_t < M // 32)[None, :])
@@ -253,21 +261,17 @@ def _mxfp8_round_kernel(
     ROWWISE: tl.constexpr, COLWISE: tl.constexpr, SORTED: tl.constexpr, INTERPRETER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pid_m, pid_n, expert = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    row_ok, col_ok = rows < M, cols < N
+    expert, rows, cols, row_ok, col_ok, offs = _tile_indices(
+        M, N, stride_x_e, stride_x_m, stride_x_n, BLOCK_M, BLOCK_N)
     load_rows = row_ok
     if SORTED:  # rows past num_rows: nobody reads them; padding rows: zeros
         num_rows = tl.load(num_rows_ptr)
-        if pid_m * BLOCK_M >= num_rows:
+        if tl.program_id(0) * BLOCK_M >= num_rows:
             return
         row_ok = row_ok & (rows < num_rows)
         load_rows = row_ok & (tl.load(row_source_ptr + rows, mask=row_ok, other=-1) >= 0)
-    rows64, cols64 = rows.to(tl.int64), cols.to(tl.int64)
-    offs = expert * stride_x_e + rows64[:, None] * stride_x_m + cols64[None, :] * stride_x_n
     x = tl.load(x_ptr + offs, mask=load_rows[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-    out_offs = expert * M * N + rows64[:, None] * N + cols64[None, :]
+    out_offs = expert * M * N + rows[:, None] * N + cols[None, :]
     store_mask = row_ok[:, None] & col_ok[None, :]
     if ROWWISE:
         rounded = mxfp8_round_tile(x, BLOCK_M, BLOCK_N, False)

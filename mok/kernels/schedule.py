@@ -134,7 +134,7 @@ def _count_routes_kernel(
 ):
     chunk = tl.program_id(0)
     ids, placed, bad_token = _chunk_routes(topk_ids_ptr, chunk, num_tokens, topk, num_experts,
-                                              CHUNK_TOKENS, TOPK_PAD, SKIP_EMPTY_IDS)
+                                           CHUNK_TOKENS, TOPK_PAD, SKIP_EMPTY_IDS)
     placed = tl.reshape(placed, (ROUTES,))
     counts = tl.histogram(tl.where(placed, tl.reshape(ids, (ROUTES,)), 0), EXPERTS_PAD, mask=placed)
     tl.store(chunk_counts_ptr + chunk * EXPERTS_PAD + tl.arange(0, EXPERTS_PAD), counts)
@@ -208,11 +208,10 @@ def _place_routes_kernel(
 ):
     chunk = tl.program_id(0)
     ids, placed, _ = _chunk_routes(topk_ids_ptr, chunk, num_tokens, topk, num_experts,
-                                          CHUNK_TOKENS, TOPK_PAD, SKIP_EMPTY_IDS)
-    # Key (expert, local route), routes that are not placed last; keys are distinct.
-    local = tl.arange(0, ROUTES)
+                                   CHUNK_TOKENS, TOPK_PAD, SKIP_EMPTY_IDS)
+    # Key (expert, route in the chunk), routes that are not placed last; keys are distinct.
     expert_key = tl.where(placed, ids, EXPERTS_PAD)
-    keys = _sort(tl.reshape(expert_key, (ROUTES,)) * ROUTES + local, ROUTES, INTERPRETER)
+    keys = _sort(tl.reshape(expert_key, (ROUTES,)) * ROUTES + tl.arange(0, ROUTES), ROUTES, INTERPRETER)
     expert = keys // ROUTES
     local = keys % ROUTES
     is_placed = expert < EXPERTS_PAD
