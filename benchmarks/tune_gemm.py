@@ -4,16 +4,21 @@
 
 Each config runs on the preset's real shape with random routing; TFLOPS count only the
 routed rows (T·topk), so padding and masked tiles show up as lost throughput. Kernels:
-the forward's gate_up and down, and the backward's down_dgrad (with the SwiGLU backward
-epilogue), gate_up_dgrad, down_wgrad and gate_up_wgrad.
+the forward's gate_up (with and without X_SORTED, the copy of x included) and down, and
+the backward's down_dgrad (with the SwiGLU backward epilogue), gate_up_dgrad, down_wgrad
+and gate_up_wgrad. Each config's output is compared with the kernel's first config
+(`max_abs_diff_vs_first`; 0 when the K order is the same).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import sys
 
 import torch
+import triton
 
 from mok.bench.presets import GPU_PRESETS, PRESETS
 from mok.kernels.dgrad import down_dgrad_swiglu, gate_up_dgrad_scatter
@@ -31,13 +36,19 @@ def _configs(*tiles, group_m: bool = True) -> list[dict]:
     return [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=8, num_stages=s, **extra) for m, n, k, s in tiles]
 
 
+def _sorted_x(configs: list[dict]) -> list[dict]:
+    """The gate/up configs again, reading x copied to the sorted layout (the copy is timed too)."""
+    return [dict(cfg, X_SORTED=True) for cfg in configs]
+
+
+_GATE_UP = _configs((128, 128, 64, 4), (128, 128, 64, 3))
 CONFIGS = {
-    "gate_up": _configs((128, 128, 64, 3), (128, 128, 64, 4)),
-    "down": _configs((128, 256, 64, 3), (128, 256, 64, 4), (128, 128, 64, 4)),
-    "down_dgrad": _configs((128, 128, 64, 3), (128, 128, 64, 4), (128, 64, 64, 4)),
-    "gate_up_dgrad": _configs((128, 128, 64, 3), (128, 128, 64, 4), (128, 256, 64, 3), (128, 256, 32, 3)),
-    "down_wgrad": _configs((128, 256, 64, 3), (128, 128, 64, 4), group_m=False),
-    "gate_up_wgrad": _configs((128, 128, 64, 3), (128, 128, 64, 4), group_m=False),
+    "gate_up": _GATE_UP + _sorted_x(_GATE_UP),
+    "down": _configs((128, 256, 64, 3), (128, 256, 64, 4), (128, 128, 64, 4), (128, 128, 64, 5)),
+    "down_dgrad": _configs((128, 256, 64, 3), (128, 128, 64, 4), (128, 128, 64, 3), (128, 128, 32, 6)),
+    "gate_up_dgrad": _configs((128, 256, 64, 3), (128, 256, 64, 4), (128, 128, 64, 4), (128, 256, 32, 5)),
+    "down_wgrad": _configs((128, 256, 64, 3), (128, 256, 64, 4), (128, 128, 64, 4), (128, 128, 64, 5), group_m=False),
+    "gate_up_wgrad": _configs((128, 128, 64, 4), (128, 128, 64, 3), (128, 128, 32, 6), (128, 64, 64, 4), group_m=False),
 }
 # GEMM FLOPs per routed row, in units of H·I (gate/up GEMMs do two products).
 FLOPS_PER_ROUTE_HI = {"gate_up": 4, "down": 2, "down_dgrad": 2, "gate_up_dgrad": 4, "down_wgrad": 2, "gate_up_wgrad": 4}
@@ -57,6 +68,13 @@ def _kernel_call(kind, cfg, inp, sched, topk, operands):
         "gate_up_wgrad": lambda: gate_up_wgrad(operands["gate_up"], operands["x_sorted"], sched, tile_config=cfg),
     }
     return calls[kind]
+
+
+def _written(kind: str, out, num_rows: int) -> torch.Tensor:
+    """The part of a kernel's (first) output that it writes: sorted-layout outputs only up to
+    the schedule's rows, so configs can be compared with each other."""
+    first = out[0] if isinstance(out, tuple) else out
+    return first[:num_rows] if kind in ("gate_up", "down_dgrad") else first
 
 
 def main() -> None:
@@ -83,21 +101,30 @@ def main() -> None:
         padding = sched.row_source < 0
         operands["h"][padding] = 0
         operands["gate_up"][padding] = 0
+        num_rows = int(sched.num_rows)  # a host sync is fine here: outside the timed calls
         for kind in args.kernel or CONFIGS:
             flops = FLOPS_PER_ROUTE_HI[kind] * T * topk * H * I
+            first = None
             for cfg in CONFIGS[kind]:
                 fn = _kernel_call(kind, cfg, inp, sched, topk, operands)
                 try:
+                    out = _written(kind, fn(), num_rows)
                     ms = time_ms(fn, warmup=3, reps=15)["median"]
                 except Exception as err:  # a config that does not fit (shared memory) is skipped, not fatal
                     print(f"{name:18s} {kind:14s} {cfg} failed: {type(err).__name__}: {str(err)[:120]}", flush=True)
                     continue
+                first = out if first is None else first
+                max_diff = (out.float() - first.float()).abs().max().item()
                 tflops = flops / ms / 1e9
-                results.append(dict(preset=name, kernel=kind, config=cfg, ms=ms, tflops=tflops))
-                print(f"{name:18s} {kind:14s} {ms:8.3f} ms {tflops:7.1f} TF  {cfg}", flush=True)
+                results.append(dict(preset=name, kernel=kind, config=cfg, ms=ms, tflops=tflops,
+                                    max_abs_diff_vs_first=max_diff))
+                print(f"{name:18s} {kind:14s} {ms:8.3f} ms {tflops:7.1f} TF  diff vs first {max_diff:.3g}  {cfg}",
+                      flush=True)
     if args.out:
+        record = dict(gpu=torch.cuda.get_device_name(), num_gpus=1, torch=torch.__version__, triton=triton.__version__,
+                      date=datetime.date.today().isoformat(), command="python " + " ".join(sys.argv), results=results)
         with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+            json.dump(record, f, indent=1)
 
 
 if __name__ == "__main__":

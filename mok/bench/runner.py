@@ -485,8 +485,11 @@ def run(
         preset_cases = [c for c in cases if c.preset == preset]
         needs_grads = any("fwd+bwd" in c.passes for c in preset_cases)
         step(f"{preset.name}: inputs + fp32 reference")
+        cuda = torch.device(device).type == "cuda"
+        before_gb = torch.cuda.memory_allocated(device) / 1e9 if cuda else None
         inp = _inputs(preset, seed, device, group)
-        inputs_gb = torch.cuda.memory_allocated(device) / 1e9 if torch.device(device).type == "cuda" else None
+        # The inputs alone: whatever an earlier preset left allocated is not this preset's.
+        inputs_gb = torch.cuda.memory_allocated(device) / 1e9 - before_gb if cuda else None
         ref = _reference(inp, seed, needs_grads, group)
         # Phase 1: build and check every implementation while the reference is resident.
         checked = []

@@ -114,8 +114,9 @@ def dgrad_config(kind: str, n_dim: int, reduce_dim: int, precision: str = "bf16"
     belong to one expert. H200, bf16, every operand through TMA (sweep in BENCHMARKS.md):
     "gate_up" runs its two K loops (d_g·Wg, then d_u·Wu) one A and one B tile at a time,
     so 128×256×64 at 3 stages fits (48 KiB per stage) and measured 618–633 TFLOPS
-    (128×128: 581–587); "down" keeps g, u and the accumulator live in its epilogue, so it
-    stays at 128×128, where 4 stages beat 3 by 9–14%. Under the interpreter, small tiles
+    (128×128: 581–587); "down" takes the same tiles since its epilogue runs on 64-column
+    slices of the accumulator: 128×256 at 3 stages measured 12–19% faster than 128×128 at
+    4 stages on every preset (benchmarks/results/h200-20261130-tiles-v2.json). Under the interpreter, small tiles
     keep the CPU tests fast. The key never includes per-expert counts (they change every
     step). fp8_block: `_FP8_BLOCK_TILES`, the same for every shape until measured.
     """
@@ -123,9 +124,7 @@ def dgrad_config(kind: str, n_dim: int, reduce_dim: int, precision: str = "bf16"
         return dict(BLOCK_M=routing_block_m(), **_FP8_BLOCK_TILES["interpreter" if interpreting() else kind])
     if interpreting():
         return dict(BLOCK_M=routing_block_m(), BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1)
-    if kind == "gate_up":
-        return dict(BLOCK_M=routing_block_m(), BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
-    return dict(BLOCK_M=routing_block_m(), BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4)
+    return dict(BLOCK_M=routing_block_m(), BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
 
 
 # --------------------------------------------------------------------------- jit helpers
@@ -222,7 +221,9 @@ def _down_dgrad_swiglu_kernel(
         w = tl.load(topk_weights_ptr + slot, mask=row_valid, other=0.0)
     # The epilogue takes the tile a quarter of its columns at a time: with the whole tile, the
     # accumulator, g, u, d_g and d_u live at once spilled 2.7 KB per thread at 128×128 and
-    # 8 warps (ptxas, sm_90a, triton 3.6); by quarters, 0.2 KB.
+    # 8 warps (ptxas, sm_90a, triton 3.6); by quarters, 0.2 KB. At the 128×256 default ptxas
+    # reports 2.8 KB again, yet the wider tile measured faster (half the dOut re-reads), and
+    # eighths (1.7 KB) slower than quarters (BENCHMARKS.md).
     rows64 = rows.to(tl.int64)
     partial = tl.zeros((BLOCK_M,), dtype=tl.float32)
     halves = _column_halves(d_out_wd)

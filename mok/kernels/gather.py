@@ -1,4 +1,4 @@
-"""The backward's prologue: token rows into the expert-sorted layout.
+"""Token rows into the expert-sorted layout: the backward's prologue, and the forward's gate/up operand.
 
     x_sorted[r]     = x[t]                         (0 for padding rows)
     d_out_sorted[r] = dOut[t]                      (0 for padding rows)
@@ -12,6 +12,10 @@ reduce over rows, so a gathered operand needs a new index vector every K step; t
 chain of loads held them at ~360 TFLOPS on H200, while over sorted operands read through
 TMA they reach 590–640 (BENCHMARKS.md). The copy runs at HBM speed, and the down dgrad
 reads d_out_sorted through TMA too.
+
+The forward's gate/up GEMM reads x through TMA from the same copy (x alone, `d_out=None`)
+where its intermediate size makes that pay (`grouped_gemm.gemm_config`): per row copied, that
+GEMM does 4·I FLOPs per element of x, so at large I the copy is cheap against what TMA saves.
 
 Why two copies of dOut: the down dgrad needs dOut unweighted (its epilogue forms the
 router-weight gradient ⟨dOut·Wd, h⟩ and applies w in fp32), the down wgrad needs w·dOut
@@ -56,8 +60,8 @@ def _gather_sorted_rows_kernel(
     # strides
     stride_x_t, stride_dout_t, stride_sorted_r,
     # meta
-    HAS_WEIGHTS: tl.constexpr, MXFP8: tl.constexpr, INTERPRETER: tl.constexpr, ROWS: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+    HAS_D_OUT: tl.constexpr, HAS_WEIGHTS: tl.constexpr, MXFP8: tl.constexpr, INTERPRETER: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     num_rows = tl.load(num_rows_ptr)
@@ -68,7 +72,7 @@ def _gather_sorted_rows_kernel(
     valid = source >= 0
     slot = tl.where(valid, source, 0)
     token = (slot // topk).to(tl.int64)[:, None]
-    if HAS_WEIGHTS:
+    if HAS_D_OUT and HAS_WEIGHTS:
         w = tl.load(topk_weights_ptr + slot, mask=valid, other=0.0)[:, None]
     sorted_offs = rows.to(tl.int64)[:, None] * stride_sorted_r
     cols = tl.arange(0, BLOCK_H)
@@ -78,19 +82,20 @@ def _gather_sorted_rows_kernel(
         store_mask = in_schedule[:, None] & in_row
         offs = h0 + cols[None, :]
         x = tl.load(x_ptr + token * stride_x_t + offs, mask=load_mask, other=0.0)
-        d_out = tl.load(d_out_ptr + token * stride_dout_t + offs, mask=load_mask, other=0.0)
-        if HAS_WEIGHTS:
-            dy = w * d_out.to(tl.float32)
         if MXFP8:  # each operand on the grid of the GEMM that reads it
             x = round_to_bf16(mxfp8_round_tile(x.to(tl.float32), ROWS, BLOCK_H, True), INTERPRETER)
-            d_out = mxfp8_round_tile(d_out.to(tl.float32), ROWS, BLOCK_H, False)
-            d_out = round_to_bf16(d_out, INTERPRETER)
-            if HAS_WEIGHTS:
-                dy = mxfp8_round_tile(dy, ROWS, BLOCK_H, True)
         tl.store(x_sorted_ptr + sorted_offs + offs, x, mask=store_mask)
-        tl.store(d_out_sorted_ptr + sorted_offs + offs, d_out, mask=store_mask)
-        if HAS_WEIGHTS:
-            tl.store(dy_sorted_ptr + sorted_offs + offs, round_to_bf16(dy, INTERPRETER), mask=store_mask)
+        if HAS_D_OUT:
+            d_out = tl.load(d_out_ptr + token * stride_dout_t + offs, mask=load_mask, other=0.0)
+            if HAS_WEIGHTS:
+                dy = w * d_out.to(tl.float32)
+            if MXFP8:
+                d_out = round_to_bf16(mxfp8_round_tile(d_out.to(tl.float32), ROWS, BLOCK_H, False), INTERPRETER)
+                if HAS_WEIGHTS:
+                    dy = mxfp8_round_tile(dy, ROWS, BLOCK_H, True)
+            tl.store(d_out_sorted_ptr + sorted_offs + offs, d_out, mask=store_mask)
+            if HAS_WEIGHTS:
+                tl.store(dy_sorted_ptr + sorted_offs + offs, round_to_bf16(dy, INTERPRETER), mask=store_mask)
 
 
 def check_sorted_rows(name: str, t: torch.Tensor, width: int, schedule: RoutingSchedule) -> None:
@@ -112,20 +117,23 @@ def _check_rows(name: str, t: torch.Tensor, shape: tuple[int, int], dtype: torch
 
 def gather_sorted_rows(
     x: torch.Tensor,  # [T, H] bf16
-    d_out: torch.Tensor,  # [T, H] bf16
+    d_out: torch.Tensor | None,  # [T, H] bf16; None: x alone (the forward's gate/up operand)
     topk_weights: torch.Tensor | None,  # [T, topk] fp32; None: no dy_sorted
     schedule: RoutingSchedule,
     topk: int,
     mxfp8: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(x_sorted, d_out_sorted, dy_sorted) [capacity_rows, H] bf16 in the schedule's sorted
-    layout; dy_sorted = w·dOut only with topk_weights (else None); with `mxfp8`, each rounded
-    to its GEMM's MXFP8 grid."""
+    layout; d_out_sorted only with d_out and dy_sorted = w·dOut only with both d_out and
+    topk_weights (else None); with `mxfp8`, each rounded to its GEMM's MXFP8 grid."""
     if x.dim() != 2 or x.dtype != torch.bfloat16 or x.stride(1) != 1:
         raise ValueError(f"x: expected a bf16 [T, H] tensor with unit column stride, got {x.dtype} {list(x.shape)}")
     num_tokens, hidden = x.shape
     device = x.device
-    _check_rows("d_out", d_out, (num_tokens, hidden), torch.bfloat16, device)
+    if d_out is not None:
+        _check_rows("d_out", d_out, (num_tokens, hidden), torch.bfloat16, device)
+    elif topk_weights is not None:
+        raise ValueError("topk_weights: expected None without d_out (dy_sorted = w·dOut needs dOut)")
     if topk_weights is not None:
         _check_rows("topk_weights", topk_weights, (num_tokens, topk), torch.float32, device)
         if not topk_weights.is_contiguous():
@@ -140,16 +148,16 @@ def gather_sorted_rows(
     # 8 warps measured slower than 4 (1.57 vs 1.13 ms).
     rows_per_program = MX_BLOCK if mxfp8 else ROWS_PER_PROGRAM
     x_sorted = torch.empty(schedule.capacity_rows, hidden, dtype=x.dtype, device=device)  # [capacity_rows, H]
-    d_out_sorted = torch.empty_like(x_sorted)  # [capacity_rows, H]
+    d_out_sorted = None if d_out is None else torch.empty_like(x_sorted)  # [capacity_rows, H]
     dy_sorted = None if topk_weights is None else torch.empty_like(x_sorted)  # [capacity_rows, H]
     grid = (triton.cdiv(schedule.capacity_rows, rows_per_program),)
     _gather_sorted_rows_kernel[grid](
-        x, d_out, x if topk_weights is None else topk_weights,
-        x_sorted, d_out_sorted, x_sorted if dy_sorted is None else dy_sorted,
+        x, x if d_out is None else d_out, x if topk_weights is None else topk_weights,  # x: an unread stand-in
+        x_sorted, x_sorted if d_out_sorted is None else d_out_sorted, x_sorted if dy_sorted is None else dy_sorted,
         schedule.row_source, schedule.num_rows,
         hidden, topk,
-        x.stride(0), d_out.stride(0), x_sorted.stride(0),
-        HAS_WEIGHTS=topk_weights is not None, MXFP8=mxfp8, INTERPRETER=interpreting(),
+        x.stride(0), x.stride(0) if d_out is None else d_out.stride(0), x_sorted.stride(0),
+        HAS_D_OUT=d_out is not None, HAS_WEIGHTS=topk_weights is not None, MXFP8=mxfp8, INTERPRETER=interpreting(),
         ROWS=rows_per_program, BLOCK_H=min(64 if mxfp8 else 256, triton.next_power_of_2(hidden)), num_warps=4,
     )
     return x_sorted, d_out_sorted, dy_sorted

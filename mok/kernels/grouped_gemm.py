@@ -6,8 +6,9 @@
 Legend: r a row of the sorted layout, src(r) = row_source[r] = t·topk + j (−1: padding),
 e = tile_expert[r // BLOCK_M], H hidden, I intermediate size, E_l local experts.
 
-The gate/up kernel gathers token rows by index inside its loads (no permuted copy of x)
-and keeps two accumulators, so g and u never leave registers before SwiGLU; with
+The gate/up kernel gathers token rows by index inside its loads (no permuted copy of x),
+or, where the tile config says `X_SORTED` (large I, see `gemm_config`), reads a copy of x in
+the sorted layout through TMA (`gather.py`); it keeps two accumulators, so g and u never leave registers before SwiGLU; with
 `swiglu_limit` L it applies g ← min(g, L), u ← clamp(u, −L, L) in fp32. When the
 backward needs them it also stores the pre-activations g and u ([rows, 2, I] bf16), so
 the backward recomputes h from them instead of redoing the gate/up GEMM.
@@ -54,6 +55,7 @@ import triton.language as tl
 from mok.fp8_block import FP8_BLOCK
 from mok.kernels.comm import PeerRows, peer_row_starts, signal_peers
 from mok.kernels.common import interpreting, round_to_bf16, tma_descriptor
+from mok.kernels.gather import gather_sorted_rows
 from mok.kernels.quant_fp8_block import quantize_row_blocks
 from mok.kernels.schedule import RoutingSchedule
 from mok.kernels.swiglu import swiglu_forward
@@ -93,20 +95,26 @@ def weight_block_scale(w_scale_ptr, expert, n0, k0, n_dim, reduce_dim):
 @triton.jit
 def gather_gate_up_tile(
     x_ptr, x_scale_ptr, w_gate_desc, w_gate_scale_ptr, w_up_desc, w_up_scale_ptr,
-    token, row_valid, expert, n0, hidden, inter, stride_x_t,
+    token, row_valid, m0, expert, n0, hidden, inter, stride_x_t,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETER: tl.constexpr,
+    X_SORTED: tl.constexpr,
 ):
     """g, u [BLOCK_M, BLOCK_N] fp32 for token rows `token` (gathered from x inside the
-    loads) against rows n0.. of expert `expert`'s gate and up weights, reducing over H.
+    loads; X_SORTED: x_ptr is a TMA descriptor of x in the sorted layout, read at rows
+    m0..) against rows n0.. of expert `expert`'s gate and up weights, reducing over H.
     fp8_block: x, weights e4m3 with their block scales (x_scale [T, H/128]); else bf16
     and the scale pointers unused."""
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_offs = tl.arange(0, BLOCK_K)
-    a_ptrs = x_ptr + token.to(tl.int64)[:, None] * stride_x_t + k_offs[None, :]
+    if not X_SORTED:
+        a_ptrs = x_ptr + token.to(tl.int64)[:, None] * stride_x_t + k_offs[None, :]
     for k0 in range(0, hidden, BLOCK_K):
-        a = tl.load(a_ptrs + k0, mask=row_valid[:, None] & (k0 + k_offs < hidden)[None, :], other=0.0)
+        if X_SORTED:
+            a = x_ptr.load([m0, k0])
+        else:
+            a = tl.load(a_ptrs + k0, mask=row_valid[:, None] & (k0 + k_offs < hidden)[None, :], other=0.0)
         b_gate = load_weight_tile(w_gate_desc, expert, n0, k0, inter)
         b_up = load_weight_tile(w_up_desc, expert, n0, k0, inter)
         if PRECISION == "fp8_block":
@@ -142,6 +150,7 @@ def _gate_up_swiglu_kernel(
     # meta
     PRECISION: tl.constexpr, HAS_LIMIT: tl.constexpr, STORE_GATE_UP: tl.constexpr, INTERPRETER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    X_SORTED: tl.constexpr,
 ):
     m_tile, n_tile = tile_coordinates(tl.program_id(0), max_m_tiles, tl.cdiv(inter, BLOCK_N), GROUP_M)
     if m_tile * BLOCK_M >= tl.load(num_rows_ptr):
@@ -154,8 +163,8 @@ def _gate_up_swiglu_kernel(
     n_offs = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     gate, up = gather_gate_up_tile(
         x_ptr, x_scale_ptr, w_gate_desc, w_gate_scale_ptr, w_up_desc, w_up_scale_ptr,
-        token, row_valid, expert, n_tile * BLOCK_N, hidden, inter, stride_x_t,
-        PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRETER,
+        token, row_valid, m_tile * BLOCK_M, expert, n_tile * BLOCK_N, hidden, inter, stride_x_t,
+        PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRETER, X_SORTED,
     )
     out_mask = n_offs[None, :] < inter
     rows64 = rows.to(tl.int64)[:, None]
@@ -280,6 +289,12 @@ _FP8_BLOCK_TILES = {
 }
 
 
+# The bf16 gate/up GEMM reads x copied to the sorted layout (TMA) from this intermediate size
+# on: the copy costs the same at any I, the TMA loads save in proportion to I (H200: 1.38 ->
+# 1.23 ms for the GEMM on qwen3-30b, whose I = 768 the copy would eat).
+SORTED_X_MIN_INTER = 2048
+
+
 def gemm_config(kind: str, n_dim: int, reduce_dim: int, precision: str = "bf16") -> dict:
     """Tile config for a GEMM of output width n_dim and reduction reduce_dim.
 
@@ -295,10 +310,11 @@ def gemm_config(kind: str, n_dim: int, reduce_dim: int, precision: str = "bf16")
         return dict(_FP8_BLOCK_TILES["interpreter" if interpreting() else kind])
     if interpreting():
         return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1)
-    if kind == "gate_up":  # 4 stages: +2–4% at I ≤ 2048, −4% at mixtral's I = 14336 (H200 sweep)
-        stages = 4 if n_dim <= 2048 else 3
-        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=stages)
-    return dict(BLOCK_M=128, BLOCK_N=256 if n_dim >= 2048 else 128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+    if kind == "gate_up":
+        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4,
+                    X_SORTED=n_dim >= SORTED_X_MIN_INTER)
+    # down: 4 stages measured 1–13% faster than 3 on the three presets (tiles-v2 record).
+    return dict(BLOCK_M=128, BLOCK_N=256 if n_dim >= 2048 else 128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4)
 
 
 def routing_block_m() -> int:
@@ -382,19 +398,26 @@ def _launch_gate_up_swiglu(
     precision: str, x, x_scale, w_gate, w_gate_scale, w_up, w_up_scale, h, h_scale, gate_up,
     schedule: RoutingSchedule, topk: int, swiglu_limit: float | None, cfg: dict,
 ) -> None:
-    """One launch of `_gate_up_swiglu_kernel`; the scales are None in bf16."""
+    """One launch of `_gate_up_swiglu_kernel`; the scales are None in bf16. cfg["X_SORTED"]
+    (bf16 only): x is first copied to the sorted layout and read through TMA."""
     inter, hidden = w_gate.shape[1], w_gate.shape[2]
+    cfg = dict(cfg)
+    x_sorted = cfg.pop("X_SORTED", False)
+    if x_sorted:  # [capacity_rows, H], zeros at padding rows
+        x_operand = tma_descriptor(gather_sorted_rows(x, None, None, schedule, topk)[0], (cfg["BLOCK_M"], cfg["BLOCK_K"]))
+    else:
+        x_operand = x
     grid = (schedule.max_tiles * triton.cdiv(inter, cfg["BLOCK_N"]),)
     w_gate_desc, w_up_desc = (tma_descriptor(w, (cfg["BLOCK_N"], cfg["BLOCK_K"])) for w in (w_gate, w_up))
     scales = (x if s is None else s for s in (x_scale, w_gate_scale, w_up_scale, h_scale))  # x: an unread stand-in
     _gate_up_swiglu_kernel[grid](
-        x, w_gate_desc, w_up_desc, h, h if gate_up is None else gate_up,
+        x_operand, w_gate_desc, w_up_desc, h, h if gate_up is None else gate_up,
         *scales,
         schedule.row_source, schedule.tile_expert, schedule.num_rows,
         hidden, inter, topk, schedule.max_tiles, 0.0 if swiglu_limit is None else float(swiglu_limit),
         x.stride(0), h.stride(0), 2 * inter,
         PRECISION=precision, HAS_LIMIT=swiglu_limit is not None, STORE_GATE_UP=gate_up is not None,
-        INTERPRETER=interpreting(), **cfg,
+        INTERPRETER=interpreting(), X_SORTED=x_sorted, **cfg,
     )
 
 

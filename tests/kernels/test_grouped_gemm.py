@@ -53,6 +53,24 @@ def test_gate_up_and_down_match_reference(kernel_device, T, H, I, E, topk, limit
         assert_close_to_reference(y[slots[mine]].cpu(), y_ref, name="y", context=ctx)
 
 
+@pytest.mark.parametrize("T, H, I, E, topk, limit", [(37, 64, 48, 5, 2, None), (9, 40, 24, 3, 3, 0.5)])
+def test_gate_up_over_sorted_x_is_bitwise_the_gathered_one(kernel_device, T, H, I, E, topk, limit):
+    """X_SORTED (x copied to the sorted layout, read through TMA) changes where the operand
+    comes from, not the sum: h and g, u are bitwise those of the gathered loads."""
+    inp = make_inputs(T, H, I, E, topk, seed=T + 1, device=kernel_device)
+    flag = torch.zeros(1, dtype=torch.int32, device=kernel_device)
+    sched = build_routing_schedule(inp.topk_ids, E, routing_block_m(), flag)
+    num_rows = int(sched.num_rows)
+    outputs = []
+    for x_sorted in (False, True):
+        cfg = {**gemm_config("gate_up", I, H), "X_SORTED": x_sorted}
+        h, gate_up = gate_up_swiglu(inp.x, inp.w_gate, inp.w_up, sched, topk, limit, True, tile_config=cfg)
+        outputs.append((h[:num_rows], gate_up[:num_rows]))
+    ctx = f"{T=} {H=} {I=} {E=} {topk=} {limit=}"
+    for name, gathered, sorted_ in zip(("h", "gate_up"), *outputs):
+        assert torch.equal(gathered, sorted_), f"{name}: sorted-x path differs from the gathered one; {ctx}"
+
+
 def test_launchers_reject_mismatches(kernel_device):
     inp = make_inputs(8, 32, 16, 4, 2, device=kernel_device)
     sched = build_routing_schedule(inp.topk_ids, 4, routing_block_m(), torch.zeros(1, dtype=torch.int32, device=kernel_device))
