@@ -600,15 +600,21 @@ def _expert_mlp_backward(d_out, x, topk_weights, weights, saved, routing, block_
             x, d_out, topk_weights, routing, block_m, topk, mxfp8
         )
     if not isinstance(w_gate, _Fp8BlockWeight):
+        # Each sorted copy is dropped once its last reader has run, so the peak holds no copy
+        # of dOut next to the gate/up GEMMs' operands.
         d_gate_up, d_topk_weights = ops.down_dgrad_swiglu(
             d_out_sorted, topk_weights, saved["gate_up"], _dgrad_weight(w_down), routing, block_m, swiglu_limit
         )
-        h = saved["h"]
+        del d_out_sorted
+        h = ops.mxfp8_round(saved["h"], False, True, routing, block_m)[1] if mxfp8 else saved["h"]
+        d_w_down = _weight_grads(
+            ops.down_wgrad, ops.down_wgrad_accumulate, (dy_sorted, h), (main_down,), routing, block_m
+        )
+        del dy_sorted, h
         d_gate_up_dgrad = d_gate_up_wgrad = d_gate_up  # [rows, 2, I]
         if mxfp8:
             rows, cols = ops.mxfp8_round(d_gate_up.flatten(1), True, True, routing, block_m)
             d_gate_up_dgrad, d_gate_up_wgrad = rows.view_as(d_gate_up), cols.view_as(d_gate_up)
-            h = ops.mxfp8_round(h, False, True, routing, block_m)[1]
         dgrad_weights = (_dgrad_weight(w_gate), _dgrad_weight(w_up))
         if peer_rows is None:
             dx_slots = ops.gate_up_dgrad_scatter(d_gate_up_dgrad, *dgrad_weights, routing, block_m, num_slots)
@@ -621,13 +627,11 @@ def _expert_mlp_backward(d_out, x, topk_weights, weights, saved, routing, block_
             ops.gate_up_wgrad, ops.gate_up_wgrad_accumulate, (d_gate_up_wgrad, x_sorted), (main_gate, main_up),
             routing, block_m,
         )
-        d_w_down = _weight_grads(
-            ops.down_wgrad, ops.down_wgrad_accumulate, (dy_sorted, h), (main_down,), routing, block_m
-        )
         return dx_slots, d_topk_weights, (d_w_gate, d_w_up, d_w_down)
 
     rows_in_use = routing[4]  # [1] int32: the schedule's num_rows; the quantizers skip the rest
     d_out_pair = ops.quantize_fp8_block_activations(d_out_sorted, rows_in_use)  # [rows, H] e4m3, [rows, H/128] fp32
+    del d_out_sorted
     d_gate_up, d_topk_weights = ops.down_dgrad_swiglu_fp8_block(
         *d_out_pair, topk_weights, saved["gate_up"], w_down.q_t, w_down.scale_t, routing, block_m, swiglu_limit
     )
@@ -638,6 +642,7 @@ def _expert_mlp_backward(d_out, x, topk_weights, weights, saved, routing, block_
     # Each wgrad's operands are quantized right before it runs: [W, rows] e4m3 and [rows / S, W] fp32 each.
     d_gate_up_t = ops.quantize_fp8_block_sorted_t(d_gate_up.flatten(1), routing, block_m)  # d_gᵀ, d_uᵀ: [2·I, rows]
     x_t = ops.quantize_fp8_block_sorted_t(x_sorted, routing, block_m)  # [H, rows]
+    del x_sorted
     d_w_gate, d_w_up = _weight_grads(
         ops.gate_up_wgrad, ops.gate_up_wgrad_accumulate, (d_gate_up_t[0], x_t[0]), (main_gate, main_up), routing,
         block_m, scales=(d_gate_up_t[1], x_t[1]),
