@@ -26,6 +26,7 @@ import torch.distributed as dist
 import mok
 from mok.bench.presets import PRESETS
 from mok.testing import make_topk_ids
+from mok.testing.timing import back_to_back_ms
 
 
 def _time_ms(fn, reps: int, group) -> float:
@@ -33,13 +34,7 @@ def _time_ms(fn, reps: int, group) -> float:
     fn()
     torch.cuda.synchronize()
     dist.barrier(group)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    ms = torch.tensor([start.elapsed_time(end) / reps], device="cuda")
+    ms = torch.tensor([back_to_back_ms(fn, reps=reps, device="cuda")], device="cuda")
     dist.all_reduce(ms, op=dist.ReduceOp.MAX, group=group)
     return float(ms)
 

@@ -19,28 +19,7 @@ import mok
 from mok.bench.baselines import grouped_mm_available, torch_moe
 from mok.bench.presets import PRESETS
 from mok.testing import make_inputs
-
-
-def _events_median_ms(fn, reps: int = 50) -> float:
-    """Median of per-call CUDA-event times, calls issued back to back."""
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for start, end in events:
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return sorted(start.elapsed_time(end) for start, end in events)[reps // 2]
-
-
-def _back_to_back_ms(fn, reps: int = 50) -> float:
-    """Mean time per call of `reps` calls between one pair of events."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
+from mok.testing.timing import back_to_back_ms, time_ms
 
 
 def _synced_median_ms(fn, reps: int = 21) -> float:
@@ -55,6 +34,11 @@ def _synced_median_ms(fn, reps: int = 21) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return sorted(times)[reps // 2]
+
+
+def _events_median_ms(fn) -> float:
+    """Median of 50 per-call CUDA-event times, calls issued back to back, no warm-up."""
+    return time_ms(fn, warmup=0, reps=50, device="cuda")["median"]
 
 
 def main() -> None:
@@ -73,19 +57,24 @@ def main() -> None:
     def eager_forward():
         return torch_moe(inp.x, inp.topk_ids, inp.topk_weights, *inp.weights, grouped=grouped)
 
+    def report(when: str) -> None:
+        events, queued = _events_median_ms(mok_forward), back_to_back_ms(mok_forward, device="cuda")
+        print(f"{when}: events {events:.3f} ms, back to back {queued:.3f} ms")
+
     for _ in range(10):
         mok_forward()
     torch.cuda.synchronize()
-    print(f"after warm-up: events {_events_median_ms(mok_forward):.3f} ms, back to back {_back_to_back_ms(mok_forward):.3f} ms")
+    report("after warm-up")
     for _ in range(60):
         eager_forward()
     torch.cuda.synchronize()
-    print(f"after eager:   events {_events_median_ms(mok_forward):.3f} ms, back to back {_back_to_back_ms(mok_forward):.3f} ms")
+    report("after eager")
     time.sleep(2)
-    print(f"after 2 s idle: events {_events_median_ms(mok_forward):.3f} ms, back to back {_back_to_back_ms(mok_forward):.3f} ms")
+    report("after 2 s idle")
     print(f"sync before every call: {_synced_median_ms(mok_forward):.3f} ms")
     for i in range(3):
-        print(f"round {i}: mok {_events_median_ms(mok_forward):.3f} ms, eager {_events_median_ms(eager_forward):.3f} ms")
+        mok_ms, eager_ms = _events_median_ms(mok_forward), _events_median_ms(eager_forward)
+        print(f"round {i}: mok {mok_ms:.3f} ms, eager {eager_ms:.3f} ms")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from mok.bench import report, runner
 from mok.bench.baselines import torch_moe
 from mok.reference import Gradients
 from mok.testing import TOLERANCES, cosine_similarity, make_inputs, make_topk_ids, relative_error
-from mok.testing.timing import PeakMemory, percentile, time_ms
+from mok.testing.timing import PeakMemory, back_to_back_ms, percentile, time_ms
 
 FAST = ["--reps", "1", "--warmup", "0"]
 CUSTOM = ["--tokens", "37", "--hidden", "64", "--intermediate", "32", "--experts", "4", "--topk", "2"]
@@ -174,6 +174,11 @@ def test_timing_helpers_on_cpu():
     stats = time_ms(lambda: sum(range(1000)), warmup=1, reps=5, device="cpu")
     assert set(stats) >= {"median", "min", "p20", "p80"} and 0 <= stats["min"] <= stats["median"] <= stats["max"]
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5 and percentile([5.0], 20) == 5.0
+    calls = []
+    per_call = back_to_back_ms(lambda: calls.append(sum(range(1000))), reps=7, device="cpu")
+    assert len(calls) == 7 and per_call > 0
+    with pytest.raises(ValueError, match="reps"):
+        back_to_back_ms(lambda: None, reps=0, device="cpu")
     with PeakMemory("cpu") as mem:
         pass
     assert mem.peak_gb is None and mem.delta_gb is None

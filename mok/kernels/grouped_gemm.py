@@ -7,11 +7,12 @@ Legend: r a row of the sorted layout, src(r) = row_source[r] = t·topk + j (−1
 e = tile_expert[r // BLOCK_M], H hidden, I intermediate size, E_l local experts.
 
 The gate/up kernel gathers token rows by index inside its loads (no permuted copy of x),
-or, where the tile config says `X_SORTED` (large I, see `gemm_config`), reads a copy of x in
-the sorted layout through TMA (`gather.py`); it keeps two accumulators, so g and u never leave registers before SwiGLU; with
-`swiglu_limit` L it applies g ← min(g, L), u ← clamp(u, −L, L) in fp32. When the
-backward needs them it also stores the pre-activations g and u ([rows, 2, I] bf16), so
-the backward recomputes h from them instead of redoing the gate/up GEMM.
+or, where the tile config says `X_SORTED` (large I, see `gemm_config`), reads a copy of x
+in the sorted layout through TMA (`gather.py`); it keeps two accumulators, so g and u
+never leave registers before SwiGLU; with `swiglu_limit` L it applies g ← min(g, L),
+u ← clamp(u, −L, L) in fp32. When the backward needs them it also stores the
+pre-activations g and u ([rows, 2, I] bf16), so the backward recomputes h from them
+instead of redoing the gate/up GEMM.
 The down kernel scatters each row's y straight into its combine slot src(r), so no
 un-permute pass exists. Padding rows compute zeros and store nothing.
 
@@ -403,10 +404,10 @@ def _launch_gate_up_swiglu(
     inter, hidden = w_gate.shape[1], w_gate.shape[2]
     cfg = dict(cfg)
     x_sorted = cfg.pop("X_SORTED", False)
+    x_operand = x
     if x_sorted:  # [capacity_rows, H], zeros at padding rows
-        x_operand = tma_descriptor(gather_sorted_rows(x, None, None, schedule, topk)[0], (cfg["BLOCK_M"], cfg["BLOCK_K"]))
-    else:
-        x_operand = x
+        x_copy = gather_sorted_rows(x, None, None, schedule, topk)[0]
+        x_operand = tma_descriptor(x_copy, (cfg["BLOCK_M"], cfg["BLOCK_K"]))
     grid = (schedule.max_tiles * triton.cdiv(inter, cfg["BLOCK_N"]),)
     w_gate_desc, w_up_desc = (tma_descriptor(w, (cfg["BLOCK_N"], cfg["BLOCK_K"])) for w in (w_gate, w_up))
     scales = (x if s is None else s for s in (x_scale, w_gate_scale, w_up_scale, h_scale))  # x: an unread stand-in

@@ -7,6 +7,9 @@ a pair of CUDA events recorded on the current stream (the GPU's own clock, no ho
 inside the timed loop: launches queue ahead, as in training); elsewhere it uses
 `time.perf_counter` around each run (CPU work is synchronous).
 
+`back_to_back_ms(fn, reps=, device=)` is the mean time per call of `reps` calls queued
+back to back between one pair of events (no event between calls).
+
 `PeakMemory(device)` is a context manager that reports the CUDA caching allocator's peak
 inside the block (`torch.cuda.max_memory_allocated` after `reset_peak_memory_stats`),
 both absolute and relative to what was allocated on entry. On CPU it reports None.
@@ -20,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["time_ms", "times_ms", "summarize_ms", "percentile", "PeakMemory"]
+__all__ = ["time_ms", "times_ms", "summarize_ms", "back_to_back_ms", "percentile", "PeakMemory"]
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -105,6 +108,25 @@ def time_ms(
 ) -> dict[str, float]:
     """Milliseconds per call of `fn`: {median, min, max, mean, p20, p80, reps} (see `times_ms`)."""
     return summarize_ms(times_ms(fn, warmup=warmup, reps=reps, device=device, setup=setup))
+
+
+def back_to_back_ms(fn: Callable[[], object], *, reps: int = 50, device: torch.device | str | None = None) -> float:
+    """Mean milliseconds per call of `reps` calls of `fn` issued back to back, timed as one
+    block (CUDA events around the block, or `time.perf_counter` off CUDA). No warm-up."""
+    if reps < 1:
+        raise ValueError(f"reps: expected >= 1, got {reps}")
+    if not _is_cuda(device):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - t0) * 1e3 / reps
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
 
 
 class PeakMemory:
