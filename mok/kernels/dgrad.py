@@ -114,11 +114,12 @@ def dgrad_config(kind: str, n_dim: int, reduce_dim: int, precision: str = "bf16"
     belong to one expert. H200, bf16, every operand through TMA (sweep in BENCHMARKS.md):
     "gate_up" runs its two K loops (d_g·Wg, then d_u·Wu) one A and one B tile at a time,
     so 128×256×64 at 3 stages fits (48 KiB per stage) and measured 618–633 TFLOPS
-    (128×128: 581–587); "down" takes the same tiles since its epilogue runs on 64-column
-    slices of the accumulator: 128×256 at 3 stages measured 12–19% faster than 128×128 at
-    4 stages on every preset (benchmarks/results/h200-20261130-tiles-v2.json). Under the interpreter, small tiles
-    keep the CPU tests fast. The key never includes per-expert counts (they change every
-    step). fp8_block: `_FP8_BLOCK_TILES`, the same for every shape until measured.
+    (128×128: 581–587); "down" takes the same tiles, its epilogue running on 64-column
+    slices of the accumulator: 128×256 at 3 stages measured 12–19% faster than 128×128
+    at 4 stages on every preset (record h200-20261130-tiles-v2.json). Under the
+    interpreter, small tiles keep the CPU tests fast. The key never includes per-expert
+    counts (they change every step). fp8_block: `_FP8_BLOCK_TILES`, the same for every
+    shape until measured.
     """
     if precision == "fp8_block":
         return dict(BLOCK_M=routing_block_m(), **_FP8_BLOCK_TILES["interpreter" if interpreting() else kind])

@@ -299,11 +299,12 @@ SORTED_X_MIN_INTER = 2048
 def gemm_config(kind: str, n_dim: int, reduce_dim: int, precision: str = "bf16") -> dict:
     """Tile config for a GEMM of output width n_dim and reduction reduce_dim.
 
-    H200, bf16, chosen by `benchmarks/tune_gemm.py` on the three GPU presets (record in
-    benchmarks/results/h200-20261130-gemm-tiles.json): 128×128 tiles with two
-    accumulators for gate/up and 128×256 for the single-accumulator down GEMM at 8
-    warps; TMA loads of the weights beat pointer loads by 2–25%; 128×64 / 64×128 tiles
-    at 4 warps lose 15%. Under the interpreter, small tiles keep the CPU tests fast (BLOCK_M
+    H200, bf16, chosen by `benchmarks/tune_gemm.py` on the three GPU presets (records
+    h200-20261130-gemm-tiles.json, -tiles-v2.json): 128×128 tiles with two accumulators
+    for gate/up and 128×256 for the single-accumulator down GEMM at 8 warps, 4 stages;
+    TMA loads of the weights beat pointer loads by 2–25%; 128×64 / 64×128 tiles at 4
+    warps lose 15%; gate/up reads x copied to the sorted layout from
+    `SORTED_X_MIN_INTER` on. Under the interpreter, small tiles keep the CPU tests fast (BLOCK_M
     32, a whole MXFP8 block of rows).
     fp8_block: `_FP8_BLOCK_TILES`, the same for every shape until measured.
     """
@@ -314,7 +315,6 @@ def gemm_config(kind: str, n_dim: int, reduce_dim: int, precision: str = "bf16")
     if kind == "gate_up":
         return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4,
                     X_SORTED=n_dim >= SORTED_X_MIN_INTER)
-    # down: 4 stages measured 1–13% faster than 3 on the three presets (tiles-v2 record).
     return dict(BLOCK_M=128, BLOCK_N=256 if n_dim >= 2048 else 128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4)
 
 
