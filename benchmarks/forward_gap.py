@@ -22,20 +22,6 @@ from mok.testing import make_inputs
 from mok.testing.timing import back_to_back_ms, time_ms
 
 
-def _synced_median_ms(fn, reps: int = 21) -> float:
-    """Median per-call time with the GPU idle before each call: includes the host's issue time."""
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[reps // 2]
-
-
 def _events_median_ms(fn) -> float:
     """Median of 50 per-call CUDA-event times, calls issued back to back, no warm-up."""
     return time_ms(fn, warmup=0, reps=50, device="cuda")["median"]
@@ -71,7 +57,8 @@ def main() -> None:
     report("after eager")
     time.sleep(2)
     report("after 2 s idle")
-    print(f"sync before every call: {_synced_median_ms(mok_forward):.3f} ms")
+    synced = time_ms(mok_forward, warmup=0, reps=21, device="cuda", setup=torch.cuda.synchronize)["median"]
+    print(f"sync before every call: {synced:.3f} ms")
     for i in range(3):
         mok_ms, eager_ms = _events_median_ms(mok_forward), _events_median_ms(eager_forward)
         print(f"round {i}: mok {mok_ms:.3f} ms, eager {eager_ms:.3f} ms")

@@ -72,7 +72,7 @@ def _gather_sorted_rows_kernel(
     valid = source >= 0
     slot = tl.where(valid, source, 0)
     token = (slot // topk).to(tl.int64)[:, None]
-    if HAS_D_OUT and HAS_WEIGHTS:
+    if HAS_WEIGHTS:  # the launcher passes weights only with dOut
         w = tl.load(topk_weights_ptr + slot, mask=valid, other=0.0)[:, None]
     sorted_offs = rows.to(tl.int64)[:, None] * stride_sorted_r
     cols = tl.arange(0, BLOCK_H)
