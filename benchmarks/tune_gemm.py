@@ -4,7 +4,8 @@
 
 Each config runs on the preset's real shape with random routing; TFLOPS count only the
 routed rows (T·topk), so padding and masked tiles show up as lost throughput. Kernels:
-the forward's gate_up (with and without X_SORTED, the copy of x included) and down, and
+the forward's gate_up (with and without X_SORTED, the copy of x included; gate/up weights
+packed as `MoKMoE` keeps them, and as separate tensors: gate_up_separate) and down, and
 the backward's down_dgrad (with the SwiGLU backward epilogue), gate_up_dgrad, down_wgrad
 and gate_up_wgrad. Each config's output is compared with the kernel's first config
 (`max_abs_diff_vs_first`; 0 when the K order is the same).
@@ -44,6 +45,7 @@ def _sorted_x(configs: list[dict]) -> list[dict]:
 _GATE_UP = _configs((128, 128, 64, 4), (128, 128, 64, 3))
 CONFIGS = {
     "gate_up": _GATE_UP + _sorted_x(_GATE_UP),
+    "gate_up_separate": _GATE_UP + _sorted_x(_GATE_UP),
     "down": _configs((128, 256, 64, 3), (128, 256, 64, 4), (128, 128, 64, 4), (128, 128, 64, 5)),
     "down_dgrad": _configs((128, 256, 64, 3), (128, 128, 64, 4), (128, 128, 64, 3), (128, 128, 32, 6)),
     "gate_up_dgrad": _configs((128, 256, 64, 3), (128, 256, 64, 4), (128, 128, 64, 4), (128, 256, 32, 5)),
@@ -51,7 +53,7 @@ CONFIGS = {
     "gate_up_wgrad": _configs((128, 128, 64, 4), (128, 128, 64, 3), (128, 128, 32, 6), (128, 64, 64, 4), group_m=False),
 }
 # GEMM FLOPs per routed row, in units of H·I (gate/up GEMMs do two products).
-FLOPS_PER_ROUTE_HI = {"gate_up": 4, "down": 2, "down_dgrad": 2, "gate_up_dgrad": 4, "down_wgrad": 2, "gate_up_wgrad": 4}
+FLOPS_PER_ROUTE_HI = {"gate_up": 4, "gate_up_separate": 4, "down": 2, "down_dgrad": 2, "gate_up_dgrad": 4, "down_wgrad": 2, "gate_up_wgrad": 4}
 
 
 def _kernel_call(kind, cfg, inp, sched, topk, operands):
@@ -59,6 +61,7 @@ def _kernel_call(kind, cfg, inp, sched, topk, operands):
     routes = inp.topk_ids.numel()
     calls = {
         "gate_up": lambda: gate_up_swiglu(inp.x, inp.w_gate, inp.w_up, sched, topk, tile_config=cfg),
+        "gate_up_separate": lambda: gate_up_swiglu(inp.x, *operands["separate_gate_up"], sched, topk, tile_config=cfg),
         "down": lambda: down_scatter(operands["h"], inp.w_down, sched, routes, tile_config=cfg),
         "down_dgrad": lambda: down_dgrad_swiglu(operands["d_out_sorted"], inp.topk_weights, operands["gate_up"],
                                                 inp.w_down, sched, tile_config=cfg),
@@ -74,7 +77,7 @@ def _written(kind: str, out, num_rows: int) -> torch.Tensor:
     """The part of a kernel's (first) output that it writes: sorted-layout outputs only up to
     the schedule's rows, so configs can be compared with each other."""
     first = out[0] if isinstance(out, tuple) else out
-    return first[:num_rows] if kind in ("gate_up", "down_dgrad") else first
+    return first[:num_rows] if kind in ("gate_up", "gate_up_separate", "down_dgrad") else first
 
 
 def main() -> None:
@@ -98,6 +101,8 @@ def main() -> None:
         operands["x_sorted"], operands["d_out_sorted"], operands["dy_sorted"] = gather_sorted_rows(
             inp.x, torch.randn(T, H, device="cuda").bfloat16(), inp.topk_weights, sched, topk
         )
+        spaced = torch.stack([inp.w_gate, torch.empty_like(inp.w_gate), inp.w_up])  # a gap: not packed
+        operands["separate_gate_up"] = (spaced[0], spaced[2])
         padding = sched.row_source < 0
         operands["h"][padding] = 0
         operands["gate_up"][padding] = 0

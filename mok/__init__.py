@@ -20,6 +20,7 @@ from mok.functional import (
     forward,
     get_workspace,
     moe,
+    pack_gate_up,
     recompute_forward_context,
 )
 from mok.fp8_block import fp8_block_dequantize, fp8_block_quantize
@@ -48,5 +49,6 @@ __all__ = [
     "moe",
     "mxfp8_dequantize",
     "mxfp8_quantize",
+    "pack_gate_up",
     "recompute_forward_context",
 ]

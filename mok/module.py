@@ -9,7 +9,8 @@ import torch.distributed as dist
 from torch import nn
 
 from mok.config import MoKConfig
-from mok.functional import moe
+from mok.functional import moe, pack_gate_up
+from mok.kernels.grouped_gemm import gate_up_packed
 
 
 class MoKMoE(nn.Module):
@@ -21,7 +22,9 @@ class MoKMoE(nn.Module):
     `w_up` [E_l, I, H], `w_down` [E_l, H, I] for this rank's E_l = num_experts / P local
     experts, and `ws_gate`, `ws_up` [I_s, H], `ws_down` [H, I_s] with a shared expert.
     Under `ep_group`, `topk_ids` hold global expert ids and tokens travel to the ranks
-    that own their experts.
+    that own their experts. Each gate/up pair lives in one allocation (`mok.pack_gate_up`),
+    which the bf16 gate/up GEMM reads faster; moving the module (`.to`, `.cuda`,
+    `to_empty`) packs the moved pair again.
     """
 
     def __init__(
@@ -83,7 +86,26 @@ class MoKMoE(nn.Module):
         # in the workspace until the backward, and a workspace shared with another layer
         # would make this layer's backward send them again.
         self._workspaces: dict = {}
+        self._pack_gate_up()
         self.reset_parameters()
+
+    @torch.no_grad()
+    def _pack_gate_up(self) -> None:
+        """Stores each gate/up pair (routed, shared) as the two halves of one tensor, in place
+        of the parameters' data, unless it already is one (plain tensors only: a sharded
+        or otherwise wrapped parameter is left as it is)."""
+        for gate_name, up_name in (("w_gate", "w_up"), ("ws_gate", "ws_up")):
+            gate, up = getattr(self, gate_name), getattr(self, up_name)
+            if gate is None or type(gate.data) is not torch.Tensor or type(up.data) is not torch.Tensor:
+                continue
+            if not gate_up_packed(gate, up):
+                gate.data, up.data = pack_gate_up(gate.data, up.data)
+
+    def _apply(self, fn, recurse=True):
+        # A move allocates each parameter on its own; keep the gate/up pairs packed.
+        super()._apply(fn, recurse)
+        self._pack_gate_up()
+        return self
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

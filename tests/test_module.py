@@ -24,6 +24,26 @@ def test_parameters_named_and_shaped_as_spec():
     assert [n for n, _ in mok.MoKMoE(64, 32, 6, 2).named_parameters()] == ["w_gate", "w_up", "w_down"]
 
 
+def test_gate_up_pairs_stay_packed():
+    """Each gate/up pair shares one allocation (what the fast gate/up GEMM reads), also after
+    a move and after materializing from the meta device; packing keeps the values."""
+    from mok.kernels.grouped_gemm import gate_up_packed
+
+    layer = mok.MoKMoE(64, 32, 6, 2, shared_intermediate_size=48)
+    before = {n: p.detach().clone() for n, p in layer.named_parameters()}
+    layer.to(torch.float32).to(torch.bfloat16)
+    for name, p in layer.named_parameters():
+        assert torch.equal(p, before[name]) and p.is_contiguous(), name
+    assert gate_up_packed(layer.w_gate, layer.w_up) and gate_up_packed(layer.ws_gate, layer.ws_up)
+    meta = mok.MoKMoE(64, 32, 6, 2, device="meta").to_empty(device="cpu")
+    assert gate_up_packed(meta.w_gate, meta.w_up)
+    separate = mok.MoKMoE(64, 32, 6, 2)
+    separate.w_up.data = separate.w_up.data.clone()
+    assert not gate_up_packed(separate.w_gate, separate.w_up)
+    with pytest.raises(ValueError, match=r"^w_up: expected the shape, dtype and device of w_gate"):
+        mok.pack_gate_up(layer.w_gate, layer.w_down)
+
+
 def test_module_autograd_matches_reference():
     torch.manual_seed(0)
     B, S, H, I, E, topk = 2, 9, 64, 32, 8, 2

@@ -34,6 +34,13 @@ def round_to_bf16(x, EMULATE_RNE: tl.constexpr):
     return x.to(tl.bfloat16)
 
 
+@triton.jit
+def column_halves(x):
+    """(x[:, :N/2], x[:, N/2:]) of a 2-D tile. Free on an MMA accumulator: each thread
+    holds columns of both halves."""
+    return tl.split(tl.permute(tl.reshape(x, (x.shape[0], 2, x.shape[1] // 2)), (0, 2, 1)))
+
+
 _THREAD_STATE = threading.local()
 
 
@@ -78,3 +85,14 @@ def tma_descriptor(t, block_shape):
     if t.dim() == 3:
         t = t.reshape(-1, t.shape[-1])
     return TensorDescriptor.from_tensor(t, list(block_shape))
+
+
+def tma_descriptor_pair(first, block_shape):
+    """A TMA descriptor over `first` and the tensor of the same shape that starts where it
+    ends (the caller checks that one does), as one [2, *first.shape] tensor, loading blocks
+    of `block_shape` (leading 2: one box holds a block of each)."""
+    if first.is_cuda:
+        _make_cuda_context_current(first.device.index)
+    shape = [2, *first.shape]
+    strides = [first.numel(), *first.stride()]
+    return TensorDescriptor(first, shape, strides, list(block_shape))

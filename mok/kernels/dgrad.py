@@ -70,7 +70,7 @@ import triton.language as tl
 
 from mok.fp8_block import FP8_BLOCK
 from mok.kernels.comm import PeerRows, signal_peers
-from mok.kernels.common import interpreting, round_to_bf16, tma_descriptor
+from mok.kernels.common import column_halves, interpreting, round_to_bf16, tma_descriptor
 from mok.kernels.grouped_gemm import (
     check_fp8_block_pair,
     checked_tile_config,
@@ -151,12 +151,6 @@ def sorted_rows_times_weight(
 
 
 @triton.jit
-def _column_halves(x):
-    """(x[:, :N/2], x[:, N/2:]) of a 2-D tile."""
-    return tl.split(tl.permute(tl.reshape(x, (x.shape[0], 2, x.shape[1] // 2)), (0, 2, 1)))
-
-
-@triton.jit
 def _down_dgrad_epilogue(
     d_out_wd, w, row_valid, rows64, n0, gate_up_ptr, d_gate_up_ptr, inter, swiglu_limit, stride_gu_r, stride_dgu_r,
     HAS_LIMIT: tl.constexpr, INTERPRETER: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -227,9 +221,9 @@ def _down_dgrad_swiglu_kernel(
     # eighths (1.7 KB) slower than quarters (BENCHMARKS.md).
     rows64 = rows.to(tl.int64)
     partial = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    halves = _column_halves(d_out_wd)
+    halves = column_halves(d_out_wd)
     for half in tl.static_range(2):
-        quarters = _column_halves(halves[half])
+        quarters = column_halves(halves[half])
         for quarter in tl.static_range(2):
             partial += _down_dgrad_epilogue(
                 quarters[quarter], w, row_valid, rows64, n_tile * BLOCK_N + (2 * half + quarter) * (BLOCK_N // 4),

@@ -55,7 +55,7 @@ import triton.language as tl
 
 from mok.fp8_block import FP8_BLOCK
 from mok.kernels.comm import PeerRows, peer_row_starts, signal_peers
-from mok.kernels.common import interpreting, round_to_bf16, tma_descriptor
+from mok.kernels.common import column_halves, interpreting, round_to_bf16, tma_descriptor, tma_descriptor_pair
 from mok.kernels.gather import gather_sorted_rows
 from mok.kernels.quant_fp8_block import quantize_row_blocks
 from mok.kernels.schedule import RoutingSchedule
@@ -99,15 +99,20 @@ def gather_gate_up_tile(
     token, row_valid, m0, expert, n0, hidden, inter, stride_x_t,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETER: tl.constexpr,
-    X_SORTED: tl.constexpr,
+    X_SORTED: tl.constexpr, PACKED: tl.constexpr,
 ):
     """g, u [BLOCK_M, BLOCK_N] fp32 for token rows `token` (gathered from x inside the
     loads; X_SORTED: x_ptr is a TMA descriptor of x in the sorted layout, read at rows
     m0..) against rows n0.. of expert `expert`'s gate and up weights, reducing over H.
+    PACKED (bf16): w_gate_desc covers both weights as one [2, E_l, I, H] tensor, and a K
+    step is one [BLOCK_M, 2·BLOCK_N] dot over a box holding the gate and the up tile.
     fp8_block: x, weights e4m3 with their block scales (x_scale [T, H/128]); else bf16
     and the scale pointers unused."""
-    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if PACKED:
+        acc_gate_up = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+    else:
+        acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_offs = tl.arange(0, BLOCK_K)
     if not X_SORTED:
         a_ptrs = x_ptr + token.to(tl.int64)[:, None] * stride_x_t + k_offs[None, :]
@@ -116,23 +121,31 @@ def gather_gate_up_tile(
             a = x_ptr.load([m0, k0])
         else:
             a = tl.load(a_ptrs + k0, mask=row_valid[:, None] & (k0 + k_offs < hidden)[None, :], other=0.0)
-        b_gate = load_weight_tile(w_gate_desc, expert, n0, k0, inter)
-        b_up = load_weight_tile(w_up_desc, expert, n0, k0, inter)
-        if PRECISION == "fp8_block":
-            # No upcast: the interpreter's fp8 tl.dot is right (it reads the NaN byte as 480, but
-            # a NaN block's scale is NaN too). Padding rows get scale 0, not token 0's, so their
-            # h is exactly 0 even if x holds NaN.
-            a_scale_ptrs = x_scale_ptr + token.to(tl.int64) * (hidden // _SCALE_BLOCK) + k0 // _SCALE_BLOCK
-            a_scale = tl.load(a_scale_ptrs, mask=row_valid, other=0.0)  # [BLOCK_M] fp32
-            gate_scale = weight_block_scale(w_gate_scale_ptr, expert, n0, k0, inter, hidden)
-            up_scale = weight_block_scale(w_up_scale_ptr, expert, n0, k0, inter, hidden)
-            acc_gate += tl.dot(a, b_gate) * (a_scale[:, None] * gate_scale)
-            acc_up += tl.dot(a, b_up) * (a_scale[:, None] * up_scale)
-        else:
+        if PACKED:
+            b = w_gate_desc.load([0, expert, n0, k0]).reshape(2 * BLOCK_N, BLOCK_K).T  # [BLOCK_K, gate | up]
             if INTERPRETER:  # the interpreter's bf16 tl.dot is wrong (DESIGN §6); fp32 is exact
-                a, b_gate, b_up = a.to(tl.float32), b_gate.to(tl.float32), b_up.to(tl.float32)
-            acc_gate = tl.dot(a, b_gate, acc_gate)
-            acc_up = tl.dot(a, b_up, acc_up)
+                a, b = a.to(tl.float32), b.to(tl.float32)
+            acc_gate_up = tl.dot(a, b, acc_gate_up)
+        else:
+            b_gate = load_weight_tile(w_gate_desc, expert, n0, k0, inter)
+            b_up = load_weight_tile(w_up_desc, expert, n0, k0, inter)
+            if PRECISION == "fp8_block":
+                # No upcast: the interpreter's fp8 tl.dot is right (it reads the NaN byte as 480, but
+                # a NaN block's scale is NaN too). Padding rows get scale 0, not token 0's, so their
+                # h is exactly 0 even if x holds NaN.
+                a_scale_ptrs = x_scale_ptr + token.to(tl.int64) * (hidden // _SCALE_BLOCK) + k0 // _SCALE_BLOCK
+                a_scale = tl.load(a_scale_ptrs, mask=row_valid, other=0.0)  # [BLOCK_M] fp32
+                gate_scale = weight_block_scale(w_gate_scale_ptr, expert, n0, k0, inter, hidden)
+                up_scale = weight_block_scale(w_up_scale_ptr, expert, n0, k0, inter, hidden)
+                acc_gate += tl.dot(a, b_gate) * (a_scale[:, None] * gate_scale)
+                acc_up += tl.dot(a, b_up) * (a_scale[:, None] * up_scale)
+            else:
+                if INTERPRETER:
+                    a, b_gate, b_up = a.to(tl.float32), b_gate.to(tl.float32), b_up.to(tl.float32)
+                acc_gate = tl.dot(a, b_gate, acc_gate)
+                acc_up = tl.dot(a, b_up, acc_up)
+    if PACKED:
+        acc_gate, acc_up = column_halves(acc_gate_up)
     return acc_gate, acc_up
 
 
@@ -151,7 +164,7 @@ def _gate_up_swiglu_kernel(
     # meta
     PRECISION: tl.constexpr, HAS_LIMIT: tl.constexpr, STORE_GATE_UP: tl.constexpr, INTERPRETER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    X_SORTED: tl.constexpr,
+    X_SORTED: tl.constexpr, PACKED: tl.constexpr,
 ):
     m_tile, n_tile = tile_coordinates(tl.program_id(0), max_m_tiles, tl.cdiv(inter, BLOCK_N), GROUP_M)
     if m_tile * BLOCK_M >= tl.load(num_rows_ptr):
@@ -165,7 +178,7 @@ def _gate_up_swiglu_kernel(
     gate, up = gather_gate_up_tile(
         x_ptr, x_scale_ptr, w_gate_desc, w_gate_scale_ptr, w_up_desc, w_up_scale_ptr,
         token, row_valid, m_tile * BLOCK_M, expert, n_tile * BLOCK_N, hidden, inter, stride_x_t,
-        PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRETER, X_SORTED,
+        PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRETER, X_SORTED, PACKED,
     )
     out_mask = n_offs[None, :] < inter
     rows64 = rows.to(tl.int64)[:, None]
@@ -290,14 +303,17 @@ _FP8_BLOCK_TILES = {
 }
 
 
-# The bf16 gate/up GEMM reads x copied to the sorted layout (TMA) from this intermediate size
-# on: the copy costs the same at any I, the TMA loads save in proportion to I (H200: 1.38 ->
-# 1.23 ms for the GEMM on qwen3-30b, whose I = 768 the copy would eat).
+# With separate gate and up weights, the bf16 gate/up GEMM reads x copied to the sorted
+# layout (TMA) from this intermediate size on: the copy costs the same at any I, the TMA
+# loads save in proportion to I (H200: 1.38 -> 1.23 ms for the GEMM on qwen3-30b, whose
+# I = 768 the copy would eat). With packed weights the gathered loads measured as fast or
+# faster on every preset (deepseek-v3-slice 5.39 ms gathered, 6.06–6.29 over sorted x).
 SORTED_X_MIN_INTER = 2048
 
 
-def gemm_config(kind: str, n_dim: int, reduce_dim: int, precision: str = "bf16") -> dict:
-    """Tile config for a GEMM of output width n_dim and reduction reduce_dim.
+def gemm_config(kind: str, n_dim: int, reduce_dim: int, precision: str = "bf16", packed_gate_up: bool = False) -> dict:
+    """Tile config for a GEMM of output width n_dim and reduction reduce_dim (gate/up:
+    `packed_gate_up` when its weights are one tensor, `gate_up_packed`).
 
     H200, bf16, chosen by `benchmarks/tune_gemm.py` on the three GPU presets (records
     h200-20261130-gemm-tiles.json, -tiles-v2.json): 128×128 tiles with two accumulators
@@ -314,7 +330,7 @@ def gemm_config(kind: str, n_dim: int, reduce_dim: int, precision: str = "bf16")
         return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1)
     if kind == "gate_up":
         return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4,
-                    X_SORTED=n_dim >= SORTED_X_MIN_INTER)
+                    X_SORTED=not packed_gate_up and n_dim >= SORTED_X_MIN_INTER)
     return dict(BLOCK_M=128, BLOCK_N=256 if n_dim >= 2048 else 128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4)
 
 
@@ -337,11 +353,11 @@ def checked_tile_config(
 
 
 def _tile_config(
-    kind: str, n_dim: int, reduce_dim: int, precision: str, tile_config: dict | None, schedule: RoutingSchedule
+    kind: str, n_dim: int, reduce_dim: int, precision: str, tile_config: dict | None, schedule: RoutingSchedule,
+    packed_gate_up: bool = False,
 ) -> dict:
-    return checked_tile_config(
-        tile_config, gemm_config(kind, n_dim, reduce_dim, precision), schedule, precision, kind, kind == "gate_up"
-    )
+    default = gemm_config(kind, n_dim, reduce_dim, precision, packed_gate_up)
+    return checked_tile_config(tile_config, default, schedule, precision, kind, kind == "gate_up")
 
 
 def check_fp8_block_tiles(cfg: dict, gemm: str, whole_block_n: bool) -> None:
@@ -395,12 +411,26 @@ def fp8_block_weight_shape(name: str, w: torch.Tensor, layout: str, num_local_ex
     return tuple(w.shape)
 
 
+def gate_up_packed(w_gate: torch.Tensor, w_up: torch.Tensor) -> bool:
+    """Whether w_up starts where w_gate ends, both contiguous and alike: one [2, E_l, I, H]
+    tensor, as `MoKMoE` and `mok.pack_gate_up` store them. The gate/up GEMM then loads a
+    gate tile and an up tile as one TMA box and multiplies them in one 2·BLOCK_N-wide dot,
+    which reads the x tile from shared memory once per K step instead of twice (H200: 7–12%
+    faster, BENCHMARKS.md); separate tensors take two dots, with bitwise the same result."""
+    return (
+        w_gate.is_contiguous() and w_up.is_contiguous() and w_up.shape == w_gate.shape
+        and w_up.dtype == w_gate.dtype and w_up.device == w_gate.device
+        and w_up.data_ptr() == w_gate.data_ptr() + w_gate.numel() * w_gate.element_size()
+    )
+
+
 def _launch_gate_up_swiglu(
     precision: str, x, x_scale, w_gate, w_gate_scale, w_up, w_up_scale, h, h_scale, gate_up,
     schedule: RoutingSchedule, topk: int, swiglu_limit: float | None, cfg: dict,
 ) -> None:
     """One launch of `_gate_up_swiglu_kernel`; the scales are None in bf16. cfg["X_SORTED"]
-    (bf16 only): x is first copied to the sorted layout and read through TMA."""
+    (bf16 only): x is first copied to the sorted layout and read through TMA. bf16 weights
+    stored as one [2, E_l, I, H] tensor (`gate_up_packed`) are read as such."""
     inter, hidden = w_gate.shape[1], w_gate.shape[2]
     cfg = dict(cfg)
     x_sorted = cfg.pop("X_SORTED", False)
@@ -409,7 +439,11 @@ def _launch_gate_up_swiglu(
         x_copy = gather_sorted_rows(x, None, None, schedule, topk)[0]
         x_operand = tma_descriptor(x_copy, (cfg["BLOCK_M"], cfg["BLOCK_K"]))
     grid = (schedule.max_tiles * triton.cdiv(inter, cfg["BLOCK_N"]),)
-    w_gate_desc, w_up_desc = (tma_descriptor(w, (cfg["BLOCK_N"], cfg["BLOCK_K"])) for w in (w_gate, w_up))
+    packed = precision == "bf16" and gate_up_packed(w_gate, w_up)  # checked again: tile_config may come from a caller
+    if packed:
+        w_gate_desc = w_up_desc = tma_descriptor_pair(w_gate, (2, 1, cfg["BLOCK_N"], cfg["BLOCK_K"]))
+    else:
+        w_gate_desc, w_up_desc = (tma_descriptor(w, (cfg["BLOCK_N"], cfg["BLOCK_K"])) for w in (w_gate, w_up))
     scales = (x if s is None else s for s in (x_scale, w_gate_scale, w_up_scale, h_scale))  # x: an unread stand-in
     _gate_up_swiglu_kernel[grid](
         x_operand, w_gate_desc, w_up_desc, h, h if gate_up is None else gate_up,
@@ -418,7 +452,7 @@ def _launch_gate_up_swiglu(
         hidden, inter, topk, schedule.max_tiles, 0.0 if swiglu_limit is None else float(swiglu_limit),
         x.stride(0), h.stride(0), 2 * inter,
         PRECISION=precision, HAS_LIMIT=swiglu_limit is not None, STORE_GATE_UP=gate_up is not None,
-        INTERPRETER=interpreting(), X_SORTED=x_sorted, **cfg,
+        INTERPRETER=interpreting(), X_SORTED=x_sorted, PACKED=packed, **cfg,
     )
 
 
@@ -440,7 +474,7 @@ def gate_up_swiglu(
         raise ValueError(f"x: expected a contiguous bf16 [T, {hidden}] tensor, got {x.dtype} {list(x.shape)}")
     _check_weights("w_gate", w_gate, (schedule.num_local_experts, inter, hidden), x.device)
     _check_weights("w_up", w_up, tuple(w_gate.shape), x.device)
-    cfg = _tile_config("gate_up", inter, hidden, "bf16", tile_config, schedule)
+    cfg = _tile_config("gate_up", inter, hidden, "bf16", tile_config, schedule, gate_up_packed(w_gate, w_up))
     rows = schedule.capacity_rows
     h = torch.empty(rows, inter, dtype=torch.bfloat16, device=x.device)  # [capacity_rows, I]
     gate_up = torch.empty(rows, 2, inter, dtype=torch.bfloat16, device=x.device) if store_gate_up else None

@@ -60,6 +60,7 @@ def make_inputs(
 
     Weights use the fan-in scale 1/sqrt(fan_in) so outputs stay O(1) at every size.
     Router weights are a softmax over the chosen experts, or N(0,1) with `signed_weights`.
+    Each gate/up pair shares one allocation, as in `MoKMoE` (`mok.pack_gate_up`).
     """
     gen = torch.Generator().manual_seed(seed)
 
@@ -72,15 +73,17 @@ def make_inputs(
         topk_ids = make_topk_ids(num_tokens, E, topk, gen)
     logits = torch.randn(num_tokens, topk, generator=gen)
     topk_weights = logits if signed_weights else torch.softmax(logits, dim=-1)
+    def gate_up_pair(*shape):  # [2, *shape], the gate and the up weight
+        return torch.stack([randn(*shape, scale=H**-0.5), randn(*shape, scale=H**-0.5)]).unbind(0)
+
     shared = (None, None, None)
     if I_s:
-        shared = (randn(I_s, H, scale=H**-0.5), randn(I_s, H, scale=H**-0.5), randn(H, I_s, scale=I_s**-0.5))
+        shared = (*gate_up_pair(I_s, H), randn(H, I_s, scale=I_s**-0.5))
     return MoEInputs(
         x,
         topk_ids.to(device=device, dtype=torch.int64),
         topk_weights.to(device=device, dtype=torch.float32),
-        randn(E, I, H, scale=H**-0.5),
-        randn(E, I, H, scale=H**-0.5),
+        *gate_up_pair(E, I, H),
         randn(E, H, I, scale=I**-0.5),
         *shared,
     )

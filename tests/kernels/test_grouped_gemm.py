@@ -9,6 +9,7 @@ from mok.kernels.combine import combine
 from mok.kernels.grouped_gemm import (
     down_scatter,
     down_scatter_fp8_block,
+    gate_up_packed,
     gate_up_swiglu,
     gate_up_swiglu_fp8_block,
     gemm_config,
@@ -53,22 +54,33 @@ def test_gate_up_and_down_match_reference(kernel_device, T, H, I, E, topk, limit
         assert_close_to_reference(y[slots[mine]].cpu(), y_ref, name="y", context=ctx)
 
 
+def _apart(w_gate, w_up):
+    """Copies of a gate/up pair that are certainly not packed: a gap between them."""
+    spaced = torch.stack([w_gate, torch.empty_like(w_gate), w_up])
+    return spaced[0], spaced[2]
+
+
 @pytest.mark.parametrize("T, H, I, E, topk, limit", [(37, 64, 48, 5, 2, None), (9, 40, 24, 3, 3, 0.5)])
-def test_gate_up_over_sorted_x_is_bitwise_the_gathered_one(kernel_device, T, H, I, E, topk, limit):
-    """X_SORTED (x copied to the sorted layout, read through TMA) changes where the operand
-    comes from, not the sum: h and g, u are bitwise those of the gathered loads."""
+def test_gate_up_paths_are_bitwise_the_same(kernel_device, T, H, I, E, topk, limit):
+    """X_SORTED (x copied to the sorted layout, read through TMA) and packed weights (one
+    2·BLOCK_N-wide dot per K step) change where the operands come from, not the sum: h and
+    g, u are bitwise those of gathered loads and separate weights."""
     inp = make_inputs(T, H, I, E, topk, seed=T + 1, device=kernel_device)
     flag = torch.zeros(1, dtype=torch.int32, device=kernel_device)
     sched = build_routing_schedule(inp.topk_ids, E, routing_block_m(), flag)
     num_rows = int(sched.num_rows)
-    outputs = []
-    for x_sorted in (False, True):
-        cfg = {**gemm_config("gate_up", I, H), "X_SORTED": x_sorted}
-        h, gate_up = gate_up_swiglu(inp.x, inp.w_gate, inp.w_up, sched, topk, limit, True, tile_config=cfg)
-        outputs.append((h[:num_rows], gate_up[:num_rows]))
+    separate = _apart(inp.w_gate, inp.w_up)
+    assert gate_up_packed(inp.w_gate, inp.w_up) and not gate_up_packed(*separate)
     ctx = f"{T=} {H=} {I=} {E=} {topk=} {limit=}"
-    for name, gathered, sorted_ in zip(("h", "gate_up"), *outputs):
-        assert torch.equal(gathered, sorted_), f"{name}: sorted-x path differs from the gathered one; {ctx}"
+    first = None
+    for x_sorted in (False, True):
+        for weights, packed in ((separate, False), ((inp.w_gate, inp.w_up), True)):
+            cfg = {**gemm_config("gate_up", I, H), "X_SORTED": x_sorted}
+            h, gate_up = gate_up_swiglu(inp.x, *weights, sched, topk, limit, True, tile_config=cfg)
+            outputs = (h[:num_rows], gate_up[:num_rows])
+            first = outputs if first is None else first
+            for name, got, want in zip(("h", "gate_up"), outputs, first):
+                assert torch.equal(got, want), f"{name}: {x_sorted=} {packed=} differs from gathered, separate; {ctx}"
 
 
 def test_launchers_reject_mismatches(kernel_device):
