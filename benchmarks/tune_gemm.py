@@ -37,6 +37,11 @@ def _configs(*tiles, group_m: bool = True) -> list[dict]:
     return [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=8, num_stages=s, **extra) for m, n, k, s in tiles]
 
 
+def _persistent(configs: list[dict]) -> list[dict]:
+    """The configs again as persistent launches (one program per SM, flattened tile loop)."""
+    return [dict(cfg, PERSISTENT=True) for cfg in configs]
+
+
 def _sorted_x(configs: list[dict]) -> list[dict]:
     """The gate/up configs again, reading x copied to the sorted layout (the copy is timed too)."""
     return [dict(cfg, X_SORTED=True) for cfg in configs]
@@ -46,9 +51,10 @@ _GATE_UP = _configs((128, 128, 64, 4), (128, 128, 64, 3))
 CONFIGS = {
     "gate_up": _GATE_UP + _sorted_x(_GATE_UP),
     "gate_up_separate": _GATE_UP + _sorted_x(_GATE_UP),
-    "down": _configs((128, 256, 64, 3), (128, 256, 64, 4), (128, 128, 64, 4), (128, 128, 64, 5)),
+    "down": _configs((128, 256, 64, 4), (128, 256, 64, 3)) + _persistent(_configs((128, 256, 64, 3), (128, 256, 64, 4))),
     "down_dgrad": _configs((128, 256, 64, 3), (128, 128, 64, 4), (128, 128, 64, 3), (128, 128, 32, 6)),
-    "gate_up_dgrad": _configs((128, 256, 64, 3), (128, 256, 64, 4), (128, 128, 64, 4), (128, 256, 32, 5)),
+    "gate_up_dgrad": _configs((128, 256, 64, 3), (128, 256, 64, 4))
+    + _persistent(_configs((128, 256, 64, 3), (128, 256, 64, 4))),
     "down_wgrad": _configs((128, 256, 64, 3), (128, 256, 64, 4), (128, 128, 64, 4), (128, 128, 64, 5), group_m=False),
     "gate_up_wgrad": _configs((128, 128, 64, 4), (128, 128, 64, 3), (128, 128, 32, 6), (128, 64, 64, 4), group_m=False),
 }

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import threading
+
+import torch
 
 # Bits of a workspace's error flag (mok.functional turns them into messages).
 ERROR_BAD_EXPERT_ID = 1
@@ -15,6 +18,19 @@ ERROR_PEER_TIMEOUT = 4
 def interpreting() -> bool:
     """True under TRITON_INTERPRET=1 (kernels run on the CPU through NumPy)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# Programs of a persistent launch where there are no SMs to count (the interpreter on the
+# CPU): a few, so that each program walks several tiles.
+_INTERPRETER_PROGRAMS = 3
+
+
+@functools.cache
+def num_sms(device) -> int:
+    """Streaming multiprocessors of a CUDA device: the programs of a persistent launch."""
+    if device.type != "cuda":
+        return _INTERPRETER_PROGRAMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 import triton  # noqa: E402

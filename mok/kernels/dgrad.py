@@ -107,6 +107,10 @@ _FP8_BLOCK_TILES = {
 }
 
 
+# Output width (H) from which the gate/up dgrad runs persistent (`dgrad_config`).
+PERSISTENT_GATE_UP_MIN_HIDDEN = 6144
+
+
 def dgrad_config(kind: str, n_dim: int, reduce_dim: int, precision: str = "bf16") -> dict:
     """Tile config of a dgrad GEMM (`kind` "down" or "gate_up") of output width n_dim.
 
@@ -116,7 +120,10 @@ def dgrad_config(kind: str, n_dim: int, reduce_dim: int, precision: str = "bf16"
     so 128×256×64 at 3 stages fits (48 KiB per stage) and measured 618–633 TFLOPS
     (128×128: 581–587); "down" takes the same tiles, its epilogue running on 64-column
     slices of the accumulator: 128×256 at 3 stages measured 12–19% faster than 128×128
-    at 4 stages on every preset (record h200-20261130-tiles-v2.json). Under the
+    at 4 stages on every preset (record h200-20261130-tiles-v2.json). The gate/up dgrad
+    runs persistent at 4 stages for wide outputs (H ≥ `PERSISTENT_GATE_UP_MIN_HIDDEN`;
+    deepseek-v3-slice 6.21 -> 5.39 ms; qwen3-30b and mixtral-8x7b within ±2% either
+    way, record h200-20261130-persistent.json). Under the
     interpreter, small tiles keep the CPU tests fast. The key never includes per-expert
     counts (they change every step). fp8_block: `_FP8_BLOCK_TILES`, the same for every
     shape until measured.
@@ -125,7 +132,10 @@ def dgrad_config(kind: str, n_dim: int, reduce_dim: int, precision: str = "bf16"
         return dict(BLOCK_M=routing_block_m(), **_FP8_BLOCK_TILES["interpreter" if interpreting() else kind])
     if interpreting():
         return dict(BLOCK_M=routing_block_m(), BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1)
-    return dict(BLOCK_M=routing_block_m(), BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+    cfg = dict(BLOCK_M=routing_block_m(), BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+    if kind == "gate_up" and n_dim >= PERSISTENT_GATE_UP_MIN_HIDDEN:
+        cfg.update(num_stages=4, PERSISTENT=True)
+    return cfg
 
 
 # --------------------------------------------------------------------------- jit helpers
@@ -249,32 +259,19 @@ def _sum_route_partials_kernel(
 
 
 @triton.jit
-def _gate_up_dgrad_scatter_kernel(
-    # pointers (d_g, d_u, weights: bf16; fp8_block: e4m3, the weights as their transposed copies [E_l, H, I])
+def _gate_up_dgrad_tile(
     d_gate_desc, d_up_desc, w_gate_desc, w_up_desc, dx_ptr,
-    # fp8_block scales (unused in bf16): d_g, d_u [rows, I/128], w_gateᵀ, w_upᵀ [E_l, H/128, I/128]
     d_gate_scale_ptr, d_up_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr,
-    # schedule
-    row_source_ptr, tile_expert_ptr, num_rows_ptr,
-    # sizes
-    hidden, inter, max_m_tiles,
-    # strides
-    stride_dx_s,
-    # expert parallelism (PEER): rows to the sources' slots on their ranks, then one arrival per program
-    out_peer_ptrs, return_route_ptr, capacity, num_out_rows, arrivals_peer_ptrs, arrival_slot, num_ranks,
-    # meta
-    PRECISION: tl.constexpr, INTERPRETER: tl.constexpr, PEER: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    row_source_ptr, tile_expert_ptr, m_tile, n_tile, hidden, inter, stride_dx_s,
+    out_peer_ptrs, return_route_ptr, capacity, num_out_rows,
+    PRECISION: tl.constexpr, INTERPRETER: tl.constexpr, PEER: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    m_tile, n_tile = tile_coordinates(tl.program_id(0), max_m_tiles, tl.cdiv(hidden, BLOCK_N), GROUP_M)
-    if m_tile * BLOCK_M >= tl.load(num_rows_ptr):
-        if PEER:
-            signal_peers(arrivals_peer_ptrs, arrival_slot, num_ranks, BLOCK_P)  # the receivers count every program
-        return
+    """One [BLOCK_M, BLOCK_N] tile of the gate/up dgrad, scattered to its rows' slots. Each
+    output row depends only on its own d_gate_up row: padding rows cannot leak."""
     expert = tl.load(tile_expert_ptr + m_tile)
     rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     n_offs = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    # Each output row depends only on its own d_gate_up row: padding rows cannot leak.
     # d_g · Wg[e] + d_u · Wu[e]: one accumulator through two K loops over I.
     m0, n0 = m_tile * BLOCK_M, n_tile * BLOCK_N
     dx = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -292,8 +289,51 @@ def _gate_up_dgrad_scatter_kernel(
         dx = sorted_rows_times_weight(d_up_desc, m0, w_up_desc, expert, n0, inter, dx, BLOCK_K, INTERPRETER)
     scatter_rows_to_slots(dx_ptr, dx, row_source_ptr, rows, n_offs, hidden, stride_dx_s,
                           out_peer_ptrs, return_route_ptr, capacity, num_out_rows, PEER, INTERPRETER)
+
+
+@triton.jit
+def _gate_up_dgrad_scatter_kernel(
+    # pointers (d_g, d_u, weights: bf16; fp8_block: e4m3, the weights as their transposed copies [E_l, H, I])
+    d_gate_desc, d_up_desc, w_gate_desc, w_up_desc, dx_ptr,
+    # fp8_block scales (unused in bf16): d_g, d_u [rows, I/128], w_gateᵀ, w_upᵀ [E_l, H/128, I/128]
+    d_gate_scale_ptr, d_up_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr,
+    # schedule
+    row_source_ptr, tile_expert_ptr, num_rows_ptr,
+    # sizes (num_programs: the grid)
+    hidden, inter, max_m_tiles, num_programs,
+    # strides
+    stride_dx_s,
+    # expert parallelism (PEER): rows to the sources' slots on their ranks, then one arrival per program
+    out_peer_ptrs, return_route_ptr, capacity, num_out_rows, arrivals_peer_ptrs, arrival_slot, num_ranks,
+    # meta
+    PRECISION: tl.constexpr, INTERPRETER: tl.constexpr, PEER: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PERSISTENT: tl.constexpr,
+):
+    num_n_tiles = tl.cdiv(hidden, BLOCK_N)
+    if PERSISTENT:  # as the forward's down GEMM (`grouped_gemm._down_scatter_kernel`)
+        num_m_tiles = tl.cdiv(tl.load(num_rows_ptr), BLOCK_M)
+        for tile in tl.range(tl.program_id(0), num_m_tiles * num_n_tiles, num_programs, flatten=True):
+            m_tile, n_tile = tile_coordinates(tile, num_m_tiles, num_n_tiles, GROUP_M)
+            _gate_up_dgrad_tile(
+                d_gate_desc, d_up_desc, w_gate_desc, w_up_desc, dx_ptr,
+                d_gate_scale_ptr, d_up_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr,
+                row_source_ptr, tile_expert_ptr, m_tile, n_tile, hidden, inter, stride_dx_s,
+                out_peer_ptrs, return_route_ptr, capacity, num_out_rows,
+                PRECISION, INTERPRETER, PEER, BLOCK_M, BLOCK_N, BLOCK_K,
+            )
+    else:
+        m_tile, n_tile = tile_coordinates(tl.program_id(0), max_m_tiles, num_n_tiles, GROUP_M)
+        if m_tile * BLOCK_M < tl.load(num_rows_ptr):
+            _gate_up_dgrad_tile(
+                d_gate_desc, d_up_desc, w_gate_desc, w_up_desc, dx_ptr,
+                d_gate_scale_ptr, d_up_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr,
+                row_source_ptr, tile_expert_ptr, m_tile, n_tile, hidden, inter, stride_dx_s,
+                out_peer_ptrs, return_route_ptr, capacity, num_out_rows,
+                PRECISION, INTERPRETER, PEER, BLOCK_M, BLOCK_N, BLOCK_K,
+            )
     if PEER:
-        signal_peers(arrivals_peer_ptrs, arrival_slot, num_ranks, BLOCK_P)
+        signal_peers(arrivals_peer_ptrs, arrival_slot, num_ranks, BLOCK_P)  # the receivers count every program
 
 
 # --------------------------------------------------------------------------- launchers
@@ -434,16 +474,17 @@ def _launch_gate_up_dgrad_scatter(
         dx = torch.empty(num_slots, hidden, dtype=torch.bfloat16, device=d_gate.device)  # [T·topk, H] bf16
     else:
         dx = peer_rows.checked_local_out(hidden, d_gate.device)
-    grid = (scatter_grid(schedule, hidden, cfg),)
+    programs = scatter_grid(schedule, hidden, cfg)
+    cfg = {"PERSISTENT": False, **cfg}
     a_block = (cfg["BLOCK_M"], cfg["BLOCK_K"])
     b_block = _weight_block(precision, cfg)
     scales = (dx if s is None else s for s in (d_gate_scale, d_up_scale, w_gate_scale, w_up_scale))  # dx: unread
-    _gate_up_dgrad_scatter_kernel[grid](
+    _gate_up_dgrad_scatter_kernel[(programs,)](
         tma_descriptor(d_gate, a_block), tma_descriptor(d_up, a_block),
         tma_descriptor(w_gate, b_block), tma_descriptor(w_up, b_block), dx,
         *scales,
         schedule.row_source, schedule.tile_expert, schedule.num_rows,
-        hidden, inter, schedule.max_tiles,
+        hidden, inter, schedule.max_tiles, programs,
         dx.stride(0),
         *PeerRows.kernel_args(peer_rows, dx),
         PRECISION=precision, INTERPRETER=interpreting(), **PeerRows.kernel_meta(peer_rows), **cfg,

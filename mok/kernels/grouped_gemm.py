@@ -55,7 +55,7 @@ import triton.language as tl
 
 from mok.fp8_block import FP8_BLOCK
 from mok.kernels.comm import PeerRows, peer_row_starts, signal_peers
-from mok.kernels.common import column_halves, interpreting, round_to_bf16, tma_descriptor, tma_descriptor_pair
+from mok.kernels.common import column_halves, interpreting, num_sms, round_to_bf16, tma_descriptor, tma_descriptor_pair
 from mok.kernels.gather import gather_sorted_rows
 from mok.kernels.quant_fp8_block import quantize_row_blocks
 from mok.kernels.schedule import RoutingSchedule
@@ -245,28 +245,13 @@ def scatter_rows_to_slots(
 
 
 @triton.jit
-def _down_scatter_kernel(
-    # pointers (h, w_down: bf16, or e4m3 with their scales in fp8_block)
-    h_desc, w_down_desc, y_ptr,
-    # fp8_block scales (unused in bf16): h [rows, I/128], w_down [E_l, H/128, I/128]
-    h_scale_ptr, w_down_scale_ptr,
-    # schedule
-    row_source_ptr, tile_expert_ptr, num_rows_ptr,
-    # sizes
-    hidden, inter, max_m_tiles,
-    # strides
-    stride_y_s,
-    # expert parallelism (PEER): rows to the sources' slots on their ranks, then one arrival per program
-    out_peer_ptrs, return_route_ptr, capacity, num_out_rows, arrivals_peer_ptrs, arrival_slot, num_ranks,
-    # meta
-    PRECISION: tl.constexpr, INTERPRETER: tl.constexpr, PEER: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+def _down_tile(
+    h_desc, w_down_desc, y_ptr, h_scale_ptr, w_down_scale_ptr, row_source_ptr, tile_expert_ptr, m_tile, n_tile,
+    hidden, inter, stride_y_s, out_peer_ptrs, return_route_ptr, capacity, num_out_rows,
+    PRECISION: tl.constexpr, INTERPRETER: tl.constexpr, PEER: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    m_tile, n_tile = tile_coordinates(tl.program_id(0), max_m_tiles, tl.cdiv(hidden, BLOCK_N), GROUP_M)
-    if m_tile * BLOCK_M >= tl.load(num_rows_ptr):
-        if PEER:
-            signal_peers(arrivals_peer_ptrs, arrival_slot, num_ranks, BLOCK_P)  # the receivers count every program
-        return
+    """One [BLOCK_M, BLOCK_N] tile of the down GEMM, scattered to its rows' slots."""
     expert = tl.load(tile_expert_ptr + m_tile)
     rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     n_offs = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -276,8 +261,44 @@ def _down_scatter_kernel(
     )
     scatter_rows_to_slots(y_ptr, y, row_source_ptr, rows, n_offs, hidden, stride_y_s,
                           out_peer_ptrs, return_route_ptr, capacity, num_out_rows, PEER, INTERPRETER)
+
+
+@triton.jit
+def _down_scatter_kernel(
+    # pointers (h, w_down: bf16, or e4m3 with their scales in fp8_block)
+    h_desc, w_down_desc, y_ptr,
+    # fp8_block scales (unused in bf16): h [rows, I/128], w_down [E_l, H/128, I/128]
+    h_scale_ptr, w_down_scale_ptr,
+    # schedule
+    row_source_ptr, tile_expert_ptr, num_rows_ptr,
+    # sizes (num_programs: the grid)
+    hidden, inter, max_m_tiles, num_programs,
+    # strides
+    stride_y_s,
+    # expert parallelism (PEER): rows to the sources' slots on their ranks, then one arrival per program
+    out_peer_ptrs, return_route_ptr, capacity, num_out_rows, arrivals_peer_ptrs, arrival_slot, num_ranks,
+    # meta
+    PRECISION: tl.constexpr, INTERPRETER: tl.constexpr, PEER: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PERSISTENT: tl.constexpr,
+):
+    num_n_tiles = tl.cdiv(hidden, BLOCK_N)
+    if PERSISTENT:  # num_programs programs walk the real tiles; the flattened loop overlaps a
+        # tile's epilogue with the next tile's first loads
+        num_m_tiles = tl.cdiv(tl.load(num_rows_ptr), BLOCK_M)
+        for tile in tl.range(tl.program_id(0), num_m_tiles * num_n_tiles, num_programs, flatten=True):
+            m_tile, n_tile = tile_coordinates(tile, num_m_tiles, num_n_tiles, GROUP_M)
+            _down_tile(h_desc, w_down_desc, y_ptr, h_scale_ptr, w_down_scale_ptr, row_source_ptr, tile_expert_ptr,
+                       m_tile, n_tile, hidden, inter, stride_y_s, out_peer_ptrs, return_route_ptr, capacity,
+                       num_out_rows, PRECISION, INTERPRETER, PEER, BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        m_tile, n_tile = tile_coordinates(tl.program_id(0), max_m_tiles, num_n_tiles, GROUP_M)
+        if m_tile * BLOCK_M < tl.load(num_rows_ptr):
+            _down_tile(h_desc, w_down_desc, y_ptr, h_scale_ptr, w_down_scale_ptr, row_source_ptr, tile_expert_ptr,
+                       m_tile, n_tile, hidden, inter, stride_y_s, out_peer_ptrs, return_route_ptr, capacity,
+                       num_out_rows, PRECISION, INTERPRETER, PEER, BLOCK_M, BLOCK_N, BLOCK_K)
     if PEER:
-        signal_peers(arrivals_peer_ptrs, arrival_slot, num_ranks, BLOCK_P)
+        signal_peers(arrivals_peer_ptrs, arrival_slot, num_ranks, BLOCK_P)  # the receivers count every program
 
 
 # --------------------------------------------------------------------------- configs
@@ -310,6 +331,12 @@ _FP8_BLOCK_TILES = {
 # faster on every preset (deepseek-v3-slice 5.39 ms gathered, 6.06–6.29 over sorted x).
 SORTED_X_MIN_INTER = 2048
 
+# The down GEMM runs persistent (one program per SM walking the tiles in a flattened loop,
+# so a tile's epilogue overlaps the next tile's first loads) up to this reduction (I): a
+# short K loop leaves the epilogue a large share (H200: qwen3-30b 0.767 -> 0.711 ms,
+# deepseek-v3-slice 2.82 -> 2.74; mixtral-8x7b's I = 14336 2.59 -> 2.92, so not there).
+PERSISTENT_DOWN_MAX_INTER = 2048
+
 
 def gemm_config(kind: str, n_dim: int, reduce_dim: int, precision: str = "bf16", packed_gate_up: bool = False) -> dict:
     """Tile config for a GEMM of output width n_dim and reduction reduce_dim (gate/up:
@@ -320,7 +347,8 @@ def gemm_config(kind: str, n_dim: int, reduce_dim: int, precision: str = "bf16",
     for gate/up and 128×256 for the single-accumulator down GEMM at 8 warps, 4 stages;
     TMA loads of the weights beat pointer loads by 2–25%; 128×64 / 64×128 tiles at 4
     warps lose 15%; gate/up reads x copied to the sorted layout from
-    `SORTED_X_MIN_INTER` on. Under the interpreter, small tiles keep the CPU tests fast (BLOCK_M
+    `SORTED_X_MIN_INTER` on (separate weights only); the down GEMM runs persistent up to
+    `PERSISTENT_DOWN_MAX_INTER` (record h200-20261130-persistent.json). Under the interpreter, small tiles keep the CPU tests fast (BLOCK_M
     32, a whole MXFP8 block of rows).
     fp8_block: `_FP8_BLOCK_TILES`, the same for every shape until measured.
     """
@@ -331,7 +359,9 @@ def gemm_config(kind: str, n_dim: int, reduce_dim: int, precision: str = "bf16",
     if kind == "gate_up":
         return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4,
                     X_SORTED=not packed_gate_up and n_dim >= SORTED_X_MIN_INTER)
-    return dict(BLOCK_M=128, BLOCK_N=256 if n_dim >= 2048 else 128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4)
+    persistent = reduce_dim <= PERSISTENT_DOWN_MAX_INTER
+    return dict(BLOCK_M=128, BLOCK_N=256 if n_dim >= 2048 else 128, BLOCK_K=64, GROUP_M=8, num_warps=8,
+                num_stages=3 if persistent else 4, PERSISTENT=persistent)
 
 
 def routing_block_m() -> int:
@@ -525,8 +555,10 @@ def gate_up_swiglu_fp8_block(
 
 def scatter_grid(schedule: RoutingSchedule, hidden: int, cfg: dict) -> int:
     """Programs of a launch whose tiles cover [schedule rows, hidden] (the down GEMM, the
-    gate/up dgrad): under expert parallelism every one of them signals its arrival."""
-    return schedule.max_tiles * triton.cdiv(hidden, cfg["BLOCK_N"])
+    gate/up dgrad): one per tile, or with cfg["PERSISTENT"] one per SM (at most one per
+    tile). Under expert parallelism every one of them signals its arrival."""
+    tiles = schedule.max_tiles * triton.cdiv(hidden, cfg["BLOCK_N"])
+    return min(tiles, num_sms(schedule.row_source.device)) if cfg.get("PERSISTENT", False) else tiles
 
 
 def _launch_down_scatter(
@@ -535,13 +567,15 @@ def _launch_down_scatter(
 ) -> None:
     """One launch of `_down_scatter_kernel`; the scales are None in bf16."""
     hidden, inter = w_down.shape[1], w_down.shape[2]
-    _down_scatter_kernel[(scatter_grid(schedule, hidden, cfg),)](
+    programs = scatter_grid(schedule, hidden, cfg)
+    cfg = {"PERSISTENT": False, **cfg}
+    _down_scatter_kernel[(programs,)](
         tma_descriptor(h, (cfg["BLOCK_M"], cfg["BLOCK_K"])),
         tma_descriptor(w_down, (cfg["BLOCK_N"], cfg["BLOCK_K"])),
         y,
         y if h_scale is None else h_scale, y if w_down_scale is None else w_down_scale,
         schedule.row_source, schedule.tile_expert, schedule.num_rows,
-        hidden, inter, schedule.max_tiles,
+        hidden, inter, schedule.max_tiles, programs,
         y.stride(0),
         *PeerRows.kernel_args(peer_rows, y),
         PRECISION=precision, INTERPRETER=interpreting(), **PeerRows.kernel_meta(peer_rows), **cfg,

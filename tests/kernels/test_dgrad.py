@@ -112,12 +112,18 @@ def test_router_weight_gradient_does_not_depend_on_w(kernel_device):
 
 @pytest.mark.parametrize("T, H, I, E, topk", [(29, 72, 48, 4, 2), (1, 32, 16, 3, 1)])
 def test_gate_up_dgrad_scatter_matches_reference(kernel_device, T, H, I, E, topk):
+    """Also PERSISTENT (a few programs walking every tile): bitwise the per-tile launch."""
     inp = make_inputs(T, H, I, E, topk, seed=T, device=kernel_device)
     sched, rows, slots, experts, pad = _schedule(inp, E)
     gen = torch.Generator().manual_seed(3)
     d_gate_up = _sorted(rows, torch.randn(rows.numel(), 2, I, generator=gen) * 0.1, sched.capacity_rows)
     d_gate_up[pad] = 0  # what the down dgrad leaves in padding rows
-    dx = gate_up_dgrad_scatter(d_gate_up.to(kernel_device), inp.w_gate, inp.w_up, sched, T * topk)
+    dx, dx_persistent = (
+        gate_up_dgrad_scatter(d_gate_up.to(kernel_device), inp.w_gate, inp.w_up, sched, T * topk,
+                              tile_config={**dgrad_config("gate_up", H, I), "PERSISTENT": persistent})
+        for persistent in (False, True)
+    )
+    assert torch.equal(dx, dx_persistent), f"persistent launch differs: {T=} {H=} {I=} {E=} {topk=}"
     d_g, d_u = d_gate_up[rows].float().unbind(1)
     expected = torch.empty(T * topk, H)
     expected[slots] = (torch.einsum("ni,nih->nh", d_g, inp.w_gate.cpu().float()[experts])

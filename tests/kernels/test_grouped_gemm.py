@@ -83,6 +83,22 @@ def test_gate_up_paths_are_bitwise_the_same(kernel_device, T, H, I, E, topk, lim
                 assert torch.equal(got, want), f"{name}: {x_sorted=} {packed=} differs from gathered, separate; {ctx}"
 
 
+@pytest.mark.parametrize("T, H, I, E, topk", [(37, 64, 48, 5, 2), (1, 32, 32, 4, 1)])
+def test_persistent_down_is_bitwise_the_per_tile_one(kernel_device, T, H, I, E, topk):
+    """PERSISTENT: a few programs walk every tile (the interpreter runs 3, the GPU one per
+    SM); each tile's sum is the same, so y is bitwise that of one program per tile."""
+    inp = make_inputs(T, H, I, E, topk, seed=T + 2, device=kernel_device)
+    sched = build_routing_schedule(inp.topk_ids, E, routing_block_m(), torch.zeros(1, dtype=torch.int32, device=kernel_device))
+    h, _ = gate_up_swiglu(inp.x, inp.w_gate, inp.w_up, sched, topk)
+    h[sched.row_source < 0] = 0  # padding rows as the forward leaves them
+    per_tile, persistent = (
+        down_scatter(h, inp.w_down, sched, T * topk, tile_config={**gemm_config("down", H, I), "PERSISTENT": flag})
+        for flag in (False, True)
+    )
+    assert torch.equal(per_tile, persistent), f"{T=} {H=} {I=} {E=} {topk=}"
+    assert per_tile.abs().sum() > 0, f"{T=} {H=} {I=} {E=} {topk=}"
+
+
 def test_launchers_reject_mismatches(kernel_device):
     inp = make_inputs(8, 32, 16, 4, 2, device=kernel_device)
     sched = build_routing_schedule(inp.topk_ids, 4, routing_block_m(), torch.zeros(1, dtype=torch.int32, device=kernel_device))
