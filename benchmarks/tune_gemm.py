@@ -49,7 +49,7 @@ def _sorted_x(configs: list[dict]) -> list[dict]:
 
 _GATE_UP = _configs((128, 128, 64, 4), (128, 128, 64, 3))
 CONFIGS = {
-    "gate_up": _GATE_UP + _sorted_x(_GATE_UP),
+    "gate_up": [dict(cfg, PACKED=True) for cfg in _GATE_UP + _sorted_x(_GATE_UP)],
     "gate_up_separate": _GATE_UP + _sorted_x(_GATE_UP),
     "down": _configs((128, 256, 64, 4), (128, 256, 64, 3)) + _persistent(_configs((128, 256, 64, 3), (128, 256, 64, 4))),
     "down_dgrad": _configs((128, 256, 64, 3), (128, 128, 64, 4), (128, 128, 64, 3), (128, 128, 32, 6)),
@@ -66,8 +66,10 @@ def _kernel_call(kind, cfg, inp, sched, topk, operands):
     """A no-argument call of kernel `kind` with tile config `cfg` on the preset's operands."""
     routes = inp.topk_ids.numel()
     calls = {
-        "gate_up": lambda: gate_up_swiglu(inp.x, inp.w_gate, inp.w_up, sched, topk, tile_config=cfg),
-        "gate_up_separate": lambda: gate_up_swiglu(inp.x, *operands["separate_gate_up"], sched, topk, tile_config=cfg),
+        # g, u stored as in training (the backward reads them)
+        "gate_up": lambda: gate_up_swiglu(inp.x, inp.w_gate, inp.w_up, sched, topk, store_gate_up=True, tile_config=cfg),
+        "gate_up_separate": lambda: gate_up_swiglu(inp.x, *operands["separate_gate_up"], sched, topk,
+                                                   store_gate_up=True, tile_config=cfg),
         "down": lambda: down_scatter(operands["h"], inp.w_down, sched, routes, tile_config=cfg),
         "down_dgrad": lambda: down_dgrad_swiglu(operands["d_out_sorted"], inp.topk_weights, operands["gate_up"],
                                                 inp.w_down, sched, tile_config=cfg),

@@ -324,12 +324,17 @@ _FP8_BLOCK_TILES = {
 }
 
 
-# With separate gate and up weights, the bf16 gate/up GEMM reads x copied to the sorted
-# layout (TMA) from this intermediate size on: the copy costs the same at any I, the TMA
-# loads save in proportion to I (H200: 1.38 -> 1.23 ms for the GEMM on qwen3-30b, whose
-# I = 768 the copy would eat). With packed weights the gathered loads measured as fast or
-# faster on every preset (deepseek-v3-slice 5.39 ms gathered, 6.06–6.29 over sorted x).
+# The bf16 gate/up GEMM reads x copied to the sorted layout (TMA) from this intermediate
+# size on: the copy costs the same at any I, the TMA loads save in proportion to I (H200:
+# 1.38 -> 1.23 ms for the GEMM on qwen3-30b, whose I = 768 the copy would eat).
 SORTED_X_MIN_INTER = 2048
+
+# Packed gate/up weights take the one-wide-dot path (tile-config flag PACKED, gathered x)
+# below this intermediate size. H200, g and u stored as in training, same machine, before
+# and after: qwen3-30b (I = 768) 1.47 -> 1.39 ms, deepseek-v3-slice (I = 2048) forward
+# 11.1 -> 10.9 ms; mixtral-8x7b (I = 14336) 5.51–5.58 -> 5.80 ms gathered or over sorted x,
+# so there the two dots over sorted x stay.
+PACKED_MAX_INTER = 8192
 
 # The down GEMM runs persistent (one program per SM walking the tiles in a flattened loop,
 # so a tile's epilogue overlaps the next tile's first loads) up to this reduction (I): a
@@ -347,7 +352,7 @@ def gemm_config(kind: str, n_dim: int, reduce_dim: int, precision: str = "bf16",
     for gate/up and 128×256 for the single-accumulator down GEMM at 8 warps, 4 stages;
     TMA loads of the weights beat pointer loads by 2–25%; 128×64 / 64×128 tiles at 4
     warps lose 15%; gate/up reads x copied to the sorted layout from
-    `SORTED_X_MIN_INTER` on (separate weights only); the down GEMM runs persistent up to
+    `SORTED_X_MIN_INTER` on, unless it takes packed weights (`PACKED_MAX_INTER`); the down GEMM runs persistent up to
     `PERSISTENT_DOWN_MAX_INTER` (record h200-20261130-persistent.json). Under the interpreter, small tiles keep the CPU tests fast (BLOCK_M
     32, a whole MXFP8 block of rows).
     fp8_block: `_FP8_BLOCK_TILES`, the same for every shape until measured.
@@ -357,8 +362,9 @@ def gemm_config(kind: str, n_dim: int, reduce_dim: int, precision: str = "bf16",
     if interpreting():
         return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1)
     if kind == "gate_up":
+        packed = packed_gate_up and n_dim < PACKED_MAX_INTER
         return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4,
-                    X_SORTED=not packed_gate_up and n_dim >= SORTED_X_MIN_INTER)
+                    PACKED=packed, X_SORTED=not packed and n_dim >= SORTED_X_MIN_INTER)
     persistent = reduce_dim <= PERSISTENT_DOWN_MAX_INTER
     return dict(BLOCK_M=128, BLOCK_N=256 if n_dim >= 2048 else 128, BLOCK_K=64, GROUP_M=8, num_warps=8,
                 num_stages=3 if persistent else 4, PERSISTENT=persistent)
@@ -443,10 +449,11 @@ def fp8_block_weight_shape(name: str, w: torch.Tensor, layout: str, num_local_ex
 
 def gate_up_packed(w_gate: torch.Tensor, w_up: torch.Tensor) -> bool:
     """Whether w_up starts where w_gate ends, both contiguous and alike: one [2, E_l, I, H]
-    tensor, as `MoKMoE` and `mok.pack_gate_up` store them. The gate/up GEMM then loads a
-    gate tile and an up tile as one TMA box and multiplies them in one 2·BLOCK_N-wide dot,
-    which reads the x tile from shared memory once per K step instead of twice (H200: 7–12%
-    faster, BENCHMARKS.md); separate tensors take two dots, with bitwise the same result."""
+    tensor, as `MoKMoE` and `mok.pack_gate_up` store them. The gate/up GEMM can then load a
+    gate tile and an up tile as one TMA box and multiply them in one 2·BLOCK_N-wide dot,
+    which reads the x tile from shared memory once per K step instead of twice (tile-config
+    flag PACKED, where `PACKED_MAX_INTER` says it measured faster); two dots, as for
+    separate tensors, give bitwise the same result."""
     return (
         w_gate.is_contiguous() and w_up.is_contiguous() and w_up.shape == w_gate.shape
         and w_up.dtype == w_gate.dtype and w_up.device == w_gate.device
@@ -458,18 +465,20 @@ def _launch_gate_up_swiglu(
     precision: str, x, x_scale, w_gate, w_gate_scale, w_up, w_up_scale, h, h_scale, gate_up,
     schedule: RoutingSchedule, topk: int, swiglu_limit: float | None, cfg: dict,
 ) -> None:
-    """One launch of `_gate_up_swiglu_kernel`; the scales are None in bf16. cfg["X_SORTED"]
-    (bf16 only): x is first copied to the sorted layout and read through TMA. bf16 weights
-    stored as one [2, E_l, I, H] tensor (`gate_up_packed`) are read as such."""
+    """One launch of `_gate_up_swiglu_kernel`; the scales are None in bf16. bf16 only:
+    cfg["X_SORTED"]: x is first copied to the sorted layout and read through TMA;
+    cfg["PACKED"]: the weights, one [2, E_l, I, H] tensor (`gate_up_packed`), are read as such."""
     inter, hidden = w_gate.shape[1], w_gate.shape[2]
     cfg = dict(cfg)
     x_sorted = cfg.pop("X_SORTED", False)
+    packed = cfg.pop("PACKED", False)
+    if packed and not gate_up_packed(w_gate, w_up):
+        raise ValueError("tile_config: PACKED needs w_gate and w_up stored as one tensor (mok.pack_gate_up)")
     x_operand = x
     if x_sorted:  # [capacity_rows, H], zeros at padding rows
         x_copy = gather_sorted_rows(x, None, None, schedule, topk)[0]
         x_operand = tma_descriptor(x_copy, (cfg["BLOCK_M"], cfg["BLOCK_K"]))
     grid = (schedule.max_tiles * triton.cdiv(inter, cfg["BLOCK_N"]),)
-    packed = precision == "bf16" and gate_up_packed(w_gate, w_up)  # checked again: tile_config may come from a caller
     if packed:
         w_gate_desc = w_up_desc = tma_descriptor_pair(w_gate, (2, 1, cfg["BLOCK_N"], cfg["BLOCK_K"]))
     else:

@@ -75,7 +75,7 @@ def test_gate_up_paths_are_bitwise_the_same(kernel_device, T, H, I, E, topk, lim
     first = None
     for x_sorted in (False, True):
         for weights, packed in ((separate, False), ((inp.w_gate, inp.w_up), True)):
-            cfg = {**gemm_config("gate_up", I, H), "X_SORTED": x_sorted}
+            cfg = {**gemm_config("gate_up", I, H), "X_SORTED": x_sorted, "PACKED": packed}
             h, gate_up = gate_up_swiglu(inp.x, *weights, sched, topk, limit, True, tile_config=cfg)
             outputs = (h[:num_rows], gate_up[:num_rows])
             first = outputs if first is None else first
@@ -102,6 +102,9 @@ def test_persistent_down_is_bitwise_the_per_tile_one(kernel_device, T, H, I, E, 
 def test_launchers_reject_mismatches(kernel_device):
     inp = make_inputs(8, 32, 16, 4, 2, device=kernel_device)
     sched = build_routing_schedule(inp.topk_ids, 4, routing_block_m(), torch.zeros(1, dtype=torch.int32, device=kernel_device))
+    with pytest.raises(ValueError, match=r"^tile_config: PACKED needs w_gate and w_up stored as one tensor"):
+        cfg = {**gemm_config("gate_up", 16, 32), "PACKED": True}
+        gate_up_swiglu(inp.x, *_apart(inp.w_gate, inp.w_up), sched, 2, tile_config=cfg)
     with pytest.raises(ValueError, match=r"^w_up: expected a contiguous bf16 tensor of shape \[4, 16, 32\]"):
         gate_up_swiglu(inp.x, inp.w_gate, inp.w_up.float(), sched, 2)
     with pytest.raises(ValueError, match=r"^w_gate: expected a contiguous bf16 tensor of shape \[4, 16, 32\]"):
