@@ -17,8 +17,8 @@ pre-activations g and u ([rows, 2, I] bf16), so the backward recomputes h from t
 instead of redoing the gate/up GEMM.
 The down kernel scatters each row's y straight into its combine slot src(r), so no
 un-permute pass exists. Padding rows compute zeros and store nothing.
-Both kernels' configs may make the down GEMM (and `dgrad.py`'s gate/up dgrad) persistent
-(`PERSISTENT`): one program per SM walks the real tiles, so no program exits idle and a
+The down GEMM (and `dgrad.py`'s gate/up dgrad) may run persistent (tile-config flag
+`PERSISTENT`): one program per SM walks the real tiles, so no program exits idle and a
 tile's epilogue overlaps the next tile's loads; each tile's sum is unchanged.
 
 fp8_block (SPEC §2; the constexpr PRECISION, launchers `*_fp8_block`): the same kernels
