@@ -306,14 +306,16 @@ def build_schedule(
 # --------------------------------------------------------------------------- forward / backward
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False)
 class ForwardContext:
     """What forward leaves for backward. `saved` maps names to tensors; the reference
-    backend recomputes everything and saves nothing."""
+    backend recomputes everything and saves nothing. Not frozen: a backward with
+    `release_context=True` empties `saved` and sets `released`."""
 
     backend: str
     precision: str
     saved: dict[str, torch.Tensor] = field(default_factory=dict)
+    released: bool = False  # a backward with release_context=True consumed `saved`
 
 
 def _fp8_round(t: torch.Tensor, precision: str, is_weight: bool) -> torch.Tensor:
@@ -598,7 +600,9 @@ def _expert_mlp_backward(d_out, x, topk_weights, weights, saved, routing, block_
                          main_grads=(None, None, None), *, token_order=False, peer_rows=None):
     """dx_slots [num_slots, H] and the weight gradients of the experts in `routing` (plus
     d_topk_weights [T, topk] fp32 when `topk_weights` is given, else an empty tensor), from
-    the forward's `saved` g,u ("gate_up") and h ("h"). A weight with a `main_grads` buffer
+    the forward's g,u ("gate_up") and h ("h"), which it takes out of the dict `saved` as it
+    reads them: a dict holding their only references frees each after its last reader
+    (h after the down wgrad, g,u after the down dgrad). A weight with a `main_grads` buffer
     gets its gradient added into it, in place, and the buffer stands in its place among
     the returned gradients.
 
@@ -626,11 +630,13 @@ def _expert_mlp_backward(d_out, x, topk_weights, weights, saved, routing, block_
     if not isinstance(w_gate, _Fp8BlockWeight):
         # Each sorted copy is dropped once its last reader has run, so the peak holds no copy
         # of dOut next to the gate/up GEMMs' operands.
+        gate_up = saved.pop("gate_up")
         d_gate_up, d_topk_weights = ops.down_dgrad_swiglu(
-            d_out_sorted, topk_weights, saved["gate_up"], _dgrad_weight(w_down), routing, block_m, swiglu_limit
+            d_out_sorted, topk_weights, gate_up, _dgrad_weight(w_down), routing, block_m, swiglu_limit
         )
-        del d_out_sorted
-        h = ops.mxfp8_round(saved["h"], False, True, routing, block_m)[1] if mxfp8 else saved["h"]
+        del d_out_sorted, gate_up
+        h = saved.pop("h")
+        h = ops.mxfp8_round(h, False, True, routing, block_m)[1] if mxfp8 else h
         d_w_down = _weight_grads(
             ops.down_wgrad, ops.down_wgrad_accumulate, (dy_sorted, h), (main_down,), routing, block_m
         )
@@ -656,8 +662,9 @@ def _expert_mlp_backward(d_out, x, topk_weights, weights, saved, routing, block_
     rows_in_use = routing[4]  # [1] int32: the schedule's num_rows; the quantizers skip the rest
     d_out_pair = ops.quantize_fp8_block_activations(d_out_sorted, rows_in_use)  # [rows, H] e4m3, [rows, H/128] fp32
     del d_out_sorted
+    gate_up = saved.pop("gate_up")
     d_gate_up, d_topk_weights = ops.down_dgrad_swiglu_fp8_block(
-        *d_out_pair, topk_weights, saved["gate_up"], w_down.q_t, w_down.scale_t, routing, block_m, swiglu_limit
+        *d_out_pair, topk_weights, gate_up, w_down.q_t, w_down.scale_t, routing, block_m, swiglu_limit
     )
     d_gate_pair, d_up_pair = (ops.quantize_fp8_block_activations(d_gate_up[:, j], rows_in_use) for j in (0, 1))
     dx_slots = ops.gate_up_dgrad_scatter_fp8_block(
@@ -672,7 +679,8 @@ def _expert_mlp_backward(d_out, x, topk_weights, weights, saved, routing, block_
         block_m, scales=(d_gate_up_t[1], x_t[1]),
     )
     dy_t = ops.quantize_fp8_block_sorted_t(dy_sorted, routing, block_m)  # [H, rows]
-    h_t = ops.quantize_fp8_block_swiglu_sorted_t(saved["gate_up"], routing, block_m, swiglu_limit)  # [I, rows]
+    h_t = ops.quantize_fp8_block_swiglu_sorted_t(gate_up, routing, block_m, swiglu_limit)  # [I, rows]
+    del gate_up
     d_w_down = _weight_grads(
         ops.down_wgrad, ops.down_wgrad_accumulate, (dy_t[0], h_t[0]), (main_down,), routing, block_m,
         scales=(dy_t[1], h_t[1]),
@@ -701,7 +709,7 @@ def _routed_backward(schedule, saved, d_out, x, topk_weights, routed, swiglu_lim
             d_out, x, topk_weights, routed, saved, schedule.routing, schedule.block_m,
             topk, num_tokens * topk, swiglu_limit, main_grads,
         )
-    expert_x = dispatch.received_x(saved["expert_x"], x)  # [P·C, H]
+    expert_x = dispatch.received_x(saved.pop("expert_x"), x)  # [P·C, H]
     expert_d_out, expert_weights = dispatch.dispatch_grad(d_out, topk_weights)  # [P·C, H], [P·C, 1]
     peer_rows = _epilogue_peer_rows(dispatch, "dx", routed)
     dx_rows, d_weight_rows, grads = _expert_mlp_backward(
@@ -718,10 +726,12 @@ def _triton_backward(schedule, saved, d_out, x, topk_weights, shared, routed, sw
     """DESIGN §3's backward on one GPU, no host sync: per expert group, down dgrad + SwiGLU
     backward + router-weight gradient, gate/up dgrad into route slots, wgrad GEMMs; then
     d_x = dx_shared + Σ_j dx_slots (the combine with unit weights, ascending j). Reads the
-    forward's g,u and h (not y: the router-weight gradient is ⟨dOut·Wd, h⟩ over I)."""
+    forward's g,u and h (not y: the router-weight gradient is ⟨dOut·Wd, h⟩ over I), taking
+    them out of `saved` as it goes (pass a copy to keep them)."""
     num_tokens, topk = topk_weights.shape
     if saved.get("gate_up") is None or saved["gate_up"].shape[0] == 0:
         raise ValueError("context: expected the pre-activations a forward with needs_backward=True saves")
+    shared_saved = {"gate_up": saved.pop("gate_up_shared"), "h": saved.pop("h_shared")} if shared[0] is not None else {}
     d_out = d_out.to(torch.bfloat16)  # a GEMM operand (no copy when it already is bf16)
     dx_slots, d_topk_weights, routed_grads = _routed_backward(
         schedule, saved, d_out, x, topk_weights, routed, swiglu_limit, tuple(main_grads.get(n) for n in _ROUTED)
@@ -730,8 +740,7 @@ def _triton_backward(schedule, saved, d_out, x, topk_weights, shared, routed, sw
     if shared[0] is not None:
         shared_experts = tuple(w.unsqueeze(0) for w in shared)  # one expert of the grouped GEMMs
         dx_shared, _, grads = _expert_mlp_backward(
-            d_out, x, None, shared_experts, {"gate_up": saved["gate_up_shared"], "h": saved["h_shared"]},
-            schedule.shared_routing,
+            d_out, x, None, shared_experts, shared_saved, schedule.shared_routing,
             schedule.block_m, 1, num_tokens, swiglu_limit,
             tuple(None if main_grads.get(n) is None else main_grads[n].unsqueeze(0) for n in _SHARED),
             token_order=True,
@@ -759,25 +768,37 @@ def backward(
     swiglu_limit: float | None = None,
     *,
     main_grads: dict[str, torch.Tensor] | None = None,
+    release_context: bool = False,
 ) -> Gradients:
     """Every gradient in SPEC §1's order: d_x, d_topk_weights, routed then shared weights.
 
     `main_grads` maps weight names ("w_gate", "w_up", "w_down", "ws_gate", "ws_up",
     "ws_down") to fp32 or bf16 buffers of the weight's shape: those gradients are added
     into the buffers in place (Megatron's main_grad), in fp32, and the buffers are returned
-    in their places. "w_gate" and "w_up" (and "ws_gate", "ws_up") go together."""
+    in their places. "w_gate" and "w_up" (and "ws_gate", "ws_up") go together.
+
+    `release_context=True` frees the context's activations as soon as the backward has read
+    them (h after the down weight gradient, g,u after the down dgrad), so the weight
+    gradients never sit next to them; the context then serves no second backward (`moe`
+    releases it unless autograd keeps the graph, `retain_graph=True`)."""
     _check_call(config, workspace, schedule, x, topk_weights, ws_gate, ws_up, ws_down, w_gate, w_up, w_down)
     main_grads = _check_main_grads(main_grads, dict(zip(_ROUTED + _SHARED, (w_gate, w_up, w_down, ws_gate, ws_up, ws_down))))
     if not isinstance(context, ForwardContext) or context.precision != config.precision:
         raise ValueError("context: expected the ForwardContext that forward returned under this config")
+    if context.released:
+        raise ValueError(
+            "context: its activations were released by an earlier backward (release_context=True); "
+            "run forward or recompute_forward_context again for another backward"
+        )
+    context.released = release_context
     check_tensor("d_out", d_out, dtypes=(torch.bfloat16, torch.float32), shape=tuple(x.shape), device=x.device)
     if schedule.backend == "triton":
         if context.backend != "triton":
             raise ValueError(f"context: expected a context of the triton backend (the schedule's), got {context.backend!r}")
         routed = _triton_routed_weights(config.precision, (w_gate, w_up, w_down))
+        saved = context.saved if release_context else dict(context.saved)  # taken from as the backward reads
         return _triton_backward(
-            schedule, context.saved, d_out, x, topk_weights, (ws_gate, ws_up, ws_down), routed, swiglu_limit,
-            main_grads,
+            schedule, saved, d_out, x, topk_weights, (ws_gate, ws_up, ws_down), routed, swiglu_limit, main_grads
         )
     grads = _reference_call(
         reference.moe_backward, config, workspace, schedule, x, topk_weights, ws_gate, ws_up, ws_down,
@@ -819,6 +840,14 @@ def _check_main_grads(main_grads, weights: dict[str, torch.Tensor | None]) -> di
 # --------------------------------------------------------------------------- autograd
 
 
+def _autograd_keeps_graph() -> bool:
+    """Whether the running autograd backward keeps its graph (`retain_graph=True`), so that
+    the forward's activations must outlive it. Also True while torch.compile traces, where
+    the private query is not traceable, and on a torch without it."""
+    keeps_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return torch.compiler.is_compiling() or keeps_graph is None or bool(keeps_graph())
+
+
 class _MoELayer(torch.autograd.Function):
     @staticmethod
     def forward(ctx, config, group, swiglu_limit, workspace_cache, x, topk_ids, topk_weights, w_gate, w_up, w_down,
@@ -846,7 +875,7 @@ class _MoELayer(torch.autograd.Function):
         config, workspace, schedule, context, swiglu_limit = ctx.state
         grads = backward(
             config, workspace, schedule, context, d_out.contiguous(), x, topk_weights, *shared,
-            w_gate, w_up, w_down, swiglu_limit,
+            w_gate, w_up, w_down, swiglu_limit, release_context=not _autograd_keeps_graph(),
         )
         return (
             None, None, None, None, grads.d_x, None, grads.d_topk_weights, grads.d_w_gate, grads.d_w_up, grads.d_w_down,

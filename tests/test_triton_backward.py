@@ -56,14 +56,38 @@ def test_triton_backward_run_twice_and_recompute_bitwise(kernel_device):
     first = mok.backward(config, ws, sched, ctx, d_out, *args)
     again = mok.backward(config, ws, sched, ctx, d_out, *args)
     recomputed = mok.backward(config, ws, sched, mok.recompute_forward_context(config, ws, sched, *args), d_out.float(), *args)
-    for name, a, b, c in zip(first._fields, first, again, recomputed):
+    released = mok.backward(config, ws, sched, ctx, d_out, *args, release_context=True)
+    for name, a, b, c, d in zip(first._fields, first, again, recomputed, released):
         assert torch.equal(a, b), f"{name}: run twice differs {T=} {H=} {I=} {E=} {topk=} {I_s=}"
         assert torch.equal(a, c), f"{name}: recompute (+ fp32 d_out) differs {T=} {H=} {I=} {E=} {topk=} {I_s=}"
+        assert torch.equal(a, d), f"{name}: release_context differs {T=} {H=} {I=} {E=} {topk=} {I_s=}"
+    # A released context gave up its activations and serves no second backward.
+    assert ctx.released and not {"gate_up", "h", "gate_up_shared", "h_shared"} & set(ctx.saved)
+    with pytest.raises(ValueError, match="^context: its activations were released by an earlier backward"):
+        mok.backward(config, ws, sched, ctx, d_out, *args)
     mok.check_errors(ws)
     # A context saved without the pre-activations cannot drive the backward.
     _, light = mok.forward(config, ws, sched, *args, needs_backward=False)
     with pytest.raises(ValueError, match="^context: expected the pre-activations"):
         mok.backward(config, ws, sched, light, d_out, *args)
+
+
+def test_autograd_releases_activations_unless_the_graph_is_kept(kernel_device):
+    """`moe`'s backward frees the forward's activations once read, unless autograd keeps the
+    graph: with retain_graph=True a second backward runs and adds the same gradients."""
+    T, H, I, E, topk = 21, 32, 32, 4, 2
+    inp = make_inputs(T, H, I, E, topk, seed=5, device=kernel_device)
+    d_out = torch.randn(T, H, generator=torch.Generator().manual_seed(2)).bfloat16().to(kernel_device)
+    config = mok.MoKConfig(backend="triton")
+    x, topk_weights, *weights = _leaves(inp)
+    out = mok.moe(x, inp.topk_ids, topk_weights, *weights, config=config)
+    context = out.grad_fn.state[3]
+    out.backward(d_out, retain_graph=True)
+    assert not context.released and "gate_up" in context.saved, "retain_graph=True: the context must stay whole"
+    first = x.grad.clone()
+    out.backward(d_out)
+    assert context.released and "gate_up" not in context.saved and "h" not in context.saved
+    assert torch.equal(x.grad, first * 2), "the second backward must add the same d_x (doubling is exact in bf16)"
 
 
 def test_backward_ops_schema_and_fake_impls(kernel_device):
