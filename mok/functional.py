@@ -645,18 +645,21 @@ def _expert_mlp_backward(d_out, x, topk_weights, weights, saved, routing, block_
         if mxfp8:
             rows, cols = ops.mxfp8_round(d_gate_up.flatten(1), True, True, routing, block_m)
             d_gate_up_dgrad, d_gate_up_wgrad = rows.view_as(d_gate_up), cols.view_as(d_gate_up)
+        del d_gate_up
         dgrad_weights = (_dgrad_weight(w_gate), _dgrad_weight(w_up))
-        if peer_rows is None:
-            dx_slots = ops.gate_up_dgrad_scatter(d_gate_up_dgrad, *dgrad_weights, routing, block_m, num_slots)
-        else:  # the rows go to the sources' slots on their ranks (`Dispatch.peer_rows`)
+        if peer_rows is not None:  # the rows go to the sources' slots on their ranks (`Dispatch.peer_rows`),
+            # while this rank's weight gradient runs
             ops.gate_up_dgrad_scatter_to_peers(
                 d_gate_up_dgrad, *dgrad_weights, routing, block_m, *_peer_op_args(peer_rows)
             )
-            dx_slots = None
         d_w_gate, d_w_up = _weight_grads(
             ops.gate_up_wgrad, ops.gate_up_wgrad_accumulate, (d_gate_up_wgrad, x_sorted), (main_gate, main_up),
             routing, block_m,
         )
+        del x_sorted, d_gate_up_wgrad  # dx_slots comes after them: the two never coexist
+        dx_slots = None
+        if peer_rows is None:
+            dx_slots = ops.gate_up_dgrad_scatter(d_gate_up_dgrad, *dgrad_weights, routing, block_m, num_slots)
         return dx_slots, d_topk_weights, (d_w_gate, d_w_up, d_w_down)
 
     rows_in_use = routing[4]  # [1] int32: the schedule's num_rows; the quantizers skip the rest
