@@ -1,5 +1,7 @@
 """Per-kernel GPU time of one mok layer call on a preset (torch.profiler), to see where
-the time goes beyond the GEMMs.
+the time goes beyond the GEMMs, and how long the GPU sat idle between the kernels of
+the profiled calls (the span from the first kernel's start to the last one's end, less
+the time some kernel ran; the profiler's own host overhead can add to it).
 
     python benchmarks/profile_layer.py --preset qwen3-30b [--backward] [--precision fp8_block] [--iters 10] [--registers]
 
@@ -55,8 +57,29 @@ def main() -> None:
     print(f"{args.preset} {args.precision} {'fwd+bwd' if args.backward else 'fwd'}: {total:.3f} ms of kernels per call")
     for name, (ms, count) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:20]:
         print(f"  {ms:8.3f} ms  x{count:<3d} {name[:90]}")
+    kernels = [(e.time_range.start, e.time_range.end) for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
+    span_us, busy_us = span_and_busy(kernels)
+    print(f"GPU span {span_us / args.iters / 1000:.3f} ms per call, idle between kernels "
+          f"{(span_us - busy_us) / args.iters / 1000:.3f} ms per call")
     if args.registers:
         _print_registers()
+
+
+def span_and_busy(intervals: list[tuple[float, float]]) -> tuple[float, float]:
+    """(last end - first start, time covered by at least one interval) of [start, end) intervals."""
+    if not intervals:
+        return 0.0, 0.0
+    intervals = sorted(intervals)
+    busy, (run_start, run_end) = 0.0, intervals[0]
+    for start, end in intervals[1:]:
+        if start > run_end:
+            busy += run_end - run_start
+            run_start, run_end = start, end
+        else:
+            run_end = max(run_end, end)
+    busy += run_end - run_start
+    return max(end for _, end in intervals) - intervals[0][0], busy
 
 
 def _print_registers() -> None:
