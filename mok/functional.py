@@ -79,10 +79,7 @@ def pack_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> tuple[torch.Tensor
             f"w_up: expected the shape, dtype and device of w_gate ({list(w_gate.shape)} {w_gate.dtype} "
             f"{w_gate.device}), got {list(w_up.shape)} {w_up.dtype} {w_up.device}"
         )
-    packed = torch.empty((2, *w_gate.shape), dtype=w_gate.dtype, device=w_gate.device)  # [2, E_l, I, H]
-    packed[0].copy_(w_gate)
-    packed[1].copy_(w_up)
-    return packed[0], packed[1]
+    return torch.stack((w_gate, w_up)).unbind(0)  # halves of one [2, E_l, I, H]
 
 
 class MoKError(RuntimeError):
@@ -657,9 +654,10 @@ def _expert_mlp_backward(d_out, x, topk_weights, weights, saved, routing, block_
             routing, block_m,
         )
         del x_sorted, d_gate_up_wgrad  # dx_slots comes after them: the two never coexist
-        dx_slots = None
-        if peer_rows is None:
-            dx_slots = ops.gate_up_dgrad_scatter(d_gate_up_dgrad, *dgrad_weights, routing, block_m, num_slots)
+        dx_slots = (
+            ops.gate_up_dgrad_scatter(d_gate_up_dgrad, *dgrad_weights, routing, block_m, num_slots)
+            if peer_rows is None else None
+        )
         return dx_slots, d_topk_weights, (d_w_gate, d_w_up, d_w_down)
 
     rows_in_use = routing[4]  # [1] int32: the schedule's num_rows; the quantizers skip the rest
@@ -793,11 +791,11 @@ def backward(
             "context: its activations were released by an earlier backward (release_context=True); "
             "run forward or recompute_forward_context again for another backward"
         )
-    context.released = release_context
     check_tensor("d_out", d_out, dtypes=(torch.bfloat16, torch.float32), shape=tuple(x.shape), device=x.device)
+    if schedule.backend == "triton" and context.backend != "triton":
+        raise ValueError(f"context: expected a context of the triton backend (the schedule's), got {context.backend!r}")
+    context.released = release_context
     if schedule.backend == "triton":
-        if context.backend != "triton":
-            raise ValueError(f"context: expected a context of the triton backend (the schedule's), got {context.backend!r}")
         routed = _triton_routed_weights(config.precision, (w_gate, w_up, w_down))
         saved = context.saved if release_context else dict(context.saved)  # taken from as the backward reads
         return _triton_backward(

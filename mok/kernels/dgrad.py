@@ -123,10 +123,9 @@ def dgrad_config(kind: str, n_dim: int, reduce_dim: int, precision: str = "bf16"
     at 4 stages on every preset (record h200-20261130-tiles-v2.json). The gate/up dgrad
     runs persistent at 4 stages for wide outputs (H ≥ `PERSISTENT_GATE_UP_MIN_HIDDEN`;
     deepseek-v3-slice 6.21 -> 5.39 ms; qwen3-30b and mixtral-8x7b within ±2% either
-    way, record h200-20261130-persistent.json). Under the
-    interpreter, small tiles keep the CPU tests fast. The key never includes per-expert
-    counts (they change every step). fp8_block: `_FP8_BLOCK_TILES`, the same for every
-    shape until measured.
+    way, record h200-20261130-persistent.json). Under the interpreter, small tiles keep
+    the CPU tests fast. The key never includes per-expert counts (they change every step).
+    fp8_block: `_FP8_BLOCK_TILES`, the same for every shape until measured.
     """
     if precision == "fp8_block":
         return dict(BLOCK_M=routing_block_m(), **_FP8_BLOCK_TILES["interpreter" if interpreting() else kind])

@@ -359,9 +359,10 @@ def gemm_config(kind: str, n_dim: int, reduce_dim: int, precision: str = "bf16",
     for gate/up and 128×256 for the single-accumulator down GEMM at 8 warps, 4 stages;
     TMA loads of the weights beat pointer loads by 2–25%; 128×64 / 64×128 tiles at 4
     warps lose 15%; gate/up reads x copied to the sorted layout from
-    `SORTED_X_MIN_INTER` on, unless it takes packed weights (`PACKED_MAX_INTER`); the down GEMM runs persistent up to
-    `PERSISTENT_DOWN_MAX_INTER` (record h200-20261130-persistent.json). Under the interpreter, small tiles keep the CPU tests fast (BLOCK_M
-    32, a whole MXFP8 block of rows).
+    `SORTED_X_MIN_INTER` on, unless it takes packed weights (`PACKED_MAX_INTER`); the
+    down GEMM runs persistent up to `PERSISTENT_DOWN_MAX_INTER` (record
+    h200-20261130-persistent.json). Under the interpreter, small tiles keep the CPU tests
+    fast (BLOCK_M 32, a whole MXFP8 block of rows).
     fp8_block: `_FP8_BLOCK_TILES`, the same for every shape until measured.
     """
     if precision == "fp8_block":

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mok.functional import pack_gate_up
+
 
 @dataclass(frozen=True)
 class MoEInputs:
@@ -73,8 +75,8 @@ def make_inputs(
         topk_ids = make_topk_ids(num_tokens, E, topk, gen)
     logits = torch.randn(num_tokens, topk, generator=gen)
     topk_weights = logits if signed_weights else torch.softmax(logits, dim=-1)
-    def gate_up_pair(*shape):  # [2, *shape], the gate and the up weight
-        return torch.stack([randn(*shape, scale=H**-0.5), randn(*shape, scale=H**-0.5)]).unbind(0)
+    def gate_up_pair(*shape):
+        return pack_gate_up(randn(*shape, scale=H**-0.5), randn(*shape, scale=H**-0.5))
 
     shared = (None, None, None)
     if I_s:
