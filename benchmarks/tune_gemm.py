@@ -7,7 +7,7 @@ routed rows (T·topk), so padding and masked tiles show up as lost throughput. K
 the forward's gate_up (with and without X_SORTED, the copy of x included; gate/up weights
 packed as `MoKMoE` keeps them, and as separate tensors: gate_up_separate) and down, and
 the backward's down_dgrad (with the SwiGLU backward epilogue), gate_up_dgrad, down_wgrad
-and gate_up_wgrad. Each config's output is compared with the kernel's first config
+and gate_up_wgrad (per-tile and persistent launches). Each config's output is compared with the kernel's first config
 (`max_abs_diff_vs_first`; 0 when the K order is the same).
 """
 
@@ -55,11 +55,32 @@ CONFIGS = {
     "down_dgrad": _configs((128, 256, 64, 3), (128, 128, 64, 4), (128, 128, 64, 3), (128, 128, 32, 6)),
     "gate_up_dgrad": _configs((128, 256, 64, 3), (128, 256, 64, 4))
     + _persistent(_configs((128, 256, 64, 3), (128, 256, 64, 4))),
-    "down_wgrad": _configs((128, 256, 64, 3), (128, 256, 64, 4), (128, 128, 64, 4), (128, 128, 64, 5), group_m=False),
-    "gate_up_wgrad": _configs((128, 128, 64, 4), (128, 128, 64, 3), (128, 128, 32, 6), (128, 64, 64, 4), group_m=False),
+    "down_wgrad": _configs((128, 256, 64, 3), (128, 256, 64, 4), (128, 128, 64, 4), group_m=False)
+    + _persistent(_configs((128, 256, 64, 3), (128, 256, 64, 4), group_m=False)),
+    "gate_up_wgrad": _configs((128, 128, 64, 3), (128, 128, 64, 4), (128, 128, 32, 6), group_m=False)
+    + _persistent(_configs((128, 128, 64, 3), (128, 128, 64, 4), group_m=False)),
+}
+
+def _configs_64(*tiles) -> list[dict]:
+    """(BLOCK_N, num_warps, num_stages) tuples as 64-row configs, BLOCK_K 64."""
+    return [dict(BLOCK_M=64, BLOCK_N=n, BLOCK_K=64, GROUP_M=8, num_warps=w, num_stages=s) for n, w, s in tiles]
+
+
+# With `--block-m 64`: a schedule that pads each expert to 64 rows (half the padding of 128:
+# 6% of qwen3-30b's rows at 128), so every GEMM over it takes 64-row tiles; 4 warps leave
+# room for two programs per SM (one's epilogue overlapping the other's main loop).
+_TILES_64 = _configs_64((128, 4, 3), (128, 4, 4), (128, 8, 4))
+CONFIGS_64 = {
+    "gate_up": [dict(cfg, PACKED=True) for cfg in _TILES_64],
+    "down": _configs_64((256, 4, 2), (256, 4, 3), (256, 8, 3), (128, 4, 4)),
+    "down_dgrad": _configs_64((256, 4, 2), (256, 8, 3), (128, 4, 4)),
+    "gate_up_dgrad": _configs_64((256, 4, 2), (256, 8, 3), (128, 4, 4)),
+    "down_wgrad": CONFIGS["down_wgrad"],
+    "gate_up_wgrad": CONFIGS["gate_up_wgrad"],
 }
 # GEMM FLOPs per routed row, in units of H·I (gate/up GEMMs do two products).
-FLOPS_PER_ROUTE_HI = {"gate_up": 4, "gate_up_separate": 4, "down": 2, "down_dgrad": 2, "gate_up_dgrad": 4, "down_wgrad": 2, "gate_up_wgrad": 4}
+FLOPS_PER_ROUTE_HI = {"gate_up": 4, "gate_up_separate": 4, "down": 2, "down_dgrad": 2, "gate_up_dgrad": 4, "down_wgrad": 2,
+                      "gate_up_wgrad": 4}
 
 
 def _kernel_call(kind, cfg, inp, sched, topk, operands):
@@ -92,6 +113,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--preset", action="append", choices=list(GPU_PRESETS))
     parser.add_argument("--kernel", action="append", choices=list(CONFIGS))
+    parser.add_argument("--block-m", type=int, default=128, choices=(64, 128),
+                        help="rows each expert is padded to (the schedule's M tile); 64 times CONFIGS_64")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     results = []
@@ -100,7 +123,8 @@ def main() -> None:
         T, H, I, E, topk = p.num_tokens, p.hidden_size, p.intermediate_size, p.num_experts, p.topk
         inp = make_inputs(T, H, I, E, topk, seed=0, device="cuda")
         flag = torch.zeros(1, dtype=torch.int32, device="cuda")
-        block_m = 128  # every config here keeps the schedule's M tile
+        block_m = args.block_m  # every config keeps the schedule's M tile
+        configs = CONFIGS if block_m == 128 else CONFIGS_64
         sched = build_routing_schedule(inp.topk_ids, E, block_m, flag)
         operands = {  # [rows, ...] sorted-layout operands: random, zero in padding rows as the kernels leave them
             "h": torch.randn(sched.capacity_rows, I, device="cuda").bfloat16(),
@@ -115,10 +139,10 @@ def main() -> None:
         operands["h"][padding] = 0
         operands["gate_up"][padding] = 0
         num_rows = int(sched.num_rows)  # a host sync is fine here: outside the timed calls
-        for kind in args.kernel or CONFIGS:
+        for kind in [k for k in args.kernel or CONFIGS if k in configs]:
             flops = FLOPS_PER_ROUTE_HI[kind] * T * topk * H * I
             first = None
-            for cfg in CONFIGS[kind]:
+            for cfg in configs[kind]:
                 fn = _kernel_call(kind, cfg, inp, sched, topk, operands)
                 try:
                     out = _written(kind, fn(), num_rows)
@@ -129,7 +153,7 @@ def main() -> None:
                 first = out if first is None else first
                 max_diff = (out.float() - first.float()).abs().max().item()
                 tflops = flops / ms / 1e9
-                results.append(dict(preset=name, kernel=kind, config=cfg, ms=ms, tflops=tflops,
+                results.append(dict(preset=name, kernel=kind, block_m=block_m, config=cfg, ms=ms, tflops=tflops,
                                     max_abs_diff_vs_first=max_diff))
                 print(f"{name:18s} {kind:14s} {ms:8.3f} ms {tflops:7.1f} TF  diff vs first {max_diff:.3g}  {cfg}",
                       flush=True)

@@ -634,10 +634,11 @@ def _expert_mlp_backward(d_out, x, topk_weights, weights, saved, routing, block_
         del d_out_sorted, gate_up
         h = saved.pop("h")
         h = ops.mxfp8_round(h, False, True, routing, block_m)[1] if mxfp8 else h
-        d_w_down = _weight_grads(
-            ops.down_wgrad, ops.down_wgrad_accumulate, (dy_sorted, h), (main_down,), routing, block_m
-        )
+        down_operands = [dy_sorted, h]  # the list holds their only references from here
         del dy_sorted, h
+        d_w_down = None
+        if not _down_wgrad_last(down_operands, w_down, main_down):
+            d_w_down = _down_weight_grad(down_operands, main_down, routing, block_m)
         d_gate_up_dgrad = d_gate_up_wgrad = d_gate_up  # [rows, 2, I]
         if mxfp8:
             rows, cols = ops.mxfp8_round(d_gate_up.flatten(1), True, True, routing, block_m)
@@ -658,6 +659,9 @@ def _expert_mlp_backward(d_out, x, topk_weights, weights, saved, routing, block_
             ops.gate_up_dgrad_scatter(d_gate_up_dgrad, *dgrad_weights, routing, block_m, num_slots)
             if peer_rows is None else None
         )
+        del d_gate_up_dgrad
+        if d_w_down is None:
+            d_w_down = _down_weight_grad(down_operands, main_down, routing, block_m)
         return dx_slots, d_topk_weights, (d_w_gate, d_w_up, d_w_down)
 
     rows_in_use = routing[4]  # [1] int32: the schedule's num_rows; the quantizers skip the rest
@@ -687,6 +691,28 @@ def _expert_mlp_backward(d_out, x, topk_weights, weights, saved, routing, block_
         scales=(dy_t[1], h_t[1]),
     )
     return dx_slots, d_topk_weights, (d_w_gate, d_w_up, d_w_down)
+
+
+def _down_wgrad_last(operands: list[torch.Tensor], w_down, main_down: torch.Tensor | None) -> bool:
+    """Whether the down wgrad runs after the gate/up GEMMs rather than right after the down
+    dgrad: where its operands (w·dOut and h, rows × (H + I)) take less memory than the
+    gradient it allocates (d_w_down, E_l × H × I; nothing with a main_grad buffer). Early it
+    frees its operands before the gate/up GEMMs' peak; late, its output is not yet there.
+    mixtral-8x7b: 0.64 GB of operands against a 0.94 GB gradient, so it goes last (a
+    training step's peak −0.3 GB); qwen3-30b and deepseek-v3-slice keep it early."""
+    if main_down is not None:
+        return False
+    experts, hidden, inter = _forward_weight(w_down).shape
+    operand_bytes = sum(t.numel() * t.element_size() for t in operands)
+    return operand_bytes < experts * hidden * inter * 2
+
+
+def _down_weight_grad(operands: list[torch.Tensor], main_down, routing, block_m):
+    """d_w_down from [w·dOut sorted, h], emptying the list (the caller's only references),
+    so the two are freed once the wgrad is queued."""
+    dy_sorted, h = operands
+    operands.clear()
+    return _weight_grads(ops.down_wgrad, ops.down_wgrad_accumulate, (dy_sorted, h), (main_down,), routing, block_m)
 
 
 def _weight_grads(fresh_op, accumulate_op, operands, main_grads, routing, block_m, scales=()):

@@ -148,6 +148,7 @@ def test_no_write_and_second_run_does_not_overwrite(tmp_path):
         ["--impl", "mok,nope"],
         ["--precision", "fp4"],
         ["--reps", "0"],
+        ["--rounds", "0"],
         ["--warmup", "-1"],
         ["--pass", "bwd"],
         ["--tokens", "x"],
@@ -164,10 +165,33 @@ def test_settings_defaults_on_cpu():
     settings, _ = cli.parse_settings(["--precision", "bf16,mxfp8", "--preset", "tiny", "--preset", "tiny"])
     assert settings.device == "cpu" and [p.name for p in settings.presets] == ["tiny"]
     assert settings.impls == ("mok", "torch-eager") and settings.passes == ("fwd", "fwd+bwd")
-    assert (settings.warmup, settings.reps) == cli.DEFAULT_REPS["cpu"]
+    assert (settings.warmup, settings.reps, settings.rounds) == cli.DEFAULT_REPS["cpu"]
     cases = runner.plan(settings.presets, settings.impls, settings.precisions, settings.passes)
     # Baseline first and in bf16 only; mok once per precision.
     assert [(c.impl, c.precision) for c in cases] == [("torch-eager", "bf16"), ("mok", "bf16"), ("mok", "mxfp8")]
+
+
+def test_interleaved_rounds_take_turns_and_time_reps_calls(tmp_path, monkeypatch):
+    """With rounds, the (impl, pass) pairs of a preset take turns, and each gets `reps`
+    timed calls in all."""
+    order = []
+    real = runner._time_round
+
+    def spy(impl, pass_, d_out, warmup, reps, device):
+        order.append((impl.forward, pass_, reps))
+        return real(impl, pass_, d_out, warmup, reps, device)
+
+    monkeypatch.setattr(runner, "_time_round", spy)
+    rc = cli.main([*CUSTOM, "--impl", "torch-eager", "--reps", "5", "--rounds", "2", "--warmup", "0",
+                   "--no-plot", "--out", str(tmp_path)])
+    assert rc == 0
+    passes = [p for _, p, _ in order]
+    assert passes == ["fwd", "fwd+bwd", "fwd", "fwd+bwd"], passes
+    assert [r for _, _, r in order] == [3, 3, 2, 2]
+    (path,) = tmp_path.glob("*.json")
+    rec = json.loads(path.read_text())
+    assert [r["reps"] for r in rec["results"]] == [5, 5] and rec["settings"]["rounds"] == 2
+    assert [runner._round_reps(3, 5, r) for r in range(3)] == [1, 1, 1]
 
 
 def test_timing_helpers_on_cpu():

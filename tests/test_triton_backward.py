@@ -44,7 +44,23 @@ def test_triton_backward_matches_reference(kernel_device, case):
                 assert torch.equal(w.grad[e], torch.zeros_like(w.grad[e])), f"expert {e} {ctx}"
 
 
-def test_triton_backward_run_twice_and_recompute_bitwise(kernel_device):
+def test_down_wgrad_goes_last_where_its_operands_are_smaller_than_its_gradient():
+    """The backward's order rule (sizes only: meta tensors of the presets' shapes)."""
+    def operands(rows, hidden, inter):  # [w·dOut sorted, h]
+        return [torch.empty(rows, hidden, dtype=torch.bfloat16, device="meta"),
+                torch.empty(rows, inter, dtype=torch.bfloat16, device="meta")]
+
+    def w_down(experts, hidden, inter):
+        return torch.empty(experts, hidden, inter, dtype=torch.bfloat16, device="meta")
+
+    mixtral = (operands(17408, 4096, 14336), w_down(8, 4096, 14336))
+    assert functional._down_wgrad_last(*mixtral, None)
+    assert not functional._down_wgrad_last(*mixtral, torch.empty(8, 4096, 14336, device="meta")), "main_grad: early"
+    assert not functional._down_wgrad_last(operands(147456, 2048, 768), w_down(128, 2048, 768), None)  # qwen3-30b
+    assert not functional._down_wgrad_last(operands(69632, 7168, 2048), w_down(32, 7168, 2048), None)  # deepseek
+
+
+def test_triton_backward_run_twice_and_recompute_bitwise(kernel_device, monkeypatch):
     T, H, I, E, topk, I_s = 33, 32, 32, 4, 2, 16
     inp = make_inputs(T, H, I, E, topk, I_s, seed=3, device=kernel_device, signed_weights=True)
     d_out = torch.randn(T, H, generator=torch.Generator().manual_seed(8)).bfloat16().to(kernel_device)
@@ -56,8 +72,14 @@ def test_triton_backward_run_twice_and_recompute_bitwise(kernel_device):
     first = mok.backward(config, ws, sched, ctx, d_out, *args)
     again = mok.backward(config, ws, sched, ctx, d_out, *args)
     recomputed = mok.backward(config, ws, sched, mok.recompute_forward_context(config, ws, sched, *args), d_out.float(), *args)
+    moved = {}  # the down wgrad right after the down dgrad, or after the gate/up GEMMs
+    for last in (False, True):
+        monkeypatch.setattr(functional, "_down_wgrad_last", lambda operands, w_down, main_down, last=last: last)
+        moved[last] = mok.backward(config, ws, sched, ctx, d_out, *args)
+    monkeypatch.undo()
     released = mok.backward(config, ws, sched, ctx, d_out, *args, release_context=True)
-    for name, a, b, c, d in zip(first._fields, first, again, recomputed, released):
+    for name, a, b, c, d, e, f in zip(first._fields, first, again, recomputed, released, moved[False], moved[True]):
+        assert torch.equal(a, e) and torch.equal(a, f), f"{name}: the down wgrad's place matters {T=} {H=} {I=} {E=} {topk=} {I_s=}"
         assert torch.equal(a, b), f"{name}: run twice differs {T=} {H=} {I=} {E=} {topk=} {I_s=}"
         assert torch.equal(a, c), f"{name}: recompute (+ fp32 d_out) differs {T=} {H=} {I=} {E=} {topk=} {I_s=}"
         assert torch.equal(a, d), f"{name}: release_context differs {T=} {H=} {I=} {E=} {topk=} {I_s=}"

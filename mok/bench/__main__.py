@@ -45,8 +45,10 @@ SHAPE_FLAGS = {
     "topk": "topk",
     "shared_intermediate": "shared_intermediate_size",
 }
-# (warmup, reps): GPU runs take milliseconds each; the CPU reference backend is slow.
-DEFAULT_REPS = {"cuda": (10, 50), "cpu": (2, 5)}
+# (warmup, reps, rounds): GPU runs take milliseconds each; the CPU reference backend is slow.
+# On the GPU the implementations take turns in 5 rounds of 10 calls (`runner.run`): run to
+# run, a layer's time on H200 moved by up to 5%, and by more for whichever ran first.
+DEFAULT_REPS = {"cuda": (10, 50, 5), "cpu": (2, 5, 1)}
 
 
 def _int_at_least(low: int):
@@ -98,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     how.add_argument("--warmup", type=_int_at_least(0), help="untimed runs first (default: 10 on CUDA, 2 on CPU)")
     how.add_argument("--reps", type=_int_at_least(1),
                      help="timed runs, median reported (default: 50 on CUDA, 5 on CPU)")
+    how.add_argument("--rounds", type=_int_at_least(1),
+                     help="the implementations of a preset take turns in this many rounds of reps/rounds "
+                          "timed runs each (default: 5 on CUDA, 1 on CPU)")
     how.add_argument("--seed", type=int, default=0, help="input seed; d_out uses seed+1 (default: 0)")
     how.add_argument("--sonicmoe-site", type=Path, metavar="DIR",
                      help="a site dir holding the sonic-moe bundle (e.g. /tmp/site), added before import")
@@ -119,6 +124,7 @@ class Settings:
     device: str
     warmup: int
     reps: int
+    rounds: int
     seed: int
     ep: int = 1  # expert-parallel ranks (P); 1: one device
 
@@ -203,7 +209,7 @@ def parse_settings(
         where = f" (under {ep} expert-parallel ranks)" if ep > 1 else ""
         parser.error(f"--impl: expected names from {', '.join(registry)}{where}, got {', '.join(bad)}")
 
-    warmup, reps = DEFAULT_REPS[device]
+    warmup, reps, rounds = DEFAULT_REPS[device]
     settings = Settings(
         presets=presets,
         passes=runner.PASSES if args.passes == "both" else (args.passes,),
@@ -212,6 +218,7 @@ def parse_settings(
         device=device,
         warmup=warmup if args.warmup is None else args.warmup,
         reps=reps if args.reps is None else args.reps,
+        rounds=min(rounds if args.rounds is None else args.rounds, reps if args.reps is None else args.reps),
         seed=args.seed,
         ep=ep,
     )
@@ -258,16 +265,17 @@ def _run(settings: Settings, group, show_progress: bool) -> tuple[list[runner.Re
                         expert_parallel=settings.ep > 1)
     ranks = f" · EP {settings.ep} (max over ranks, TFLOPS per rank)" if settings.ep > 1 else ""
     title = (f"mok.bench on {info['gpu']}{ranks} · torch {info['torch']} · triton {info['triton']} · "
-             f"warmup {settings.warmup}, median of {settings.reps}")
+             f"warmup {settings.warmup}, median of {settings.reps}"
+             + (f" in {settings.rounds} interleaved rounds" if settings.rounds > 1 else ""))
     progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=Console(stderr=True), transient=True, disable=not show_progress)
     with progress:
-        task = progress.add_task("starting", total=runner.num_steps(cases))
+        task = progress.add_task("starting", total=runner.num_steps(cases, settings.rounds))
 
         def step(description: str) -> None:
             progress.update(task, description=description, advance=1)
 
-        results = runner.run(cases, warmup=settings.warmup, reps=settings.reps, seed=settings.seed,
+        results = runner.run(cases, warmup=settings.warmup, reps=settings.reps, rounds=settings.rounds, seed=settings.seed,
                              device=settings.device, progress=step, group=group)
     return results, info, title
 
@@ -292,9 +300,11 @@ def _report(results, info: dict, title: str, settings: Settings, args: argparse.
         "impls": list(settings.impls),
         "warmup": settings.warmup,
         "reps": settings.reps,
+        "rounds": settings.rounds,
         "seed": settings.seed,
         "presets": [dataclasses.asdict(p) for p in settings.presets],
-        "timing": "CUDA events per run (perf_counter on CPU); fwd = training forward with autograd on; "
+        "timing": "CUDA events per run (perf_counter on CPU), the implementations of a preset taking turns in "
+                  "`rounds` rounds; fwd = training forward with autograd on; "
                   "fwd+bwd = forward + torch.autograd.grad(out, leaves, d_out)",
         "peak_mem_gb": "inputs resident + the pass's own peak (CUDA allocator)",
     }

@@ -249,9 +249,10 @@ def plan(
     return cases
 
 
-def num_steps(cases: Sequence[Case]) -> int:
-    """Progress steps: per preset one for inputs + reference, per case one check + one per pass."""
-    return len({c.preset for c in cases}) + sum(1 + len(c.passes) for c in cases)
+def num_steps(cases: Sequence[Case], rounds: int = 1) -> int:
+    """Progress steps: per preset one for inputs + reference, per case one check + one per
+    pass and round."""
+    return len({c.preset for c in cases}) + sum(1 + rounds * len(c.passes) for c in cases)
 
 
 # --------------------------------------------------------------------------- check
@@ -417,8 +418,10 @@ def _largest(values: Sequence[float | None]) -> float | None:
     return None if any(v is None for v in values) else max(values)
 
 
-def _time(impl: Impl, pass_: str, d_out: torch.Tensor, warmup: int, reps: int, device, inputs_gb: float | None,
-          group) -> _Timing:
+def _time_round(impl: Impl, pass_: str, d_out: torch.Tensor, warmup: int, reps: int, device
+                ) -> tuple[list[float], float | None]:
+    """One round: `reps` timed calls after `warmup` untimed ones; (per-call ms, the round's
+    peak GB over what was allocated on entry, None off CUDA)."""
     if pass_ == "fwd":
         def fn():
             impl.forward()
@@ -427,10 +430,15 @@ def _time(impl: Impl, pass_: str, d_out: torch.Tensor, warmup: int, reps: int, d
             torch.autograd.grad(impl.forward(), impl.grad_inputs, d_out, allow_unused=True)
     with PeakMemory(device) as mem:
         times = times_ms(fn, warmup=warmup, reps=reps, device=device)
-    peak = None if mem.delta_gb is None else inputs_gb + mem.delta_gb
+    return times, mem.delta_gb
+
+
+def _timing(times: list[float], delta_gb: float | None, inputs_gb: float | None, group) -> _Timing:
+    """The statistics of one (impl, pass) over all its rounds; under EP, of the slowest rank per call."""
+    peak = None if delta_gb is None else inputs_gb + delta_gb
     if group is None:
-        return _Timing(summarize_ms(times), peak, mem.delta_gb, None)
-    ranks = _gather((times, peak, mem.delta_gb), group)
+        return _Timing(summarize_ms(times), peak, delta_gb, None)
+    ranks = _gather((times, peak, delta_gb), group)
     return _Timing(
         summarize_ms(slowest_rank_ms([times for times, _, _ in ranks])),
         _largest([peak for _, peak, _ in ranks]),
@@ -462,23 +470,38 @@ def _first_line(text: str) -> str:
     return text.strip().splitlines()[0] if text.strip() else ""
 
 
+def _round_reps(reps: int, rounds: int, round_: int) -> int:
+    """Timed calls in round `round_`: reps split as evenly as it goes, the first rounds
+    taking the remainder (at least one call each)."""
+    return max(1, reps // rounds + (round_ < reps % rounds))
+
+
+# Untimed calls at the start of every round after the first: a round follows another
+# implementation's, whose memory and caches the first call would pay for.
+ROUND_WARMUP = 2
+
+
 def run(
     cases: Sequence[Case],
     *,
     warmup: int,
     reps: int,
+    rounds: int = 1,
     seed: int = 0,
     device: torch.device | str = "cpu",
     progress: Callable[[str], None] | None = None,
     group: dist.ProcessGroup | None = None,
 ) -> list[Result]:
     """Checks and times every case; returns one Result per (case, pass), speedups attached.
+    Each (case, pass) runs `warmup` untimed calls, then `reps` timed calls in `rounds` turns
+    interleaved with the other cases of its preset (medians over all its calls).
 
     group: a process group of P > 1 ranks to run the expert-parallel benchmark over (cases
     planned with `expert_parallel=True`; every rank calls `run` alike and gets the same
     results); None: one device.
     """
     step = progress or (lambda description: None)
+    rounds = min(rounds, reps)
     num_ranks = _rank_and_size(group)[1]
     results: list[Result] = []
     for preset in dict.fromkeys(c.preset for c in cases):
@@ -501,40 +524,62 @@ def run(
             if verdict.status != "checked":
                 results += [Result(pass_=p, status=verdict.status, message=verdict.message, **row)
                             for p in case.passes]
-                for _ in case.passes:
+                for _ in range(rounds * len(case.passes)):
                     step(f"{preset.name}: {case.impl} {verdict.status}")
                 continue
             checked.append((case, impl, verdict))
         d_out = ref.d_out
         del ref
         _free(device)
-        # Phase 2: time what passed, one (impl, pass) at a time.
+        # Phase 2: time what passed. The (impl, pass) pairs take turns, `rounds` rounds of
+        # reps / rounds calls each, so that the GPU's clock drifting over the run (H200: a few
+        # percent between runs, lower under sustained load) weighs on all of them alike.
+        timed = []  # [impl, pass, row, times, peak delta GB, error message]
         for case, impl, verdict in checked:
             row = dict(preset=preset.name, impl=case.impl, precision=case.precision, ep=num_ranks,
                        same_function=impl.same_function)
             for pass_ in case.passes:
-                step(f"{preset.name}: time {case.impl} ({case.precision}) {pass_}")
                 max_err, min_cos = _summary(verdict.errors, pass_)
                 checked_row = dict(row, errors=verdict.errors, max_rel_err=max_err, min_cosine=min_cos)
-                if not verdict.ok[pass_]:
+                if verdict.ok[pass_]:
+                    timed.append([impl, pass_, checked_row, [], None, None])
+                else:
+                    for _ in range(rounds):
+                        step(f"{preset.name}: {case.impl} ({case.precision}) {pass_} failed its check")
                     results.append(Result(pass_=pass_, status="FAIL", message=verdict.message, extra=impl.extra,
                                           **checked_row))
+        for round_ in range(rounds):
+            for entry in timed:
+                impl, pass_, checked_row, times, delta_gb, error = entry
+                if error is not None:
+                    step(f"{preset.name}: {checked_row['impl']} {pass_}: {error}")
                     continue
+                step(f"{preset.name}: time {checked_row['impl']} ({checked_row['precision']}) {pass_}"
+                     + (f", round {round_ + 1}/{rounds}" if rounds > 1 else ""))
                 try:
-                    timing = _time(impl, pass_, d_out, warmup, reps, device, inputs_gb, group)
+                    round_times, round_delta = _time_round(
+                        impl, pass_, d_out, warmup if round_ == 0 else ROUND_WARMUP, _round_reps(reps, rounds, round_),
+                        device,
+                    )
                 except Exception as exc:
-                    msg = f"timing raised {type(exc).__name__}: {exc}"
-                    results.append(Result(pass_=pass_, status="error", message=msg, extra=impl.extra, **checked_row))
+                    entry[5] = f"timing raised {type(exc).__name__}: {exc}"
                     _free(device)
                     continue
-                stats = timing.stats
-                results.append(Result(
-                    pass_=pass_, status="ok", ms=stats["median"],
-                    tflops=preset.flops(pass_) / (stats["median"] * 1e-3) / 1e12,
-                    peak_mem_gb=timing.peak_mem_gb, peak_mem_delta_gb=timing.peak_mem_delta_gb,
-                    ms_min=stats["min"], ms_p20=stats["p20"], ms_p80=stats["p80"], reps=reps, message=impl.note,
-                    extra=impl.extra | _timing_extra(impl, pass_, timing), **checked_row,
-                ))
+                times += round_times
+                entry[4] = _largest([delta_gb, round_delta]) if delta_gb is not None else round_delta
+        for impl, pass_, checked_row, times, delta_gb, error in timed:
+            if error is not None:
+                results.append(Result(pass_=pass_, status="error", message=error, extra=impl.extra, **checked_row))
+                continue
+            timing = _timing(times, delta_gb, inputs_gb, group)
+            stats = timing.stats
+            results.append(Result(
+                pass_=pass_, status="ok", ms=stats["median"],
+                tflops=preset.flops(pass_) / (stats["median"] * 1e-3) / 1e12,
+                peak_mem_gb=timing.peak_mem_gb, peak_mem_delta_gb=timing.peak_mem_delta_gb,
+                ms_min=stats["min"], ms_p20=stats["p20"], ms_p80=stats["p80"], reps=len(times), message=impl.note,
+                extra=impl.extra | _timing_extra(impl, pass_, timing), **checked_row,
+            ))
         del checked, inp, d_out
         _free(device)
     return with_speedups(_sorted(results, cases))

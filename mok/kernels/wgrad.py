@@ -19,8 +19,9 @@ at a time inside [expert_offsets[e], expert_offsets[e+1]), which the schedule pa
 its BLOCK_M: BLOCK_K must divide BLOCK_M (checked), so no step reads another expert's
 rows.
 
-Grid: one program per (expert, M tile, N tile) of the output, expert outermost; each
-program walks its expert's rows in ascending order and accumulates in fp32, then stores
+Grid: one program per (expert, M tile, N tile) of the output, expert outermost (or, with
+the tile-config flag PERSISTENT, one program per SM walking those tiles in that order); each
+tile walks its expert's rows in ascending order and accumulates in fp32, then stores
 bf16 once — or, with `main_grad`, adds into a caller's fp32/bf16 buffer in place
 (`main_grad += grad`, Megatron style; one read-modify-write per element). Experts with
 no rows run zero steps and write exact zeros (or leave main_grad unchanged). No atomics,
@@ -56,7 +57,7 @@ import triton
 import triton.language as tl
 
 from mok.fp8_block import FP8_BLOCK
-from mok.kernels.common import interpreting, round_to_bf16, tma_descriptor
+from mok.kernels.common import interpreting, num_sms, round_to_bf16, tma_descriptor
 from mok.kernels.gather import check_sorted_rows
 from mok.kernels.quant_fp8_block import sorted_scale_rows
 from mok.kernels.schedule import RoutingSchedule
@@ -85,16 +86,24 @@ _FP8_BLOCK_TILES = {
 }
 
 
+# Intermediate size up to which the down wgrad runs persistent (`wgrad_config`).
+PERSISTENT_DOWN_WGRAD_MAX_INTER = 1024
+
+
 def wgrad_config(kind: str, m_dim: int, n_dim: int, precision: str = "bf16") -> dict:
     """Tile config of a wgrad GEMM (`kind` "down" or "gate_up") with output [m_dim, n_dim].
 
-    H200, bf16, measured over sorted TMA operands (BENCHMARKS.md): 8 warps, 64 rows per
-    K step; "gate_up" keeps two 128×128 fp32 accumulators (as the forward's gate/up GEMM
+    H200, bf16, measured over sorted TMA operands (BENCHMARKS.md; latest sweeps: records
+    h200-20261130-wgrad-stages.json and the earlier -tune-wgrad): 8 warps, 64 rows per K
+    step. "gate_up" keeps two 128×128 fp32 accumulators (as the forward's gate/up GEMM
     does) and streams two A tiles and one x tile per step (48 KiB of shared memory per
-    stage), 4 stages: 587–609 TFLOPS; "down" has one accumulator, so it takes 128×256
-    tiles where the output is wide enough, 3 stages: 438–636 TFLOPS (128×128: 375–569).
-    BLOCK_K divides the schedule's BLOCK_M (128). The reduction runs over an
-    expert's rows, whose count changes every step, so it is not part of any key.
+    stage) at 3 stages: 4 stages measured 6–12% slower on mixtral-8x7b and 0–4% on
+    deepseek-v3-slice in two sweeps. "down" has one accumulator, so it takes 128×256 tiles
+    where the output is wide enough, 3 stages, and runs persistent up to
+    `PERSISTENT_DOWN_WGRAD_MAX_INTER` (qwen3-30b, whose experts have ~1K rows: 2–5%
+    faster in both sweeps; 5–20% slower at I ≥ 2048). BLOCK_K divides the schedule's
+    BLOCK_M (128). The reduction runs over an expert's rows, whose count changes every
+    step, so it is not part of any key.
     fp8_block: `_FP8_BLOCK_TILES`, the same for every shape until measured.
     """
     if precision == "fp8_block":
@@ -102,8 +111,9 @@ def wgrad_config(kind: str, m_dim: int, n_dim: int, precision: str = "bf16") -> 
     if interpreting():  # BLOCK_K divides the interpreter's routing BLOCK_M (16)
         return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=16, num_warps=4, num_stages=1)
     if kind == "down":
-        return dict(BLOCK_M=128, BLOCK_N=256 if n_dim >= 256 else 128, BLOCK_K=64, num_warps=8, num_stages=3)
-    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4)
+        return dict(BLOCK_M=128, BLOCK_N=256 if n_dim >= 256 else 128, BLOCK_K=64, num_warps=8, num_stages=3,
+                    PERSISTENT=n_dim <= PERSISTENT_DOWN_WGRAD_MAX_INTER)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
 
 
 # --------------------------------------------------------------------------- jit helpers
@@ -136,25 +146,15 @@ def store_weight_grad(ptrs, acc, mask, ACCUMULATE: tl.constexpr, OUT_BF16: tl.co
 
 
 @triton.jit
-def _sorted_rows_wgrad_kernel(
-    # pointers: out[e] = Σ_r a[r]ᵀ · b[r], and out2[e] = Σ_r a2[r]ᵀ · b[r] with TWO_OUTPUTS
-    # (bf16: a, a2, b [rows, ·]; fp8_block: their transposed e4m3 copies [·, capacity_rows])
-    a_desc, a2_desc, b_desc, out_ptr, out2_ptr,
-    # fp8_block scales (unused in bf16): [capacity_rows / S, ·] fp32
-    a_scale_ptr, a2_scale_ptr, b_scale_ptr,
-    # schedule
-    expert_offsets_ptr,
-    # sizes: out is [E_l, m_dim, n_dim]
-    m_dim, n_dim,
-    # strides
-    stride_out_e, stride_out_m, stride_a_scale, stride_b_scale,
-    # meta
-    PRECISION: tl.constexpr, TWO_OUTPUTS: tl.constexpr, ACCUMULATE: tl.constexpr, OUT_BF16: tl.constexpr,
-    INTERPRETER: tl.constexpr, SCALE_ROWS: tl.constexpr,
+def _wgrad_tile(
+    a_desc, a2_desc, b_desc, out_ptr, out2_ptr, a_scale_ptr, a2_scale_ptr, b_scale_ptr,
+    expert_offsets_ptr, tile, m_dim, n_dim, stride_out_e, stride_out_m, stride_a_scale, stride_b_scale,
+    PRECISION: tl.constexpr, TWO_OUTPUTS: tl.constexpr, ACCUMULATE: tl.constexpr,
+    OUT_BF16: tl.constexpr, INTERPRETER: tl.constexpr, SCALE_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """down: a = dy_sorted, b = h; gate/up: a, a2 = d_g, d_u (sharing the x_sorted tile b)."""
-    expert, m0, n0 = expert_tile_coordinates(tl.program_id(0), m_dim, n_dim, BLOCK_M, BLOCK_N)
+    """One [BLOCK_M, BLOCK_N] tile of out (and out2): its expert's rows in ascending order."""
+    expert, m0, n0 = expert_tile_coordinates(tile, m_dim, n_dim, BLOCK_M, BLOCK_N)
     row_start = tl.load(expert_offsets_ptr + expert)
     row_end = tl.load(expert_offsets_ptr + expert + 1)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -195,6 +195,41 @@ def _sorted_rows_wgrad_kernel(
         store_weight_grad(out2_ptr + offs, acc2, mask, ACCUMULATE, OUT_BF16, INTERPRETER)
 
 
+@triton.jit
+def _sorted_rows_wgrad_kernel(
+    # pointers: out[e] = Σ_r a[r]ᵀ · b[r], and out2[e] = Σ_r a2[r]ᵀ · b[r] with TWO_OUTPUTS
+    # (bf16: a, a2, b [rows, ·]; fp8_block: their transposed e4m3 copies [·, capacity_rows])
+    a_desc, a2_desc, b_desc, out_ptr, out2_ptr,
+    # fp8_block scales (unused in bf16): [capacity_rows / S, ·] fp32
+    a_scale_ptr, a2_scale_ptr, b_scale_ptr,
+    # schedule
+    expert_offsets_ptr,
+    # sizes: out is [E_l, m_dim, n_dim] in num_tiles tiles; num_programs: the grid
+    m_dim, n_dim, num_tiles, num_programs,
+    # strides
+    stride_out_e, stride_out_m, stride_a_scale, stride_b_scale,
+    # meta
+    PRECISION: tl.constexpr, TWO_OUTPUTS: tl.constexpr, ACCUMULATE: tl.constexpr,
+    OUT_BF16: tl.constexpr, INTERPRETER: tl.constexpr, SCALE_ROWS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PERSISTENT: tl.constexpr,
+):
+    """down: a = dy_sorted, b = h;
+    gate/up: a, a2 = d_g, d_u (sharing the x_sorted tile b)."""
+    # Two call sites, as in `grouped_gemm._down_scatter_kernel` (a one-tile loop spills there).
+    if PERSISTENT:  # num_programs programs walk the tiles; the flattened loop overlaps a tile's
+        # epilogue with the next tile's first loads
+        for tile in tl.range(tl.program_id(0), num_tiles, num_programs, flatten=True):
+            _wgrad_tile(a_desc, a2_desc, b_desc, out_ptr, out2_ptr, a_scale_ptr, a2_scale_ptr, b_scale_ptr,
+                        expert_offsets_ptr, tile, m_dim, n_dim, stride_out_e, stride_out_m,
+                        stride_a_scale, stride_b_scale, PRECISION, TWO_OUTPUTS, ACCUMULATE, OUT_BF16,
+                        INTERPRETER, SCALE_ROWS, BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        _wgrad_tile(a_desc, a2_desc, b_desc, out_ptr, out2_ptr, a_scale_ptr, a2_scale_ptr, b_scale_ptr,
+                    expert_offsets_ptr, tl.program_id(0), m_dim, n_dim, stride_out_e, stride_out_m,
+                    stride_a_scale, stride_b_scale, PRECISION, TWO_OUTPUTS, ACCUMULATE, OUT_BF16,
+                    INTERPRETER, SCALE_ROWS, BLOCK_M, BLOCK_N, BLOCK_K)
+
+
 # --------------------------------------------------------------------------- launchers
 
 
@@ -227,7 +262,8 @@ def _launch_wgrad(
     """One launch of `_sorted_rows_wgrad_kernel` over out [E_l, m_dim, n_dim] (a2, out2 None
     for a single output). bf16: a, a2 [rows, m_dim] and b [rows, n_dim] in the sorted layout,
     `scales` None; fp8_block: their transposed e4m3 copies [m_dim or n_dim, capacity_rows] and
-    `scales` = (a's, a2's or None, b's) [capacity_rows / S, ·] fp32, unit column stride."""
+    `scales` = (a's, a2's or None, b's) [capacity_rows / S, ·] fp32, unit column stride. With
+    cfg["PERSISTENT"], one program per SM walks the tiles."""
     _check_block_k(cfg, schedule, precision)
     experts, m_dim, n_dim = out.shape
     if precision == "fp8_block":  # K-major tiles of the transposed copies
@@ -237,13 +273,15 @@ def _launch_wgrad(
         a_block, b_block = (cfg["BLOCK_K"], cfg["BLOCK_M"]), (cfg["BLOCK_K"], cfg["BLOCK_N"])
         a_scale = a2_scale = b_scale = out  # an unread stand-in
     a_desc = tma_descriptor(a, a_block)
-    grid = (experts * triton.cdiv(m_dim, cfg["BLOCK_M"]) * triton.cdiv(n_dim, cfg["BLOCK_N"]),)
-    _sorted_rows_wgrad_kernel[grid](
+    cfg = {"PERSISTENT": False, **cfg}
+    num_tiles = experts * triton.cdiv(m_dim, cfg["BLOCK_M"]) * triton.cdiv(n_dim, cfg["BLOCK_N"])
+    programs = min(num_tiles, num_sms(out.device)) if cfg["PERSISTENT"] else num_tiles
+    _sorted_rows_wgrad_kernel[(programs,)](
         a_desc, a_desc if a2 is None else tma_descriptor(a2, a_block),
         tma_descriptor(b, b_block), out, out if out2 is None else out2,
         a_scale, a_scale if a2_scale is None else a2_scale, b_scale,
         schedule.expert_offsets,
-        m_dim, n_dim,
+        m_dim, n_dim, num_tiles, programs,
         out.stride(0), out.stride(1), a_scale.stride(0), b_scale.stride(0),
         PRECISION=precision, TWO_OUTPUTS=out2 is not None, ACCUMULATE=accumulate,
         OUT_BF16=out.dtype == torch.bfloat16, INTERPRETER=interpreting(),

@@ -5,6 +5,7 @@ be read), and in-place main_grad accumulation in fp32 and bf16."""
 import pytest
 import torch
 
+from mok.kernels.common import num_sms
 from mok.kernels.grouped_gemm import routing_block_m
 from mok.kernels.quant_fp8_block import (
     quantize_fp8_block_sorted_t,
@@ -73,6 +74,30 @@ def test_wgrad_matches_per_expert_sums(kernel_device, T, H, I, E, topk):
                 assert torch.equal(got[e].cpu(), torch.zeros_like(got[e].cpu())), f"{name}[{e}] must be exact zeros {ctx}"
             else:
                 assert_close_to_reference(got[e].cpu(), ref[e], name=f"{name}[{e}]", context=ctx, check_cosine=True)
+
+
+def test_wgrad_persistent_launch_is_bitwise_the_same(kernel_device):
+    """A persistent launch (fewer programs than tiles, each walking several, empty experts
+    among them) gives both wgrads bit for bit, fresh and accumulating into main_grad."""
+    # the GPU launches one program per SM: enough tiles that each program walks several
+    T, H, I, E, topk = (37, 64, 48, 6, 2) if kernel_device == "cpu" else (301, 2048, 1024, 6, 2)
+    inp, sched, rows, slots, experts, sorted_rows, d_out, gen = _setup(T, H, I, E, topk, kernel_device, seed=T + 7)
+    ctx = f"{T=} {H=} {I=} {E=} {topk=}"
+    h, d_gate_up = sorted_rows(I), sorted_rows(2, I)
+    x_sorted, _, dy_sorted = gather_sorted_rows(inp.x, d_out, inp.topk_weights, sched, topk)
+    down_cfg = dict(wgrad_config("down", H, I), PERSISTENT=True)
+    gate_up_cfg = dict(wgrad_config("gate_up", I, H), PERSISTENT=True)
+    tiles = E * -(-H // down_cfg["BLOCK_M"]) * -(-I // down_cfg["BLOCK_N"])
+    assert tiles > 2 * num_sms(torch.device(kernel_device)), f"the test wants programs that walk several tiles {ctx}"
+    assert torch.equal(down_wgrad(dy_sorted, h, sched, tile_config=down_cfg), down_wgrad(dy_sorted, h, sched)), ctx
+    d_w_gate, d_w_up = gate_up_wgrad(d_gate_up, x_sorted, sched)
+    persistent = gate_up_wgrad(d_gate_up, x_sorted, sched, tile_config=gate_up_cfg)
+    assert torch.equal(persistent[0], d_w_gate) and torch.equal(persistent[1], d_w_up), ctx
+    start = torch.randn(E, H, I, generator=gen).to(kernel_device)
+    main, main_persistent = start.clone(), start.clone()
+    down_wgrad(dy_sorted, h, sched, main_grad=main)
+    down_wgrad(dy_sorted, h, sched, main_grad=main_persistent, tile_config=down_cfg)
+    assert torch.equal(main, main_persistent) and not torch.equal(main, start), f"accumulated {ctx}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
