@@ -194,6 +194,64 @@ def test_interleaved_rounds_take_turns_and_time_reps_calls(tmp_path, monkeypatch
     assert [runner._round_reps(3, 5, r) for r in range(3)] == [1, 1, 1]
 
 
+def test_patched_sets_and_restores_module_attributes():
+    import mok.kernels.wgrad as wgrad
+
+    before = wgrad.PERSISTENT_DOWN_WGRAD_MAX_INTER
+    with runner.patched([("mok.kernels.wgrad", "PERSISTENT_DOWN_WGRAD_MAX_INTER", before + 5)]):
+        assert wgrad.PERSISTENT_DOWN_WGRAD_MAX_INTER == before + 5
+    assert wgrad.PERSISTENT_DOWN_WGRAD_MAX_INTER == before
+    with pytest.raises(RuntimeError, match="boom"):
+        with runner.patched([("mok.kernels.wgrad", "PERSISTENT_DOWN_WGRAD_MAX_INTER", -1)]):
+            raise RuntimeError("boom")
+    assert wgrad.PERSISTENT_DOWN_WGRAD_MAX_INTER == before
+
+
+def test_variant_is_timed_in_turns_with_mok_under_its_settings(tmp_path, monkeypatch):
+    """--variant adds mok-variant: mok's calls see the module's value, mok-variant's the
+    variant's, and the value is restored after the run."""
+    import mok
+    import mok.kernels.wgrad as wgrad
+
+    original = wgrad.PERSISTENT_DOWN_WGRAD_MAX_INTER
+    seen = []
+    real_moe = mok.moe
+
+    def spy(*args, **kwargs):
+        seen.append(wgrad.PERSISTENT_DOWN_WGRAD_MAX_INTER)
+        return real_moe(*args, **kwargs)
+
+    monkeypatch.setattr(mok, "moe", spy)
+    rc = cli.main([*CUSTOM, "--impl", "mok", "--variant", "mok.kernels.wgrad.PERSISTENT_DOWN_WGRAD_MAX_INTER=7",
+                   "--reps", "2", "--rounds", "2", "--warmup", "0", "--no-plot", "--out", str(tmp_path)])
+    assert rc == 0 and wgrad.PERSISTENT_DOWN_WGRAD_MAX_INTER == original
+    assert set(seen) == {original, 7}, seen
+    (path,) = tmp_path.glob("*.json")
+    rec = json.loads(path.read_text())
+    rows = {(r["impl"], r["pass"]): r for r in rec["results"]}
+    assert set(rows) == {(i, p) for i in ("mok", "mok-variant") for p in ("fwd", "fwd+bwd")}
+    assert all(r["status"] == "ok" for r in rows.values())
+    assert rows[("mok-variant", "fwd")]["extra"]["variant"] == ["mok.kernels.wgrad.PERSISTENT_DOWN_WGRAD_MAX_INTER=7"]
+    assert rec["settings"]["variant"] == ["mok.kernels.wgrad.PERSISTENT_DOWN_WGRAD_MAX_INTER=7"]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--variant", "mok.kernels.wgrad.PERSISTENT_DOWN_WGRAD_MAX_INTER"], "expected MODULE.ATTR=VALUE"),
+        (["--variant", "torch.cuda.x=1"], "expected MODULE.ATTR=VALUE with a mok module"),
+        (["--variant", "mok.nope.X=1"], "no module 'mok.nope'"),
+        (["--variant", "mok.kernels.wgrad.NOPE=1"], "has no attribute 'NOPE'"),
+        (["--variant", "mok.kernels.wgrad.PERSISTENT_DOWN_WGRAD_MAX_INTER=big"], "expected a Python literal"),
+        (["--impl", "mok-variant"], "give its settings with --variant"),
+    ],
+)
+def test_bad_variants_are_argparse_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.parse_settings(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_timing_helpers_on_cpu():
     stats = time_ms(lambda: sum(range(1000)), warmup=1, reps=5, device="cpu")
     assert set(stats) >= {"median", "min", "p20", "p80"} and 0 <= stats["min"] <= stats["median"] <= stats["max"]

@@ -4,6 +4,8 @@ Examples:
     python -m mok.bench                                   # tiny on CPU; the 3 GPU presets on CUDA
     python -m mok.bench --preset qwen3-30b --pass fwd+bwd
     python -m mok.bench --tokens 37 --hidden 64 --intermediate 32 --experts 4 --topk 2 --no-write
+    python -m mok.bench --preset qwen3-30b --variant mok.kernels.wgrad.PERSISTENT_DOWN_WGRAD_MAX_INTER=0
+                                                          # mok and mok-variant in turns: an A/B in one run
     torchrun --nproc-per-node 2 -m mok.bench --preset qwen3-30b   # expert parallelism over 2 GPUs
 
 Under torchrun (WORLD_SIZE > 1), or in a process that already joined a default process
@@ -15,9 +17,11 @@ the first rank prints the table and writes the record.
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import dataclasses
 import datetime
+import importlib
 import os
 import shlex
 import site
@@ -86,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help=f"implementations: {', '.join(runner.IMPLS)} (default: mok, torch-eager, and on CUDA "
                            "torch-compile, plus sonicmoe when importable); under torchrun "
                            f"{', '.join(runner.EP_IMPLS)} (default: all)")
+    what.add_argument("--variant", action="append", metavar="MODULE.ATTR=VALUE",
+                      help="also time mok as mok-variant, with the module attribute set to the Python literal "
+                           "VALUE during its calls (repeatable), e.g. "
+                           "mok.kernels.wgrad.PERSISTENT_DOWN_WGRAD_MAX_INTER=0; one GPU only")
     what.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                       help="auto: CUDA when available (default: auto)")
     shape = p.add_argument_group("custom shape (any of these implies --preset custom; the rest default to tiny's, "
@@ -127,6 +135,7 @@ class Settings:
     rounds: int
     seed: int
     ep: int = 1  # expert-parallel ranks (P); 1: one device
+    variant: tuple[tuple[str, str, object], ...] = ()  # mok-variant's (module, attribute, value)
 
 
 def _world_size() -> int:
@@ -204,6 +213,13 @@ def parse_settings(
             impls.append("torch-compile")
             if sonicmoe_available():
                 impls.append("sonicmoe")
+    variant = tuple(_parse_variant(text, parser) for text in args.variant or ())
+    if variant and ep > 1:
+        parser.error("--variant: one GPU only (not under expert parallelism)")
+    if variant and "mok-variant" not in impls:
+        impls.append("mok-variant")
+    if "mok-variant" in impls and not variant:
+        parser.error("--impl mok-variant: give its settings with --variant MODULE.ATTR=VALUE")
     bad = [i for i in impls if i not in registry]
     if bad:
         where = f" (under {ep} expert-parallel ranks)" if ep > 1 else ""
@@ -221,8 +237,29 @@ def parse_settings(
         rounds=min(rounds if args.rounds is None else args.rounds, reps if args.reps is None else args.reps),
         seed=args.seed,
         ep=ep,
+        variant=variant,
     )
     return settings, args
+
+
+def _parse_variant(text: str, parser: argparse.ArgumentParser) -> tuple[str, str, object]:
+    """(module, attribute, value) of a --variant MODULE.ATTR=VALUE: an existing attribute of
+    an importable mok module, and a Python literal."""
+    target, sep, literal = text.partition("=")
+    module_name, dot, attribute = target.strip().rpartition(".")
+    if not sep or not dot or not module_name.startswith("mok"):
+        parser.error(f"--variant: expected MODULE.ATTR=VALUE with a mok module, got {text!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        parser.error(f"--variant: no module {module_name!r} (in {text!r})")
+    if not hasattr(module, attribute):
+        parser.error(f"--variant: module {module_name} has no attribute {attribute!r}")
+    try:
+        value = ast.literal_eval(literal.strip())
+    except (ValueError, SyntaxError):
+        parser.error(f"--variant: expected a Python literal after '=', got {literal.strip()!r} (in {text!r})")
+    return module_name, attribute, value
 
 
 @contextlib.contextmanager
@@ -262,7 +299,7 @@ def _run(settings: Settings, group, show_progress: bool) -> tuple[list[runner.Re
     """(results, machine info, title) of the benchmark, with a progress bar on stderr."""
     info = report.machine_info(settings.device, num_gpus=settings.ep)
     cases = runner.plan(settings.presets, settings.impls, settings.precisions, settings.passes,
-                        expert_parallel=settings.ep > 1)
+                        expert_parallel=settings.ep > 1, variant=settings.variant)
     ranks = f" · EP {settings.ep} (max over ranks, TFLOPS per rank)" if settings.ep > 1 else ""
     title = (f"mok.bench on {info['gpu']}{ranks} · torch {info['torch']} · triton {info['triton']} · "
              f"warmup {settings.warmup}, median of {settings.reps}"
@@ -302,6 +339,7 @@ def _report(results, info: dict, title: str, settings: Settings, args: argparse.
         "reps": settings.reps,
         "rounds": settings.rounds,
         "seed": settings.seed,
+        "variant": [f"{module}.{attribute}={value!r}" for module, attribute, value in settings.variant],
         "presets": [dataclasses.asdict(p) for p in settings.presets],
         "timing": "CUDA events per run (perf_counter on CPU), the implementations of a preset taking turns in "
                   "`rounds` rounds; fwd = training forward with autograd on; "

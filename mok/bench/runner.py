@@ -23,12 +23,14 @@ with TFLOPS per rank.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import gc
+import importlib
 import math
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -45,7 +47,7 @@ from mok.testing.timing import PeakMemory, summarize_ms, times_ms
 
 __all__ = [
     "PASSES", "IMPLS", "EP_IMPLS", "BASELINE", "EP_BASELINE", "EP_CAPACITY_MULTIPLIER", "ImplSpec", "Impl", "Skip",
-    "Case", "Result", "plan", "num_steps", "run", "slowest_rank_ms",
+    "Case", "Result", "plan", "num_steps", "run", "slowest_rank_ms", "patched",
 ]
 
 PASSES = ("fwd", "fwd+bwd")
@@ -60,7 +62,9 @@ class Impl:
     """One implementation bound to one preset's inputs.
 
     forward() -> out [T, H]; grad_inputs: the leaves autograd differentiates;
-    to_gradients(grads) -> SPEC's 8 gradients in order (None for an absent shared expert).
+    to_gradients(grads) -> SPEC's 8 gradients in order (None for an absent shared expert);
+    patches: (module, attribute, value) set while the implementation runs (its check and
+    every timed round, backward included), then restored (`mok-variant`).
     """
 
     forward: Callable[[], torch.Tensor]
@@ -70,6 +74,23 @@ class Impl:
     note: str = ""
     extra: dict = field(default_factory=dict)
     peer_bytes: dict[str, int] | None = None  # pass -> bytes this rank sends other ranks (expert parallelism)
+    patches: tuple[tuple[str, str, object], ...] = ()
+
+
+@contextlib.contextmanager
+def patched(patches: Sequence[tuple[str, str, object]]) -> Iterator[None]:
+    """Sets each module attribute (module name, attribute, value) for the duration of the
+    block and restores the old values after it, whatever happens inside."""
+    saved = []
+    try:
+        for module_name, attribute, value in patches:
+            module = importlib.import_module(module_name)
+            saved.append((module, attribute, getattr(module, attribute)))
+            setattr(module, attribute, value)
+        yield
+    finally:
+        for module, attribute, old in reversed(saved):
+            setattr(module, attribute, old)
 
 
 def _leaves(inp: MoEInputs) -> tuple[torch.Tensor, ...]:
@@ -169,6 +190,9 @@ IMPLS: dict[str, ImplSpec] = {
     "torch-compile": ImplSpec(_make_torch_compile, "bf16"),
     "sonicmoe": ImplSpec(_make_sonicmoe, "bf16", peer=True),
     "mok": ImplSpec(_make_mok, None),
+    # mok again, with the run's variant (`Case.variant`: module attributes such as tile-config
+    # thresholds) set during its calls, so that two settings are timed in turns in one process
+    "mok-variant": ImplSpec(_make_mok, None),
 }
 # Under expert parallelism: make(inputs, precision, group).
 EP_IMPLS: dict[str, ImplSpec] = {
@@ -182,12 +206,14 @@ BASELINE, EP_BASELINE = "torch-eager", "torch-ep-nccl"
 
 @dataclass(frozen=True)
 class Case:
-    """One implementation in one precision on one preset, for the given passes."""
+    """One implementation in one precision on one preset, for the given passes (and for
+    `mok-variant`, the (module, attribute, value) settings it runs under)."""
 
     preset: Preset
     impl: str
     precision: str
     passes: tuple[str, ...]
+    variant: tuple[tuple[str, str, object], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -236,8 +262,10 @@ def plan(
     passes: Sequence[str],
     *,
     expert_parallel: bool = False,
+    variant: Sequence[tuple[str, str, object]] = (),
 ) -> list[Case]:
-    """Cases in run order: per preset, impls in registry order (baseline first)."""
+    """Cases in run order: per preset, impls in registry order (baseline first); `variant`
+    goes with the `mok-variant` cases."""
     registry = EP_IMPLS if expert_parallel else IMPLS
     cases = []
     ordered = [name for name in registry if name in impls] + [name for name in impls if name not in registry]
@@ -245,7 +273,8 @@ def plan(
         for name in ordered:
             spec = registry[name]
             for precision in ([spec.precision] if spec.precision else precisions):
-                cases.append(Case(preset, name, precision, tuple(passes)))
+                cases.append(Case(preset, name, precision, tuple(passes),
+                                  tuple(variant) if name == "mok-variant" else ()))
     return cases
 
 
@@ -362,7 +391,11 @@ def _check_case(case: Case, inp: MoEInputs, ref: _Reference, group) -> tuple[Imp
     spec = (IMPLS if group is None else EP_IMPLS)[case.impl]
     try:
         impl = spec.make(inp, case.precision) if group is None else spec.make(inp, case.precision, group)
-        errors, ok, message = _check(impl, ref, case.precision)
+        if case.variant:
+            settings = [f"{module}.{attribute}={value!r}" for module, attribute, value in case.variant]
+            impl = dataclasses.replace(impl, patches=case.variant, extra=impl.extra | {"variant": settings})
+        with patched(impl.patches):
+            errors, ok, message = _check(impl, ref, case.precision)
     except (Skip, NotImplementedError) as exc:
         return None, _Verdict("skipped", str(exc))
     except Exception as exc:  # a crash is a failed check, reported, never fatal to the run
@@ -428,7 +461,7 @@ def _time_round(impl: Impl, pass_: str, d_out: torch.Tensor, warmup: int, reps: 
     else:
         def fn():
             torch.autograd.grad(impl.forward(), impl.grad_inputs, d_out, allow_unused=True)
-    with PeakMemory(device) as mem:
+    with patched(impl.patches), PeakMemory(device) as mem:
         times = times_ms(fn, warmup=warmup, reps=reps, device=device)
     return times, mem.delta_gb
 
