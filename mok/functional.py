@@ -24,6 +24,7 @@ sync), and `MoKConfig(strict=True)` calls it after every step.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -634,11 +635,10 @@ def _expert_mlp_backward(d_out, x, topk_weights, weights, saved, routing, block_
         del d_out_sorted, gate_up
         h = saved.pop("h")
         h = ops.mxfp8_round(h, False, True, routing, block_m)[1] if mxfp8 else h
-        down_operands = [dy_sorted, h]  # the list holds their only references from here
-        del dy_sorted, h
-        d_w_down = None
-        if not _down_wgrad_last(down_operands, w_down, main_down):
-            d_w_down = _down_weight_grad(down_operands, main_down, routing, block_m)
+        down_wgrad_last = _down_wgrad_last((dy_sorted, h), w_down, main_down)
+        if not down_wgrad_last:  # early: frees w·dOut's copy and h before the gate/up GEMMs
+            d_w_down = _down_weight_grad(dy_sorted, h, main_down, routing, block_m)
+            del dy_sorted, h
         d_gate_up_dgrad = d_gate_up_wgrad = d_gate_up  # [rows, 2, I]
         if mxfp8:
             rows, cols = ops.mxfp8_round(d_gate_up.flatten(1), True, True, routing, block_m)
@@ -660,8 +660,8 @@ def _expert_mlp_backward(d_out, x, topk_weights, weights, saved, routing, block_
             if peer_rows is None else None
         )
         del d_gate_up_dgrad
-        if d_w_down is None:
-            d_w_down = _down_weight_grad(down_operands, main_down, routing, block_m)
+        if down_wgrad_last:
+            d_w_down = _down_weight_grad(dy_sorted, h, main_down, routing, block_m)
         return dx_slots, d_topk_weights, (d_w_gate, d_w_up, d_w_down)
 
     rows_in_use = routing[4]  # [1] int32: the schedule's num_rows; the quantizers skip the rest
@@ -693,7 +693,7 @@ def _expert_mlp_backward(d_out, x, topk_weights, weights, saved, routing, block_
     return dx_slots, d_topk_weights, (d_w_gate, d_w_up, d_w_down)
 
 
-def _down_wgrad_last(operands: list[torch.Tensor], w_down, main_down: torch.Tensor | None) -> bool:
+def _down_wgrad_last(operands: Sequence[torch.Tensor], w_down, main_down: torch.Tensor | None) -> bool:
     """Whether the down wgrad runs after the gate/up GEMMs rather than right after the down
     dgrad: where its operands (w·dOut and h, rows × (H + I)) take less memory than the
     gradient it allocates (d_w_down, E_l × H × I; nothing with a main_grad buffer). Early it
@@ -707,11 +707,8 @@ def _down_wgrad_last(operands: list[torch.Tensor], w_down, main_down: torch.Tens
     return operand_bytes < experts * hidden * inter * 2
 
 
-def _down_weight_grad(operands: list[torch.Tensor], main_down, routing, block_m):
-    """d_w_down from [w·dOut sorted, h], emptying the list (the caller's only references),
-    so the two are freed once the wgrad is queued."""
-    dy_sorted, h = operands
-    operands.clear()
+def _down_weight_grad(dy_sorted: torch.Tensor, h: torch.Tensor, main_down, routing, block_m):
+    """d_w_down from w·dOut's sorted copy and h (or main_down after `+=`)."""
     return _weight_grads(ops.down_wgrad, ops.down_wgrad_accumulate, (dy_sorted, h), (main_down,), routing, block_m)
 
 

@@ -503,6 +503,19 @@ def _first_line(text: str) -> str:
     return text.strip().splitlines()[0] if text.strip() else ""
 
 
+@dataclass(eq=False)
+class _Timed:
+    """One checked (impl, pass) of a preset, filled in round by round: its per-call ms, the
+    largest peak over what was allocated on entry (None off CUDA), or why timing failed."""
+
+    impl: Impl
+    pass_: str
+    row: dict  # the Result fields it shares with its check
+    times: list[float] = field(default_factory=list)
+    delta_gb: float | None = None
+    error: str | None = None
+
+
 def _round_reps(reps: int, rounds: int, round_: int) -> int:
     """Timed calls in round `round_`: reps split as evenly as it goes, the first rounds
     taking the remainder (at least one call each)."""
@@ -567,7 +580,7 @@ def run(
         # Phase 2: time what passed. The (impl, pass) pairs take turns, `rounds` rounds of
         # reps / rounds calls each, so that the GPU's clock drifting over the run (H200: a few
         # percent between runs, lower under sustained load) weighs on all of them alike.
-        timed = []  # [impl, pass, row, times, peak delta GB, error message]
+        timed: list[_Timed] = []
         for case, impl, verdict in checked:
             row = dict(preset=preset.name, impl=case.impl, precision=case.precision, ep=num_ranks,
                        same_function=impl.same_function)
@@ -575,43 +588,42 @@ def run(
                 max_err, min_cos = _summary(verdict.errors, pass_)
                 checked_row = dict(row, errors=verdict.errors, max_rel_err=max_err, min_cosine=min_cos)
                 if verdict.ok[pass_]:
-                    timed.append([impl, pass_, checked_row, [], None, None])
+                    timed.append(_Timed(impl, pass_, checked_row))
                 else:
                     for _ in range(rounds):
                         step(f"{preset.name}: {case.impl} ({case.precision}) {pass_} failed its check")
                     results.append(Result(pass_=pass_, status="FAIL", message=verdict.message, extra=impl.extra,
                                           **checked_row))
         for round_ in range(rounds):
-            for entry in timed:
-                impl, pass_, checked_row, times, delta_gb, error = entry
-                if error is not None:
-                    step(f"{preset.name}: {checked_row['impl']} {pass_}: {error}")
+            for t in timed:
+                name = f"{preset.name}: {t.row['impl']} ({t.row['precision']}) {t.pass_}"
+                if t.error is not None:
+                    step(f"{name}: {t.error}")
                     continue
-                step(f"{preset.name}: time {checked_row['impl']} ({checked_row['precision']}) {pass_}"
-                     + (f", round {round_ + 1}/{rounds}" if rounds > 1 else ""))
+                step(f"{name}: time" + (f", round {round_ + 1}/{rounds}" if rounds > 1 else ""))
                 try:
-                    round_times, round_delta = _time_round(
-                        impl, pass_, d_out, warmup if round_ == 0 else ROUND_WARMUP, _round_reps(reps, rounds, round_),
-                        device,
+                    times, delta_gb = _time_round(
+                        t.impl, t.pass_, d_out, warmup if round_ == 0 else ROUND_WARMUP,
+                        _round_reps(reps, rounds, round_), device,
                     )
                 except Exception as exc:
-                    entry[5] = f"timing raised {type(exc).__name__}: {exc}"
+                    t.error = f"timing raised {type(exc).__name__}: {exc}"
                     _free(device)
                     continue
-                times += round_times
-                entry[4] = _largest([delta_gb, round_delta]) if delta_gb is not None else round_delta
-        for impl, pass_, checked_row, times, delta_gb, error in timed:
-            if error is not None:
-                results.append(Result(pass_=pass_, status="error", message=error, extra=impl.extra, **checked_row))
+                t.times += times
+                t.delta_gb = delta_gb if t.delta_gb is None else max(t.delta_gb, delta_gb)
+        for t in timed:
+            if t.error is not None:
+                results.append(Result(pass_=t.pass_, status="error", message=t.error, extra=t.impl.extra, **t.row))
                 continue
-            timing = _timing(times, delta_gb, inputs_gb, group)
+            timing = _timing(t.times, t.delta_gb, inputs_gb, group)
             stats = timing.stats
             results.append(Result(
-                pass_=pass_, status="ok", ms=stats["median"],
-                tflops=preset.flops(pass_) / (stats["median"] * 1e-3) / 1e12,
+                pass_=t.pass_, status="ok", ms=stats["median"],
+                tflops=preset.flops(t.pass_) / (stats["median"] * 1e-3) / 1e12,
                 peak_mem_gb=timing.peak_mem_gb, peak_mem_delta_gb=timing.peak_mem_delta_gb,
-                ms_min=stats["min"], ms_p20=stats["p20"], ms_p80=stats["p80"], reps=len(times), message=impl.note,
-                extra=impl.extra | _timing_extra(impl, pass_, timing), **checked_row,
+                ms_min=stats["min"], ms_p20=stats["p20"], ms_p80=stats["p80"], reps=len(t.times), message=t.impl.note,
+                extra=t.impl.extra | _timing_extra(t.impl, t.pass_, timing), **t.row,
             ))
         del checked, inp, d_out
         _free(device)

@@ -33,6 +33,12 @@ def num_sms(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def launch_programs(tiles: int, cfg: dict, device) -> int:
+    """Programs of a launch over `tiles` tiles: one per tile, or with the tile-config flag
+    cfg["PERSISTENT"] one per SM (at most one per tile), each walking several."""
+    return min(tiles, num_sms(device)) if cfg.get("PERSISTENT", False) else tiles
+
+
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402

@@ -60,7 +60,14 @@ import triton.language as tl
 
 from mok.fp8_block import FP8_BLOCK
 from mok.kernels.comm import PeerRows, peer_row_starts, signal_peers
-from mok.kernels.common import column_halves, interpreting, num_sms, round_to_bf16, tma_descriptor, tma_descriptor_pair
+from mok.kernels.common import (
+    column_halves,
+    interpreting,
+    launch_programs,
+    round_to_bf16,
+    tma_descriptor,
+    tma_descriptor_pair,
+)
 from mok.kernels.gather import gather_sorted_rows
 from mok.kernels.quant_fp8_block import quantize_row_blocks
 from mok.kernels.schedule import RoutingSchedule
@@ -574,8 +581,7 @@ def scatter_grid(schedule: RoutingSchedule, hidden: int, cfg: dict) -> int:
     """Programs of a launch whose tiles cover [schedule rows, hidden] (the down GEMM, the
     gate/up dgrad): one per tile, or with cfg["PERSISTENT"] one per SM (at most one per
     tile). Under expert parallelism every one of them signals its arrival."""
-    tiles = schedule.max_tiles * triton.cdiv(hidden, cfg["BLOCK_N"])
-    return min(tiles, num_sms(schedule.row_source.device)) if cfg.get("PERSISTENT", False) else tiles
+    return launch_programs(schedule.max_tiles * triton.cdiv(hidden, cfg["BLOCK_N"]), cfg, schedule.row_source.device)
 
 
 def _launch_down_scatter(

@@ -57,7 +57,7 @@ import triton
 import triton.language as tl
 
 from mok.fp8_block import FP8_BLOCK
-from mok.kernels.common import interpreting, num_sms, round_to_bf16, tma_descriptor
+from mok.kernels.common import interpreting, launch_programs, round_to_bf16, tma_descriptor
 from mok.kernels.gather import check_sorted_rows
 from mok.kernels.quant_fp8_block import sorted_scale_rows
 from mok.kernels.schedule import RoutingSchedule
@@ -275,7 +275,7 @@ def _launch_wgrad(
     a_desc = tma_descriptor(a, a_block)
     cfg = {"PERSISTENT": False, **cfg}
     num_tiles = experts * triton.cdiv(m_dim, cfg["BLOCK_M"]) * triton.cdiv(n_dim, cfg["BLOCK_N"])
-    programs = min(num_tiles, num_sms(out.device)) if cfg["PERSISTENT"] else num_tiles
+    programs = launch_programs(num_tiles, cfg, out.device)
     _sorted_rows_wgrad_kernel[(programs,)](
         a_desc, a_desc if a2 is None else tma_descriptor(a2, a_block),
         tma_descriptor(b, b_block), out, out if out2 is None else out2,
