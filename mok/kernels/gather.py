@@ -30,6 +30,15 @@ x_sorted and dy_sorted in blocks of 32 rows (the wgrads reduce over rows), dy fr
 product w·dOut. A program then copies 32 rows, one block: the schedule pads every expert
 to a multiple of BLOCK_M (a multiple of 32), so the block is one expert's, padding zeros.
 
+Two orders of the same copy. Row-major (`_gather_sorted_rows_kernel`): a program per block
+of sorted rows loads each row's token. Consecutive sorted rows belong to one expert and to
+tokens far apart, so with topk routes per token every token row is read topk times, mostly
+from HBM (x and dOut together outgrow the L2). Token-major (`_scatter_token_rows_kernel`,
+bf16 and topk ≥ `TOKEN_MAJOR_MIN_TOPK`): a program per block of tokens reads each token
+once and stores it to its topk rows (the inverse of row_source, `_route_rows_kernel`);
+further programs, one per expert, zero its padding rows. mxfp8 keeps the row-major order:
+its copies round blocks of 32 consecutive sorted rows together.
+
 Caller contract: rows at or past the schedule's `num_rows` are not written (no kernel
 reads them). Padding rows get exact zeros, which the GEMMs reading these operands
 without masks rely on. A copy: deterministic.
@@ -46,7 +55,13 @@ from mok.kernels.quant import mxfp8_round_tile
 from mok.kernels.schedule import RoutingSchedule
 from mok.mxfp8 import MX_BLOCK
 
-ROWS_PER_PROGRAM = 16  # 16 rows × H columns per program: ~8K programs for 131K rows
+ROWS_PER_PROGRAM = 16  # row-major: 16 rows × H columns per program, ~8K programs for 131K rows
+# From this topk on the bf16 copy runs token-major. H200 (log in BENCHMARKS.md), x, dOut and
+# w·dOut: topk 8 (qwen3-30b, deepseek-v3-slice) 0.70 -> 0.53 and 1.19 -> 0.89 ms; topk 2
+# (mixtral-8x7b) 0.18 -> 0.20 ms, x alone 0.11 -> 0.16. topk 4 is not measured.
+TOKEN_MAJOR_MIN_TOPK = 4
+TOKENS_PER_PROGRAM = 16  # token-major: 16 tokens × 256 columns per step, 4 warps (8 to 32 tokens,
+# 256 to 1024 columns, 4 or 8 warps all measured within 3% of it on H200)
 
 
 @triton.jit
@@ -98,6 +113,71 @@ def _gather_sorted_rows_kernel(
                 tl.store(dy_sorted_ptr + sorted_offs + offs, round_to_bf16(dy, INTERPRETER), mask=store_mask)
 
 
+@triton.jit
+def _route_rows_kernel(row_source_ptr, num_rows_ptr, route_row_ptr, ROWS: tl.constexpr):
+    """route_row[row_source[r]] = r for every placed row r below num_rows: the inverse map."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    in_schedule = rows < tl.load(num_rows_ptr)
+    source = tl.load(row_source_ptr + rows, mask=in_schedule, other=-1)
+    tl.store(route_row_ptr + source, rows, mask=source >= 0)
+
+
+@triton.jit
+def _scatter_token_rows_kernel(
+    # pointers
+    x_ptr, d_out_ptr, topk_weights_ptr, x_sorted_ptr, d_out_sorted_ptr, dy_sorted_ptr,
+    # schedule: each route's row (−1: not placed), each expert's first row and routes
+    route_row_ptr, expert_offsets_ptr, expert_counts_ptr,
+    # sizes (token_programs: the programs that copy tokens; the rest zero one expert's padding each)
+    num_tokens, hidden, topk, token_programs,
+    # strides
+    stride_x_t, stride_dout_t, stride_sorted_r,
+    # meta
+    HAS_D_OUT: tl.constexpr, HAS_WEIGHTS: tl.constexpr, INTERPRETER: tl.constexpr,
+    TOKENS: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_H)
+    if pid < token_programs:  # TOKENS tokens, each read once and stored to its topk rows
+        tokens = pid * TOKENS + tl.arange(0, TOKENS)
+        is_token = tokens < num_tokens
+        tokens64 = tokens.to(tl.int64)[:, None]
+        for h0 in range(0, hidden, BLOCK_H):
+            offs = h0 + cols[None, :]
+            load_mask = is_token[:, None] & (offs < hidden)
+            x = tl.load(x_ptr + tokens64 * stride_x_t + offs, mask=load_mask)
+            if HAS_D_OUT:
+                d_out = tl.load(d_out_ptr + tokens64 * stride_dout_t + offs, mask=load_mask)
+            for j in range(topk):
+                slot = tokens * topk + j
+                row = tl.load(route_row_ptr + slot, mask=is_token, other=-1)
+                store_mask = (row >= 0)[:, None] & (offs < hidden)
+                sorted_offs = row.to(tl.int64)[:, None] * stride_sorted_r + offs
+                tl.store(x_sorted_ptr + sorted_offs, x, mask=store_mask)
+                if HAS_D_OUT:
+                    tl.store(d_out_sorted_ptr + sorted_offs, d_out, mask=store_mask)
+                if HAS_WEIGHTS:  # the launcher passes weights only with dOut
+                    w = tl.load(topk_weights_ptr + slot, mask=is_token, other=0.0)[:, None]
+                    tl.store(dy_sorted_ptr + sorted_offs, round_to_bf16(w * d_out.to(tl.float32), INTERPRETER),
+                             mask=store_mask)
+    else:  # zeros in one expert's padding rows (fewer than BLOCK_M, after its routes)
+        expert = pid - token_programs
+        start = tl.load(expert_offsets_ptr + expert) + tl.load(expert_counts_ptr + expert)
+        end = tl.load(expert_offsets_ptr + expert + 1)
+        zeros = tl.zeros((TOKENS, BLOCK_H), dtype=tl.bfloat16)
+        for r0 in range(start, end, TOKENS):
+            rows = r0 + tl.arange(0, TOKENS)
+            for h0 in range(0, hidden, BLOCK_H):
+                offs = h0 + cols[None, :]
+                mask = (rows < end)[:, None] & (offs < hidden)
+                sorted_offs = rows.to(tl.int64)[:, None] * stride_sorted_r + offs
+                tl.store(x_sorted_ptr + sorted_offs, zeros, mask=mask)
+                if HAS_D_OUT:
+                    tl.store(d_out_sorted_ptr + sorted_offs, zeros, mask=mask)
+                if HAS_WEIGHTS:
+                    tl.store(dy_sorted_ptr + sorted_offs, zeros, mask=mask)
+
+
 def check_sorted_rows(name: str, t: torch.Tensor, width: int, schedule: RoutingSchedule) -> None:
     """A sorted-layout operand of the GEMMs: bf16 [R, width] with unit column stride and
     R ≤ capacity_rows (TMA reads rows past R as zeros)."""
@@ -143,21 +223,33 @@ def gather_sorted_rows(
     if mxfp8 and (hidden % MX_BLOCK or schedule.block_m % MX_BLOCK):
         raise ValueError(f"x: mxfp8 needs H and the schedule's BLOCK_M multiples of {MX_BLOCK}, got H = {hidden}, "
                          f"BLOCK_M = {schedule.block_m}")
-    # mxfp8: one block of rows, 64 columns: three tiles and the rounding's temporaries stay in
-    # registers (32 x 256 columns spilled and took 9.9 ms instead of 0.7 on qwen3-30b, H200).
-    # 8 warps measured slower than 4 (1.57 vs 1.13 ms).
-    rows_per_program = MX_BLOCK if mxfp8 else ROWS_PER_PROGRAM
     x_sorted = torch.empty(schedule.capacity_rows, hidden, dtype=x.dtype, device=device)  # [capacity_rows, H]
     d_out_sorted = None if d_out is None else torch.empty_like(x_sorted)  # [capacity_rows, H]
     dy_sorted = None if topk_weights is None else torch.empty_like(x_sorted)  # [capacity_rows, H]
-    grid = (triton.cdiv(schedule.capacity_rows, rows_per_program),)
-    _gather_sorted_rows_kernel[grid](
-        x, x if d_out is None else d_out, x if topk_weights is None else topk_weights,  # x: an unread stand-in
-        x_sorted, x_sorted if d_out_sorted is None else d_out_sorted, x_sorted if dy_sorted is None else dy_sorted,
-        schedule.row_source, schedule.num_rows,
-        hidden, topk,
-        x.stride(0), x.stride(0) if d_out is None else d_out.stride(0), x_sorted.stride(0),
-        HAS_D_OUT=d_out is not None, HAS_WEIGHTS=topk_weights is not None, MXFP8=mxfp8, INTERPRETER=interpreting(),
-        ROWS=rows_per_program, BLOCK_H=min(64 if mxfp8 else 256, triton.next_power_of_2(hidden)), num_warps=4,
-    )
+    sources = (x, x if d_out is None else d_out, x if topk_weights is None else topk_weights)  # x: an unread stand-in
+    copies = (x_sorted, x_sorted if d_out_sorted is None else d_out_sorted, x_sorted if dy_sorted is None else dy_sorted)
+    strides = (x.stride(0), x.stride(0) if d_out is None else d_out.stride(0), x_sorted.stride(0))
+    meta = dict(HAS_D_OUT=d_out is not None, HAS_WEIGHTS=topk_weights is not None, INTERPRETER=interpreting(),
+                num_warps=4)
+    if topk >= TOKEN_MAJOR_MIN_TOPK and not mxfp8:
+        route_row = torch.full((num_tokens * topk,), -1, dtype=torch.int32, device=device)  # [T·topk]; −1: not placed
+        _route_rows_kernel[(triton.cdiv(schedule.capacity_rows, 1024),)](
+            schedule.row_source, schedule.num_rows, route_row, ROWS=1024, num_warps=4,
+        )
+        token_programs = triton.cdiv(num_tokens, TOKENS_PER_PROGRAM)
+        _scatter_token_rows_kernel[(token_programs + schedule.num_local_experts,)](
+            *sources, *copies, route_row, schedule.expert_offsets, schedule.expert_counts,
+            num_tokens, hidden, topk, token_programs, *strides,
+            TOKENS=TOKENS_PER_PROGRAM, BLOCK_H=min(256, triton.next_power_of_2(hidden)), **meta,
+        )
+    else:
+        # mxfp8: one block of rows, 64 columns: three tiles and the rounding's temporaries stay in
+        # registers (32 x 256 columns spilled and took 9.9 ms instead of 0.7 on qwen3-30b, H200).
+        # 8 warps measured slower than 4 (1.57 vs 1.13 ms).
+        rows_per_program = MX_BLOCK if mxfp8 else ROWS_PER_PROGRAM
+        _gather_sorted_rows_kernel[(triton.cdiv(schedule.capacity_rows, rows_per_program),)](
+            *sources, *copies, schedule.row_source, schedule.num_rows, hidden, topk, *strides,
+            MXFP8=mxfp8, ROWS=rows_per_program, BLOCK_H=min(64 if mxfp8 else 256, triton.next_power_of_2(hidden)),
+            **meta,
+        )
     return x_sorted, d_out_sorted, dy_sorted
