@@ -233,8 +233,9 @@ def gather_sorted_rows(
                 num_warps=4)
     if topk >= TOKEN_MAJOR_MIN_TOPK and not mxfp8:
         route_row = torch.full((num_tokens * topk,), -1, dtype=torch.int32, device=device)  # [T·topk]; −1: not placed
-        _route_rows_kernel[(triton.cdiv(schedule.capacity_rows, 1024),)](
-            schedule.row_source, schedule.num_rows, route_row, ROWS=1024, num_warps=4,
+        rows_per_program = 1024  # of row_source, 4 bytes each
+        _route_rows_kernel[(triton.cdiv(schedule.capacity_rows, rows_per_program),)](
+            schedule.row_source, schedule.num_rows, route_row, ROWS=rows_per_program, num_warps=4,
         )
         token_programs = triton.cdiv(num_tokens, TOKENS_PER_PROGRAM)
         _scatter_token_rows_kernel[(token_programs + schedule.num_local_experts,)](
