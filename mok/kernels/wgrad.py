@@ -71,19 +71,21 @@ _SCALE_BLOCK = tl.constexpr(FP8_BLOCK)  # kernels read only constexpr globals
 # shared memory per block, 255 registers per thread) and checked with ptxas for sm_90a
 # (triton 3.6, compiled without a GPU):
 _FP8_BLOCK_TILES = {
-    # 8 warps, two accumulators of 128×64 fp32 and a step's fresh dots: ptxas 203 registers, no
-    # spills. Shared memory per stage: d_gᵀ, d_uᵀ 128×128 B and xᵀ 64×128 B = 40 KiB; 4 stages =
-    # 160 KiB. 128×128 tiles (half the d_g, d_u reloads) hit 255 registers and spill ~560 B per
-    # thread at 3 stages (144 KiB): the first alternative to time.
-    "gate_up": dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, num_warps=8, num_stages=4),
+    # One accumulator over the stacked [d_g | d_u] (STACKED), as "down": 128×128 tiles where two
+    # accumulators (one per output, sharing the x tile) only fit at 128×64 (ptxas 203 registers;
+    # 128×128 spilled ~560 B per thread). In the layer, interleaved with the two-accumulator
+    # 128×64 launch (record h200-20261130-fp8-stacked-wgrad.json): qwen3-30b fwd+bwd 10.36 →
+    # 10.15 ms, deepseek-v3-slice 33.78 → 33.58 ms.
+    "gate_up": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4, STACKED=True),
     # 8 warps, one 128×128 accumulator: ptxas 209 registers, no spills; 32 KiB per stage (dyᵀ,
     # hᵀ), 4 stages = 128 KiB. Not bf16's BLOCK_N = 256: its accumulator plus a fresh 128×256 dot
     # would spill (the forward's down GEMM measured so with ptxas).
     "down": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4),
-    # BLOCK_K divides S = gcd(16, 128) = 16, the interpreter schedule's block_m; whole 128-wide
-    # output tiles keep the interpreter's program count (its cost) low: 8× quicker than 32×64.
-    "interpreter": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=16, num_warps=4, num_stages=1),
 }
+# Under the interpreter, the same flags with these sizes: BLOCK_K divides S = gcd(16, 128) = 16,
+# the interpreter schedule's block_m; whole 128-wide output tiles keep the interpreter's program
+# count (its cost) low: 8× quicker than 32×64.
+_FP8_BLOCK_INTERPRETER_SIZES = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=16, num_warps=4, num_stages=1)
 
 
 # Intermediate size up to which the down wgrad runs persistent (`wgrad_config`).
@@ -97,17 +99,20 @@ def wgrad_config(kind: str, m_dim: int, n_dim: int, precision: str = "bf16") -> 
     h200-20261130-wgrad-stages.json and the earlier -tune-wgrad): 8 warps, 64 rows per K
     step. "gate_up" keeps two 128×128 fp32 accumulators (as the forward's gate/up GEMM
     does) and streams two A tiles and one x tile per step (48 KiB of shared memory per
-    stage) at 3 stages: 4 stages measured 6–12% slower on mixtral-8x7b and 0–4% on
+    stage); one 128×256 accumulator over the stacked [d_g | d_u] (STACKED) measured the
+    same within the sweep's drift (record h200-20261130-gate-up-wgrad-stacked.json). It runs
+    at 3 stages: 4 stages measured 6–12% slower on mixtral-8x7b and 0–4% on
     deepseek-v3-slice in two sweeps. "down" has one accumulator, so it takes 128×256 tiles
     where the output is wide enough, 3 stages, and runs persistent up to
     `PERSISTENT_DOWN_WGRAD_MAX_INTER` (qwen3-30b, whose experts have ~1K rows: 2–5%
     faster in both sweeps; 5–20% slower at I ≥ 2048). BLOCK_K divides the schedule's
     BLOCK_M (128). The reduction runs over an expert's rows, whose count changes every
     step, so it is not part of any key.
-    fp8_block: `_FP8_BLOCK_TILES`, the same for every shape until measured.
+    fp8_block: `_FP8_BLOCK_TILES`, the same for every shape (under the interpreter with
+    `_FP8_BLOCK_INTERPRETER_SIZES`).
     """
     if precision == "fp8_block":
-        return dict(_FP8_BLOCK_TILES["interpreter" if interpreting() else kind])
+        return {**_FP8_BLOCK_TILES[kind], **(_FP8_BLOCK_INTERPRETER_SIZES if interpreting() else {})}
     if interpreting():  # BLOCK_K divides the interpreter's routing BLOCK_M (16)
         return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=16, num_warps=4, num_stages=1)
     if kind == "down":
@@ -148,8 +153,8 @@ def store_weight_grad(ptrs, acc, mask, ACCUMULATE: tl.constexpr, OUT_BF16: tl.co
 @triton.jit
 def _wgrad_tile(
     a_desc, a2_desc, b_desc, out_ptr, out2_ptr, a_scale_ptr, a2_scale_ptr, b_scale_ptr,
-    expert_offsets_ptr, tile, m_dim, n_dim, stride_out_e, stride_out_m, stride_a_scale, stride_b_scale,
-    PRECISION: tl.constexpr, TWO_OUTPUTS: tl.constexpr, ACCUMULATE: tl.constexpr,
+    expert_offsets_ptr, tile, m_dim, n_dim, split_m, stride_out_e, stride_out_m, stride_a_scale, stride_b_scale,
+    PRECISION: tl.constexpr, TWO_OUTPUTS: tl.constexpr, STACKED: tl.constexpr, ACCUMULATE: tl.constexpr,
     OUT_BF16: tl.constexpr, INTERPRETER: tl.constexpr, SCALE_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -188,9 +193,15 @@ def _wgrad_tile(
                 acc2 = tl.dot(a2, b, acc2)
     m_offs = m0 + tl.arange(0, BLOCK_M)
     n_offs = n0 + tl.arange(0, BLOCK_N)
-    offs = expert.to(tl.int64) * stride_out_e + m_offs[:, None].to(tl.int64) * stride_out_m + n_offs[None, :]
     mask = (m_offs < m_dim)[:, None] & (n_offs < n_dim)[None, :]
-    store_weight_grad(out_ptr + offs, acc, mask, ACCUMULATE, OUT_BF16, INTERPRETER)
+    if STACKED:  # rows [split_m, m_dim) are out2's rows [0, m_dim - split_m)
+        in_out2 = m_offs >= split_m
+        m_offs = tl.where(in_out2, m_offs - split_m, m_offs)
+    offs = expert.to(tl.int64) * stride_out_e + m_offs[:, None].to(tl.int64) * stride_out_m + n_offs[None, :]
+    ptrs = out_ptr + offs
+    if STACKED:
+        ptrs = tl.where(in_out2[:, None], out2_ptr + offs, ptrs)
+    store_weight_grad(ptrs, acc, mask, ACCUMULATE, OUT_BF16, INTERPRETER)
     if TWO_OUTPUTS:
         store_weight_grad(out2_ptr + offs, acc2, mask, ACCUMULATE, OUT_BF16, INTERPRETER)
 
@@ -204,29 +215,31 @@ def _sorted_rows_wgrad_kernel(
     a_scale_ptr, a2_scale_ptr, b_scale_ptr,
     # schedule
     expert_offsets_ptr,
-    # sizes: out is [E_l, m_dim, n_dim] in num_tiles tiles; num_programs: the grid
-    m_dim, n_dim, num_tiles, num_programs,
+    # sizes: out is [E_l, m_dim, n_dim] in num_tiles tiles (with STACKED, out's rows [0, split_m)
+    # then out2's); num_programs: the grid
+    m_dim, n_dim, split_m, num_tiles, num_programs,
     # strides
     stride_out_e, stride_out_m, stride_a_scale, stride_b_scale,
     # meta
-    PRECISION: tl.constexpr, TWO_OUTPUTS: tl.constexpr, ACCUMULATE: tl.constexpr,
+    PRECISION: tl.constexpr, TWO_OUTPUTS: tl.constexpr, STACKED: tl.constexpr, ACCUMULATE: tl.constexpr,
     OUT_BF16: tl.constexpr, INTERPRETER: tl.constexpr, SCALE_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PERSISTENT: tl.constexpr,
 ):
     """down: a = dy_sorted, b = h;
-    gate/up: a, a2 = d_g, d_u (sharing the x_sorted tile b)."""
+    gate/up: a, a2 = d_g, d_u (sharing the x_sorted tile b), or with STACKED a = [d_g | d_u]
+    (2·I wide) and one accumulator whose rows go to d_w_gate, then d_w_up."""
     # Two call sites, as in `grouped_gemm._down_scatter_kernel` (a one-tile loop spills there).
     if PERSISTENT:  # num_programs programs walk the tiles; the flattened loop overlaps a tile's
         # epilogue with the next tile's first loads
         for tile in tl.range(tl.program_id(0), num_tiles, num_programs, flatten=True):
             _wgrad_tile(a_desc, a2_desc, b_desc, out_ptr, out2_ptr, a_scale_ptr, a2_scale_ptr, b_scale_ptr,
-                        expert_offsets_ptr, tile, m_dim, n_dim, stride_out_e, stride_out_m,
-                        stride_a_scale, stride_b_scale, PRECISION, TWO_OUTPUTS, ACCUMULATE, OUT_BF16,
+                        expert_offsets_ptr, tile, m_dim, n_dim, split_m, stride_out_e, stride_out_m,
+                        stride_a_scale, stride_b_scale, PRECISION, TWO_OUTPUTS, STACKED, ACCUMULATE, OUT_BF16,
                         INTERPRETER, SCALE_ROWS, BLOCK_M, BLOCK_N, BLOCK_K)
     else:
         _wgrad_tile(a_desc, a2_desc, b_desc, out_ptr, out2_ptr, a_scale_ptr, a2_scale_ptr, b_scale_ptr,
-                    expert_offsets_ptr, tl.program_id(0), m_dim, n_dim, stride_out_e, stride_out_m,
-                    stride_a_scale, stride_b_scale, PRECISION, TWO_OUTPUTS, ACCUMULATE, OUT_BF16,
+                    expert_offsets_ptr, tl.program_id(0), m_dim, n_dim, split_m, stride_out_e, stride_out_m,
+                    stride_a_scale, stride_b_scale, PRECISION, TWO_OUTPUTS, STACKED, ACCUMULATE, OUT_BF16,
                     INTERPRETER, SCALE_ROWS, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
@@ -263,9 +276,16 @@ def _launch_wgrad(
     for a single output). bf16: a, a2 [rows, m_dim] and b [rows, n_dim] in the sorted layout,
     `scales` None; fp8_block: their transposed e4m3 copies [m_dim or n_dim, capacity_rows] and
     `scales` = (a's, a2's or None, b's) [capacity_rows / S, ·] fp32, unit column stride. With
-    cfg["PERSISTENT"], one program per SM walks the tiles."""
+    cfg["PERSISTENT"], one program per SM walks the tiles. With cfg["STACKED"] (two outputs of
+    one shape, a2 None), a holds both outputs' A operands one after the other along m_dim."""
     _check_block_k(cfg, schedule, precision)
+    cfg = {"PERSISTENT": False, "STACKED": False, **cfg}
+    if cfg["STACKED"] and (out2 is None or a2 is not None):
+        raise ValueError("tile_config: STACKED is for the gate/up wgrad (two outputs, one stacked A operand)")
     experts, m_dim, n_dim = out.shape
+    split_m = m_dim
+    if cfg["STACKED"]:
+        m_dim = 2 * split_m
     if precision == "fp8_block":  # K-major tiles of the transposed copies
         a_block, b_block = (cfg["BLOCK_M"], cfg["BLOCK_K"]), (cfg["BLOCK_N"], cfg["BLOCK_K"])
         a_scale, a2_scale, b_scale = scales
@@ -273,7 +293,6 @@ def _launch_wgrad(
         a_block, b_block = (cfg["BLOCK_K"], cfg["BLOCK_M"]), (cfg["BLOCK_K"], cfg["BLOCK_N"])
         a_scale = a2_scale = b_scale = out  # an unread stand-in
     a_desc = tma_descriptor(a, a_block)
-    cfg = {"PERSISTENT": False, **cfg}
     num_tiles = experts * triton.cdiv(m_dim, cfg["BLOCK_M"]) * triton.cdiv(n_dim, cfg["BLOCK_N"])
     programs = launch_programs(num_tiles, cfg, out.device)
     _sorted_rows_wgrad_kernel[(programs,)](
@@ -281,9 +300,9 @@ def _launch_wgrad(
         tma_descriptor(b, b_block), out, out if out2 is None else out2,
         a_scale, a_scale if a2_scale is None else a2_scale, b_scale,
         schedule.expert_offsets,
-        m_dim, n_dim, num_tiles, programs,
+        m_dim, n_dim, split_m, num_tiles, programs,
         out.stride(0), out.stride(1), a_scale.stride(0), b_scale.stride(0),
-        PRECISION=precision, TWO_OUTPUTS=out2 is not None, ACCUMULATE=accumulate,
+        PRECISION=precision, TWO_OUTPUTS=out2 is not None and not cfg["STACKED"], ACCUMULATE=accumulate,
         OUT_BF16=out.dtype == torch.bfloat16, INTERPRETER=interpreting(),
         SCALE_ROWS=sorted_scale_rows(schedule.block_m), **cfg,
     )
@@ -309,6 +328,12 @@ def _gate_up_outputs(main_grad_gate, main_grad_up, schedule: RoutingSchedule, in
         return main_grad_gate, main_grad_up
     d_w_gate = torch.empty(shape, dtype=torch.bfloat16, device=device)  # [E_l, I, H]
     return d_w_gate, torch.empty_like(d_w_gate)  # [E_l, I, H]
+
+
+def _gate_up_a_operands(cfg: dict, stacked, d_gate, d_up):
+    """The gate/up wgrad's A operands: (d_g and d_u stacked along m, None) for a STACKED tile
+    config, else (d_g, d_u)."""
+    return (stacked, None) if cfg.get("STACKED", False) else (d_gate, d_up)
 
 
 def down_wgrad(
@@ -343,7 +368,8 @@ def gate_up_wgrad(
     _check("d_gate_up", d_gate_up, (torch.bfloat16,), (schedule.capacity_rows, 2, inter), device)
     d_w_gate, d_w_up = _gate_up_outputs(main_grad_gate, main_grad_up, schedule, inter, hidden, device)
     cfg = tile_config or wgrad_config("gate_up", inter, hidden)
-    _launch_wgrad("bf16", d_gate_up[:, 0], d_gate_up[:, 1], x_sorted, None, d_w_gate, d_w_up, schedule, cfg,
+    a, a2 = _gate_up_a_operands(cfg, d_gate_up.view(-1, 2 * inter), d_gate_up[:, 0], d_gate_up[:, 1])
+    _launch_wgrad("bf16", a, a2, x_sorted, None, d_w_gate, d_w_up, schedule, cfg,
                   accumulate=main_grad_gate is not None)
     return d_w_gate, d_w_up
 
@@ -402,7 +428,10 @@ def gate_up_wgrad_fp8_block(
     _check_sorted_t_pair("x_t_q", x_t_q, "x_t_scale", x_t_scale, hidden, schedule)
     d_w_gate, d_w_up = _gate_up_outputs(main_grad_gate, main_grad_up, schedule, inter, hidden, device)
     cfg = tile_config or wgrad_config("gate_up", inter, hidden, "fp8_block")
-    scales = (d_gate_up_t_scale[:, :inter], d_gate_up_t_scale[:, inter:], x_t_scale)  # column views, row stride 2·I
-    _launch_wgrad("fp8_block", d_gate_up_t_q[:inter], d_gate_up_t_q[inter:], x_t_q, scales, d_w_gate, d_w_up,
+    a, a2 = _gate_up_a_operands(cfg, d_gate_up_t_q, d_gate_up_t_q[:inter], d_gate_up_t_q[inter:])
+    # column views of the scales, row stride 2·I
+    a_scale, a2_scale = _gate_up_a_operands(cfg, d_gate_up_t_scale, d_gate_up_t_scale[:, :inter],
+                                            d_gate_up_t_scale[:, inter:])
+    _launch_wgrad("fp8_block", a, a2, x_t_q, (a_scale, a2_scale, x_t_scale), d_w_gate, d_w_up,
                   schedule, cfg, accumulate=main_grad_gate is not None)
     return d_w_gate, d_w_up

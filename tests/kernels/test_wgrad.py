@@ -42,6 +42,10 @@ def _setup(T, H, I, E, topk, kernel_device, seed):
     return inp, sched, rows, source[rows], experts, sorted_rows, d_out, gen
 
 
+# Slack for another fp32 order inside one MMA step, relative to a tensor's largest value.
+_FP32_ORDER_SLACK = 2.0**-20
+
+
 def _per_expert(E, experts, fn):
     return torch.stack([fn(experts == e) for e in range(E)])
 
@@ -98,6 +102,37 @@ def test_wgrad_persistent_launch_is_bitwise_the_same(kernel_device):
     down_wgrad(dy_sorted, h, sched, main_grad=main)
     down_wgrad(dy_sorted, h, sched, main_grad=main_persistent, tile_config=down_cfg)
     assert torch.equal(main, main_persistent) and not torch.equal(main, start), f"accumulated {ctx}"
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_gate_up_wgrad_stacked_equals_the_two_output_launch(kernel_device, persistent):
+    """The gate/up wgrad as one [2·I, H] output (tile-config flag STACKED: one accumulator,
+    its rows split between d_w_gate and d_w_up) gives both gradients as the two-accumulator
+    launch, with M tiles that straddle the gate/up boundary, fresh and accumulating into
+    main_grad: equal up to the fp32 order inside an MMA step (the interpreter's NumPy matmul
+    sums a step in an order that depends on the tile's shape), far below any misplaced row."""
+    # I is not a multiple of BLOCK_M (32 under the interpreter, 128 on the GPU)
+    T, H, I, E, topk = (37, 64, 48, 6, 2) if kernel_device == "cpu" else (301, 1024, 200, 6, 2)
+    inp, sched, _, _, _, sorted_rows, d_out, gen = _setup(T, H, I, E, topk, kernel_device, seed=T + 3)
+    ctx = f"{T=} {H=} {I=} {E=} {topk=} {persistent=}"
+    d_gate_up = sorted_rows(2, I)
+    x_sorted, _, _ = gather_sorted_rows(inp.x, d_out, inp.topk_weights, sched, topk)
+    base = wgrad_config("gate_up", I, H)
+    two = dict(base, STACKED=False, PERSISTENT=persistent)
+    stacked = dict(base, STACKED=True, PERSISTENT=persistent)
+    assert I % stacked["BLOCK_M"], f"the test wants an M tile across the gate/up boundary {ctx}"
+    expected = gate_up_wgrad(d_gate_up, x_sorted, sched, tile_config=two)
+    got = gate_up_wgrad(d_gate_up, x_sorted, sched, tile_config=stacked)
+    for name, g, e in zip(("d_w_gate", "d_w_up"), got, expected):
+        _assert_order_close(g, e, _FP32_ORDER_SLACK, name, ctx)
+    start = torch.randn(2, E, I, H, generator=gen).to(kernel_device)
+    main_two, main_stacked = start.clone(), start.clone()
+    gate_up_wgrad(d_gate_up, x_sorted, sched, *main_two, tile_config=two)
+    gate_up_wgrad(d_gate_up, x_sorted, sched, *main_stacked, tile_config=stacked)
+    assert not torch.equal(main_two, start), f"accumulated {ctx}"
+    _assert_order_close(main_stacked - start, main_two - start, _FP32_ORDER_SLACK, "main_grad", ctx)
+    with pytest.raises(ValueError, match=r"^tile_config: STACKED is for the gate/up wgrad"):
+        down_wgrad(sorted_rows(H), sorted_rows(I), sched, tile_config=stacked)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -221,6 +256,22 @@ def test_fp8_block_wgrad(kernel_device, T, H, I, E, topk, limit, main_grad):
     for name, fresh in (("down", d_w_down), ("gate", d_w_gate), ("up", d_w_up)):
         assert_close_to_reference(main[name] - start[name], fresh.float(), name=f"main_grad {name}", context=ctx)
         assert torch.equal(main[name][empty], start[name][empty]), f"main_grad {name}: empty experts {ctx}"
+
+
+def test_fp8_block_gate_up_wgrad_stacked_equals_the_two_output_launch(kernel_device):
+    """fp8_block: d_g|d_u's transposed copy as one stacked A operand (STACKED), its scales read
+    across both halves, gives both gradients as the two-accumulator launch."""
+    T, H, I, E, topk = 270, 256, 128, 5, 2
+    _, sched, _, _, _, sorted_rows, _, _ = _setup(T, H, I, E, topk, kernel_device, seed=T + 2)
+    ctx = f"{T=} {H=} {I=} {E=} {topk=}"
+    d_gate_up = quantize_fp8_block_sorted_t(sorted_rows(2 * I), sched)  # [2·I, rows], [rows / S, 2·I]
+    x = quantize_fp8_block_sorted_t(sorted_rows(H), sched)
+    base = wgrad_config("gate_up", I, H, "fp8_block")
+    expected = gate_up_wgrad_fp8_block(*d_gate_up, *x, sched, tile_config=dict(base, STACKED=False))
+    got = gate_up_wgrad_fp8_block(*d_gate_up, *x, sched, tile_config=dict(base, STACKED=True))
+    assert got[0].abs().sum() > 0 and got[1].abs().sum() > 0, ctx
+    for name, g, e in zip(("d_w_gate", "d_w_up"), got, expected):
+        _assert_order_close(g, e, _FP32_ORDER_SLACK, name, ctx)
 
 
 def test_fp8_block_wgrad_rejects_mismatches(kernel_device):
