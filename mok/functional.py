@@ -619,71 +619,86 @@ def _expert_mlp_backward(d_out, x, topk_weights, weights, saved, routing, block_
     w_gate, w_up, w_down = weights
     main_gate, main_up, main_down = main_grads
     mxfp8 = isinstance(w_gate, _Mxfp8Weight)
+    if isinstance(w_gate, _Fp8BlockWeight):
+        return _fp8_block_backward_routed(
+            d_out, x, topk_weights, weights, main_grads, saved, routing, block_m, topk, num_slots, swiglu_limit
+        )
     if token_order:  # the shared expert: bf16
         x_sorted, d_out_sorted, dy_sorted = x, d_out, d_out
     else:
         x_sorted, d_out_sorted, dy_sorted = ops.gather_sorted_rows(
             x, d_out, topk_weights, routing, block_m, topk, mxfp8
         )
-    if not isinstance(w_gate, _Fp8BlockWeight):
-        # Each sorted copy is dropped once its last reader has run, so the peak holds no copy
-        # of dOut next to the gate/up GEMMs' operands.
-        gate_up = saved.pop("gate_up")
-        d_gate_up, d_topk_weights = ops.down_dgrad_swiglu(
-            d_out_sorted, topk_weights, gate_up, _dgrad_weight(w_down), routing, block_m, swiglu_limit
+    # Each sorted copy is dropped once its last reader has run, so the peak holds no copy
+    # of dOut next to the gate/up GEMMs' operands.
+    gate_up = saved.pop("gate_up")
+    d_gate_up, d_topk_weights = ops.down_dgrad_swiglu(
+        d_out_sorted, topk_weights, gate_up, _dgrad_weight(w_down), routing, block_m, swiglu_limit
+    )
+    del d_out_sorted, gate_up
+    h = saved.pop("h")
+    h = ops.mxfp8_round(h, False, True, routing, block_m)[1] if mxfp8 else h
+    down_wgrad_last = _down_wgrad_last((dy_sorted, h), w_down, main_down)
+    if not down_wgrad_last:  # early: frees w·dOut's copy and h before the gate/up GEMMs
+        d_w_down = _down_weight_grad(dy_sorted, h, main_down, routing, block_m)
+        del dy_sorted, h
+    d_gate_up_dgrad = d_gate_up_wgrad = d_gate_up  # [rows, 2, I]
+    if mxfp8:
+        rows, cols = ops.mxfp8_round(d_gate_up.flatten(1), True, True, routing, block_m)
+        d_gate_up_dgrad, d_gate_up_wgrad = rows.view_as(d_gate_up), cols.view_as(d_gate_up)
+    del d_gate_up
+    dgrad_weights = (_dgrad_weight(w_gate), _dgrad_weight(w_up))
+    if peer_rows is not None:  # the rows go to the sources' slots on their ranks (`Dispatch.peer_rows`),
+        # while this rank's weight gradient runs
+        ops.gate_up_dgrad_scatter_to_peers(
+            d_gate_up_dgrad, *dgrad_weights, routing, block_m, *_peer_op_args(peer_rows)
         )
-        del d_out_sorted, gate_up
-        h = saved.pop("h")
-        h = ops.mxfp8_round(h, False, True, routing, block_m)[1] if mxfp8 else h
-        down_wgrad_last = _down_wgrad_last((dy_sorted, h), w_down, main_down)
-        if not down_wgrad_last:  # early: frees w·dOut's copy and h before the gate/up GEMMs
-            d_w_down = _down_weight_grad(dy_sorted, h, main_down, routing, block_m)
-            del dy_sorted, h
-        d_gate_up_dgrad = d_gate_up_wgrad = d_gate_up  # [rows, 2, I]
-        if mxfp8:
-            rows, cols = ops.mxfp8_round(d_gate_up.flatten(1), True, True, routing, block_m)
-            d_gate_up_dgrad, d_gate_up_wgrad = rows.view_as(d_gate_up), cols.view_as(d_gate_up)
-        del d_gate_up
-        dgrad_weights = (_dgrad_weight(w_gate), _dgrad_weight(w_up))
-        if peer_rows is not None:  # the rows go to the sources' slots on their ranks (`Dispatch.peer_rows`),
-            # while this rank's weight gradient runs
-            ops.gate_up_dgrad_scatter_to_peers(
-                d_gate_up_dgrad, *dgrad_weights, routing, block_m, *_peer_op_args(peer_rows)
-            )
-        d_w_gate, d_w_up = _weight_grads(
-            ops.gate_up_wgrad, ops.gate_up_wgrad_accumulate, (d_gate_up_wgrad, x_sorted), (main_gate, main_up),
-            routing, block_m,
-        )
-        del x_sorted, d_gate_up_wgrad  # dx_slots comes after them: the two never coexist
-        dx_slots = (
-            ops.gate_up_dgrad_scatter(d_gate_up_dgrad, *dgrad_weights, routing, block_m, num_slots)
-            if peer_rows is None else None
-        )
-        del d_gate_up_dgrad
-        if down_wgrad_last:
-            d_w_down = _down_weight_grad(dy_sorted, h, main_down, routing, block_m)
-        return dx_slots, d_topk_weights, (d_w_gate, d_w_up, d_w_down)
+    d_w_gate, d_w_up = _weight_grads(
+        ops.gate_up_wgrad, ops.gate_up_wgrad_accumulate, (d_gate_up_wgrad, x_sorted), (main_gate, main_up),
+        routing, block_m,
+    )
+    del x_sorted, d_gate_up_wgrad  # dx_slots comes after them: the two never coexist
+    dx_slots = (
+        ops.gate_up_dgrad_scatter(d_gate_up_dgrad, *dgrad_weights, routing, block_m, num_slots)
+        if peer_rows is None else None
+    )
+    del d_gate_up_dgrad
+    if down_wgrad_last:
+        d_w_down = _down_weight_grad(dy_sorted, h, main_down, routing, block_m)
+    return dx_slots, d_topk_weights, (d_w_gate, d_w_up, d_w_down)
 
+
+def _fp8_block_backward_routed(d_out, x, topk_weights, weights, main_grads, saved, routing, block_m, topk, num_slots,
+                               swiglu_limit):
+    """`_expert_mlp_backward` with `_Fp8BlockWeight`s (routed experts only: the shared expert
+    stays bf16). x and dOut are never copied in bf16: their sorted rows are gathered by the
+    quantizers themselves, dOut's in 1×128 blocks along H for the down dgrad, x's and w·dOut's
+    in blocks along the rows for the wgrads, each bitwise what quantizing `gather_sorted_rows`'
+    copies gives."""
+    w_gate, w_up, w_down = weights
+    main_gate, main_up, main_down = main_grads
     rows_in_use = routing[4]  # [1] int32: the schedule's num_rows; the quantizers skip the rest
-    d_out_pair = ops.quantize_fp8_block_activations(d_out_sorted, rows_in_use)  # [rows, H] e4m3, [rows, H/128] fp32
-    del d_out_sorted
+    d_out_pair = ops.quantize_fp8_block_gathered(d_out, routing, block_m, topk)  # [rows, H] e4m3, [rows, H/128] fp32
     gate_up = saved.pop("gate_up")
     d_gate_up, d_topk_weights = ops.down_dgrad_swiglu_fp8_block(
         *d_out_pair, topk_weights, gate_up, w_down.q_t, w_down.scale_t, routing, block_m, swiglu_limit
     )
+    del d_out_pair
     d_gate_pair, d_up_pair = (ops.quantize_fp8_block_activations(d_gate_up[:, j], rows_in_use) for j in (0, 1))
     dx_slots = ops.gate_up_dgrad_scatter_fp8_block(
         *d_gate_pair, *d_up_pair, w_gate.q_t, w_gate.scale_t, w_up.q_t, w_up.scale_t, routing, block_m, num_slots
     )
+    del d_gate_pair, d_up_pair
     # Each wgrad's operands are quantized right before it runs: [W, rows] e4m3 and [rows / S, W] fp32 each.
     d_gate_up_t = ops.quantize_fp8_block_sorted_t(d_gate_up.flatten(1), routing, block_m)  # d_gᵀ, d_uᵀ: [2·I, rows]
-    x_t = ops.quantize_fp8_block_sorted_t(x_sorted, routing, block_m)  # [H, rows]
-    del x_sorted
+    del d_gate_up
+    x_t = ops.quantize_fp8_block_gathered_t(x, None, routing, block_m, topk)  # [H, rows]
     d_w_gate, d_w_up = _weight_grads(
         ops.gate_up_wgrad, ops.gate_up_wgrad_accumulate, (d_gate_up_t[0], x_t[0]), (main_gate, main_up), routing,
         block_m, scales=(d_gate_up_t[1], x_t[1]),
     )
-    dy_t = ops.quantize_fp8_block_sorted_t(dy_sorted, routing, block_m)  # [H, rows]
+    del d_gate_up_t, x_t
+    dy_t = ops.quantize_fp8_block_gathered_t(d_out, topk_weights, routing, block_m, topk)  # [H, rows]
     h_t = ops.quantize_fp8_block_swiglu_sorted_t(gate_up, routing, block_m, swiglu_limit)  # [I, rows]
     del gate_up
     d_w_down = _weight_grads(

@@ -500,6 +500,41 @@ def _(a, schedule_tensors, block_m):
     )
 
 
+@_custom_op("quantize_fp8_block_gathered", ())
+def quantize_fp8_block_gathered(
+    x: torch.Tensor, schedule_tensors: list[torch.Tensor], block_m: int, topk: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [rows, K] e4m3, scale [rows, K/128] fp32): token rows x [T, K] gathered into the
+    sorted layout and quantized in 1×128 blocks along K, without a bf16 copy
+    (`quant_fp8_block.quantize_fp8_block_gathered`); rows past num_rows unwritten."""
+    return quant_fp8_block.quantize_fp8_block_gathered(x, routing_from_tensors(schedule_tensors, block_m), topk)
+
+
+@quantize_fp8_block_gathered.op.register_fake
+def _(x, schedule_tensors, block_m, topk):
+    rows, K = schedule_tensors[0].shape[0], x.shape[1]
+    return x.new_empty(rows, K, dtype=torch.float8_e4m3fn), x.new_empty(rows, -(-K // 128), dtype=torch.float32)
+
+
+@_custom_op("quantize_fp8_block_gathered_t", ())
+def quantize_fp8_block_gathered_t(
+    a: torch.Tensor, topk_weights: torch.Tensor | None, schedule_tensors: list[torch.Tensor], block_m: int, topk: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_t [W, rows] e4m3, scale_t [rows / S, W] fp32): token rows a [T, W] (times the router
+    weights, when given) gathered into the sorted layout and quantized as
+    `quantize_fp8_block_sorted_t`, without a bf16 copy (`quant_fp8_block.quantize_fp8_block_gathered_t`)."""
+    routing = routing_from_tensors(schedule_tensors, block_m)
+    return quant_fp8_block.quantize_fp8_block_gathered_t(a, routing, topk, topk_weights)
+
+
+@quantize_fp8_block_gathered_t.op.register_fake
+def _(a, topk_weights, schedule_tensors, block_m, topk):
+    rows, width = schedule_tensors[0].shape[0], a.shape[1]
+    return a.new_empty(width, rows, dtype=torch.float8_e4m3fn), a.new_empty(
+        rows // sorted_scale_rows(block_m), width, dtype=torch.float32
+    )
+
+
 @_custom_op("quantize_fp8_block_swiglu_sorted_t", ())
 def quantize_fp8_block_swiglu_sorted_t(
     gate_up: torch.Tensor, schedule_tensors: list[torch.Tensor], block_m: int, swiglu_limit: float | None

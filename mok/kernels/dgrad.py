@@ -50,9 +50,10 @@ weight, applied per 128-wide K step by the forward's main loop (`grouped_gemm.so
 
 Hopper's FP8 MMA needs both operands K-major in shared memory, so the B operand is the
 weight's transposed copy (`q_t`, `scale_t` of `mok.fp8_block_quantize`: w_downᵀ [E_l, I, H],
-w_gateᵀ and w_upᵀ [E_l, H, I]), read as [N, K] tiles. The sorted operands are quantized by
-`quantize_fp8_block_activations` ahead of each GEMM: d_out_sorted as it is, d_gate_up[:, 0]
-and d_gate_up[:, 1] separately (strided views, no copy), so each scale tensor is a plain
+w_gateᵀ and w_upᵀ [E_l, H, I]), read as [N, K] tiles. The sorted operands are quantized
+ahead of each GEMM: dOut's rows gathered straight from the token rows
+(`quantize_fp8_block_gathered`), d_gate_up[:, 0] and d_gate_up[:, 1] separately by
+`quantize_fp8_block_activations` (strided views, no copy), so each scale tensor is a plain
 [rows, K/128]. Padding rows quantize to zeros and stay exact zeros. d_gate_up is still
 stored in bf16: the gate/up wgrad reduces over rows, so it needs its own quantization.
 

@@ -36,6 +36,13 @@ K step's W scales side by side, so the GEMM reads them as one contiguous vector.
 q_t past the schedule's `num_rows` are not written (no expert reads them); rows of the
 input past its end (an operand shorter than the capacity) read as zeros.
 
+Gathering (`quantize_fp8_block_gathered`, `quantize_fp8_block_gathered_t`, the constexpr
+GATHER): the fp8_block backward's operands from the token rows themselves. Sorted row r
+reads token row_source[r] // topk (zeros for padding), optionally times its router weight
+with one bf16 rounding, exactly as `gather.gather_sorted_rows` copies it, so the bytes and
+scales are bitwise those of quantizing that bf16 copy, which is never written (on
+qwen3-30b, 1.6 GB of bf16 copies and three reads of them per backward).
+
 Exactness on each path:
 - amax on the integer bits of |x| (NaN wins; `tl.max` on floats may drop NaN on the GPU).
 - both divisions are `tl.div_rn` (correctly rounded; plain `/` lowers to an approximate
@@ -59,13 +66,15 @@ import triton
 import triton.language as tl
 
 from mok.fp8_block import FP8_BLOCK
-from mok.kernels.common import interpreting
+from mok.kernels.common import interpreting, round_to_bf16
 from mok.kernels.schedule import RoutingSchedule
 from mok.kernels.swiglu import swiglu_forward
 from mok.mxfp8 import check_float_input
 
 __all__ = [
     "quantize_fp8_block_activations",
+    "quantize_fp8_block_gathered",
+    "quantize_fp8_block_gathered_t",
     "quantize_fp8_block_sorted_t",
     "quantize_fp8_block_swiglu_sorted_t",
     "quantize_fp8_block_weights",
@@ -159,16 +168,29 @@ def quantize_row_blocks(x, INTERPRETER: tl.constexpr):
 
 
 @triton.jit
+def _gathered_rows(rows, row_ok, row_source_ptr, topk):
+    """(source row of each sorted row: its token t = row_source[r] // topk, whether it has
+    one): padding rows (−1) and rows not ok read nothing."""
+    source = tl.load(row_source_ptr + rows, mask=row_ok, other=-1)
+    valid = source >= 0
+    slot = tl.where(valid, source, 0)
+    return slot, slot // topk, valid
+
+
+@triton.jit
 def _quantize_act_1x128_kernel(
     # pointers
-    x_ptr, q_ptr, scale_ptr,  # [M, K] bf16/fp32, [M, K] uint8 (e4m3 bytes), [M, ⌈K/128⌉] fp32
+    x_ptr, q_ptr, scale_ptr,  # [M, K] bf16/fp32 (GATHER: token rows [T, K]), [M, K] uint8 (e4m3 bytes),
+    #                           [M, ⌈K/128⌉] fp32
     num_rows_ptr,  # [1] int32: rows in use (with HAS_NUM_ROWS)
+    row_source_ptr,  # [M] int32 (GATHER): row r holds token row_source[r] // topk, −1 zeros
     # sizes
-    M, K, num_k_blocks,
+    M, K, num_k_blocks, topk,
     # strides
     stride_x_m, stride_q_m,
     # meta
-    HAS_NUM_ROWS: tl.constexpr, INTERPRETER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_NUM_ROWS: tl.constexpr, GATHER: tl.constexpr, INTERPRETER: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     kb = tl.program_id(1)
@@ -181,7 +203,12 @@ def _quantize_act_1x128_kernel(
         row_ok = row_ok & (rows < num_rows)
     mask = row_ok[:, None] & (cols < K)[None, :]
     rows64 = rows.to(tl.int64)[:, None]
-    x = tl.load(x_ptr + rows64 * stride_x_m + cols[None, :], mask=mask, other=0.0)
+    if GATHER:
+        _, tokens, valid = _gathered_rows(rows, row_ok, row_source_ptr, topk)
+        x = tl.load(x_ptr + tokens.to(tl.int64)[:, None] * stride_x_m + cols[None, :],
+                    mask=valid[:, None] & mask, other=0.0)
+    else:
+        x = tl.load(x_ptr + rows64 * stride_x_m + cols[None, :], mask=mask, other=0.0)
     x = _to_fp32(x, INTERPRETER)  # [BM, BK] fp32
     q, scale = quantize_row_blocks(x, INTERPRETER)  # [BM, BK] uint8, [BM, 1] fp32
     tl.store(q_ptr + rows64 * stride_q_m + cols[None, :], q, mask=mask)
@@ -225,16 +252,19 @@ def _quantize_weight_128x128_kernel(
 @triton.jit
 def _quantize_sorted_t_kernel(
     # pointers
-    a_ptr, q_t_ptr, scale_t_ptr,  # a [R, W] bf16/fp32 (SWIGLU: g, u [R, 2, W] bf16); q_t [W, capacity_rows]
-    #                               uint8 (e4m3 bytes); scale_t [capacity_rows / S, W] fp32
+    a_ptr, q_t_ptr, scale_t_ptr,  # a [R, W] bf16/fp32 (SWIGLU: g, u [R, 2, W] bf16; GATHER: token rows
+    #                               [T, W] bf16); q_t [W, capacity_rows] uint8 (e4m3 bytes);
+    #                               scale_t [capacity_rows / S, W] fp32
+    topk_weights_ptr,  # [T·topk] fp32 (GATHER with HAS_WEIGHTS): row r holds bf16(w[row_source[r]] · a[t])
     # schedule
-    tile_expert_ptr, expert_offsets_ptr, num_rows_ptr,
+    tile_expert_ptr, expert_offsets_ptr, num_rows_ptr, row_source_ptr,
     # sizes
-    num_a_rows, width, capacity_rows, swiglu_limit,
+    num_a_rows, width, capacity_rows, swiglu_limit, topk,
     # strides
     stride_a_r,
     # meta
-    SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, INTERPRETER: tl.constexpr,
+    SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, GATHER: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+    INTERPRETER: tl.constexpr,
     TILE_M: tl.constexpr,  # the schedule's block_m (tile_expert has one entry per TILE_M rows)
     SCALE_ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,  # S, 128, columns per program
 ):
@@ -251,9 +281,18 @@ def _quantize_sorted_t_kernel(
     in_expert = rows < tl.load(expert_offsets_ptr + expert + 1)  # past it: the next expert's rows
     cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
     col_ok = cols < width
-    load_mask = (in_expert & (rows < num_a_rows))[:, None] & col_ok[None, :]
-    ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_a_r + cols[None, :]
-    a = _to_fp32(tl.load(ptrs, mask=load_mask, other=0.0), INTERPRETER)  # [BLOCK_R, BLOCK_W] fp32
+    if GATHER:  # the sorted rows of gather.py's copies, read from the token rows
+        slot, tokens, valid = _gathered_rows(rows, in_expert, row_source_ptr, topk)
+        load_mask = valid[:, None] & col_ok[None, :]
+        a = tl.load(a_ptr + tokens.to(tl.int64)[:, None] * stride_a_r + cols[None, :], mask=load_mask, other=0.0)
+        if HAS_WEIGHTS:  # as gather.py's dy_sorted: one bf16 rounding of the fp32 product
+            w = tl.load(topk_weights_ptr + slot, mask=valid, other=0.0)
+            a = round_to_bf16(w[:, None] * a.to(tl.float32), INTERPRETER)
+    else:
+        load_mask = (in_expert & (rows < num_a_rows))[:, None] & col_ok[None, :]
+        ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_a_r + cols[None, :]
+        a = tl.load(ptrs, mask=load_mask, other=0.0)
+    a = _to_fp32(a, INTERPRETER)  # [BLOCK_R, BLOCK_W] fp32
     if SWIGLU:  # h = swiglu(g, u) from the forward's pre-activations; masked entries give h = 0
         up = _to_fp32(tl.load(ptrs + width, mask=load_mask, other=0.0), INTERPRETER)
         a = swiglu_forward(a, up, swiglu_limit, HAS_LIMIT)
@@ -294,20 +333,53 @@ def quantize_fp8_block_activations(
     ):
         raise ValueError(f"num_rows: expected a [1] int32 tensor on {x.device}, got {num_rows.dtype} "
                          f"{list(num_rows.shape)} on {num_rows.device}")
-    M, K = x.shape
+    return _launch_quantize_act(x, x.shape[0], num_rows, None, 1)
+
+
+def _launch_quantize_act(
+    x: torch.Tensor, num_out_rows: int, num_rows: torch.Tensor | None, row_source: torch.Tensor | None, topk: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One launch of `_quantize_act_1x128_kernel`: (q [num_out_rows, K], scale [num_out_rows, ⌈K/128⌉]),
+    out row r from x's row r, or with `row_source` from token row_source[r] // topk."""
+    K = x.shape[1]
     num_k_blocks = triton.cdiv(K, FP8_BLOCK)
-    q = torch.empty(M, K, dtype=torch.uint8, device=x.device)  # [M, K] e4m3 bytes
-    scale = torch.empty(M, num_k_blocks, dtype=torch.float32, device=x.device)  # [M, ⌈K/128⌉]
-    if M > 0 and K > 0:
-        grid = (triton.cdiv(M, _ACT_BLOCK_M), num_k_blocks)
+    q = torch.empty(num_out_rows, K, dtype=torch.uint8, device=x.device)  # [M, K] e4m3 bytes
+    scale = torch.empty(num_out_rows, num_k_blocks, dtype=torch.float32, device=x.device)  # [M, ⌈K/128⌉]
+    if num_out_rows > 0 and K > 0:
+        grid = (triton.cdiv(num_out_rows, _ACT_BLOCK_M), num_k_blocks)
         _quantize_act_1x128_kernel[grid](
-            x, q, scale, scale if num_rows is None else num_rows,  # scale: an unread stand-in
-            M, K, num_k_blocks,
+            x, q, scale,
+            scale if num_rows is None else num_rows, scale if row_source is None else row_source,  # scale: unread
+            num_out_rows, K, num_k_blocks, topk,
             x.stride(0), q.stride(0),
-            HAS_NUM_ROWS=num_rows is not None, INTERPRETER=interpreting(), BLOCK_M=_ACT_BLOCK_M, BLOCK_K=FP8_BLOCK,
-            num_warps=4,
+            HAS_NUM_ROWS=num_rows is not None, GATHER=row_source is not None, INTERPRETER=interpreting(),
+            BLOCK_M=_ACT_BLOCK_M, BLOCK_K=FP8_BLOCK, num_warps=4,
         )
     return q.view(torch.float8_e4m3fn), scale
+
+
+def _check_token_rows(name: str, x: torch.Tensor, schedule: RoutingSchedule, topk: int) -> None:
+    """x: bf16 token rows [T, W] on the schedule's device (the schedule's routes are T·topk)."""
+    _check_input(name, x, (2,), "2-D [T, W]")
+    if x.dtype != torch.bfloat16 or x.device != schedule.row_source.device:
+        raise ValueError(f"{name}: expected bf16 token rows [T, W] on {schedule.row_source.device}, "
+                         f"got {x.dtype} {list(x.shape)} on {x.device}")
+    if topk < 1:
+        raise ValueError(f"topk: expected at least 1, got {topk}")
+
+
+def quantize_fp8_block_gathered(
+    x: torch.Tensor,  # [T, K] bf16 token rows
+    schedule: RoutingSchedule,
+    topk: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x's rows in the schedule's sorted layout (row r: token row_source[r] // topk, zeros for
+    padding), quantized in 1×128 blocks along K: (q [capacity_rows, K] float8_e4m3fn, scale
+    [capacity_rows, ⌈K/128⌉] fp32), bitwise `quantize_fp8_block_activations` of
+    `gather.gather_sorted_rows`' copy with num_rows, without the copy. Rows at or past the
+    schedule's num_rows are left unwritten."""
+    _check_token_rows("x", x, schedule, topk)
+    return _launch_quantize_act(x, schedule.capacity_rows, schedule.num_rows, schedule.row_source, topk)
 
 
 def quantize_fp8_block_weights(
@@ -342,9 +414,11 @@ def sorted_scale_rows(block_m: int) -> int:
 
 
 def _launch_quantize_sorted_t(
-    a: torch.Tensor, width: int, schedule: RoutingSchedule, swiglu: bool, swiglu_limit: float | None
+    a: torch.Tensor, width: int, schedule: RoutingSchedule, swiglu: bool, swiglu_limit: float | None,
+    topk: int = 0, topk_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One launch of `_quantize_sorted_t_kernel` over a [R, W] (swiglu: g, u [R, 2, W])."""
+    """One launch of `_quantize_sorted_t_kernel` over a [R, W] (swiglu: g, u [R, 2, W]), or with
+    topk > 0 over token rows a [T, W] gathered into the sorted layout (times topk_weights)."""
     device = a.device
     scale_rows = sorted_scale_rows(schedule.block_m)
     rows = schedule.capacity_rows
@@ -354,11 +428,12 @@ def _launch_quantize_sorted_t(
     if rows > 0 and width > 0:
         grid = (rows // scale_rows, triton.cdiv(width, block_w))
         _quantize_sorted_t_kernel[grid](
-            a, q_t, scale_t,
-            schedule.tile_expert, schedule.expert_offsets, schedule.num_rows,
-            a.shape[0], width, rows, 0.0 if swiglu_limit is None else float(swiglu_limit),
+            a, q_t, scale_t, scale_t if topk_weights is None else topk_weights,  # scale_t: unread
+            schedule.tile_expert, schedule.expert_offsets, schedule.num_rows, schedule.row_source,
+            a.shape[0], width, rows, 0.0 if swiglu_limit is None else float(swiglu_limit), max(topk, 1),
             a.stride(0),
-            SWIGLU=swiglu, HAS_LIMIT=swiglu_limit is not None, INTERPRETER=interpreting(),
+            SWIGLU=swiglu, HAS_LIMIT=swiglu_limit is not None, GATHER=topk > 0,
+            HAS_WEIGHTS=topk_weights is not None, INTERPRETER=interpreting(),
             TILE_M=schedule.block_m, SCALE_ROWS=scale_rows, BLOCK_R=FP8_BLOCK, BLOCK_W=block_w,
             num_warps=4,
         )
@@ -383,6 +458,26 @@ def quantize_fp8_block_sorted_t(
     `sorted_scale_rows(schedule.block_m)`. Rows past R read as zeros; any row stride."""
     _check_sorted_operand("a", a, 2, "2-D [rows, W]", schedule)
     return _launch_quantize_sorted_t(a, a.shape[1], schedule, False, None)
+
+
+def quantize_fp8_block_gathered_t(
+    a: torch.Tensor,  # [T, W] bf16 token rows
+    schedule: RoutingSchedule,
+    topk: int,
+    topk_weights: torch.Tensor | None = None,  # [T, topk] fp32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """a's rows in the schedule's sorted layout (row r: token row_source[r] // topk, zeros for
+    padding; with topk_weights, bf16(w · a[t]) as `gather.gather_sorted_rows`' dy_sorted),
+    quantized as `quantize_fp8_block_sorted_t`: (q_t [W, capacity_rows] float8_e4m3fn,
+    scale_t [capacity_rows / S, W] fp32), bitwise that of the gathered copy, without the copy."""
+    _check_token_rows("a", a, schedule, topk)
+    if topk_weights is not None and (
+        topk_weights.dtype != torch.float32 or tuple(topk_weights.shape) != (a.shape[0], topk)
+        or not topk_weights.is_contiguous() or topk_weights.device != a.device
+    ):
+        raise ValueError(f"topk_weights: expected a contiguous fp32 [{a.shape[0]}, {topk}] tensor on {a.device}, "
+                         f"got {topk_weights.dtype} {list(topk_weights.shape)} on {topk_weights.device}")
+    return _launch_quantize_sorted_t(a, a.shape[1], schedule, False, None, topk, topk_weights)
 
 
 def quantize_fp8_block_swiglu_sorted_t(

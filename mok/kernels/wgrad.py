@@ -33,10 +33,10 @@ padding: the forward's h is zero there because its gathered x rows are).
 
 fp8_block (SPEC §2; the constexpr PRECISION, launchers `*_fp8_block`): the reduction runs
 over rows, so both operands are quantized in 1×128 blocks along the rows, per expert
-(`quant_fp8_block.quantize_fp8_block_sorted_t`, a separate launch per operand ahead of these
-GEMMs: x_sorted, dy_sorted, d_gate_up viewed as [rows, 2·I] in one launch, and h recomputed
-from the saved g, u by `quantize_fp8_block_swiglu_sorted_t`; the forward's h_q has its
-blocks along I and is not kept). Each operand arrives transposed, aqᵀ [W, capacity_rows]
+(a separate launch per operand ahead of these GEMMs: x and w·dOut gathered from the token
+rows by `quant_fp8_block.quantize_fp8_block_gathered_t`, d_gate_up viewed as [rows, 2·I] by
+`quantize_fp8_block_sorted_t`, and h recomputed from the saved g, u by
+`quantize_fp8_block_swiglu_sorted_t`; the forward's h_q has its blocks along I and is not kept). Each operand arrives transposed, aqᵀ [W, capacity_rows]
 with its scales sa [capacity_rows / S, W], so both MMA operands are K-major (rows
 contiguous), and each K step of BLOCK_K rows lies inside one block b of one expert:
 

@@ -5,7 +5,8 @@ Edge cases: zero, subnormal, NaN/±Inf blocks, ragged edges, values at E4M3 roun
 and its subnormal range (rows anchored by 448 have scale exactly 1, so the cast sees them
 unchanged), values near fp32's max, a strided input, and no rows at all. The sorted-layout
 quantizers (1×128 blocks down the columns, per expert) against the reference applied to
-each block's transpose, with rows past the schedule poisoned with NaN (never read).
+each block's transpose, with rows past the schedule poisoned with NaN (never read); the
+gathering quantizers against quantizing `gather_sorted_rows`' bf16 copies.
 """
 
 import pytest
@@ -13,8 +14,11 @@ import torch
 
 from mok.fp8_block import fp8_block_quantize, fp8_block_quantize_activations
 from mok.kernels.grouped_gemm import routing_block_m
+from mok.kernels.gather import gather_sorted_rows
 from mok.kernels.quant_fp8_block import (
     quantize_fp8_block_activations,
+    quantize_fp8_block_gathered,
+    quantize_fp8_block_gathered_t,
     quantize_fp8_block_sorted_t,
     quantize_fp8_block_swiglu_sorted_t,
     quantize_fp8_block_weights,
@@ -235,3 +239,49 @@ def test_sorted_t_launcher_errors(kernel_device):
         quantize_fp8_block_swiglu_sorted_t(gate_up[:, :, :64], sched)
     with pytest.raises(ValueError, match=r"gate_up: expected a 3-D \[rows, 2, I\] tensor"):
         quantize_fp8_block_swiglu_sorted_t(gate_up[:, 0], sched)
+
+
+@pytest.mark.parametrize("T, H, E, topk, used_experts", [(200, 384, 5, 3, 4), (1, 128, 3, 1, 3)])
+def test_gathered_quantizers_are_bitwise_the_copy_quantized(kernel_device, T, H, E, topk, used_experts):
+    """Token rows quantized straight into the sorted layout (no bf16 copy): dOut in 1×128 blocks
+    along H, x and w·dOut (signed router weights) in blocks down the sorted rows, bit for bit
+    the quantizers applied to `gather_sorted_rows`' copies; a NaN in one token reaches exactly
+    the blocks of its rows; an expert with no rows; padding rows quantize to zeros."""
+    gen = torch.Generator().manual_seed(T + H)
+    sched, blocks, _ = _sorted_case(kernel_device, T, E, topk, used_experts, seed=T)
+    ctx = f"{kernel_device=} {T=} {H=} {E=} {topk=} block_m={sched.block_m}"
+    x = torch.randn(T, H, generator=gen).bfloat16()
+    d_out = (torch.randn(T, H, generator=gen) * torch.logspace(-2, 2, H)).bfloat16()
+    x[T // 2, 5] = float("nan")
+    w = torch.randn(T, topk, generator=gen)  # any sign
+    x, d_out, w = x.to(kernel_device), d_out.to(kernel_device), w.to(kernel_device)
+    x_sorted, d_out_sorted, dy_sorted = gather_sorted_rows(x, d_out, w, sched, topk)
+    num_rows = int(sched.num_rows)
+    slots = [slot for _, _, slot in blocks]
+
+    got = quantize_fp8_block_gathered(d_out, sched, topk)
+    want = quantize_fp8_block_activations(d_out_sorted, sched.num_rows)
+    assert got[0].shape == (sched.capacity_rows, H) and got[1].shape == (sched.capacity_rows, H // 128), ctx
+    _assert_same([t[:num_rows] for t in got], [t[:num_rows] for t in want], f"dOut rows {ctx}")
+    for name, token_rows, weights, copy in (("x", x, None, x_sorted), ("w·dOut", d_out, w, dy_sorted)):
+        q_t, scale_t = quantize_fp8_block_gathered_t(token_rows, sched, topk, weights)
+        want_q, want_scale = quantize_fp8_block_sorted_t(copy, sched)
+        _assert_same([q_t[:, :num_rows].contiguous(), scale_t[slots]],
+                     [want_q[:, :num_rows].contiguous(), want_scale[slots]], f"{name} {ctx}")
+    source = sched.row_source.cpu()[:num_rows]
+    padding = (source < 0).nonzero().flatten()
+    assert padding.numel() > 0 and torch.all(q_t.cpu()[:, padding].float() == 0), f"padding {ctx}"
+    # x's NaN token has topk routes, each in another expert's block: that many NaN scales, all in column 5
+    x_scales = quantize_fp8_block_gathered_t(x, sched, topk)[1].cpu()[slots]
+    assert x_scales.isnan().sum() == x_scales[:, 5].isnan().sum() == topk, f"NaN blocks {ctx}"
+
+
+def test_gathered_quantizer_errors(kernel_device):
+    sched, _, _ = _sorted_case(kernel_device, 8, 3, 2, 3, seed=3)
+    x = torch.zeros(8, 128, dtype=torch.bfloat16, device=kernel_device)
+    with pytest.raises(ValueError, match=r"^x: expected bf16 token rows \[T, W\]"):
+        quantize_fp8_block_gathered(x.float(), sched, 2)
+    with pytest.raises(ValueError, match=r"^topk: expected at least 1, got 0"):
+        quantize_fp8_block_gathered_t(x, sched, 0)
+    with pytest.raises(ValueError, match=r"^topk_weights: expected a contiguous fp32 \[8, 2\] tensor"):
+        quantize_fp8_block_gathered_t(x, sched, 2, torch.zeros(8, 3, device=kernel_device))
