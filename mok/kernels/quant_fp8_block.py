@@ -96,11 +96,14 @@ _ACT_BLOCK_M = 32
 # Weights: one 128×128 block per program (the scale's granularity; the transposed store
 # needs the whole block's amax first).
 _WEIGHT_BLOCK = FP8_BLOCK
-# Sorted-layout operands: one 128-row block × 64 columns per program (16 KiB of bf16 in,
-# 8 KiB of fp8 out: 128-byte rows on both sides, so loads and transposed stores coalesce).
-# Under the interpreter, whose cost is per program, 256 columns: 3× quicker on the CPU tests.
+# Sorted-layout operands: one 128-row block × 64 columns per program at 4 warps (16 KiB of
+# bf16 in, 8 KiB of fp8 out: 128-byte rows on both sides, so loads and transposed stores
+# coalesce). 128 or 256 columns, or 8 warps, measured 10–80% slower on H200 (log
+# h200-20261130-sorted-t-sweep.log). Under the interpreter, whose cost is per program, 256
+# columns: 3× quicker on the CPU tests.
 _SORTED_BLOCK_W = 64
 _SORTED_BLOCK_W_INTERPRETER = 256
+_SORTED_NUM_WARPS = 4
 
 
 # --------------------------------------------------------------------------- helpers
@@ -435,7 +438,7 @@ def _launch_quantize_sorted_t(
             SWIGLU=swiglu, HAS_LIMIT=swiglu_limit is not None, GATHER=topk > 0,
             HAS_WEIGHTS=topk_weights is not None, INTERPRETER=interpreting(),
             TILE_M=schedule.block_m, SCALE_ROWS=scale_rows, BLOCK_R=FP8_BLOCK, BLOCK_W=block_w,
-            num_warps=4,
+            num_warps=_SORTED_NUM_WARPS,
         )
     return q_t.view(torch.float8_e4m3fn), scale_t
 

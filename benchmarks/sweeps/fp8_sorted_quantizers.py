@@ -1,0 +1,48 @@
+"""The transposing fp8_block quantizers (`quant_fp8_block.quantize_fp8_block_gathered_t`,
+`quantize_fp8_block_sorted_t`) on the qwen3-30b and deepseek-v3-slice shapes: columns per
+program and warps, every config timed in both orders (the GPU's clock falls under sustained
+load), each output checked against the first config's over the columns the schedule uses.
+
+    python benchmarks/sweeps/fp8_sorted_quantizers.py
+"""
+
+import torch
+
+from mok.bench.presets import PRESETS
+from mok.kernels import quant_fp8_block
+from mok.kernels.grouped_gemm import routing_block_m
+from mok.kernels.schedule import build_routing_schedule
+from mok.testing import make_inputs
+from mok.testing.timing import time_ms
+
+CONFIGS = [(64, 4), (128, 4), (128, 8), (256, 8), (64, 8)]  # (columns per program, warps)
+
+
+def main() -> None:
+    for name in ("qwen3-30b", "deepseek-v3-slice"):
+        p = PRESETS[name]
+        inp = make_inputs(p.num_tokens, p.hidden_size, p.intermediate_size, p.num_experts, p.topk, seed=0,
+                          device="cuda")
+        flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+        sched = build_routing_schedule(inp.topk_ids, p.num_experts, routing_block_m(), flag)
+        num_rows = int(sched.num_rows)  # a host sync outside the timed calls
+        d_out = torch.randn_like(inp.x)
+        d_gate_up = torch.randn(sched.capacity_rows, 2 * p.intermediate_size, device="cuda").bfloat16()
+        calls = {
+            "x gathered": lambda: quant_fp8_block.quantize_fp8_block_gathered_t(inp.x, sched, p.topk),
+            "w·dOut gathered": lambda: quant_fp8_block.quantize_fp8_block_gathered_t(
+                d_out, sched, p.topk, inp.topk_weights),
+            "d_gate_up sorted": lambda: quant_fp8_block.quantize_fp8_block_sorted_t(d_gate_up, sched),
+        }
+        first = {}
+        for block_w, warps in CONFIGS + CONFIGS[::-1]:
+            quant_fp8_block._SORTED_BLOCK_W, quant_fp8_block._SORTED_NUM_WARPS = block_w, warps
+            for what, fn in calls.items():
+                q_t = fn()[0].view(torch.uint8)[:, :num_rows]
+                same = torch.equal(q_t, first.setdefault(what, q_t))
+                ms = time_ms(fn, warmup=3, reps=20)["median"]
+                print(f"{name:18s} {what:16s} BLOCK_W={block_w:3d} warps={warps} {ms:.3f} ms same={same}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
