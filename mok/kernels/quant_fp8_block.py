@@ -172,8 +172,9 @@ def quantize_row_blocks(x, INTERPRETER: tl.constexpr):
 
 @triton.jit
 def _gathered_rows(rows, row_ok, row_source_ptr, topk):
-    """(source row of each sorted row: its token t = row_source[r] // topk, whether it has
-    one): padding rows (−1) and rows not ok read nothing."""
+    """(slot, token, valid) of sorted rows: slot = row_source[r], the route t·topk + j (0 where
+    none), its token t = slot // topk, and whether the row has a route (padding rows, −1,
+    and rows not `row_ok` have none and read nothing)."""
     source = tl.load(row_source_ptr + rows, mask=row_ok, other=-1)
     valid = source >= 0
     slot = tl.where(valid, source, 0)
