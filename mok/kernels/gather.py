@@ -68,6 +68,18 @@ TOKENS_PER_PROGRAM = 16  # token-major: 16 tokens × 256 columns per step, 4 war
 
 
 @triton.jit
+def sorted_row_routes(rows, row_ok, row_source_ptr, topk):
+    """(slot, token, valid) of sorted rows: slot = row_source[r], the route t·topk + j (0 where
+    none), its token t = slot // topk, and whether the row has a route (padding rows, −1,
+    and rows not `row_ok` have none and read nothing). Also the fp8_block quantizers'
+    gathering loads (`quant_fp8_block`)."""
+    source = tl.load(row_source_ptr + rows, mask=row_ok, other=-1)
+    valid = source >= 0
+    slot = tl.where(valid, source, 0)
+    return slot, slot // topk, valid
+
+
+@triton.jit
 def _gather_sorted_rows_kernel(
     # pointers
     x_ptr, d_out_ptr, topk_weights_ptr, x_sorted_ptr, d_out_sorted_ptr, dy_sorted_ptr,
@@ -86,10 +98,8 @@ def _gather_sorted_rows_kernel(
     if tl.program_id(0) * ROWS >= num_rows:
         return
     in_schedule = rows < num_rows
-    source = tl.load(row_source_ptr + rows, mask=in_schedule, other=-1)
-    valid = source >= 0
-    slot = tl.where(valid, source, 0)
-    token = (slot // topk).to(tl.int64)[:, None]
+    slot, token, valid = sorted_row_routes(rows, in_schedule, row_source_ptr, topk)
+    token = token.to(tl.int64)[:, None]
     if HAS_WEIGHTS:  # the launcher passes weights only with dOut
         w = tl.load(topk_weights_ptr + slot, mask=valid, other=0.0)[:, None]
     sorted_offs = rows.to(tl.int64)[:, None] * stride_sorted_r

@@ -67,6 +67,7 @@ import triton.language as tl
 
 from mok.fp8_block import FP8_BLOCK
 from mok.kernels.common import interpreting, round_to_bf16
+from mok.kernels.gather import sorted_row_routes
 from mok.kernels.schedule import RoutingSchedule
 from mok.kernels.swiglu import swiglu_forward
 from mok.mxfp8 import check_float_input
@@ -171,17 +172,6 @@ def quantize_row_blocks(x, INTERPRETER: tl.constexpr):
 
 
 @triton.jit
-def _gathered_rows(rows, row_ok, row_source_ptr, topk):
-    """(slot, token, valid) of sorted rows: slot = row_source[r], the route t·topk + j (0 where
-    none), its token t = slot // topk, and whether the row has a route (padding rows, −1,
-    and rows not `row_ok` have none and read nothing)."""
-    source = tl.load(row_source_ptr + rows, mask=row_ok, other=-1)
-    valid = source >= 0
-    slot = tl.where(valid, source, 0)
-    return slot, slot // topk, valid
-
-
-@triton.jit
 def _quantize_act_1x128_kernel(
     # pointers
     x_ptr, q_ptr, scale_ptr,  # [M, K] bf16/fp32 (GATHER: token rows [T, K]), [M, K] uint8 (e4m3 bytes),
@@ -208,7 +198,7 @@ def _quantize_act_1x128_kernel(
     mask = row_ok[:, None] & (cols < K)[None, :]
     rows64 = rows.to(tl.int64)[:, None]
     if GATHER:
-        _, tokens, valid = _gathered_rows(rows, row_ok, row_source_ptr, topk)
+        _, tokens, valid = sorted_row_routes(rows, row_ok, row_source_ptr, topk)
         x = tl.load(x_ptr + tokens.to(tl.int64)[:, None] * stride_x_m + cols[None, :],
                     mask=valid[:, None] & mask, other=0.0)
     else:
@@ -286,7 +276,7 @@ def _quantize_sorted_t_kernel(
     cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
     col_ok = cols < width
     if GATHER:  # the sorted rows of gather.py's copies, read from the token rows
-        slot, tokens, valid = _gathered_rows(rows, in_expert, row_source_ptr, topk)
+        slot, tokens, valid = sorted_row_routes(rows, in_expert, row_source_ptr, topk)
         load_mask = valid[:, None] & col_ok[None, :]
         a = tl.load(a_ptr + tokens.to(tl.int64)[:, None] * stride_a_r + cols[None, :], mask=load_mask, other=0.0)
         if HAS_WEIGHTS:  # as gather.py's dy_sorted: one bf16 rounding of the fp32 product
@@ -419,10 +409,10 @@ def sorted_scale_rows(block_m: int) -> int:
 
 def _launch_quantize_sorted_t(
     a: torch.Tensor, width: int, schedule: RoutingSchedule, swiglu: bool, swiglu_limit: float | None,
-    topk: int = 0, topk_weights: torch.Tensor | None = None,
+    gathered_topk: int | None = None, topk_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One launch of `_quantize_sorted_t_kernel` over a [R, W] (swiglu: g, u [R, 2, W]), or with
-    topk > 0 over token rows a [T, W] gathered into the sorted layout (times topk_weights)."""
+    `gathered_topk` over token rows a [T, W] gathered into the sorted layout (times topk_weights)."""
     device = a.device
     scale_rows = sorted_scale_rows(schedule.block_m)
     rows = schedule.capacity_rows
@@ -434,9 +424,9 @@ def _launch_quantize_sorted_t(
         _quantize_sorted_t_kernel[grid](
             a, q_t, scale_t, scale_t if topk_weights is None else topk_weights,  # scale_t: unread
             schedule.tile_expert, schedule.expert_offsets, schedule.num_rows, schedule.row_source,
-            a.shape[0], width, rows, 0.0 if swiglu_limit is None else float(swiglu_limit), max(topk, 1),
+            a.shape[0], width, rows, 0.0 if swiglu_limit is None else float(swiglu_limit), gathered_topk or 1,
             a.stride(0),
-            SWIGLU=swiglu, HAS_LIMIT=swiglu_limit is not None, GATHER=topk > 0,
+            SWIGLU=swiglu, HAS_LIMIT=swiglu_limit is not None, GATHER=gathered_topk is not None,
             HAS_WEIGHTS=topk_weights is not None, INTERPRETER=interpreting(),
             TILE_M=schedule.block_m, SCALE_ROWS=scale_rows, BLOCK_R=FP8_BLOCK, BLOCK_W=block_w,
             num_warps=_SORTED_NUM_WARPS,

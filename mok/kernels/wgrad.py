@@ -36,9 +36,10 @@ over rows, so both operands are quantized in 1×128 blocks along the rows, per e
 (a separate launch per operand ahead of these GEMMs: x and w·dOut gathered from the token
 rows by `quant_fp8_block.quantize_fp8_block_gathered_t`, d_gate_up viewed as [rows, 2·I] by
 `quantize_fp8_block_sorted_t`, and h recomputed from the saved g, u by
-`quantize_fp8_block_swiglu_sorted_t`; the forward's h_q has its blocks along I and is not kept). Each operand arrives transposed, aqᵀ [W, capacity_rows]
-with its scales sa [capacity_rows / S, W], so both MMA operands are K-major (rows
-contiguous), and each K step of BLOCK_K rows lies inside one block b of one expert:
+`quantize_fp8_block_swiglu_sorted_t`; the forward's h_q has its blocks along I and is not
+kept). Each operand arrives transposed, aqᵀ [W, capacity_rows] with its scales sa
+[capacity_rows / S, W], so both MMA operands are K-major (rows contiguous), and each K step
+of BLOCK_K rows lies inside one block b of one expert:
 
     out[e, m, n] = Σ_steps  sa[b, m] · sb[b, n] · Σ_{r in step} aqᵀ[m, r] · bqᵀ[n, r]     (fp32)
 
