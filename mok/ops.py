@@ -749,5 +749,8 @@ def scatter_programs(gemm: str, schedule_tensors: list[torch.Tensor], block_m: i
     """Programs of a `*_to_peers` launch (`gemm` "down" or "gate_up_dgrad"): each signals
     once, and a receiver waits for this many from every peer (the same on every rank)."""
     routing = routing_from_tensors(schedule_tensors, block_m)
-    cfg = grouped_gemm.gemm_config("down", hidden, inter) if gemm == "down" else dgrad.dgrad_config("gate_up", hidden, inter)
+    if gemm == "down":
+        cfg = grouped_gemm.gemm_config("down", hidden, inter, allow_warp_specialized=False)
+    else:
+        cfg = dgrad.dgrad_config("gate_up", hidden, inter)
     return grouped_gemm.scatter_grid(routing, hidden, cfg)

@@ -41,6 +41,7 @@ def launch_programs(tiles: int, cfg: dict, device) -> int:
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor  # noqa: E402
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 
@@ -96,16 +97,19 @@ def _make_cuda_context_current(device_index: int) -> None:
     done.add(device_index)
 
 
-def tma_descriptor(t, block_shape):
+def tma_descriptor(t, block_shape, shared_layout=None):
     """A TMA tensor descriptor over `t` (any strides with a unit last stride; a 3-D weight
     [E, rows, cols] is flattened to [E·rows, cols]) loading blocks of `block_shape`.
     Out-of-bounds parts of a block read as zeros. TMA needs 16-byte aligned rows: bf16
     sizes that are multiples of 8, which `mok.validation` requires (fp8_block's multiples
-    of 128 give e4m3 rows of 128 bytes)."""
+    of 128 give e4m3 rows of 128 bytes). With `shared_layout` (a Gluon shared-memory
+    layout), a descriptor for a Gluon kernel."""
     if t.is_cuda:
         _make_cuda_context_current(t.device.index)
     if t.dim() == 3:
         t = t.reshape(-1, t.shape[-1])
+    if shared_layout is not None:
+        return GluonTensorDescriptor.from_tensor(t, list(block_shape), shared_layout)
     return TensorDescriptor.from_tensor(t, list(block_shape))
 
 

@@ -59,6 +59,7 @@ import triton
 import triton.language as tl
 
 from mok.fp8_block import FP8_BLOCK
+from mok.kernels import warp_specialized
 from mok.kernels.comm import PeerRows, peer_row_starts, signal_peers
 from mok.kernels.common import (
     column_halves,
@@ -356,10 +357,23 @@ PACKED_MAX_INTER = 8192
 # deepseek-v3-slice 2.82 -> 2.74; mixtral-8x7b's I = 14336 2.59 -> 2.92, so not there).
 PERSISTENT_DOWN_MAX_INTER = 2048
 
+# On Hopper the down GEMM runs warp-specialized (tile-config flag WARP_SPECIALIZED,
+# `warp_specialized.py`: two consumer warp groups in turns, so one's scatter epilogue runs
+# under the other's MMAs) up to this reduction (I). H200, bitwise the same output: qwen3-30b
+# (I = 768) 0.712 -> 0.654 ms in the layer's profile (record
+# h200-20261130-ping-pong-fwd-profile.log); at deepseek-v3-slice's and mixtral-8x7b's
+# I = 2048 and 14336 its 128×128 tiles lost 4–27% to the Triton kernel's 128×256 (the
+# kernel's prototype, record h200-20261130-ping-pong-probe.log).
+WARP_SPECIALIZED_DOWN_MAX_INTER = 1024
 
-def gemm_config(kind: str, n_dim: int, reduce_dim: int, precision: str = "bf16", packed_gate_up: bool = False) -> dict:
+
+def gemm_config(
+    kind: str, n_dim: int, reduce_dim: int, precision: str = "bf16", packed_gate_up: bool = False,
+    allow_warp_specialized: bool = True,
+) -> dict:
     """Tile config for a GEMM of output width n_dim and reduction reduce_dim (gate/up:
-    `packed_gate_up` when its weights are one tensor, `gate_up_packed`).
+    `packed_gate_up` when its weights are one tensor, `gate_up_packed`; down:
+    `allow_warp_specialized` False keeps the Triton kernel, which also stores to other ranks).
 
     H200, bf16, chosen by `benchmarks/tune_gemm.py` on the three GPU presets (records
     h200-20261130-gemm-tiles.json, -tiles-v2.json): 128×128 tiles with two accumulators
@@ -370,6 +384,8 @@ def gemm_config(kind: str, n_dim: int, reduce_dim: int, precision: str = "bf16",
     down GEMM runs persistent up to `PERSISTENT_DOWN_MAX_INTER` (record
     h200-20261130-persistent.json). Under the interpreter, small tiles keep the CPU tests
     fast (BLOCK_M 32, a whole MXFP8 block of rows).
+    On Hopper the bf16 down GEMM into local slots runs warp-specialized up to
+    `WARP_SPECIALIZED_DOWN_MAX_INTER`.
     fp8_block: `_FP8_BLOCK_TILES`, the same for every shape until measured.
     """
     if precision == "fp8_block":
@@ -380,6 +396,8 @@ def gemm_config(kind: str, n_dim: int, reduce_dim: int, precision: str = "bf16",
         packed = packed_gate_up and n_dim < PACKED_MAX_INTER
         return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4,
                     PACKED=packed, X_SORTED=not packed and n_dim >= SORTED_X_MIN_INTER)
+    if allow_warp_specialized and reduce_dim <= WARP_SPECIALIZED_DOWN_MAX_INTER and warp_specialized.available_here():
+        return dict(warp_specialized.WS_TILE, WARP_SPECIALIZED=True)
     persistent = reduce_dim <= PERSISTENT_DOWN_MAX_INTER
     return dict(BLOCK_M=128, BLOCK_N=256 if n_dim >= 2048 else 128, BLOCK_K=64, GROUP_M=8, num_warps=8,
                 num_stages=3 if persistent else 4, PERSISTENT=persistent)
@@ -405,9 +423,9 @@ def checked_tile_config(
 
 def _tile_config(
     kind: str, n_dim: int, reduce_dim: int, precision: str, tile_config: dict | None, schedule: RoutingSchedule,
-    packed_gate_up: bool = False,
+    packed_gate_up: bool = False, allow_warp_specialized: bool = True,
 ) -> dict:
-    default = gemm_config(kind, n_dim, reduce_dim, precision, packed_gate_up)
+    default = gemm_config(kind, n_dim, reduce_dim, precision, packed_gate_up, allow_warp_specialized)
     return checked_tile_config(tile_config, default, schedule, precision, kind, kind == "gate_up")
 
 
@@ -588,7 +606,16 @@ def _launch_down_scatter(
     precision: str, h, h_scale, w_down, w_down_scale, y, schedule: RoutingSchedule, cfg: dict,
     peer_rows: PeerRows | None = None,
 ) -> None:
-    """One launch of `_down_scatter_kernel`; the scales are None in bf16."""
+    """One launch of `_down_scatter_kernel` (the scales are None in bf16), or, for a tile config
+    with WARP_SPECIALIZED, of `warp_specialized`'s kernel (bf16, local slots)."""
+    if cfg.get("WARP_SPECIALIZED", False):
+        if precision != "bf16" or peer_rows is not None:
+            raise ValueError(
+                f"tile_config: WARP_SPECIALIZED is for the bf16 down GEMM into local slots, got precision {precision}"
+                + (" and peer_rows" if peer_rows is not None else "")
+            )
+        warp_specialized.launch_down_scatter(h, w_down, y, schedule, cfg)
+        return
     hidden, inter = w_down.shape[1], w_down.shape[2]
     programs = scatter_grid(schedule, hidden, cfg)
     cfg = {"PERSISTENT": False, **cfg}
@@ -622,8 +649,9 @@ def down_scatter(
     if h.dim() != 2 or h.shape != (schedule.capacity_rows, inter) or h.dtype != torch.bfloat16:
         raise ValueError(f"h: expected a bf16 [{schedule.capacity_rows}, {inter}] tensor, got {h.dtype} {list(h.shape)}")
     _check_weights("w_down", w_down, (schedule.num_local_experts, hidden, inter), h.device)
-    cfg = _tile_config("down", hidden, inter, "bf16", tile_config, schedule)
-    if peer_rows is None:
+    local = peer_rows is None
+    cfg = _tile_config("down", hidden, inter, "bf16", tile_config, schedule, allow_warp_specialized=local)
+    if local:
         y = torch.empty(num_slots, hidden, dtype=torch.bfloat16, device=h.device)  # [T·topk, H]
     else:
         y = peer_rows.checked_local_out(hidden, h.device)

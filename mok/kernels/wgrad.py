@@ -58,6 +58,7 @@ import triton
 import triton.language as tl
 
 from mok.fp8_block import FP8_BLOCK
+from mok.kernels import warp_specialized
 from mok.kernels.common import interpreting, launch_programs, round_to_bf16, tma_descriptor
 from mok.kernels.gather import check_sorted_rows
 from mok.kernels.quant_fp8_block import sorted_scale_rows
@@ -91,9 +92,19 @@ _FP8_BLOCK_INTERPRETER_SIZES = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=16, num_wa
 
 # Intermediate size up to which the down wgrad runs persistent (`wgrad_config`).
 PERSISTENT_DOWN_WGRAD_MAX_INTER = 1024
+# On Hopper the down wgrad without main_grad runs warp-specialized (tile-config flag
+# WARP_SPECIALIZED, `warp_specialized.py`) up to this intermediate size. H200, bitwise the
+# same output, the kernel's prototype (record h200-20261130-ping-pong-probe.log): qwen3-30b
+# (I = 768) 0.637 ms against the Triton kernel's 0.675 and 0.762 timed before and after it;
+# deepseek-v3-slice and mixtral-8x7b (128×128 tiles against 128×256) 1–24% slower.
+# With main_grad its read-modify-write epilogue spills in one warp group (ptxas: 200–360 B),
+# so the Triton kernel accumulates.
+WARP_SPECIALIZED_DOWN_WGRAD_MAX_INTER = 1024
 
 
-def wgrad_config(kind: str, m_dim: int, n_dim: int, precision: str = "bf16") -> dict:
+def wgrad_config(
+    kind: str, m_dim: int, n_dim: int, precision: str = "bf16", allow_warp_specialized: bool = True
+) -> dict:
     """Tile config of a wgrad GEMM (`kind` "down" or "gate_up") with output [m_dim, n_dim].
 
     H200, bf16, measured over sorted TMA operands (BENCHMARKS.md; latest sweeps: records
@@ -109,6 +120,8 @@ def wgrad_config(kind: str, m_dim: int, n_dim: int, precision: str = "bf16") -> 
     faster in both sweeps; 5–20% slower at I ≥ 2048). BLOCK_K divides the schedule's
     BLOCK_M (128). The reduction runs over an expert's rows, whose count changes every
     step, so it is not part of any key.
+    On Hopper the bf16 down wgrad runs warp-specialized up to
+    `WARP_SPECIALIZED_DOWN_WGRAD_MAX_INTER` unless `allow_warp_specialized` is False (main_grad).
     fp8_block: `_FP8_BLOCK_TILES`, the same for every shape (under the interpreter with
     `_FP8_BLOCK_INTERPRETER_SIZES`).
     """
@@ -117,6 +130,8 @@ def wgrad_config(kind: str, m_dim: int, n_dim: int, precision: str = "bf16") -> 
     if interpreting():  # BLOCK_K divides the interpreter's routing BLOCK_M (16)
         return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=16, num_warps=4, num_stages=1)
     if kind == "down":
+        if allow_warp_specialized and n_dim <= WARP_SPECIALIZED_DOWN_WGRAD_MAX_INTER and warp_specialized.available_here():
+            return dict(warp_specialized.WS_TILE, WARP_SPECIALIZED=True)
         return dict(BLOCK_M=128, BLOCK_N=256 if n_dim >= 256 else 128, BLOCK_K=64, num_warps=8, num_stages=3,
                     PERSISTENT=n_dim <= PERSISTENT_DOWN_WGRAD_MAX_INTER)
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
@@ -280,6 +295,13 @@ def _launch_wgrad(
     cfg["PERSISTENT"], one program per SM walks the tiles. With cfg["STACKED"] (two outputs of
     one shape, a2 None), a holds both outputs' A operands one after the other along m_dim."""
     _check_block_k(cfg, schedule, precision)
+    if cfg.get("WARP_SPECIALIZED", False):
+        if precision != "bf16" or a2 is not None or out2 is not None or accumulate:
+            raise ValueError(
+                "tile_config: WARP_SPECIALIZED is for the bf16 down wgrad into a new gradient (no main_grad)"
+            )
+        warp_specialized.launch_down_wgrad(a, b, out, schedule, cfg)
+        return
     cfg = {"PERSISTENT": False, "STACKED": False, **cfg}
     if cfg["STACKED"] and (out2 is None or a2 is not None):
         raise ValueError("tile_config: STACKED is for the gate/up wgrad (two outputs, one stacked A operand)")
@@ -349,7 +371,7 @@ def down_wgrad(
     check_sorted_rows("dy_sorted", dy_sorted, hidden, schedule)
     check_sorted_rows("h", h, inter, schedule)
     out = _down_output(main_grad, schedule, hidden, inter, h.device)
-    cfg = tile_config or wgrad_config("down", hidden, inter)
+    cfg = tile_config or wgrad_config("down", hidden, inter, allow_warp_specialized=main_grad is None)
     _launch_wgrad("bf16", dy_sorted, None, h, None, out, None, schedule, cfg, accumulate=main_grad is not None)
     return out
 

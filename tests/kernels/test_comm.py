@@ -196,7 +196,8 @@ def test_gemm_epilogues_store_rows_in_their_sources_slots(kernel_device):
     h, _ = gate_up_swiglu(inp.x, inp.w_gate, inp.w_up, schedule, 1)
     d_gate_up = torch.randn(schedule.capacity_rows, 2, I, generator=gen).bfloat16().to(dev)
     cases = (
-        ("down", lambda peer: down_scatter(h, inp.w_down, schedule, P * C, peer_rows=peer), gemm_config("down", H, I)),
+        ("down", lambda peer: down_scatter(h, inp.w_down, schedule, P * C, peer_rows=peer),
+         gemm_config("down", H, I, allow_warp_specialized=False)),
         ("gate/up dgrad", lambda peer: gate_up_dgrad_scatter(d_gate_up, inp.w_gate, inp.w_up, schedule, P * C,
                                                             peer_rows=peer), dgrad_config("gate_up", H, I)),
     )

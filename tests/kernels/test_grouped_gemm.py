@@ -92,7 +92,8 @@ def test_persistent_down_is_bitwise_the_per_tile_one(kernel_device, T, H, I, E, 
     h, _ = gate_up_swiglu(inp.x, inp.w_gate, inp.w_up, sched, topk)
     h[sched.row_source < 0] = 0  # padding rows as the forward leaves them
     per_tile, persistent = (
-        down_scatter(h, inp.w_down, sched, T * topk, tile_config={**gemm_config("down", H, I), "PERSISTENT": flag})
+        down_scatter(h, inp.w_down, sched, T * topk, tile_config={**gemm_config("down", H, I, allow_warp_specialized=False),
+                                                                  "PERSISTENT": flag})
         for flag in (False, True)
     )
     assert torch.equal(per_tile, persistent), f"{T=} {H=} {I=} {E=} {topk=}"
