@@ -1,7 +1,7 @@
 """Warp-specialized ("ping-pong") grouped GEMMs over the sorted layout, for Hopper, in Gluon.
 
     down:        y[src(r)] = h[r] · Wd[e]ᵀ                     (unweighted, bf16; `grouped_gemm.py`)
-    down wgrad:  d_w_down[e] = Σ_{r of e} dy_sorted[r]ᵀ · h[r]  (fp32 sum, bf16 or main_grad; `wgrad.py`)
+    down wgrad:  d_w_down[e] = Σ_{r of e} dy_sorted[r]ᵀ · h[r]  (fp32 sum, stored bf16; `wgrad.py`)
 
 Legend: r a row of the expert-sorted layout of `schedule.py`, src(r) = row_source[r]
 (−1: padding), e = tile_expert[r // BLOCK_M], H hidden, I intermediate size, E_l local experts.
@@ -33,7 +33,8 @@ Triton kernels stay the reference path (and the only one under `TRITON_INTERPRET
 GPUs other than Hopper, and under expert parallelism).
 
 Caller contract: as for the Triton kernels (`grouped_gemm.down_scatter`, `wgrad.down_wgrad`);
-bf16 only; BLOCK_M is the schedule's block_m.
+bf16 only; BLOCK_M is the schedule's block_m. Worker partitions of one `warp_specialize` share
+one signature (Gluon's rule), so each kernel's producer takes its consumers' arguments.
 """
 
 from __future__ import annotations
@@ -73,7 +74,9 @@ def _hopper(device_index: int) -> bool:
 
 def warp_specialized_available(device: torch.device) -> bool:
     """These kernels need Hopper's wgmma and TMA and a real GPU (no interpreter)."""
-    return device.type == "cuda" and not interpreting() and _hopper(device.index or 0)
+    if device.type != "cuda" or interpreting():
+        return False
+    return _hopper(torch.cuda.current_device() if device.index is None else device.index)
 
 
 def available_here() -> bool:
