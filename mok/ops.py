@@ -458,10 +458,23 @@ def quantize_fp8_block_activations(
     return quant_fp8_block.quantize_fp8_block_activations(x, num_rows)
 
 
+def _fake_row_blocks(like: torch.Tensor, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fake (q [rows, W] e4m3, scale [rows, ⌈W/128⌉] fp32) of a 1×128-block quantizer."""
+    return like.new_empty(rows, width, dtype=torch.float8_e4m3fn), like.new_empty(
+        rows, -(-width // 128), dtype=torch.float32
+    )
+
+
+def _fake_sorted_t(like: torch.Tensor, rows: int, width: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fake (q_t [W, rows] e4m3, scale_t [rows / S, W] fp32) of a transposing sorted-layout quantizer."""
+    return like.new_empty(width, rows, dtype=torch.float8_e4m3fn), like.new_empty(
+        rows // sorted_scale_rows(block_m), width, dtype=torch.float32
+    )
+
+
 @quantize_fp8_block_activations.op.register_fake
 def _(x, num_rows=None):
-    M, K = x.shape
-    return x.new_empty(M, K, dtype=torch.float8_e4m3fn), x.new_empty(M, -(-K // 128), dtype=torch.float32)
+    return _fake_row_blocks(x, *x.shape)
 
 
 @_custom_op("quantize_fp8_block_weights", ())
@@ -494,10 +507,7 @@ def quantize_fp8_block_sorted_t(
 
 @quantize_fp8_block_sorted_t.op.register_fake
 def _(a, schedule_tensors, block_m):
-    rows, width = schedule_tensors[0].shape[0], a.shape[1]
-    return a.new_empty(width, rows, dtype=torch.float8_e4m3fn), a.new_empty(
-        rows // sorted_scale_rows(block_m), width, dtype=torch.float32
-    )
+    return _fake_sorted_t(a, schedule_tensors[0].shape[0], a.shape[1], block_m)
 
 
 @_custom_op("quantize_fp8_block_gathered", ())
@@ -512,8 +522,7 @@ def quantize_fp8_block_gathered(
 
 @quantize_fp8_block_gathered.op.register_fake
 def _(x, schedule_tensors, block_m, topk):
-    rows, K = schedule_tensors[0].shape[0], x.shape[1]
-    return x.new_empty(rows, K, dtype=torch.float8_e4m3fn), x.new_empty(rows, -(-K // 128), dtype=torch.float32)
+    return _fake_row_blocks(x, schedule_tensors[0].shape[0], x.shape[1])
 
 
 @_custom_op("quantize_fp8_block_gathered_t", ())
@@ -529,10 +538,7 @@ def quantize_fp8_block_gathered_t(
 
 @quantize_fp8_block_gathered_t.op.register_fake
 def _(a, topk_weights, schedule_tensors, block_m, topk):
-    rows, width = schedule_tensors[0].shape[0], a.shape[1]
-    return a.new_empty(width, rows, dtype=torch.float8_e4m3fn), a.new_empty(
-        rows // sorted_scale_rows(block_m), width, dtype=torch.float32
-    )
+    return _fake_sorted_t(a, schedule_tensors[0].shape[0], a.shape[1], block_m)
 
 
 @_custom_op("quantize_fp8_block_swiglu_sorted_t", ())
@@ -547,10 +553,7 @@ def quantize_fp8_block_swiglu_sorted_t(
 
 @quantize_fp8_block_swiglu_sorted_t.op.register_fake
 def _(gate_up, schedule_tensors, block_m, swiglu_limit):
-    rows, inter = schedule_tensors[0].shape[0], gate_up.shape[2]
-    return gate_up.new_empty(inter, rows, dtype=torch.float8_e4m3fn), gate_up.new_empty(
-        rows // sorted_scale_rows(block_m), inter, dtype=torch.float32
-    )
+    return _fake_sorted_t(gate_up, schedule_tensors[0].shape[0], gate_up.shape[2], block_m)
 
 
 # --------------------------------------------------------------------------- mxfp8 quantize

@@ -81,7 +81,7 @@ def warp_specialized_available(device: torch.device) -> bool:
 
 def available_here() -> bool:
     """`warp_specialized_available` for the current CUDA device (False without one)."""
-    return torch.cuda.is_available() and warp_specialized_available(torch.device("cuda", torch.cuda.current_device()))
+    return torch.cuda.is_available() and warp_specialized_available(torch.device("cuda"))
 
 
 def _check_device(device: torch.device) -> None:
