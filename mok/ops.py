@@ -755,5 +755,5 @@ def scatter_programs(gemm: str, schedule_tensors: list[torch.Tensor], block_m: i
     if gemm == "down":
         cfg = grouped_gemm.gemm_config("down", hidden, inter, allow_warp_specialized=False)
     else:
-        cfg = dgrad.dgrad_config("gate_up", hidden, inter)
+        cfg = dgrad.dgrad_config("gate_up", hidden, inter, allow_warp_specialized=False)
     return grouped_gemm.scatter_grid(routing, hidden, cfg)

@@ -70,6 +70,7 @@ import triton
 import triton.language as tl
 
 from mok.fp8_block import FP8_BLOCK
+from mok.kernels import warp_specialized
 from mok.kernels.comm import PeerRows, signal_peers
 from mok.kernels.common import column_halves, interpreting, round_to_bf16, tma_descriptor
 from mok.kernels.grouped_gemm import (
@@ -110,9 +111,18 @@ _FP8_BLOCK_TILES = {
 
 # Output width (H) from which the gate/up dgrad runs persistent (`dgrad_config`).
 PERSISTENT_GATE_UP_MIN_HIDDEN = 6144
+# On Hopper the bf16 gate/up dgrad into local slots runs the cooperative warp-specialized
+# kernel (`warp_specialized.py`: the down GEMM's kernel over two K segments, d_g·Wg then
+# d_u·Wu), bitwise the Triton kernel's output, up to this intermediate size. H200, the layer
+# interleaved with it on and off (records h200-20261201-cooperative-ab.json, -fwd-bwd-v13.json):
+# qwen3-30b's step −0.2 to −0.35 ms; deepseek-v3-slice (I = 2048) +0.4 ms and mixtral-8x7b
+# (I = 14336) +0.8 ms, where the Triton kernel stays.
+COOPERATIVE_GATE_UP_DGRAD_MAX_INTER = 1024
 
 
-def dgrad_config(kind: str, n_dim: int, reduce_dim: int, precision: str = "bf16") -> dict:
+def dgrad_config(
+    kind: str, n_dim: int, reduce_dim: int, precision: str = "bf16", allow_warp_specialized: bool = True
+) -> dict:
     """Tile config of a dgrad GEMM (`kind` "down" or "gate_up") of output width n_dim.
 
     BLOCK_M is the schedule's M tile (`routing_block_m`): the rows of an M tile must
@@ -124,14 +134,19 @@ def dgrad_config(kind: str, n_dim: int, reduce_dim: int, precision: str = "bf16"
     at 4 stages on every preset (record h200-20261130-tiles-v2.json). The gate/up dgrad
     runs persistent at 4 stages for wide outputs (H ≥ `PERSISTENT_GATE_UP_MIN_HIDDEN`;
     deepseek-v3-slice 6.21 -> 5.39 ms; qwen3-30b and mixtral-8x7b within ±2% either
-    way, record h200-20261130-persistent.json). Under the interpreter, small tiles keep
-    the CPU tests fast. The key never includes per-expert counts (they change every step).
+    way, record h200-20261130-persistent.json). On Hopper the gate/up dgrad runs the
+    cooperative warp-specialized kernel up to `COOPERATIVE_GATE_UP_DGRAD_MAX_INTER` unless
+    `allow_warp_specialized` is False (stores to other ranks). Under the interpreter, small
+    tiles keep the CPU tests fast. The key never includes per-expert counts (they change every step).
     fp8_block: `_FP8_BLOCK_TILES`, the same for every shape until measured.
     """
     if precision == "fp8_block":
         return dict(BLOCK_M=routing_block_m(), **_FP8_BLOCK_TILES["interpreter" if interpreting() else kind])
     if interpreting():
         return dict(BLOCK_M=routing_block_m(), BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1)
+    short = reduce_dim <= COOPERATIVE_GATE_UP_DGRAD_MAX_INTER
+    if kind == "gate_up" and short and allow_warp_specialized and warp_specialized.available_here():
+        return warp_specialized.tile_config(cooperative=True)
     cfg = dict(BLOCK_M=routing_block_m(), BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
     if kind == "gate_up" and n_dim >= PERSISTENT_GATE_UP_MIN_HIDDEN:
         cfg.update(num_stages=4, PERSISTENT=True)
@@ -359,11 +374,11 @@ def _check_topk_weights(topk_weights: torch.Tensor | None, device: torch.device)
 
 
 def _dgrad_tiles(
-    kind: str, n_dim: int, reduce_dim: int, precision: str, tile_config: dict | None, schedule: RoutingSchedule
+    kind: str, n_dim: int, reduce_dim: int, precision: str, tile_config: dict | None, schedule: RoutingSchedule,
+    allow_warp_specialized: bool = True,
 ) -> dict:
-    return checked_tile_config(
-        tile_config, dgrad_config(kind, n_dim, reduce_dim, precision), schedule, precision, f"{kind} dgrad", False
-    )
+    default = dgrad_config(kind, n_dim, reduce_dim, precision, allow_warp_specialized)
+    return checked_tile_config(tile_config, default, schedule, precision, f"{kind} dgrad", False)
 
 
 def _weight_block(precision: str, cfg: dict) -> tuple[int, int]:
@@ -469,11 +484,20 @@ def _launch_gate_up_dgrad_scatter(
     precision: str, d_gate, d_gate_scale, d_up, d_up_scale, w_gate, w_gate_scale, w_up, w_up_scale,
     schedule: RoutingSchedule, num_slots: int, hidden: int, inter: int, cfg: dict, peer_rows: PeerRows | None = None,
 ) -> torch.Tensor:
-    """One launch of `_gate_up_dgrad_scatter_kernel`; the scales are None in bf16."""
+    """One launch of `_gate_up_dgrad_scatter_kernel` (the scales are None in bf16), or, for a tile
+    config with WARP_SPECIALIZED, of `warp_specialized`'s kernel (bf16, local slots)."""
     if peer_rows is None:
         dx = torch.empty(num_slots, hidden, dtype=torch.bfloat16, device=d_gate.device)  # [T·topk, H] bf16
     else:
         dx = peer_rows.checked_local_out(hidden, d_gate.device)
+    if cfg.get("WARP_SPECIALIZED", False):
+        if precision != "bf16" or peer_rows is not None:
+            raise ValueError(
+                f"tile_config: WARP_SPECIALIZED is for the bf16 gate/up dgrad into local slots, got precision "
+                f"{precision}" + (" and peer_rows" if peer_rows is not None else "")
+            )
+        warp_specialized.launch_gate_up_dgrad_scatter(d_gate, d_up, w_gate, w_up, dx, schedule, cfg)
+        return dx
     programs = scatter_grid(schedule, hidden, cfg)
     cfg = {"PERSISTENT": False, **cfg}
     a_block = (cfg["BLOCK_M"], cfg["BLOCK_K"])
@@ -509,7 +533,8 @@ def gate_up_dgrad_scatter(
     _check_bf16("d_gate_up", d_gate_up, (schedule.capacity_rows, 2, inter), device)
     _check_bf16("w_gate", w_gate, (schedule.num_local_experts, inter, hidden), device)
     _check_bf16("w_up", w_up, tuple(w_gate.shape), device)
-    cfg = _dgrad_tiles("gate_up", hidden, inter, "bf16", tile_config, schedule)
+    local = peer_rows is None
+    cfg = _dgrad_tiles("gate_up", hidden, inter, "bf16", tile_config, schedule, allow_warp_specialized=local)
     return _launch_gate_up_dgrad_scatter(
         "bf16", d_gate_up[:, 0], None, d_gate_up[:, 1], None, w_gate, None, w_up, None,
         schedule, num_slots, hidden, inter, cfg, peer_rows,

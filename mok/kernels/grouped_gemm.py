@@ -357,14 +357,18 @@ PACKED_MAX_INTER = 8192
 # deepseek-v3-slice 2.82 -> 2.74; mixtral-8x7b's I = 14336 2.59 -> 2.92, so not there).
 PERSISTENT_DOWN_MAX_INTER = 2048
 
-# On Hopper the down GEMM runs warp-specialized (tile-config flag WARP_SPECIALIZED,
-# `warp_specialized.py`: two consumer warp groups in turns, so one's scatter epilogue runs
-# under the other's MMAs) up to this reduction (I). H200, bitwise the same output: qwen3-30b
-# (I = 768) 0.712 -> 0.654 ms in the layer's profile (record
-# h200-20261130-ping-pong-fwd-profile.log); at deepseek-v3-slice's and mixtral-8x7b's
-# I = 2048 and 14336 its 128×128 tiles lost 4–27% to the Triton kernel's 128×256 (the
-# kernel's prototype, record h200-20261130-ping-pong-probe.log).
-WARP_SPECIALIZED_DOWN_MAX_INTER = 1024
+# On Hopper the bf16 down GEMM into local slots runs warp-specialized (tile-config flag
+# WARP_SPECIALIZED, `warp_specialized.py`), bitwise the Triton kernel's output. Up to this
+# reduction (I) with the ping-pong schedule (two consumer warp groups in turns, so one's scatter
+# epilogue runs under the other's MMAs): qwen3-30b (I = 768) 0.712 -> 0.654 ms in the layer's
+# profile (record h200-20261130-ping-pong-fwd-profile.log), where its 128×128 tiles lost 4–27%
+# at I = 2048 and 14336 (record h200-20261130-ping-pong-probe.log).
+PING_PONG_DOWN_MAX_INTER = 1024
+# Above it with the cooperative schedule (both warp groups on one 128×256 tile, the producer
+# running ahead across tiles), which measured faster than the Triton kernel there: H200,
+# interleaved, deepseek-v3-slice 3.24 -> 2.97 ms, mixtral-8x7b 3.00 -> 2.94 (record
+# h200-20261201-cooperative-probe.log). False keeps the Triton kernel above the ping-pong's range.
+COOPERATIVE_DOWN = True
 
 
 def gemm_config(
@@ -384,8 +388,8 @@ def gemm_config(
     down GEMM runs persistent up to `PERSISTENT_DOWN_MAX_INTER` (record
     h200-20261130-persistent.json). Under the interpreter, small tiles keep the CPU tests
     fast (BLOCK_M 32, a whole MXFP8 block of rows).
-    On Hopper the bf16 down GEMM into local slots runs warp-specialized up to
-    `WARP_SPECIALIZED_DOWN_MAX_INTER`.
+    On Hopper the bf16 down GEMM into local slots runs warp-specialized: ping-pong up to
+    `PING_PONG_DOWN_MAX_INTER`, cooperative above it (`COOPERATIVE_DOWN`).
     fp8_block: `_FP8_BLOCK_TILES`, the same for every shape until measured.
     """
     if precision == "fp8_block":
@@ -396,8 +400,9 @@ def gemm_config(
         packed = packed_gate_up and n_dim < PACKED_MAX_INTER
         return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4,
                     PACKED=packed, X_SORTED=not packed and n_dim >= SORTED_X_MIN_INTER)
-    if allow_warp_specialized and reduce_dim <= WARP_SPECIALIZED_DOWN_MAX_INTER and warp_specialized.available_here():
-        return dict(warp_specialized.WS_TILE, WARP_SPECIALIZED=True)
+    cooperative = reduce_dim > PING_PONG_DOWN_MAX_INTER
+    if allow_warp_specialized and (COOPERATIVE_DOWN or not cooperative) and warp_specialized.available_here():
+        return warp_specialized.tile_config(cooperative)
     persistent = reduce_dim <= PERSISTENT_DOWN_MAX_INTER
     return dict(BLOCK_M=128, BLOCK_N=256 if n_dim >= 2048 else 128, BLOCK_K=64, GROUP_M=8, num_warps=8,
                 num_stages=3 if persistent else 4, PERSISTENT=persistent)

@@ -1,40 +1,49 @@
-"""Warp-specialized ("ping-pong") grouped GEMMs over the sorted layout, for Hopper, in Gluon.
+"""Warp-specialized grouped GEMMs over the sorted layout, for Hopper, in Gluon.
 
-    down:        y[src(r)] = h[r] · Wd[e]ᵀ                     (unweighted, bf16; `grouped_gemm.py`)
-    down wgrad:  d_w_down[e] = Σ_{r of e} dy_sorted[r]ᵀ · h[r]  (fp32 sum, stored bf16; `wgrad.py`)
+    down:          y[src(r)] = h[r] · Wd[e]ᵀ                      (unweighted, bf16; `grouped_gemm.py`)
+    down wgrad:    d_w_down[e] = Σ_{r of e} dy_sorted[r]ᵀ · h[r]  (fp32 sum, stored bf16; `wgrad.py`)
+    gate/up wgrad: d_w_gate[e] = Σ_{r of e} d_g[r]ᵀ · x_sorted[r], d_w_up[e] likewise with d_u
 
 Legend: r a row of the expert-sorted layout of `schedule.py`, src(r) = row_source[r]
 (−1: padding), e = tile_expert[r // BLOCK_M], H hidden, I intermediate size, E_l local experts.
 
-Why: the Triton kernels of `grouped_gemm.py` and `wgrad.py` run one warp group's MMAs and
-its epilogue (layout change, bf16 conversion, scattered or read-modify-write stores) one
-after the other, so the tensor cores idle during every epilogue. Where the K loop is short
-(qwen3-30b: I = 768 for the down GEMM, ~1K rows per expert for its wgrad) that idle share is
-large. Here each program (one per SM) splits into three partitions over one ring of
-STAGES shared-memory slots:
+Why: the Triton kernels of `grouped_gemm.py` and `wgrad.py` run one warp group's MMAs, its
+epilogue (layout change, bf16 conversion, scattered stores) and the next tile's pipeline
+fill one after the other, and their loads are issued by the same warps that multiply. Here
+each program (one per SM) splits into three partitions over one ring of STAGES shared-memory
+slots: a producer warp issues the TMA loads of every tile of the program, in tile order, and
+runs ahead across tile boundaries; two consumer warp groups multiply. Two schedules (the
+tile-config flag COOPERATIVE):
 
-- a producer warp issues the TMA loads of every tile of the program, in tile order;
-- two consumer warp groups take the program's tiles in turns (0, 2, 4… and 1, 3, 5…), so
-  one's epilogue runs while the other's MMAs do.
+- ping-pong: the consumers take the program's tiles in turns (0, 2, 4… and 1, 3, 5…), each
+  with a 128×128 accumulator, so one's epilogue runs while the other's MMAs do. It wins
+  where the K loop is short and the epilogue weighs (qwen3-30b's I = 768);
+- cooperative: both consumers work on every 128×256 tile, consumer c on its rows
+  [64c, 64c + 64) (one wgmma m64n256 per K step, as the Triton kernel's two warp groups),
+  so each stage's B tile serves 128 rows. At large K, where 128×128 tiles lose to 128×256's
+  operand reuse, this keeps the reuse and adds the producer running ahead. For the gate/up
+  wgrad, consumer 0 computes d_w_gate's 64 rows and consumer 1 d_w_up's, sharing the x tile.
 
-Ring protocol (mbarriers, all counting one arrival): `ready[s]` completes when slot s's
-loads land, `empty[s]` when its consumer's MMA has read it; the step counter of the program
+Ring protocol (mbarriers): `ready[s]` completes when slot s's loads land, `empty[s]` when
+its consumers' MMAs have read it (one arrival, or two cooperative); the program's step counter
 gives slot and phase (slot = step % STAGES, phase = step // STAGES). A wait on a phase
 parity cannot tell a phase from the one two before it, so a consumer must never wait on a
-slot two fills ahead: `turn[c]` makes consumer c start its tile's waits only after the other
-consumer has passed all of its own (it arrives on `turn[1 − c]` after its last `ready`
-wait), which keeps every wait within one phase.
+slot two fills ahead. Cooperative consumers walk every step, and the producer refills a slot
+only after both released it, so no wait can run ahead. Ping-pong: `turn[c]` makes consumer c
+start its tile's waits only after the other consumer has passed all of its own (it arrives
+on `turn[1 − c]` after its last `ready` wait), which keeps every wait within one phase.
 
 Each tile's K loop is the Triton kernel's (the same BLOCK_K steps in the same order, fp32
 accumulation in one wgmma chain), so the result is bitwise the Triton kernel's (tested on
 the GPU); fixed order, no atomics: deterministic. Gluon has no interpreter: the CPU tests
 compile these kernels for sm_90a and check ptxas's register and spill counts, and the
 Triton kernels stay the reference path (and the only one under `TRITON_INTERPRET=1`, on
-GPUs other than Hopper, and under expert parallelism).
+GPUs other than Hopper, under expert parallelism and with main_grad).
 
-Caller contract: as for the Triton kernels (`grouped_gemm.down_scatter`, `wgrad.down_wgrad`);
-bf16 only; BLOCK_M is the schedule's block_m. Worker partitions of one `warp_specialize` share
-one signature (Gluon's rule), so each kernel's producer takes its consumers' arguments.
+Caller contract: as for the Triton kernels (`grouped_gemm.down_scatter`, `wgrad.down_wgrad`,
+`wgrad.gate_up_wgrad`); bf16 only; BLOCK_M is the schedule's block_m. Worker partitions of one
+`warp_specialize` share one signature (Gluon's rule), so each kernel's producer takes its
+consumers' arguments.
 """
 
 from __future__ import annotations
@@ -56,11 +65,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from mok.kernels.common import interpreting, num_sms, tma_descriptor
 from mok.kernels.schedule import RoutingSchedule
 
-# Tile of one consumer: a 128×128 fp32 accumulator is 128 registers per thread of its warp
-# group; 128×256 spilled (ptxas, sm_90a: 3.7 KB per thread). Six stages of 128×64 A and B
-# tiles (32 KiB each, 192 KiB) measured faster than four on qwen3-30b: down GEMM 0.652
+# Ping-pong: one consumer's tile. A 128×128 fp32 accumulator is 128 registers per thread of
+# its warp group; 128×256 spilled (ptxas, sm_90a: 3.7 KB per thread). Six stages of 128×64 A
+# and B tiles (32 KiB each, 192 KiB) measured faster than four on qwen3-30b: down GEMM 0.652
 # against 0.678 ms, down wgrad 0.637 against 0.646 (record h200-20261130-ping-pong-probe.log).
-WS_TILE = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_stages=6)
+PING_PONG_TILE = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_stages=6)
+# Cooperative: the tile both consumers share (64×256 accumulators, 128 registers per thread).
+# Four stages of 48 KiB (two 64×64 A halves, one 256×64 B tile); three measured the same
+# within 2% (record h200-20261201-cooperative-probe.log).
+COOPERATIVE_TILE = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_stages=4)
 # Registers per thread of the consumer warp groups and of the producer warp (setmaxnreg);
 # the default partition (consumer 0) gets what is left of the launch's 168 × 384 threads.
 _CONSUMER_REGISTERS = gl.constexpr(232)
@@ -84,6 +97,11 @@ def available_here() -> bool:
     return torch.cuda.is_available() and warp_specialized_available(torch.device("cuda"))
 
 
+def tile_config(cooperative: bool) -> dict:
+    """The tile config that selects these kernels (flag WARP_SPECIALIZED) with either schedule."""
+    return dict(COOPERATIVE_TILE if cooperative else PING_PONG_TILE, WARP_SPECIALIZED=True, COOPERATIVE=cooperative)
+
+
 def _check_device(device: torch.device) -> None:
     """A tile config with WARP_SPECIALIZED can run on this device."""
     if not warp_specialized_available(device):
@@ -97,36 +115,51 @@ def _check_device(device: torch.device) -> None:
 
 
 @gluon.jit
-def _load_step(step, a_desc, a_coords, b_desc, b_coords, a_bufs, b_bufs, ready, empty, STAGES: gl.constexpr):
-    """Producer: wait until the slot of `step` is free, then TMA-load its A and B tiles."""
+def _load_step(step, a_desc, a_coords, a2_desc, a2_coords, b_desc, b_coords, a_bufs, b_bufs, ready, empty,
+               COOPERATIVE: gl.constexpr, STAGES: gl.constexpr):
+    """Producer: wait until the slot of `step` is free, then TMA-load its tiles: A and B, or,
+    cooperative, consumer 0's A (a_desc), consumer 1's A (a2_desc) and the shared B."""
     slot = step % STAGES
     mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
     bar = ready.index(slot)
-    mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(a_desc, a_coords, bar, a_bufs.index(slot))
+    if COOPERATIVE:
+        mbarrier.expect(bar, 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(a_desc, a_coords, bar, a_bufs.index(2 * slot))
+        tma.async_copy_global_to_shared(a2_desc, a2_coords, bar, a_bufs.index(2 * slot + 1))
+    else:
+        mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(a_desc, a_coords, bar, a_bufs.index(slot))
     tma.async_copy_global_to_shared(b_desc, b_coords, bar, b_bufs.index(slot))
 
 
 @gluon.jit
-def _mma_steps(acc, first_step, steps, tile_count, a_bufs, b_bufs, ready, empty, turn,
-               CONSUMER: gl.constexpr, A_K_MAJOR: gl.constexpr, STAGES: gl.constexpr):
+def _mma_steps(acc, first_step, steps, tile_count, a_bufs, b_bufs, ready, empty, turn, CONSUMER: gl.constexpr,
+               A_K_MAJOR: gl.constexpr, B_K_MAJOR: gl.constexpr, COOPERATIVE: gl.constexpr, STAGES: gl.constexpr):
     """Consumer: acc += Σ over the ring steps [first_step, first_step + steps) of A·B, one
     wgmma in flight; each slot is released once the next wgmma has retired its reader.
-    A tiles are [M, K] (A_K_MAJOR) or [K, M] in shared memory; B tiles are [N, K] (A_K_MAJOR)
-    or [K, N]. `tile_count`: this program's tiles so far (both consumers'), for `turn`."""
-    mbarrier.wait(turn.index(CONSUMER), ((tile_count // 2) & 1) ^ (1 - CONSUMER))
+    A tiles are [M, K] (A_K_MAJOR) or [K, M] in shared memory, B tiles [N, K] (B_K_MAJOR) or
+    [K, N]. Ping-pong: `tile_count`, this program's tiles so far (both consumers'), for `turn`."""
+    if not COOPERATIVE:
+        mbarrier.wait(turn.index(CONSUMER), ((tile_count // 2) & 1) ^ (1 - CONSUMER))
     for k in range(steps):
         step = first_step + k
         slot = step % STAGES
         mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
-        if A_K_MAJOR:
-            acc = warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), acc, is_async=True)
+        if COOPERATIVE:
+            a = a_bufs.index(2 * slot + CONSUMER)
         else:
-            acc = warpgroup_mma(a_bufs.index(slot).permute((1, 0)), b_bufs.index(slot), acc, is_async=True)
+            a = a_bufs.index(slot)
+        if not A_K_MAJOR:
+            a = a.permute((1, 0))
+        b = b_bufs.index(slot)
+        if B_K_MAJOR:
+            b = b.permute((1, 0))
+        acc = warpgroup_mma(a, b, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
         if k > 0:
             mbarrier.arrive(empty.index((step - 1) % STAGES), count=1)
-    mbarrier.arrive(turn.index(1 - CONSUMER), count=1)
+    if not COOPERATIVE:
+        mbarrier.arrive(turn.index(1 - CONSUMER), count=1)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     if steps > 0:
         mbarrier.arrive(empty.index((first_step + steps - 1) % STAGES), count=1)
@@ -135,7 +168,7 @@ def _mma_steps(acc, first_step, steps, tile_count, a_bufs, b_bufs, ready, empty,
 
 @gluon.constexpr_function
 def _mma_layout(block_n):
-    """The wgmma accumulator layout of one warp group's [BLOCK_M, block_n] tile."""
+    """The wgmma accumulator layout of one warp group's [rows, block_n] tile (rows: 64 or 128)."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, block_n, 16])
 
 
@@ -144,160 +177,234 @@ _STORE_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
 
 
 @gluon.jit
-def _allocate_ring(a_desc, b_desc, STAGES: gl.constexpr):
-    """STAGES slots of A and B tiles and the ring's barriers (ready, empty, turn)."""
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+def _allocate_ring(a_desc, b_desc, COOPERATIVE: gl.constexpr, STAGES: gl.constexpr):
+    """STAGES slots of A (two per slot, cooperative) and B tiles and the ring's barriers
+    (ready, empty, turn)."""
+    A_TILES: gl.constexpr = 2 * STAGES if COOPERATIVE else STAGES
+    READERS: gl.constexpr = 2 if COOPERATIVE else 1  # consumers that release each slot
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [A_TILES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
+        mbarrier.init(empty.index(s), count=READERS)
     for c in gl.static_range(2):
         mbarrier.init(turn.index(c), count=1)
     fence_async_shared()
     return a_bufs, b_bufs, ready, empty, turn
 
 
-# --------------------------------------------------------------------------- down GEMM
+@gluon.constexpr_function
+def _consumer_rows(block_m, cooperative):
+    """Rows of one consumer's accumulator: half the tile's (cooperative) or all of them."""
+    return block_m // 2 if cooperative else block_m
+
+
+@gluon.constexpr_function
+def _takes_turns(cooperative):
+    """2: the consumers take tiles in turns (ping-pong); 1: both take every tile."""
+    return 1 if cooperative else 2
+
+
+# --------------------------------------------------------------------------- scatter GEMMs
 
 
 @gluon.jit
-def _down_producer(h_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, y_ptr, row_source_ptr, tile_expert_ptr,
-                   num_rows_ptr, hidden, inter, stride_y, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr,
-                   BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
-    num_n_tiles = gl.cdiv(hidden, BLOCK_N)
+def _load_segment(step, a_desc, b_desc, m0, expert, n0, n_dim, reduce_dim, a_bufs, b_bufs, ready, empty,
+                  B_K_MAJOR: gl.constexpr, COOPERATIVE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
+                  STAGES: gl.constexpr):
+    """Producer: the K steps of one segment (A [rows, K] · B[e]) of an output tile; returns the
+    next step. A weight viewed as [E_l·n_dim, K] (B_K_MAJOR) or [E_l·K, n_dim] lets a box past
+    this expert's end read the next expert's rows: they land only in columns the epilogue does
+    not store (K-major), or meet A's zero fill past K (TMA) and add nothing."""
+    ROWS: gl.constexpr = _consumer_rows(BLOCK_M, COOPERATIVE)
+    for k0 in range(0, reduce_dim, BLOCK_K):
+        if B_K_MAJOR:
+            b_coords = [expert * n_dim + n0, k0]
+        else:
+            b_coords = [expert * reduce_dim + k0, n0]
+        _load_step(step, a_desc, [m0, k0], a_desc, [m0 + ROWS, k0], b_desc, b_coords, a_bufs, b_bufs, ready, empty,
+                   COOPERATIVE, STAGES)
+        step += 1
+    return step
+
+
+@gluon.jit
+def _scatter_producer(a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, empty, turn, y_ptr, row_source_ptr,
+                      tile_expert_ptr, num_rows_ptr, n_dim, reduce_dim, stride_y, CONSUMER: gl.constexpr,
+                      TWO_SEGMENTS: gl.constexpr, B_K_MAJOR: gl.constexpr, COOPERATIVE: gl.constexpr,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+    num_n_tiles = gl.cdiv(n_dim, BLOCK_N)
     num_tiles = gl.cdiv(gl.load(num_rows_ptr), BLOCK_M) * num_n_tiles
     step = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         m0 = (tile // num_n_tiles) * BLOCK_M
-        # w_down viewed as [E_l·H, I]: a box past this expert's last row reads the next
-        # expert's rows, which land only in columns the epilogue does not store
-        w_row = gl.load(tile_expert_ptr + tile // num_n_tiles) * hidden + (tile % num_n_tiles) * BLOCK_N
-        for k0 in range(0, inter, BLOCK_K):
-            _load_step(step, h_desc, [m0, k0], w_desc, [w_row, k0], a_bufs, b_bufs, ready, empty, STAGES)
-            step += 1
+        n0 = (tile % num_n_tiles) * BLOCK_N
+        expert = gl.load(tile_expert_ptr + tile // num_n_tiles)
+        step = _load_segment(step, a_desc, b_desc, m0, expert, n0, n_dim, reduce_dim, a_bufs, b_bufs, ready, empty,
+                             B_K_MAJOR, COOPERATIVE, BLOCK_M, BLOCK_K, STAGES)
+        if TWO_SEGMENTS:
+            step = _load_segment(step, a2_desc, b2_desc, m0, expert, n0, n_dim, reduce_dim, a_bufs, b_bufs, ready,
+                                 empty, B_K_MAJOR, COOPERATIVE, BLOCK_M, BLOCK_K, STAGES)
 
 
 @gluon.jit
-def _down_consumer(h_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, y_ptr, row_source_ptr, tile_expert_ptr,
-                   num_rows_ptr, hidden, inter, stride_y, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr,
-                   BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+def _scatter_consumer(a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, empty, turn, y_ptr, row_source_ptr,
+                      tile_expert_ptr, num_rows_ptr, n_dim, reduce_dim, stride_y, CONSUMER: gl.constexpr,
+                      TWO_SEGMENTS: gl.constexpr, B_K_MAJOR: gl.constexpr, COOPERATIVE: gl.constexpr,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+    ROWS: gl.constexpr = _consumer_rows(BLOCK_M, COOPERATIVE)
+    TURNS: gl.constexpr = _takes_turns(COOPERATIVE)
     mma_layout: gl.constexpr = _mma_layout(BLOCK_N)
-    num_n_tiles = gl.cdiv(hidden, BLOCK_N)
+    num_n_tiles = gl.cdiv(n_dim, BLOCK_N)
     num_tiles = gl.cdiv(gl.load(num_rows_ptr), BLOCK_M) * num_n_tiles
-    k_steps = gl.cdiv(inter, BLOCK_K)
+    k_steps = gl.cdiv(reduce_dim, BLOCK_K) * (2 if TWO_SEGMENTS else 1)
     tile_count = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        if tile_count % 2 == CONSUMER:
-            acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, mma_layout)
+        if tile_count % TURNS == CONSUMER % TURNS:
+            acc = gl.zeros((ROWS, BLOCK_N), gl.float32, mma_layout)
             acc = _mma_steps(acc, tile_count * k_steps, k_steps, tile_count, a_bufs, b_bufs, ready, empty, turn,
-                             CONSUMER, True, STAGES)
+                             CONSUMER, True, B_K_MAJOR, COOPERATIVE, STAGES)
             y = gl.convert_layout(acc.to(gl.bfloat16), _STORE_LAYOUT)
-            rows = (tile // num_n_tiles) * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, _STORE_LAYOUT))
+            first_row = (tile // num_n_tiles) * BLOCK_M + (CONSUMER * ROWS if COOPERATIVE else 0)
+            rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, _STORE_LAYOUT))
             cols = (tile % num_n_tiles) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, _STORE_LAYOUT))
             source = gl.load(row_source_ptr + rows)
             slot = gl.where(source >= 0, source, 0).to(gl.int64)
-            mask = (source >= 0)[:, None] & (cols < hidden)[None, :]
+            mask = (source >= 0)[:, None] & (cols < n_dim)[None, :]
             gl.store(y_ptr + slot[:, None] * stride_y + cols[None, :], y, mask=mask)
         tile_count += 1
 
 
 @gluon.jit
-def _down_scatter_ws_kernel(
-    # TMA descriptors (h [capacity_rows, I], w_down [E_l·H, I]) and y [slots, H]
-    h_desc, w_desc, y_ptr,
+def _scatter_ws_kernel(
+    # TMA descriptors: segment 1 A [capacity_rows, K] and B, segment 2's (TWO_SEGMENTS; else
+    # segment 1's again); y [slots, n_dim]
+    a_desc, a2_desc, b_desc, b2_desc, y_ptr,
     # schedule
     row_source_ptr, tile_expert_ptr, num_rows_ptr,
-    # sizes, strides
-    hidden, inter, stride_y,
+    # sizes (K per segment), strides
+    n_dim, reduce_dim, stride_y,
     # meta
+    TWO_SEGMENTS: gl.constexpr, B_K_MAJOR: gl.constexpr, COOPERATIVE: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
 ):
-    a_bufs, b_bufs, ready, empty, turn = _allocate_ring(h_desc, w_desc, STAGES)
+    """down: a = h, b = w_down as [E_l·H, I] (K-major); gate/up dgrad (TWO_SEGMENTS): a, a2 = d_g,
+    d_u, b, b2 = w_gate, w_up as [E_l·I, H]."""
+    a_bufs, b_bufs, ready, empty, turn = _allocate_ring(a_desc, b_desc, COOPERATIVE, STAGES)
     gl.warp_specialize([
-        (_down_consumer, (h_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, y_ptr, row_source_ptr, tile_expert_ptr,
-                          num_rows_ptr, hidden, inter, stride_y, 0, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
-        (_down_consumer, (h_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, y_ptr, row_source_ptr, tile_expert_ptr,
-                          num_rows_ptr, hidden, inter, stride_y, 1, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
-        (_down_producer, (h_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, y_ptr, row_source_ptr, tile_expert_ptr,
-                          num_rows_ptr, hidden, inter, stride_y, 0, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
+        (_scatter_consumer, (a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, empty, turn, y_ptr,
+                             row_source_ptr, tile_expert_ptr, num_rows_ptr, n_dim, reduce_dim, stride_y, 0,
+                             TWO_SEGMENTS, B_K_MAJOR, COOPERATIVE, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
+        (_scatter_consumer, (a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, empty, turn, y_ptr,
+                             row_source_ptr, tile_expert_ptr, num_rows_ptr, n_dim, reduce_dim, stride_y, 1,
+                             TWO_SEGMENTS, B_K_MAJOR, COOPERATIVE, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
+        (_scatter_producer, (a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, empty, turn, y_ptr,
+                             row_source_ptr, tile_expert_ptr, num_rows_ptr, n_dim, reduce_dim, stride_y, 0,
+                             TWO_SEGMENTS, B_K_MAJOR, COOPERATIVE, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
     ], [4, 1], [_CONSUMER_REGISTERS, _PRODUCER_REGISTERS])
 
 
-# --------------------------------------------------------------------------- down wgrad
+# --------------------------------------------------------------------------- wgrads
 
 
 @gluon.jit
-def _wgrad_tile(tile, expert_offsets_ptr, m_dim, n_dim, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+def _wgrad_tile(tile, expert_offsets_ptr, m_dim, n_dim, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 BLOCK_K: gl.constexpr):
     """(expert, m0, n0, first row, K steps) of an output tile, expert outermost (as `wgrad.py`)."""
-    num_m = gl.cdiv(m_dim, BLOCK_M)
+    num_m = gl.cdiv(m_dim, TILE_M)
     num_n = gl.cdiv(n_dim, BLOCK_N)
     expert = tile // (num_m * num_n)
     rest = tile % (num_m * num_n)
     row_start = gl.load(expert_offsets_ptr + expert)
     steps = (gl.load(expert_offsets_ptr + expert + 1) - row_start) // BLOCK_K
-    return expert, (rest // num_n) * BLOCK_M, (rest % num_n) * BLOCK_N, row_start, steps
+    return expert, (rest // num_n) * TILE_M, (rest % num_n) * BLOCK_N, row_start, steps
+
+
+@gluon.constexpr_function
+def _wgrad_tile_m(block_m, two_outputs):
+    """Rows of one output in a tile: two outputs split the tile's BLOCK_M rows between them."""
+    return block_m // 2 if two_outputs else block_m
 
 
 @gluon.jit
-def _wgrad_producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, out_ptr, expert_offsets_ptr, num_tiles,
-                    m_dim, n_dim, stride_out_e, CONSUMER: gl.constexpr,
-                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+def _wgrad_producer(a_desc, a2_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, out_ptr, out2_ptr,
+                    expert_offsets_ptr, num_tiles, m_dim, n_dim, stride_out_e, CONSUMER: gl.constexpr,
+                    COOPERATIVE: gl.constexpr, TWO_OUTPUTS: gl.constexpr, BLOCK_M: gl.constexpr,
+                    BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+    TILE_M: gl.constexpr = _wgrad_tile_m(BLOCK_M, TWO_OUTPUTS)
+    # consumer 1's A columns: the same as consumer 0's in a2 (two outputs), or the tile's second half
+    A2_OFFSET: gl.constexpr = 0 if TWO_OUTPUTS else _consumer_rows(BLOCK_M, COOPERATIVE)
     step = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        expert, m0, n0, row_start, steps = _wgrad_tile(tile, expert_offsets_ptr, m_dim, n_dim, BLOCK_M, BLOCK_N,
+        expert, m0, n0, row_start, steps = _wgrad_tile(tile, expert_offsets_ptr, m_dim, n_dim, TILE_M, BLOCK_N,
                                                        BLOCK_K)
         for k in range(steps):
             r0 = row_start + k * BLOCK_K
-            _load_step(step, a_desc, [r0, m0], b_desc, [r0, n0], a_bufs, b_bufs, ready, empty, STAGES)
+            _load_step(step, a_desc, [r0, m0], a2_desc, [r0, m0 + A2_OFFSET], b_desc, [r0, n0], a_bufs, b_bufs,
+                       ready, empty, COOPERATIVE, STAGES)
             step += 1
 
 
 @gluon.jit
-def _wgrad_consumer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, out_ptr, expert_offsets_ptr, num_tiles,
-                    m_dim, n_dim, stride_out_e, CONSUMER: gl.constexpr,
-                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+def _wgrad_consumer(a_desc, a2_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, out_ptr, out2_ptr,
+                    expert_offsets_ptr, num_tiles, m_dim, n_dim, stride_out_e, CONSUMER: gl.constexpr,
+                    COOPERATIVE: gl.constexpr, TWO_OUTPUTS: gl.constexpr, BLOCK_M: gl.constexpr,
+                    BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+    TILE_M: gl.constexpr = _wgrad_tile_m(BLOCK_M, TWO_OUTPUTS)
+    ROWS: gl.constexpr = _consumer_rows(BLOCK_M, COOPERATIVE)
+    TURNS: gl.constexpr = _takes_turns(COOPERATIVE)
     mma_layout: gl.constexpr = _mma_layout(BLOCK_N)
     step = 0  # the ring's step count: every partition walks all of the program's tiles
     tile_count = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        expert, m0, n0, row_start, steps = _wgrad_tile(tile, expert_offsets_ptr, m_dim, n_dim, BLOCK_M, BLOCK_N,
+        expert, m0, n0, row_start, steps = _wgrad_tile(tile, expert_offsets_ptr, m_dim, n_dim, TILE_M, BLOCK_N,
                                                        BLOCK_K)
-        if tile_count % 2 == CONSUMER:
-            acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, mma_layout)
+        if tile_count % TURNS == CONSUMER % TURNS:
+            acc = gl.zeros((ROWS, BLOCK_N), gl.float32, mma_layout)
             acc = _mma_steps(acc, step, steps, tile_count, a_bufs, b_bufs, ready, empty, turn, CONSUMER, False,
-                             STAGES)
-            grad = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), _STORE_LAYOUT)
-            rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, _STORE_LAYOUT))
+                             False, COOPERATIVE, STAGES)
+            grad = gl.convert_layout(acc.to(gl.bfloat16), _STORE_LAYOUT)
+            if TWO_OUTPUTS:  # consumer c's rows are out_c's (d_w_gate, d_w_up)
+                out = out2_ptr if CONSUMER == 1 else out_ptr
+                first_row = m0
+            else:
+                out = out_ptr
+                first_row = m0 + (CONSUMER * ROWS if COOPERATIVE else 0)
+            rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, _STORE_LAYOUT))
             cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, _STORE_LAYOUT))
             offs = expert.to(gl.int64) * stride_out_e + rows.to(gl.int64)[:, None] * n_dim + cols[None, :]
-            gl.store(out_ptr + offs, grad, mask=(rows < m_dim)[:, None] & (cols < n_dim)[None, :])
+            gl.store(out + offs, grad, mask=(rows < m_dim)[:, None] & (cols < n_dim)[None, :])
         step += steps
         tile_count += 1
 
 
 @gluon.jit
-def _down_wgrad_ws_kernel(
-    # TMA descriptors (dy_sorted [rows, H], h [rows, I]) and out [E_l, H, I] bf16
-    a_desc, b_desc, out_ptr,
+def _wgrad_ws_kernel(
+    # TMA descriptors (a, a2 [rows, m_dim], b [rows, n_dim]) and out, out2 [E_l, m_dim, n_dim] bf16
+    a_desc, a2_desc, b_desc, out_ptr, out2_ptr,
     # schedule
     expert_offsets_ptr,
-    # sizes (out is [E_l, m_dim, n_dim] in num_tiles tiles), strides
+    # sizes (num_tiles tiles over the outputs), strides
     num_tiles, m_dim, n_dim, stride_out_e,
     # meta
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+    COOPERATIVE: gl.constexpr, TWO_OUTPUTS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
 ):
-    a_bufs, b_bufs, ready, empty, turn = _allocate_ring(a_desc, b_desc, STAGES)
+    """down: a = dy_sorted, b = h; gate/up (TWO_OUTPUTS, cooperative): a, a2 = d_g, d_u, b = x_sorted."""
+    a_bufs, b_bufs, ready, empty, turn = _allocate_ring(a_desc, b_desc, COOPERATIVE, STAGES)
     gl.warp_specialize([
-        (_wgrad_consumer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, out_ptr, expert_offsets_ptr, num_tiles,
-                           m_dim, n_dim, stride_out_e, 0, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
-        (_wgrad_consumer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, out_ptr, expert_offsets_ptr, num_tiles,
-                           m_dim, n_dim, stride_out_e, 1, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
-        (_wgrad_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, out_ptr, expert_offsets_ptr, num_tiles,
-                           m_dim, n_dim, stride_out_e, 0, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
+        (_wgrad_consumer, (a_desc, a2_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, out_ptr, out2_ptr,
+                           expert_offsets_ptr, num_tiles, m_dim, n_dim, stride_out_e, 0, COOPERATIVE, TWO_OUTPUTS,
+                           BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
+        (_wgrad_consumer, (a_desc, a2_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, out_ptr, out2_ptr,
+                           expert_offsets_ptr, num_tiles, m_dim, n_dim, stride_out_e, 1, COOPERATIVE, TWO_OUTPUTS,
+                           BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
+        (_wgrad_producer, (a_desc, a2_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, out_ptr, out2_ptr,
+                           expert_offsets_ptr, num_tiles, m_dim, n_dim, stride_out_e, 0, COOPERATIVE, TWO_OUTPUTS,
+                           BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
     ], [4, 1], [_CONSUMER_REGISTERS, _PRODUCER_REGISTERS])
 
 
@@ -312,32 +419,55 @@ def _descriptor(t: torch.Tensor, block_shape):
     return tma_descriptor(t, block_shape, _shared_layout(block_shape))
 
 
+def _launch_scatter(a, a2, b, b2, y, schedule: RoutingSchedule, cfg: dict, b_k_major: bool) -> None:
+    _check_device(y.device)
+    cooperative, two_segments = cfg.get("COOPERATIVE", False), a2 is not None
+    block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    a_block = (_consumer_rows(block_m, cooperative), block_k)
+    b_block = (block_n, block_k) if b_k_major else (block_k, block_n)
+    a_desc, b_desc = _descriptor(a, a_block), _descriptor(b, b_block)
+    n_dim = y.shape[1]
+    _scatter_ws_kernel[(num_sms(y.device),)](
+        a_desc, _descriptor(a2, a_block) if two_segments else a_desc,
+        b_desc, _descriptor(b2, b_block) if two_segments else b_desc, y,
+        schedule.row_source, schedule.tile_expert, schedule.num_rows,
+        n_dim, a.shape[1], y.stride(0),
+        two_segments, b_k_major, cooperative, block_m, block_n, block_k, cfg["num_stages"], num_warps=4,
+    )
+
+
 def launch_down_scatter(h: torch.Tensor, w_down: torch.Tensor, y: torch.Tensor, schedule: RoutingSchedule,
                         cfg: dict) -> None:
     """y[row_source[r]] = h[r] · w_down[e]ᵀ (`grouped_gemm.down_scatter`'s bf16 local case);
     the caller has checked the operands."""
-    _check_device(h.device)
-    _, hidden, inter = w_down.shape
-    block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    _down_scatter_ws_kernel[(num_sms(h.device),)](
-        _descriptor(h, (block_m, block_k)), _descriptor(w_down, (block_n, block_k)), y,
-        schedule.row_source, schedule.tile_expert, schedule.num_rows,
-        hidden, inter, y.stride(0),
-        block_m, block_n, block_k, cfg["num_stages"], num_warps=4,
-    )
+    _launch_scatter(h, None, w_down, None, y, schedule, cfg, b_k_major=True)  # w_down read as [E_l·H, I]
 
 
-def launch_down_wgrad(dy_sorted: torch.Tensor, h: torch.Tensor, out: torch.Tensor, schedule: RoutingSchedule,
-                      cfg: dict) -> None:
-    """out[e] = Σ_r dy_sorted[r]ᵀ · h[r] (`wgrad.down_wgrad`'s bf16 case without main_grad);
-    the caller has checked the operands and out (a new contiguous bf16 [E_l, H, I])."""
-    _check_device(h.device)
+def launch_gate_up_dgrad_scatter(d_gate: torch.Tensor, d_up: torch.Tensor, w_gate: torch.Tensor,
+                                 w_up: torch.Tensor, dx: torch.Tensor, schedule: RoutingSchedule, cfg: dict) -> None:
+    """dx[row_source[r]] = d_g[r] · w_gate[e] + d_u[r] · w_up[e] (`dgrad.gate_up_dgrad_scatter`'s
+    bf16 local case: d_g, d_u the [rows, I] columns of d_gate_up); the caller has checked the operands."""
+    _launch_scatter(d_gate, d_up, w_gate, w_up, dx, schedule, cfg, b_k_major=False)  # weights read as [E_l·I, H]
+
+
+def launch_wgrad(a: torch.Tensor, a2: torch.Tensor | None, b: torch.Tensor, out: torch.Tensor,
+                 out2: torch.Tensor | None, schedule: RoutingSchedule, cfg: dict) -> None:
+    """out[e] = Σ_r a[r]ᵀ · b[r] and, with a2 and out2 (cooperative only), out2[e] = Σ_r a2[r]ᵀ · b[r]
+    (`wgrad.down_wgrad` and `wgrad.gate_up_wgrad` without main_grad); the caller has checked the
+    operands and the outputs (new contiguous bf16 [E_l, m_dim, n_dim])."""
+    cooperative, two_outputs = cfg.get("COOPERATIVE", False), out2 is not None
+    if two_outputs and not cooperative:
+        raise ValueError("tile_config: the gate/up wgrad (two outputs) needs COOPERATIVE with WARP_SPECIALIZED")
+    _check_device(b.device)
     experts, m_dim, n_dim = out.shape
     block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    num_tiles = experts * triton.cdiv(m_dim, block_m) * triton.cdiv(n_dim, block_n)
-    _down_wgrad_ws_kernel[(min(num_tiles, num_sms(h.device)),)](
-        _descriptor(dy_sorted, (block_k, block_m)), _descriptor(h, (block_k, block_n)), out,
+    num_tiles = experts * triton.cdiv(m_dim, _wgrad_tile_m(block_m, two_outputs)) * triton.cdiv(n_dim, block_n)
+    a_block = (block_k, _consumer_rows(block_m, cooperative))
+    a_desc = _descriptor(a, a_block)
+    _wgrad_ws_kernel[(min(num_tiles, num_sms(b.device)),)](
+        a_desc, _descriptor(a2, a_block) if two_outputs else a_desc, _descriptor(b, (block_k, block_n)),
+        out, out2 if two_outputs else out,
         schedule.expert_offsets,
         num_tiles, m_dim, n_dim, out.stride(0),
-        block_m, block_n, block_k, cfg["num_stages"], num_warps=4,
+        cooperative, two_outputs, block_m, block_n, block_k, cfg["num_stages"], num_warps=4,
     )

@@ -92,14 +92,21 @@ _FP8_BLOCK_INTERPRETER_SIZES = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=16, num_wa
 
 # Intermediate size up to which the down wgrad runs persistent (`wgrad_config`).
 PERSISTENT_DOWN_WGRAD_MAX_INTER = 1024
-# On Hopper the down wgrad without main_grad runs warp-specialized (tile-config flag
-# WARP_SPECIALIZED, `warp_specialized.py`) up to this intermediate size. H200, bitwise the
-# same output, the kernel's prototype (record h200-20261130-ping-pong-probe.log): qwen3-30b
-# (I = 768) 0.637 ms against the Triton kernel's 0.675 and 0.762 timed before and after it;
-# deepseek-v3-slice and mixtral-8x7b (128×128 tiles against 128×256) 1–24% slower.
-# With main_grad its read-modify-write epilogue spills in one warp group (ptxas: 200–360 B),
-# so the Triton kernel accumulates.
-WARP_SPECIALIZED_DOWN_WGRAD_MAX_INTER = 1024
+# On Hopper the bf16 wgrads without main_grad run warp-specialized (tile-config flag
+# WARP_SPECIALIZED, `warp_specialized.py`), bitwise the Triton kernels' output. The down wgrad
+# up to this intermediate size with the ping-pong schedule: qwen3-30b (I = 768) 0.637 ms
+# against the Triton kernel's 0.675 and 0.762 timed before and after it; at I ≥ 2048 its
+# 128×128 tiles lost 1–24% (record h200-20261130-ping-pong-probe.log).
+PING_PONG_DOWN_WGRAD_MAX_INTER = 1024
+# Above it with the cooperative schedule (128×256 tiles shared by both consumer warp groups):
+# interleaved against the Triton kernel, deepseek-v3-slice 3.22 -> 2.92 ms, mixtral-8x7b
+# 3.46 -> 3.24 (record h200-20261201-cooperative-probe.log).
+COOPERATIVE_DOWN_WGRAD = True
+# The gate/up wgrad with the cooperative schedule (consumer 0 d_w_gate's 64 rows, consumer 1
+# d_w_up's, one shared x tile), every shape.
+COOPERATIVE_GATE_UP_WGRAD = True
+# With main_grad the warp-specialized read-modify-write epilogue spilled in one warp group
+# (ptxas: 200–360 B), so the Triton kernel accumulates.
 
 
 def wgrad_config(
@@ -120,8 +127,9 @@ def wgrad_config(
     faster in both sweeps; 5–20% slower at I ≥ 2048). BLOCK_K divides the schedule's
     BLOCK_M (128). The reduction runs over an expert's rows, whose count changes every
     step, so it is not part of any key.
-    On Hopper the bf16 down wgrad runs warp-specialized up to
-    `WARP_SPECIALIZED_DOWN_WGRAD_MAX_INTER` unless `allow_warp_specialized` is False (main_grad).
+    On Hopper the bf16 wgrads run warp-specialized unless `allow_warp_specialized` is False
+    (main_grad): the down wgrad ping-pong up to `PING_PONG_DOWN_WGRAD_MAX_INTER` and cooperative
+    above it (`COOPERATIVE_DOWN_WGRAD`), the gate/up wgrad cooperative (`COOPERATIVE_GATE_UP_WGRAD`).
     fp8_block: `_FP8_BLOCK_TILES`, the same for every shape (under the interpreter with
     `_FP8_BLOCK_INTERPRETER_SIZES`).
     """
@@ -129,9 +137,12 @@ def wgrad_config(
         return {**_FP8_BLOCK_TILES[kind], **(_FP8_BLOCK_INTERPRETER_SIZES if interpreting() else {})}
     if interpreting():  # BLOCK_K divides the interpreter's routing BLOCK_M (16)
         return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=16, num_warps=4, num_stages=1)
+    if allow_warp_specialized and warp_specialized.available_here():
+        if kind == "gate_up" and COOPERATIVE_GATE_UP_WGRAD:
+            return warp_specialized.tile_config(cooperative=True)
+        if kind == "down" and (n_dim <= PING_PONG_DOWN_WGRAD_MAX_INTER or COOPERATIVE_DOWN_WGRAD):
+            return warp_specialized.tile_config(cooperative=n_dim > PING_PONG_DOWN_WGRAD_MAX_INTER)
     if kind == "down":
-        if allow_warp_specialized and n_dim <= WARP_SPECIALIZED_DOWN_WGRAD_MAX_INTER and warp_specialized.available_here():
-            return dict(warp_specialized.WS_TILE, WARP_SPECIALIZED=True)
         return dict(BLOCK_M=128, BLOCK_N=256 if n_dim >= 256 else 128, BLOCK_K=64, num_warps=8, num_stages=3,
                     PERSISTENT=n_dim <= PERSISTENT_DOWN_WGRAD_MAX_INTER)
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
@@ -296,11 +307,11 @@ def _launch_wgrad(
     one shape, a2 None), a holds both outputs' A operands one after the other along m_dim."""
     _check_block_k(cfg, schedule, precision)
     if cfg.get("WARP_SPECIALIZED", False):
-        if precision != "bf16" or a2 is not None or out2 is not None or accumulate:
+        if precision != "bf16" or accumulate or cfg.get("STACKED", False):
             raise ValueError(
-                "tile_config: WARP_SPECIALIZED is for the bf16 down wgrad into a new gradient (no main_grad)"
+                "tile_config: WARP_SPECIALIZED is for the bf16 wgrads into a new gradient (no main_grad, not STACKED)"
             )
-        warp_specialized.launch_down_wgrad(a, b, out, schedule, cfg)
+        warp_specialized.launch_wgrad(a, a2, b, out, out2, schedule, cfg)
         return
     cfg = {"PERSISTENT": False, "STACKED": False, **cfg}
     if cfg["STACKED"] and (out2 is None or a2 is not None):
@@ -390,7 +401,7 @@ def gate_up_wgrad(
     check_sorted_rows("x_sorted", x_sorted, hidden, schedule)
     _check("d_gate_up", d_gate_up, (torch.bfloat16,), (schedule.capacity_rows, 2, inter), device)
     d_w_gate, d_w_up = _gate_up_outputs(main_grad_gate, main_grad_up, schedule, inter, hidden, device)
-    cfg = tile_config or wgrad_config("gate_up", inter, hidden)
+    cfg = tile_config or wgrad_config("gate_up", inter, hidden, allow_warp_specialized=main_grad_gate is None)
     a, a2 = _gate_up_a_operands(cfg, d_gate_up.view(-1, 2 * inter), d_gate_up[:, 0], d_gate_up[:, 1])
     _launch_wgrad("bf16", a, a2, x_sorted, None, d_w_gate, d_w_up, schedule, cfg,
                   accumulate=main_grad_gate is not None)

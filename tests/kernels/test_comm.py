@@ -199,7 +199,8 @@ def test_gemm_epilogues_store_rows_in_their_sources_slots(kernel_device):
         ("down", lambda peer: down_scatter(h, inp.w_down, schedule, P * C, peer_rows=peer),
          gemm_config("down", H, I, allow_warp_specialized=False)),
         ("gate/up dgrad", lambda peer: gate_up_dgrad_scatter(d_gate_up, inp.w_gate, inp.w_up, schedule, P * C,
-                                                            peer_rows=peer), dgrad_config("gate_up", H, I)),
+                                                            peer_rows=peer),
+         dgrad_config("gate_up", H, I, allow_warp_specialized=False)),
     )
     for name, launch, cfg in cases:
         plain = launch(None).cpu()

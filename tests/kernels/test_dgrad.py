@@ -120,7 +120,8 @@ def test_gate_up_dgrad_scatter_matches_reference(kernel_device, T, H, I, E, topk
     d_gate_up[pad] = 0  # what the down dgrad leaves in padding rows
     dx, dx_persistent = (
         gate_up_dgrad_scatter(d_gate_up.to(kernel_device), inp.w_gate, inp.w_up, sched, T * topk,
-                              tile_config={**dgrad_config("gate_up", H, I), "PERSISTENT": persistent})
+                              tile_config={**dgrad_config("gate_up", H, I, allow_warp_specialized=False),
+                                           "PERSISTENT": persistent})
         for persistent in (False, True)
     )
     assert torch.equal(dx, dx_persistent), f"persistent launch differs: {T=} {H=} {I=} {E=} {topk=}"

@@ -13,13 +13,14 @@ import torch
 import triton
 
 from mok.kernels import warp_specialized as ws
+from mok.kernels.dgrad import dgrad_config, gate_up_dgrad_scatter
 from mok.kernels.gather import gather_sorted_rows
 from mok.kernels.grouped_gemm import down_scatter, gate_up_swiglu, gemm_config, routing_block_m
 from mok.kernels.schedule import build_routing_schedule
-from mok.kernels.wgrad import down_wgrad, wgrad_config
+from mok.kernels.wgrad import down_wgrad, gate_up_wgrad, wgrad_config
 from mok.testing import make_inputs
 
-_WS_CONFIG = dict(ws.WS_TILE, WARP_SPECIALIZED=True)
+_WS_CONFIG = ws.tile_config(cooperative=False)
 
 hopper = pytest.mark.skipif(not ws.available_here(), reason="needs a Hopper GPU")
 
@@ -27,17 +28,20 @@ hopper = pytest.mark.skipif(not ws.available_here(), reason="needs a Hopper GPU"
 def _ptxas_report(kernel, signature: dict, constants: dict) -> tuple[int, int]:
     """(registers per thread, spilled bytes) of a kernel compiled for sm_90a, without a GPU."""
     from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
     from triton.experimental.gluon._runtime import GluonASTSource
 
     compiled = triton.compile(GluonASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": 4})
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    # The ptxas Triton itself uses (TRITON_PTXAS_PATH may name a newer one): the PTX's ISA version follows it.
+    ptxas = get_ptxas(90).path
     with tempfile.TemporaryDirectory() as tmp:
         ptx = os.path.join(tmp, "kernel.ptx")
         with open(ptx, "w") as f:
             f.write(compiled.asm["ptx"])
-        report = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", os.devnull], capture_output=True, text=True,
-                                check=True).stderr
+        result = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", os.devnull], capture_output=True, text=True)
+    assert result.returncode == 0, f"{ptxas} failed:\n{result.stderr}"
+    report = result.stderr
     return int(re.search(r"Used (\d+) registers", report)[1]), int(re.search(r"(\d+) bytes spill stores", report)[1])
 
 
@@ -45,53 +49,68 @@ def _descriptor_type(block_shape) -> str:
     return f"tensordesc<bf16[{block_shape[0]},{block_shape[1]}],{ws._shared_layout(block_shape)!r}>"
 
 
-def test_kernels_compile_for_sm90a_without_spills():
-    """The shipped tiles fit: 3 warp groups at 168 registers each at launch, nothing spilled."""
-    block_m, block_n, block_k = ws.WS_TILE["BLOCK_M"], ws.WS_TILE["BLOCK_N"], ws.WS_TILE["BLOCK_K"]
-    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=ws.WS_TILE["num_stages"])
-    constexprs = {name: "constexpr" for name in meta}
-    down = _ptxas_report(ws._down_scatter_ws_kernel, {
-        "h_desc": _descriptor_type((block_m, block_k)), "w_desc": _descriptor_type((block_n, block_k)),
-        "y_ptr": "*bf16", "row_source_ptr": "*i32", "tile_expert_ptr": "*i32", "num_rows_ptr": "*i32",
-        "hidden": "i32", "inter": "i32", "stride_y": "i32", **constexprs}, meta)
-    wgrad = _ptxas_report(ws._down_wgrad_ws_kernel, {
-        "a_desc": _descriptor_type((block_k, block_m)), "b_desc": _descriptor_type((block_k, block_n)),
-        "out_ptr": "*bf16", "expert_offsets_ptr": "*i32", "num_tiles": "i32", "m_dim": "i32", "n_dim": "i32",
-        "stride_out_e": "i32", **constexprs}, meta)
-    assert down == (168, 0), f"down GEMM: (registers, spilled bytes) {down}"
-    assert wgrad == (168, 0), f"down wgrad: (registers, spilled bytes) {wgrad}"
+@pytest.mark.parametrize("cooperative, two_operands", [(False, False), (True, False), (True, True)])
+def test_kernels_compile_for_sm90a_without_spills(cooperative, two_operands):
+    """The shipped tiles fit: 3 warp groups at 168 registers each at launch, nothing spilled,
+    for both schedules: the down GEMM and down wgrad, and with two operand pairs the gate/up
+    dgrad (two K segments, N-major weights) and the gate/up wgrad (two outputs)."""
+    cfg = ws.tile_config(cooperative)
+    block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    rows = ws._consumer_rows(block_m, cooperative)
+    meta = dict(COOPERATIVE=cooperative, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=cfg["num_stages"])
+    b_block = (block_k, block_n) if two_operands else (block_n, block_k)
+    scatter_meta = dict(meta, TWO_SEGMENTS=two_operands, B_K_MAJOR=not two_operands)
+    wgrad_meta = dict(meta, TWO_OUTPUTS=two_operands)
+    report = {
+        "scatter GEMM": _ptxas_report(ws._scatter_ws_kernel, {
+            "a_desc": _descriptor_type((rows, block_k)), "a2_desc": _descriptor_type((rows, block_k)),
+            "b_desc": _descriptor_type(b_block), "b2_desc": _descriptor_type(b_block), "y_ptr": "*bf16",
+            "row_source_ptr": "*i32", "tile_expert_ptr": "*i32", "num_rows_ptr": "*i32", "n_dim": "i32",
+            "reduce_dim": "i32", "stride_y": "i32", **{name: "constexpr" for name in scatter_meta}}, scatter_meta),
+        "wgrad": _ptxas_report(ws._wgrad_ws_kernel, {
+            "a_desc": _descriptor_type((block_k, rows)), "a2_desc": _descriptor_type((block_k, rows)),
+            "b_desc": _descriptor_type((block_k, block_n)), "out_ptr": "*bf16", "out2_ptr": "*bf16",
+            "expert_offsets_ptr": "*i32", "num_tiles": "i32", "m_dim": "i32", "n_dim": "i32", "stride_out_e": "i32",
+            **{name: "constexpr" for name in wgrad_meta}}, wgrad_meta),
+    }
+    for kernel, counts in report.items():
+        assert counts == (168, 0), f"{kernel}, {cooperative=} {two_operands=}: (registers, spilled bytes) {counts}"
 
 
 def test_defaults_choose_it_only_where_it_runs():
     """No Hopper GPU here (or the interpreter): the default tile configs keep the Triton kernels."""
     if ws.available_here():
         pytest.skip("a Hopper GPU is present")
-    assert "WARP_SPECIALIZED" not in gemm_config("down", 2048, 768)
-    assert "WARP_SPECIALIZED" not in wgrad_config("down", 2048, 768)
+    for config in (gemm_config("down", 2048, 768), gemm_config("down", 7168, 2048), wgrad_config("down", 2048, 768),
+                   wgrad_config("gate_up", 768, 2048), dgrad_config("gate_up", 2048, 768)):
+        assert "WARP_SPECIALIZED" not in config
 
 
 def test_errors_name_the_tile_config(kernel_device):
     """An explicit WARP_SPECIALIZED config is refused, naming it, where the kernels cannot run
-    (not a Hopper GPU, or the interpreter) and with main_grad."""
+    (not a Hopper GPU, or the interpreter), with main_grad, and ping-pong for the gate/up wgrad."""
     inp = make_inputs(8, 64, 64, 4, 2, seed=0, device=kernel_device)
     flag = torch.zeros(1, dtype=torch.int32, device=kernel_device)
     sched = build_routing_schedule(inp.topk_ids, 4, routing_block_m(), flag)
     h = torch.randn(sched.capacity_rows, 64).bfloat16().to(kernel_device)
-    config = dict(_WS_CONFIG, BLOCK_M=sched.block_m, BLOCK_K=min(sched.block_m, ws.WS_TILE["BLOCK_K"]))
+    config = dict(_WS_CONFIG, BLOCK_M=sched.block_m, BLOCK_K=min(sched.block_m, ws.PING_PONG_TILE["BLOCK_K"]))
     if not ws.warp_specialized_available(h.device):
         with pytest.raises(ValueError, match="tile_config: WARP_SPECIALIZED needs a Hopper GPU"):
             down_scatter(h, inp.w_down, sched, 16, tile_config=config)
     main_grad = torch.zeros(4, 64, 64, device=kernel_device)
-    with pytest.raises(ValueError, match="tile_config: WARP_SPECIALIZED is for the bf16 down wgrad into a new"):
+    with pytest.raises(ValueError, match="tile_config: WARP_SPECIALIZED is for the bf16 wgrads into a new gradient"):
         down_wgrad(torch.randn_like(h), h, sched, main_grad=main_grad, tile_config=config)
+    d_gate_up = torch.randn(sched.capacity_rows, 2, 64).bfloat16().to(kernel_device)
+    with pytest.raises(ValueError, match="tile_config: the gate/up wgrad .two outputs. needs COOPERATIVE"):
+        gate_up_wgrad(d_gate_up, torch.randn_like(h), sched, tile_config=config)
 
 
 # (T, H, I, E, topk, skewed): odd H and I (ragged N and K tiles), one token, experts with no
-# token, and enough tiles that every program runs several, so both consumers take turns.
+# token, and enough tiles that every program runs several (ping-pong: both consumers take turns).
 _CASES = [
     (37, 136, 200, 5, 2, False),
     (1, 64, 64, 4, 1, False),
-    (300, 256, 768, 8, 8, True),
+    (300, 256, 768, 10, 8, True),
     (4096, 2048, 256, 8, 2, False),
     (2048, 512, 768, 16, 4, True),
 ]
@@ -105,24 +124,29 @@ def _inputs(T, H, I, E, topk, skewed, seed=0):
     return inp, sched
 
 
-@hopper
-@pytest.mark.gpu
-@pytest.mark.parametrize("T, H, I, E, topk, skewed", _CASES)
-def test_down_gemm_is_bitwise_the_triton_kernel(T, H, I, E, topk, skewed):
-    inp, sched = _inputs(T, H, I, E, topk, skewed)
-    h, _ = gate_up_swiglu(inp.x, inp.w_gate, inp.w_up, sched, topk)
-    triton_config = gemm_config("down", H, I, allow_warp_specialized=False)
-    expected = down_scatter(h, inp.w_down, sched, T * topk, tile_config=triton_config)
-    got = down_scatter(h, inp.w_down, sched, T * topk, tile_config=_WS_CONFIG)
-    params = f"{T=} {H=} {I=} {E=} {topk=} {skewed=}"
+def _check_bitwise(got, expected, params):
     assert torch.equal(got, expected), f"{params}: max |diff| {(got.float() - expected.float()).abs().max()}"
     assert expected.abs().sum() > 0, params
 
 
 @hopper
 @pytest.mark.gpu
+@pytest.mark.parametrize("cooperative", [False, True])
 @pytest.mark.parametrize("T, H, I, E, topk, skewed", _CASES)
-def test_down_wgrad_is_bitwise_the_triton_kernel(T, H, I, E, topk, skewed):
+def test_down_gemm_is_bitwise_the_triton_kernel(T, H, I, E, topk, skewed, cooperative):
+    inp, sched = _inputs(T, H, I, E, topk, skewed)
+    h, _ = gate_up_swiglu(inp.x, inp.w_gate, inp.w_up, sched, topk)
+    triton_config = gemm_config("down", H, I, allow_warp_specialized=False)
+    expected = down_scatter(h, inp.w_down, sched, T * topk, tile_config=triton_config)
+    got = down_scatter(h, inp.w_down, sched, T * topk, tile_config=ws.tile_config(cooperative))
+    _check_bitwise(got, expected, f"{T=} {H=} {I=} {E=} {topk=} {skewed=} {cooperative=}")
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("cooperative", [False, True])
+@pytest.mark.parametrize("T, H, I, E, topk, skewed", _CASES)
+def test_down_wgrad_is_bitwise_the_triton_kernel(T, H, I, E, topk, skewed, cooperative):
     """Including exact zeros for experts with no rows (skewed cases)."""
     inp, sched = _inputs(T, H, I, E, topk, skewed, seed=1)
     d_out = torch.randn_like(inp.x)
@@ -130,18 +154,67 @@ def test_down_wgrad_is_bitwise_the_triton_kernel(T, H, I, E, topk, skewed):
     h, _ = gate_up_swiglu(inp.x, inp.w_gate, inp.w_up, sched, topk)
     triton_config = wgrad_config("down", H, I, allow_warp_specialized=False)
     expected = down_wgrad(dy_sorted, h, sched, tile_config=triton_config)
-    got = down_wgrad(dy_sorted, h, sched, tile_config=_WS_CONFIG)
-    params = f"{T=} {H=} {I=} {E=} {topk=} {skewed=}"
-    assert torch.equal(got, expected), f"{params}: max |diff| {(got.float() - expected.float()).abs().max()}"
+    got = down_wgrad(dy_sorted, h, sched, tile_config=ws.tile_config(cooperative))
+    params = f"{T=} {H=} {I=} {E=} {topk=} {skewed=} {cooperative=}"
+    _check_bitwise(got, expected, params)
     if skewed:
         assert got[topk + 2:].eq(0).all(), params
-    assert expected.abs().sum() > 0, params
+
+
+def _d_gate_up(sched, inter):
+    """Random (d_g, d_u) rows with the down dgrad's exact zeros in padding rows."""
+    d_gate_up = torch.randn(sched.capacity_rows, 2, inter, device="cuda").bfloat16()
+    d_gate_up[sched.row_source < 0] = 0
+    return d_gate_up
 
 
 @hopper
 @pytest.mark.gpu
-def test_defaults_choose_it_on_hopper_for_short_reductions():
-    assert gemm_config("down", 2048, 768).get("WARP_SPECIALIZED") is True
-    assert wgrad_config("down", 2048, 768).get("WARP_SPECIALIZED") is True
-    assert "WARP_SPECIALIZED" not in wgrad_config("down", 2048, 768, allow_warp_specialized=False)
-    assert "WARP_SPECIALIZED" not in gemm_config("down", 7168, 2048)
+@pytest.mark.parametrize("cooperative", [False, True])
+@pytest.mark.parametrize("T, H, I, E, topk, skewed", _CASES)
+def test_gate_up_dgrad_is_bitwise_the_triton_kernel(T, H, I, E, topk, skewed, cooperative):
+    """Two K segments (d_g·Wg, then d_u·Wu) over N-major weights, scattered to the slots."""
+    inp, sched = _inputs(T, H, I, E, topk, skewed, seed=3)
+    d_gate_up = _d_gate_up(sched, I)
+    triton_config = dgrad_config("gate_up", H, I, allow_warp_specialized=False)
+    expected = gate_up_dgrad_scatter(d_gate_up, inp.w_gate, inp.w_up, sched, T * topk, tile_config=triton_config)
+    got = gate_up_dgrad_scatter(d_gate_up, inp.w_gate, inp.w_up, sched, T * topk,
+                                tile_config=ws.tile_config(cooperative))
+    _check_bitwise(got, expected, f"{T=} {H=} {I=} {E=} {topk=} {skewed=} {cooperative=}")
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("T, H, I, E, topk, skewed", _CASES)
+def test_gate_up_wgrad_is_bitwise_the_triton_kernel(T, H, I, E, topk, skewed):
+    """The cooperative kernel's two outputs (d_w_gate from consumer 0, d_w_up from consumer 1)."""
+    inp, sched = _inputs(T, H, I, E, topk, skewed, seed=2)
+    x_sorted, _, _ = gather_sorted_rows(inp.x, torch.randn_like(inp.x), inp.topk_weights, sched, topk)
+    d_gate_up = _d_gate_up(sched, I)
+    triton_config = wgrad_config("gate_up", I, H, allow_warp_specialized=False)
+    expected = gate_up_wgrad(d_gate_up, x_sorted, sched, tile_config=triton_config)
+    got = gate_up_wgrad(d_gate_up, x_sorted, sched, tile_config=ws.tile_config(cooperative=True))
+    params = f"{T=} {H=} {I=} {E=} {topk=} {skewed=}"
+    for name, g, e in zip(("d_w_gate", "d_w_up"), got, expected):
+        _check_bitwise(g, e, f"{name} {params}")
+        if skewed:
+            assert g[topk + 2:].eq(0).all(), f"{name} {params}"
+
+
+@hopper
+@pytest.mark.gpu
+def test_defaults_choose_the_schedule_by_reduction_on_hopper():
+    """Ping-pong for short reductions, cooperative for long ones and the gate/up GEMMs of the
+    backward; the Triton kernels with main_grad and for peer stores (`allow_warp_specialized=False`)."""
+    assert gemm_config("down", 2048, 768) == ws.tile_config(cooperative=False)
+    assert wgrad_config("down", 2048, 768) == ws.tile_config(cooperative=False)
+    assert gemm_config("down", 7168, 2048) == ws.tile_config(cooperative=True)
+    assert wgrad_config("down", 4096, 14336) == ws.tile_config(cooperative=True)
+    assert wgrad_config("gate_up", 768, 2048) == ws.tile_config(cooperative=True)
+    assert dgrad_config("gate_up", 2048, 768) == ws.tile_config(cooperative=True)
+    assert "WARP_SPECIALIZED" not in dgrad_config("gate_up", 7168, 2048)
+    for config in (wgrad_config("down", 2048, 768, allow_warp_specialized=False),
+                   wgrad_config("gate_up", 768, 2048, allow_warp_specialized=False),
+                   dgrad_config("gate_up", 2048, 768, allow_warp_specialized=False),
+                   gemm_config("down", 7168, 2048, allow_warp_specialized=False)):
+        assert "WARP_SPECIALIZED" not in config

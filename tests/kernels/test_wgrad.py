@@ -117,7 +117,7 @@ def test_gate_up_wgrad_stacked_equals_the_two_output_launch(kernel_device, persi
     ctx = f"{T=} {H=} {I=} {E=} {topk=} {persistent=}"
     d_gate_up = sorted_rows(2, I)
     x_sorted, _, _ = gather_sorted_rows(inp.x, d_out, inp.topk_weights, sched, topk)
-    base = wgrad_config("gate_up", I, H)
+    base = wgrad_config("gate_up", I, H, allow_warp_specialized=False)
     two = dict(base, STACKED=False, PERSISTENT=persistent)
     stacked = dict(base, STACKED=True, PERSISTENT=persistent)
     assert I % stacked["BLOCK_M"], f"the test wants an M tile across the gate/up boundary {ctx}"
