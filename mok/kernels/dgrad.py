@@ -113,10 +113,13 @@ _FP8_BLOCK_TILES = {
 PERSISTENT_GATE_UP_MIN_HIDDEN = 6144
 # On Hopper the bf16 gate/up dgrad into local slots runs the cooperative warp-specialized
 # kernel (`warp_specialized.py`: the down GEMM's kernel over two K segments, d_g·Wg then
-# d_u·Wu), bitwise the Triton kernel's output, up to this intermediate size. H200, the layer
-# interleaved with it on and off (records h200-20261201-cooperative-ab.json, -fwd-bwd-v13.json):
-# qwen3-30b's step −0.2 to −0.35 ms; deepseek-v3-slice (I = 2048) +0.4 ms and mixtral-8x7b
-# (I = 14336) +0.8 ms, where the Triton kernel stays.
+# d_u·Wu), bitwise the Triton kernel's output, up to this intermediate size. H200,
+# `benchmarks/sweeps/warp_specialized.py` (record h200-20261201-warp-specialized-sweep.log, the
+# Triton kernel's first and last timing): qwen3-30b 1.35/1.46 -> 1.18–1.23 ms; deepseek-v3-slice
+# (I = 2048) 6.16/6.22 -> 6.08–6.18, mixtral-8x7b (I = 14336) 5.87/6.43 -> 6.31–6.38. In the
+# layer, on against off beside the other cooperative kernels (records -cooperative-ab.json,
+# -fwd-bwd-v13.json, two machines): deepseek-v3-slice and mixtral-8x7b lost what those gained,
+# so the Triton kernel stays there.
 COOPERATIVE_GATE_UP_DGRAD_MAX_INTER = 1024
 
 

@@ -364,11 +364,14 @@ PERSISTENT_DOWN_MAX_INTER = 2048
 # profile (record h200-20261130-ping-pong-fwd-profile.log), where its 128×128 tiles lost 4–27%
 # at I = 2048 and 14336 (record h200-20261130-ping-pong-probe.log).
 PING_PONG_DOWN_MAX_INTER = 1024
-# Above it with the cooperative schedule (both warp groups on one 128×256 tile, the producer
-# running ahead across tiles), which measured faster than the Triton kernel there: H200,
-# interleaved, deepseek-v3-slice 3.24 -> 2.97 ms, mixtral-8x7b 3.00 -> 2.94 (record
-# h200-20261201-cooperative-probe.log). False keeps the Triton kernel above the ping-pong's range.
-COOPERATIVE_DOWN = True
+# Above it the cooperative schedule (both warp groups on one 128×256 tile, the producer
+# running ahead across tiles) is there but off: the H200 measurements disagree. Interleaved
+# with the Triton kernel in short alternating blocks it measured faster (deepseek-v3-slice
+# 3.24 -> 2.97 ms, mixtral-8x7b 3.00 -> 2.94; record h200-20261201-cooperative-probe.log), in
+# `benchmarks/sweeps/warp_specialized.py` slower (3.02 -> 3.13 and 2.81 -> 3.09 ms, the Triton
+# kernel bracketing it; record h200-20261201-warp-specialized-sweep.log), and the forward's
+# margin on mixtral-8x7b is thin. True runs it above `PING_PONG_DOWN_MAX_INTER`.
+COOPERATIVE_DOWN = False
 
 
 def gemm_config(
@@ -388,8 +391,8 @@ def gemm_config(
     down GEMM runs persistent up to `PERSISTENT_DOWN_MAX_INTER` (record
     h200-20261130-persistent.json). Under the interpreter, small tiles keep the CPU tests
     fast (BLOCK_M 32, a whole MXFP8 block of rows).
-    On Hopper the bf16 down GEMM into local slots runs warp-specialized: ping-pong up to
-    `PING_PONG_DOWN_MAX_INTER`, cooperative above it (`COOPERATIVE_DOWN`).
+    On Hopper the bf16 down GEMM into local slots runs warp-specialized (ping-pong) up to
+    `PING_PONG_DOWN_MAX_INTER`, and cooperative above it with `COOPERATIVE_DOWN`.
     fp8_block: `_FP8_BLOCK_TILES`, the same for every shape until measured.
     """
     if precision == "fp8_block":

@@ -72,7 +72,7 @@ from mok.kernels.schedule import RoutingSchedule
 PING_PONG_TILE = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_stages=6)
 # Cooperative: the tile both consumers share (64×256 accumulators, 128 registers per thread).
 # Four stages of 48 KiB (two 64×64 A halves, one 256×64 B tile); three measured the same
-# within 2% (record h200-20261201-cooperative-probe.log).
+# within 3% either way (record h200-20261201-cooperative-probe.log).
 COOPERATIVE_TILE = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_stages=4)
 # Registers per thread of the consumer warp groups and of the producer warp (setmaxnreg);
 # the default partition (consumer 0) gets what is left of the launch's 168 × 384 threads.

@@ -99,11 +99,14 @@ PERSISTENT_DOWN_WGRAD_MAX_INTER = 1024
 # 128×128 tiles lost 1–24% (record h200-20261130-ping-pong-probe.log).
 PING_PONG_DOWN_WGRAD_MAX_INTER = 1024
 # Above it with the cooperative schedule (128×256 tiles shared by both consumer warp groups):
-# interleaved against the Triton kernel, deepseek-v3-slice 3.22 -> 2.92 ms, mixtral-8x7b
-# 3.46 -> 3.24 (record h200-20261201-cooperative-probe.log).
+# against the Triton kernel, deepseek-v3-slice 3.22 -> 2.92 ms and mixtral-8x7b 3.46 -> 3.24
+# interleaved (record h200-20261201-cooperative-probe.log), 3.18 -> 2.89–2.98 and 3.46–3.59
+# -> 3.31–3.33 in `benchmarks/sweeps/warp_specialized.py` (record -warp-specialized-sweep.log).
 COOPERATIVE_DOWN_WGRAD = True
 # The gate/up wgrad with the cooperative schedule (consumer 0 d_w_gate's 64 rows, consumer 1
-# d_w_up's, one shared x tile), every shape.
+# d_w_up's, one shared x tile), every shape. Against the Triton kernel's two 128×128
+# accumulators (same sweep, Triton's first and last timing): qwen3-30b 1.34/1.55 -> 1.24–1.26 ms,
+# deepseek-v3-slice 6.51/7.04 -> 6.31–6.38, mixtral-8x7b 6.13/6.55 -> 5.97–6.42.
 COOPERATIVE_GATE_UP_WGRAD = True
 # With main_grad the warp-specialized read-modify-write epilogue spilled in one warp group
 # (ptxas: 200–360 B), so the Triton kernel accumulates.
