@@ -1,6 +1,6 @@
 """Times the grouped-GEMM kernels over candidate tile configs on the GPU presets.
 
-    python benchmarks/tune_gemm.py [--preset qwen3-30b ...] [--kernel down_wgrad ...] [--out FILE.json]
+    python benchmarks/tune_gemm.py [--preset qwen3-30b ...] [--kernel down_wgrad ...] [--rounds R] [--out FILE.json]
 
 Each config runs on the preset's real shape with random routing; TFLOPS count only the
 routed rows (T·topk), so padding and masked tiles show up as lost throughput. Kernels:
@@ -8,7 +8,10 @@ the forward's gate_up (with and without X_SORTED, the copy of x included; gate/u
 packed as `MoKMoE` keeps them, and as separate tensors: gate_up_separate) and down, and
 the backward's down_dgrad (with the SwiGLU backward epilogue), gate_up_dgrad, down_wgrad
 and gate_up_wgrad (per-tile and persistent launches). Each config's output is compared with the kernel's first config
-(`max_abs_diff_vs_first`; 0 when the K order is the same).
+(`max_abs_diff_vs_first`; 0 when the K order is the same). With `--rounds R` a kernel's
+configs take turns R times (the order reversed every other round) and each reports the median
+of all its timed calls: the GPU's clock falls under sustained load, so a config timed once, late
+in a sweep, measures slower than the same config timed early.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import statistics
 import sys
 
 import torch
@@ -28,7 +32,7 @@ from mok.kernels.grouped_gemm import down_scatter, gate_up_swiglu
 from mok.kernels.schedule import build_routing_schedule
 from mok.kernels.wgrad import down_wgrad, gate_up_wgrad
 from mok.testing import make_inputs
-from mok.testing.timing import time_ms
+from mok.testing.timing import times_ms
 
 
 def _configs(*tiles, group_m: bool = True) -> list[dict]:
@@ -115,8 +119,11 @@ def main() -> None:
     parser.add_argument("--kernel", action="append", choices=list(CONFIGS))
     parser.add_argument("--block-m", type=int, default=128, choices=(64, 128),
                         help="rows each expert is padded to (the schedule's M tile); 64 times CONFIGS_64")
+    parser.add_argument("--rounds", type=int, default=1, help="times each kernel's configs take turns (default 1)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds: expected at least 1, got {args.rounds}")
     results = []
     for name in args.preset or GPU_PRESETS:
         p = PRESETS[name]
@@ -141,20 +148,25 @@ def main() -> None:
         num_rows = int(sched.num_rows)  # a host sync is fine here: outside the timed calls
         for kind in [k for k in args.kernel or CONFIGS if k in configs]:
             flops = FLOPS_PER_ROUTE_HI[kind] * T * topk * H * I
-            first = None
+            first, runnable = None, []
             for cfg in configs[kind]:
                 fn = _kernel_call(kind, cfg, inp, sched, topk, operands)
                 try:
                     out = _written(kind, fn(), num_rows)
-                    ms = time_ms(fn, warmup=3, reps=15)["median"]
                 except Exception as err:  # a config that does not fit (shared memory) is skipped, not fatal
                     print(f"{name:18s} {kind:14s} {cfg} failed: {type(err).__name__}: {str(err)[:120]}", flush=True)
                     continue
                 first = out if first is None else first
-                max_diff = (out.float() - first.float()).abs().max().item()
+                runnable.append((cfg, fn, (out.float() - first.float()).abs().max().item()))
+            timed = [[] for _ in runnable]
+            for r in range(args.rounds):
+                for i in range(len(runnable)) if r % 2 == 0 else reversed(range(len(runnable))):
+                    timed[i] += times_ms(runnable[i][1], warmup=3, reps=15)
+            for (cfg, _, max_diff), times in zip(runnable, timed):
+                ms = statistics.median(times)
                 tflops = flops / ms / 1e9
                 results.append(dict(preset=name, kernel=kind, block_m=block_m, config=cfg, ms=ms, tflops=tflops,
-                                    max_abs_diff_vs_first=max_diff))
+                                    max_abs_diff_vs_first=max_diff, rounds=args.rounds))
                 print(f"{name:18s} {kind:14s} {ms:8.3f} ms {tflops:7.1f} TF  diff vs first {max_diff:.3g}  {cfg}",
                       flush=True)
     if args.out:

@@ -2,10 +2,10 @@
 the gate/up dgrad and both wgrads, each with the Triton tiles the defaults pick on some preset,
 the ping-pong schedule and the cooperative one (`mok/kernels/warp_specialized.py`), timed in
 the order Triton…, warp-specialized…, the same reversed, since a config timed later in a sweep
-measures slower (the GPU's clock falls under sustained load). `diff vs first` is 0 where the
-output is bitwise the Triton kernel's.
+measures slower (the GPU's clock falls under sustained load); with `--rounds R` the whole list
+takes turns R times as well. `diff vs first` is 0 where the output is bitwise the Triton kernel's.
 
-    python benchmarks/sweeps/warp_specialized.py [tune_gemm.py's options]
+    python benchmarks/sweeps/warp_specialized.py [tune_gemm.py's options, e.g. --rounds 6]
 """
 
 import pathlib
