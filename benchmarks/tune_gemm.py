@@ -11,7 +11,8 @@ and gate_up_wgrad (per-tile and persistent launches). Each config's output is co
 (`max_abs_diff_vs_first`; 0 when the K order is the same). With `--rounds R` a kernel's
 configs take turns R times (the order reversed every other round) and each reports the median
 of all its timed calls: the GPU's clock falls under sustained load, so a config timed once, late
-in a sweep, measures slower than the same config timed early.
+in a sweep, measures slower than the same config timed early. A kind's entry in `CONFIGS` may
+also be a function of the preset (`benchmarks/sweeps/` vary each preset's defaults so).
 """
 
 from __future__ import annotations
@@ -149,7 +150,8 @@ def main() -> None:
         for kind in [k for k in args.kernel or CONFIGS if k in configs]:
             flops = FLOPS_PER_ROUTE_HI[kind] * T * topk * H * I
             first, runnable = None, []
-            for cfg in configs[kind]:
+            candidates = configs[kind](p) if callable(configs[kind]) else configs[kind]
+            for cfg in candidates:
                 fn = _kernel_call(kind, cfg, inp, sched, topk, operands)
                 try:
                     out = _written(kind, fn(), num_rows)

@@ -3,14 +3,15 @@ output on a Hopper GPU (odd sizes, empty experts, one tile per program and many,
 consumer warp groups take turns), compiled for sm_90a without spills on any machine, and
 clear errors where they cannot run."""
 
+import json
 import os
 import re
 import subprocess
+import sys
 import tempfile
 
 import pytest
 import torch
-import triton
 
 from mok.kernels import warp_specialized as ws
 from mok.kernels.dgrad import dgrad_config, gate_up_dgrad_scatter
@@ -25,20 +26,35 @@ _WS_CONFIG = ws.tile_config(cooperative=False)
 hopper = pytest.mark.skipif(not ws.available_here(), reason="needs a Hopper GPU")
 
 
-def _ptxas_report(kernel, signature: dict, constants: dict) -> tuple[int, int]:
-    """(registers per thread, spilled bytes) of a kernel compiled for sm_90a, without a GPU."""
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
-    from triton.experimental.gluon._runtime import GluonASTSource
+# Compiles one kernel of `mok.kernels.warp_specialized` for sm_90a and writes its PTX. It runs in a
+# fresh process: kernels run under the interpreter earlier in a test session leave Triton's
+# language module patched in ways that break a later Gluon compile in the same process.
+_COMPILE_FOR_SM90A = """
+import json, sys
+from triton import compile
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from mok.kernels import warp_specialized
+name, signature, constants, ptx_path = json.loads(sys.argv[1])
+source = GluonASTSource(getattr(warp_specialized, name), signature, constants)
+with open(ptx_path, "w") as f:
+    f.write(compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"])
+"""
 
-    compiled = triton.compile(GluonASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": 4})
-    # The ptxas Triton itself uses (TRITON_PTXAS_PATH may name a newer one): the PTX's ISA version follows it.
-    ptxas = get_ptxas(90).path
+
+def _ptxas_report(kernel_name: str, signature: dict, constants: dict) -> tuple[int, int]:
+    """(registers per thread, spilled bytes) of a kernel compiled for sm_90a, without a GPU."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     with tempfile.TemporaryDirectory() as tmp:
         ptx = os.path.join(tmp, "kernel.ptx")
-        with open(ptx, "w") as f:
-            f.write(compiled.asm["ptx"])
+        argument = json.dumps([kernel_name, signature, constants, ptx])
+        compiled = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90A, argument], capture_output=True, text=True,
+                                  env=env)
+        assert compiled.returncode == 0, f"compiling {kernel_name} failed:\n{compiled.stderr[-3000:]}"
+        # The ptxas Triton itself uses (TRITON_PTXAS_PATH may name a newer one): the PTX's ISA version follows it.
+        ptxas = get_ptxas(90).path
         result = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", os.devnull], capture_output=True, text=True)
     assert result.returncode == 0, f"{ptxas} failed:\n{result.stderr}"
     report = result.stderr
@@ -62,12 +78,12 @@ def test_kernels_compile_for_sm90a_without_spills(cooperative, two_operands):
     scatter_meta = dict(meta, TWO_SEGMENTS=two_operands, B_K_MAJOR=not two_operands)
     wgrad_meta = dict(meta, TWO_OUTPUTS=two_operands)
     report = {
-        "scatter GEMM": _ptxas_report(ws._scatter_ws_kernel, {
+        "scatter GEMM": _ptxas_report("_scatter_ws_kernel", {
             "a_desc": _descriptor_type((rows, block_k)), "a2_desc": _descriptor_type((rows, block_k)),
             "b_desc": _descriptor_type(b_block), "b2_desc": _descriptor_type(b_block), "y_ptr": "*bf16",
             "row_source_ptr": "*i32", "tile_expert_ptr": "*i32", "num_rows_ptr": "*i32", "n_dim": "i32",
             "reduce_dim": "i32", "stride_y": "i32", **{name: "constexpr" for name in scatter_meta}}, scatter_meta),
-        "wgrad": _ptxas_report(ws._wgrad_ws_kernel, {
+        "wgrad": _ptxas_report("_wgrad_ws_kernel", {
             "a_desc": _descriptor_type((block_k, rows)), "a2_desc": _descriptor_type((block_k, rows)),
             "b_desc": _descriptor_type((block_k, block_n)), "out_ptr": "*bf16", "out2_ptr": "*bf16",
             "expert_offsets_ptr": "*i32", "num_tiles": "i32", "m_dim": "i32", "n_dim": "i32", "stride_out_e": "i32",
