@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: versions, GPU tests, kernel tuning sweep, benchmark.
 #   usage: bash benchmarks/device_check.sh [STEPS]
-#   STEPS ⊂ {tests,lowp,tune,profile,bench,sonic,sanitize,fp8,train,ep,epbench} (default: tests bench);
-#   lowp: the GPU tests of fp8_block and mxfp8 alone (every preset, ten steps, graphs, compile).
+#   STEPS ⊂ {tests,lowp,tune,ws,groupm,profile,bench,sonic,sanitize,fp8,train,ep,epbench} (default: tests bench);
+#   lowp: the GPU tests of fp8_block and mxfp8 alone (every preset, ten steps, graphs, compile);
+#   ws: the warp-specialized kernels' GPU tests, then their sweep against the Triton kernels (WS_ARGS);
+#   groupm: the GROUP_M sweep of the Triton GEMMs (GROUPM_ARGS).
 #   ep and epbench need two GPUs (nvidia-h200-x2).
-#   env: STEP_TIMEOUT, TUNE_ARGS, PROFILE_PRESETS, PROFILE_ARGS, BENCH_ARGS, EP_BENCH_ARGS, TRAIN_ARGS
+#   env: STEP_TIMEOUT, TUNE_ARGS, WS_ARGS, GROUPM_ARGS, PROFILE_PRESETS, PROFILE_ARGS, BENCH_ARGS, EP_BENCH_ARGS, TRAIN_ARGS
 # Writes logs, JSON records and plots under $OUT (or ./bench_out).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -22,6 +24,11 @@ for step in $steps; do
   case $step in
     tests) timeout $T python3 -m pytest -q -p no:cacheprovider tests/kernels tests/test_triton_forward.py tests/test_triton_backward.py tests/test_gpu_forward.py 2>&1 | tee "$OUT/tests.log" ;;
     tune) timeout $T python3 benchmarks/tune_gemm.py --out "$OUT/tune.json" ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.log" ;;
+    ws) timeout $T python3 -m pytest -q -p no:cacheprovider tests/kernels/test_warp_specialized.py 2>&1 | tail -15 | tee "$OUT/ws-tests.log"
+        timeout $T python3 benchmarks/sweeps/warp_specialized.py --out "$OUT/ws-sweep.json" \
+          ${WS_ARGS:---preset deepseek-v3-slice --preset mixtral-8x7b --kernel down_dgrad --kernel down --rounds 4} 2>&1 | tee "$OUT/ws-sweep.log" ;;
+    groupm) timeout $T python3 benchmarks/sweeps/group_m.py --out "$OUT/group-m.json" \
+          ${GROUPM_ARGS:---preset deepseek-v3-slice --preset mixtral-8x7b --rounds 3} 2>&1 | tee "$OUT/group-m.log" ;;
     bench) timeout $T python3 -m mok.bench --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" ;;
     profile) for p in ${PROFILE_PRESETS:-qwen3-30b}; do timeout $T python3 benchmarks/profile_layer.py --preset $p $PROFILE_ARGS; done 2>&1 | grep -v -i warn | tee "$OUT/profile.log" ;;
     sanitize) PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --print-limit 20 \

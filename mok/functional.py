@@ -36,7 +36,7 @@ from mok import reference
 from mok import ops
 from mok.config import MoKConfig
 from mok.kernels.common import interpreting
-from mok.kernels.grouped_gemm import gate_up_packed, routing_block_m
+from mok.kernels.grouped_gemm import routing_block_m
 from mok.kernels.common import ERROR_BAD_EXPERT_ID, ERROR_CAPACITY_OVERFLOW, ERROR_PEER_TIMEOUT
 from mok.fp8_block import FP8_BLOCK, fp8_block_round
 from mok.mxfp8 import mxfp8_dequantize, mxfp8_quantize

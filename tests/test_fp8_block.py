@@ -22,7 +22,7 @@ from mok.fp8_block import (
     fp8_block_quantize_activations,
     fp8_block_round,
 )
-from mok.testing.fp8 import E4M3_POSITIVE_VALUES, e4m3_decode
+from mok.testing.fp8 import E4M3_POSITIVE_VALUES
 
 _POS = E4M3_POSITIVE_VALUES  # bytes 0..126, increasing
 

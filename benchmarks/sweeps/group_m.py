@@ -39,8 +39,14 @@ def _defaults(kind: str, p) -> dict:
     }[kind]()
 
 
+def configs() -> dict:
+    """tune_gemm.py's CONFIGS for this sweep: per kind, a function of the preset."""
+    kinds = ("gate_up", "down_dgrad", "gate_up_dgrad")
+    swept = {kind: (lambda p, kind=kind: _grouped(_defaults(kind, p))) for kind in kinds}
+    swept["down"] = lambda p: _grouped(_defaults("down", p)) + [warp_specialized.tile_config(cooperative=True)]
+    return swept
+
+
 if __name__ == "__main__":
-    tune_gemm.CONFIGS = {kind: (lambda p, kind=kind: _grouped(_defaults(kind, p)))
-                         for kind in ("gate_up", "down_dgrad", "gate_up_dgrad")}
-    tune_gemm.CONFIGS["down"] = lambda p: _grouped(_defaults("down", p)) + [warp_specialized.tile_config(True)]
+    tune_gemm.CONFIGS = configs()
     tune_gemm.main()

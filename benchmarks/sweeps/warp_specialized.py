@@ -1,11 +1,13 @@
-"""The warp-specialized (Gluon) kernels against the Triton kernels they replace: the down GEMM,
-the gate/up dgrad and both wgrads, each with the Triton tiles the defaults pick on some preset,
-the ping-pong schedule and the cooperative one (`mok/kernels/warp_specialized.py`), timed in
+"""Sweep: the warp-specialized (Gluon) kernels against the Triton kernels they replace, on the
+down GEMM, the down dgrad, the gate/up dgrad and both wgrads, each with the Triton tiles the
+defaults pick on some preset, then the warp-specialized configs of the kind (ping-pong and
+cooperative; the down dgrad's cooperative tile at 3 and 4 stages and at GROUP_M 16), timed in
 the order Triton…, warp-specialized…, the same reversed, since a config timed later in a sweep
 measures slower (the GPU's clock falls under sustained load); with `--rounds R` the whole list
-takes turns R times as well. `diff vs first` is 0 where the output is bitwise the Triton kernel's.
+takes turns R times as well. `diff vs first` is 0 where the output is bitwise the Triton
+kernel's (the down dgrad's first output, d_gate_up).
 
-    python benchmarks/sweeps/warp_specialized.py [tune_gemm.py's options, e.g. --rounds 6]
+    python benchmarks/sweeps/warp_specialized.py [tune_gemm.py's options, e.g. --kernel down_dgrad --rounds 6]
 """
 
 import pathlib
@@ -16,16 +18,30 @@ import tune_gemm  # noqa: E402
 
 from mok.kernels import warp_specialized  # noqa: E402
 
-WARP_SPECIALIZED = [warp_specialized.tile_config(cooperative=False), warp_specialized.tile_config(cooperative=True)]
+PING_PONG, COOPERATIVE = warp_specialized.tile_config(cooperative=False), warp_specialized.tile_config(cooperative=True)
+DOWN_DGRAD = warp_specialized.down_dgrad_tile_config()
 TRITON = {
     "down": tune_gemm._persistent(tune_gemm._configs((128, 256, 64, 3))) + tune_gemm._configs((128, 256, 64, 4)),
+    "down_dgrad": tune_gemm._configs((128, 256, 64, 3)),
     "gate_up_dgrad": tune_gemm._configs((128, 256, 64, 3))
     + tune_gemm._persistent(tune_gemm._configs((128, 256, 64, 4))),
     "down_wgrad": tune_gemm._configs((128, 256, 64, 3), group_m=False),
     "gate_up_wgrad": tune_gemm._configs((128, 128, 64, 3), group_m=False),
 }
+WARP_SPECIALIZED = {
+    "down": [PING_PONG, COOPERATIVE],
+    "down_dgrad": [DOWN_DGRAD, dict(DOWN_DGRAD, num_stages=4), dict(DOWN_DGRAD, GROUP_M=16)],
+    "gate_up_dgrad": [PING_PONG, COOPERATIVE],
+    "down_wgrad": [PING_PONG, COOPERATIVE],
+    "gate_up_wgrad": [COOPERATIVE],  # two outputs: cooperative only
+}
+
+def configs() -> dict:
+    """tune_gemm.py's CONFIGS for this sweep."""
+    return {kind: triton_configs + WARP_SPECIALIZED[kind] + WARP_SPECIALIZED[kind][::-1] + triton_configs[::-1]
+            for kind, triton_configs in TRITON.items()}
+
 
 if __name__ == "__main__":
-    tune_gemm.CONFIGS = {kind: configs + WARP_SPECIALIZED + WARP_SPECIALIZED[::-1] + configs[::-1]
-                         for kind, configs in TRITON.items()}
+    tune_gemm.CONFIGS = configs()
     tune_gemm.main()

@@ -64,6 +64,19 @@ def column_halves(x):
     return tl.split(tl.permute(tl.reshape(x, (x.shape[0], 2, x.shape[1] // 2)), (0, 2, 1)))
 
 
+@triton.jit
+def tile_coordinates(pid, max_m_tiles, num_n_tiles, GROUP_M: tl.constexpr):
+    """(m_tile, n_tile) of program `pid`, walking GROUP_M row tiles per column sweep so
+    consecutive programs reuse the same weight tiles from L2."""
+    tiles_per_group = GROUP_M * num_n_tiles
+    group = pid // tiles_per_group
+    first_m = group * GROUP_M
+    group_rows = min(max_m_tiles - first_m, GROUP_M)
+    m_tile = first_m + (pid % tiles_per_group) % group_rows
+    n_tile = (pid % tiles_per_group) // group_rows
+    return m_tile, n_tile
+
+
 _THREAD_STATE = threading.local()
 
 

@@ -66,6 +66,7 @@ from mok.kernels.common import (
     interpreting,
     launch_programs,
     round_to_bf16,
+    tile_coordinates,
     tma_descriptor,
     tma_descriptor_pair,
 )
@@ -75,19 +76,6 @@ from mok.kernels.schedule import RoutingSchedule
 from mok.kernels.swiglu import swiglu_forward
 
 _SCALE_BLOCK = tl.constexpr(FP8_BLOCK)  # kernels read only constexpr globals
-
-
-@triton.jit
-def tile_coordinates(pid, max_m_tiles, num_n_tiles, GROUP_M: tl.constexpr):
-    """(m_tile, n_tile) of program `pid`, walking GROUP_M row tiles per column sweep so
-    consecutive programs reuse the same weight tiles from L2."""
-    tiles_per_group = GROUP_M * num_n_tiles
-    group = pid // tiles_per_group
-    first_m = group * GROUP_M
-    group_rows = min(max_m_tiles - first_m, GROUP_M)
-    m_tile = first_m + (pid % tiles_per_group) % group_rows
-    n_tile = (pid % tiles_per_group) // group_rows
-    return m_tile, n_tile
 
 
 @triton.jit

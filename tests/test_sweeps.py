@@ -1,0 +1,46 @@
+"""The GPU sweeps of `benchmarks/sweeps/` build their config lists on any machine: every kind
+is one `tune_gemm.py` can time, and each list holds what its docstring says it compares."""
+
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+
+from mok.bench.presets import GPU_PRESETS, PRESETS
+
+_BENCHMARKS = pathlib.Path(__file__).parents[1] / "benchmarks"
+
+
+def _sweep(name: str):
+    sys.path.insert(0, str(_BENCHMARKS))
+    try:
+        spec = importlib.util.spec_from_file_location(f"sweep_{name}", _BENCHMARKS / "sweeps" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(_BENCHMARKS))
+    return module
+
+
+@pytest.mark.parametrize("preset", GPU_PRESETS)
+def test_group_m_sweep_varies_group_m_on_the_defaults(preset):
+    sweep = _sweep("group_m")
+    for kind, candidates in sweep.configs().items():
+        assert kind in sweep.tune_gemm.FLOPS_PER_ROUTE_HI, kind
+        triton_configs = [c for c in candidates(PRESETS[preset]) if not c.get("WARP_SPECIALIZED")]
+        assert [c["GROUP_M"] for c in triton_configs] == list(sweep.GROUP_M), (preset, kind)
+        assert all(_without_group_m(c) == _without_group_m(triton_configs[0]) for c in triton_configs), (preset, kind)
+
+
+def _without_group_m(config: dict) -> dict:
+    return {k: v for k, v in config.items() if k != "GROUP_M"}
+
+
+def test_warp_specialized_sweep_brackets_each_kernel_with_its_triton_configs():
+    sweep = _sweep("warp_specialized")
+    for kind, candidates in sweep.configs().items():
+        assert kind in sweep.tune_gemm.FLOPS_PER_ROUTE_HI, kind
+        assert candidates == candidates[::-1], kind  # the same list forwards and reversed
+        assert not candidates[0].get("WARP_SPECIALIZED") and any(c.get("WARP_SPECIALIZED") for c in candidates), kind
+    assert sweep.warp_specialized.down_dgrad_tile_config() in sweep.configs()["down_dgrad"]
