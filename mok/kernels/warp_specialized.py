@@ -30,6 +30,12 @@ tile-config flag COOPERATIVE):
   two more buffers (`operands_ready`, `operands_empty`, the same protocol as the ring), so the
   SwiGLU backward reads them from shared memory instead of waiting on global loads.
 
+The scatter GEMMs and the down dgrad walk their tiles GROUP_M row tiles per column sweep
+(tile-config key GROUP_M; without it 1, each row tile's columns in turn), as the Triton
+kernels' `tile_coordinates`: where the weights are wide and each expert has many row tiles
+(mixtral-8x7b's I = 14336), 1 streams an expert's whole weight through L2 for every few row
+tiles.
+
 Ring protocol (mbarriers): `ready[s]` completes when slot s's loads land, `empty[s]` when
 its consumers' MMAs have read it (one arrival, or two cooperative); the program's step counter
 gives slot and phase (slot = step % STAGES, phase = step // STAGES). A wait on a phase
@@ -252,14 +258,15 @@ def _load_segment(step, a_desc, b_desc, m0, expert, n0, n_dim, reduce_dim, a_buf
 def _scatter_producer(a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, empty, turn, y_ptr, row_source_ptr,
                       tile_expert_ptr, num_rows_ptr, n_dim, reduce_dim, stride_y, CONSUMER: gl.constexpr,
                       TWO_SEGMENTS: gl.constexpr, B_K_MAJOR: gl.constexpr, COOPERATIVE: gl.constexpr,
-                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+                      STAGES: gl.constexpr):
+    num_m_tiles = gl.cdiv(gl.load(num_rows_ptr), BLOCK_M)
     num_n_tiles = gl.cdiv(n_dim, BLOCK_N)
-    num_tiles = gl.cdiv(gl.load(num_rows_ptr), BLOCK_M) * num_n_tiles
     step = 0
-    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        m0 = (tile // num_n_tiles) * BLOCK_M
-        n0 = (tile % num_n_tiles) * BLOCK_N
-        expert = gl.load(tile_expert_ptr + tile // num_n_tiles)
+    for tile in range(gl.program_id(0), num_m_tiles * num_n_tiles, gl.num_programs(0)):
+        m_tile, n_tile = tile_coordinates(tile, num_m_tiles, num_n_tiles, GROUP_M)
+        m0, n0 = m_tile * BLOCK_M, n_tile * BLOCK_N
+        expert = gl.load(tile_expert_ptr + m_tile)
         step = _load_segment(step, a_desc, b_desc, m0, expert, n0, n_dim, reduce_dim, a_bufs, b_bufs, ready, empty,
                              B_K_MAJOR, COOPERATIVE, BLOCK_M, BLOCK_K, STAGES)
         if TWO_SEGMENTS:
@@ -271,23 +278,25 @@ def _scatter_producer(a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, e
 def _scatter_consumer(a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, empty, turn, y_ptr, row_source_ptr,
                       tile_expert_ptr, num_rows_ptr, n_dim, reduce_dim, stride_y, CONSUMER: gl.constexpr,
                       TWO_SEGMENTS: gl.constexpr, B_K_MAJOR: gl.constexpr, COOPERATIVE: gl.constexpr,
-                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+                      STAGES: gl.constexpr):
     ROWS: gl.constexpr = _consumer_rows(BLOCK_M, COOPERATIVE)
     TURNS: gl.constexpr = _takes_turns(COOPERATIVE)
     mma_layout: gl.constexpr = _mma_layout(BLOCK_N)
+    num_m_tiles = gl.cdiv(gl.load(num_rows_ptr), BLOCK_M)
     num_n_tiles = gl.cdiv(n_dim, BLOCK_N)
-    num_tiles = gl.cdiv(gl.load(num_rows_ptr), BLOCK_M) * num_n_tiles
     k_steps = gl.cdiv(reduce_dim, BLOCK_K) * (2 if TWO_SEGMENTS else 1)
     tile_count = 0
-    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+    for tile in range(gl.program_id(0), num_m_tiles * num_n_tiles, gl.num_programs(0)):
         if tile_count % TURNS == CONSUMER % TURNS:
+            m_tile, n_tile = tile_coordinates(tile, num_m_tiles, num_n_tiles, GROUP_M)
             acc = gl.zeros((ROWS, BLOCK_N), gl.float32, mma_layout)
             acc = _mma_steps(acc, tile_count * k_steps, k_steps, tile_count, a_bufs, b_bufs, ready, empty, turn,
                              CONSUMER, True, B_K_MAJOR, COOPERATIVE, STAGES)
             y = gl.convert_layout(acc.to(gl.bfloat16), _STORE_LAYOUT)
-            first_row = (tile // num_n_tiles) * BLOCK_M + (CONSUMER * ROWS if COOPERATIVE else 0)
+            first_row = m_tile * BLOCK_M + (CONSUMER * ROWS if COOPERATIVE else 0)
             rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, _STORE_LAYOUT))
-            cols = (tile % num_n_tiles) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, _STORE_LAYOUT))
+            cols = n_tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, _STORE_LAYOUT))
             source = gl.load(row_source_ptr + rows)
             slot = gl.where(source >= 0, source, 0).to(gl.int64)
             mask = (source >= 0)[:, None] & (cols < n_dim)[None, :]
@@ -306,7 +315,7 @@ def _scatter_ws_kernel(
     n_dim, reduce_dim, stride_y,
     # meta
     TWO_SEGMENTS: gl.constexpr, B_K_MAJOR: gl.constexpr, COOPERATIVE: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
 ):
     """down: a = h, b = w_down as [E_l·H, I] (K-major); gate/up dgrad (TWO_SEGMENTS): a, a2 = d_g,
     d_u, b, b2 = w_gate, w_up as [E_l·I, H]."""
@@ -314,28 +323,17 @@ def _scatter_ws_kernel(
     gl.warp_specialize([
         (_scatter_consumer, (a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, empty, turn, y_ptr,
                              row_source_ptr, tile_expert_ptr, num_rows_ptr, n_dim, reduce_dim, stride_y, 0,
-                             TWO_SEGMENTS, B_K_MAJOR, COOPERATIVE, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
+                             TWO_SEGMENTS, B_K_MAJOR, COOPERATIVE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
         (_scatter_consumer, (a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, empty, turn, y_ptr,
                              row_source_ptr, tile_expert_ptr, num_rows_ptr, n_dim, reduce_dim, stride_y, 1,
-                             TWO_SEGMENTS, B_K_MAJOR, COOPERATIVE, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
+                             TWO_SEGMENTS, B_K_MAJOR, COOPERATIVE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
         (_scatter_producer, (a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, empty, turn, y_ptr,
                              row_source_ptr, tile_expert_ptr, num_rows_ptr, n_dim, reduce_dim, stride_y, 0,
-                             TWO_SEGMENTS, B_K_MAJOR, COOPERATIVE, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
+                             TWO_SEGMENTS, B_K_MAJOR, COOPERATIVE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
     ], [4, 1], [_CONSUMER_REGISTERS, _PRODUCER_REGISTERS])
 
 
 # --------------------------------------------------------------------------- down dgrad
-
-
-@gluon.jit
-def _down_dgrad_tile(tile, num_rows_ptr, tile_expert_ptr, inter, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     GROUP_M: gl.constexpr):
-    """(m_tile, n_tile, expert) of a program's tile, GROUP_M row tiles per column sweep as the
-    Triton kernels walk them (`tile_coordinates`): the wide I of mixtral-8x7b (56 column tiles)
-    would otherwise stream each expert's whole weight through L2 for every two or three row tiles."""
-    num_m_tiles = gl.cdiv(gl.load(num_rows_ptr), BLOCK_M)
-    m_tile, n_tile = tile_coordinates(tile, num_m_tiles, gl.cdiv(inter, BLOCK_N), GROUP_M)
-    return m_tile, n_tile, gl.load(tile_expert_ptr + m_tile)
 
 
 @gluon.jit
@@ -361,13 +359,14 @@ def _down_dgrad_producer(d_out_desc, w_down_desc, gate_desc, up_desc, a_bufs, b_
     """Each tile's K steps, then its g and u an eighth of the columns at a time into two buffers,
     while the consumers multiply. An eighth waits only for the consumers to be done with the
     eighth two before it, which needs nothing this warp has not issued yet: no deadlock."""
-    num_tiles = gl.cdiv(gl.load(num_rows_ptr), BLOCK_M) * gl.cdiv(inter, BLOCK_N)
+    num_m_tiles = gl.cdiv(gl.load(num_rows_ptr), BLOCK_M)
+    num_n_tiles = gl.cdiv(inter, BLOCK_N)
     step = 0
     part_count = 0
-    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        m_tile, n_tile, expert = _down_dgrad_tile(tile, num_rows_ptr, tile_expert_ptr, inter, BLOCK_M, BLOCK_N,
-                                                  GROUP_M)
+    for tile in range(gl.program_id(0), num_m_tiles * num_n_tiles, gl.num_programs(0)):
+        m_tile, n_tile = tile_coordinates(tile, num_m_tiles, num_n_tiles, GROUP_M)
         m0, n0 = m_tile * BLOCK_M, n_tile * BLOCK_N
+        expert = gl.load(tile_expert_ptr + m_tile)
         step = _load_segment(step, d_out_desc, w_down_desc, m0, expert, n0, inter, hidden, a_bufs, b_bufs, ready,
                              empty, False, True, BLOCK_M, BLOCK_K, STAGES)
         for part in gl.static_range(8):
@@ -394,13 +393,12 @@ def _down_dgrad_consumer(d_out_desc, w_down_desc, gate_desc, up_desc, a_bufs, b_
     epilogue's operands spilled 3 KB per thread (ptxas, sm_90a), with eighths ~0.1 KB."""
     ROWS: gl.constexpr = BLOCK_M // 2
     mma_layout: gl.constexpr = _mma_layout(BLOCK_N)
+    num_m_tiles = gl.cdiv(gl.load(num_rows_ptr), BLOCK_M)
     num_n_tiles = gl.cdiv(inter, BLOCK_N)
-    num_tiles = gl.cdiv(gl.load(num_rows_ptr), BLOCK_M) * num_n_tiles
     k_steps = gl.cdiv(hidden, BLOCK_K)
     tile_count = 0
-    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        m_tile, n_tile, expert = _down_dgrad_tile(tile, num_rows_ptr, tile_expert_ptr, inter, BLOCK_M, BLOCK_N,
-                                                  GROUP_M)
+    for tile in range(gl.program_id(0), num_m_tiles * num_n_tiles, gl.num_programs(0)):
+        m_tile, n_tile = tile_coordinates(tile, num_m_tiles, num_n_tiles, GROUP_M)
         acc = gl.zeros((ROWS, BLOCK_N), gl.float32, mma_layout)
         acc = _mma_steps(acc, tile_count * k_steps, k_steps, tile_count, a_bufs, b_bufs, ready, empty, turn,
                          CONSUMER, True, False, True, STAGES)
@@ -599,7 +597,8 @@ def _launch_scatter(a, a2, b, b2, y, schedule: RoutingSchedule, cfg: dict, b_k_m
         b_desc, _descriptor(b2, b_block) if two_segments else b_desc, y,
         schedule.row_source, schedule.tile_expert, schedule.num_rows,
         n_dim, a.shape[1], y.stride(0),
-        two_segments, b_k_major, cooperative, block_m, block_n, block_k, cfg["num_stages"], num_warps=4,
+        two_segments, b_k_major, cooperative, block_m, block_n, block_k, cfg.get("GROUP_M", 1), cfg["num_stages"],
+        num_warps=4,
     )
 
 
@@ -659,6 +658,6 @@ def launch_down_dgrad_swiglu(d_out: torch.Tensor, topk_weights: torch.Tensor | N
         topk_weights if weighted else d_gate_up, d_gate_up, route_partials if weighted else d_gate_up,  # unread
         schedule.row_source, schedule.tile_expert, schedule.num_rows,
         d_out.shape[1], inter, 0.0 if swiglu_limit is None else float(swiglu_limit), d_gate_up.stride(0),
-        weighted, swiglu_limit is not None, block_m, block_n, block_k, cfg.get("GROUP_M", 8), cfg["num_stages"],
+        weighted, swiglu_limit is not None, block_m, block_n, block_k, cfg.get("GROUP_M", 1), cfg["num_stages"],
         num_warps=4,
     )
