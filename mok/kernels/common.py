@@ -77,6 +77,20 @@ def tile_coordinates(pid, max_m_tiles, num_n_tiles, GROUP_M: tl.constexpr):
     return m_tile, n_tile
 
 
+@triton.jit
+def expert_tile_coordinates(pid, m_dim, n_dim, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(expert, m0, n0) of program `pid` over an [E_l, m_dim, n_dim] output, expert
+    outermost so consecutive programs reread the same expert rows from L2, and within an
+    expert GROUP_M row tiles per column sweep (`tile_coordinates`; 1: row tile by row tile).
+    A wide n_dim wants GROUP_M > 1: mixtral-8x7b's down wgrad (56 column tiles of 256, h[e]
+    58 MB) at 1 has the SMs on two or three row tiles at once, each pass over h[e] from HBM."""
+    num_m_tiles = tl.cdiv(m_dim, BLOCK_M)
+    num_n_tiles = tl.cdiv(n_dim, BLOCK_N)
+    tiles_per_expert = num_m_tiles * num_n_tiles
+    m_tile, n_tile = tile_coordinates(pid % tiles_per_expert, num_m_tiles, num_n_tiles, GROUP_M)
+    return pid // tiles_per_expert, m_tile * BLOCK_M, n_tile * BLOCK_N
+
+
 _THREAD_STATE = threading.local()
 
 

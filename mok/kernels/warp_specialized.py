@@ -30,11 +30,11 @@ tile-config flag COOPERATIVE):
   two more buffers (`operands_ready`, `operands_empty`, the same protocol as the ring), so the
   SwiGLU backward reads them from shared memory instead of waiting on global loads.
 
-The scatter GEMMs and the down dgrad walk their tiles GROUP_M row tiles per column sweep
-(tile-config key GROUP_M; without it 1, each row tile's columns in turn), as the Triton
-kernels' `tile_coordinates`: where the weights are wide and each expert has many row tiles
-(mixtral-8x7b's I = 14336), 1 streams an expert's whole weight through L2 for every few row
-tiles.
+Every kernel walks its tiles GROUP_M row tiles per column sweep (tile-config key GROUP_M;
+without it 1, each row tile's columns in turn; the wgrads within each expert), as the Triton
+kernels' `tile_coordinates`: where the column operand is wide and there are many row tiles
+(mixtral-8x7b's I = 14336), 1 streams the whole column operand (an expert's weight, or h[e]
+for the down wgrad) through L2 for every few row tiles.
 
 Ring protocol (mbarriers): `ready[s]` completes when slot s's loads land, `empty[s]` when
 its consumers' MMAs have read it (one arrival, or two cooperative); the program's step counter
@@ -75,7 +75,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from mok.kernels.common import column_halves, interpreting, num_sms, tile_coordinates, tma_descriptor
+from mok.kernels.common import (
+    column_halves,
+    expert_tile_coordinates,
+    interpreting,
+    num_sms,
+    tile_coordinates,
+    tma_descriptor,
+)
 from mok.kernels.schedule import RoutingSchedule
 from mok.kernels.swiglu import swiglu_backward_epilogue
 
@@ -477,15 +484,12 @@ def _down_dgrad_ws_kernel(
 
 @gluon.jit
 def _wgrad_tile(tile, expert_offsets_ptr, m_dim, n_dim, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                BLOCK_K: gl.constexpr):
-    """(expert, m0, n0, first row, K steps) of an output tile, expert outermost (as `wgrad.py`)."""
-    num_m = gl.cdiv(m_dim, TILE_M)
-    num_n = gl.cdiv(n_dim, BLOCK_N)
-    expert = tile // (num_m * num_n)
-    rest = tile % (num_m * num_n)
+                BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr):
+    """(expert, m0, n0, first row, K steps) of an output tile, in `wgrad.expert_tile_coordinates`'s order."""
+    expert, m0, n0 = expert_tile_coordinates(tile, m_dim, n_dim, TILE_M, BLOCK_N, GROUP_M)
     row_start = gl.load(expert_offsets_ptr + expert)
     steps = (gl.load(expert_offsets_ptr + expert + 1) - row_start) // BLOCK_K
-    return expert, (rest // num_n) * TILE_M, (rest % num_n) * BLOCK_N, row_start, steps
+    return expert, m0, n0, row_start, steps
 
 
 @gluon.constexpr_function
@@ -498,14 +502,14 @@ def _wgrad_tile_m(block_m, two_outputs):
 def _wgrad_producer(a_desc, a2_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, out_ptr, out2_ptr,
                     expert_offsets_ptr, num_tiles, m_dim, n_dim, stride_out_e, CONSUMER: gl.constexpr,
                     COOPERATIVE: gl.constexpr, TWO_OUTPUTS: gl.constexpr, BLOCK_M: gl.constexpr,
-                    BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+                    BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
     TILE_M: gl.constexpr = _wgrad_tile_m(BLOCK_M, TWO_OUTPUTS)
     # consumer 1's A columns: the same as consumer 0's in a2 (two outputs), or the tile's second half
     A2_OFFSET: gl.constexpr = 0 if TWO_OUTPUTS else _consumer_rows(BLOCK_M, COOPERATIVE)
     step = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         expert, m0, n0, row_start, steps = _wgrad_tile(tile, expert_offsets_ptr, m_dim, n_dim, TILE_M, BLOCK_N,
-                                                       BLOCK_K)
+                                                       BLOCK_K, GROUP_M)
         for k in range(steps):
             r0 = row_start + k * BLOCK_K
             _load_step(step, a_desc, [r0, m0], a2_desc, [r0, m0 + A2_OFFSET], b_desc, [r0, n0], a_bufs, b_bufs,
@@ -517,7 +521,7 @@ def _wgrad_producer(a_desc, a2_desc, b_desc, a_bufs, b_bufs, ready, empty, turn,
 def _wgrad_consumer(a_desc, a2_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, out_ptr, out2_ptr,
                     expert_offsets_ptr, num_tiles, m_dim, n_dim, stride_out_e, CONSUMER: gl.constexpr,
                     COOPERATIVE: gl.constexpr, TWO_OUTPUTS: gl.constexpr, BLOCK_M: gl.constexpr,
-                    BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+                    BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
     TILE_M: gl.constexpr = _wgrad_tile_m(BLOCK_M, TWO_OUTPUTS)
     ROWS: gl.constexpr = _consumer_rows(BLOCK_M, COOPERATIVE)
     TURNS: gl.constexpr = _takes_turns(COOPERATIVE)
@@ -526,7 +530,7 @@ def _wgrad_consumer(a_desc, a2_desc, b_desc, a_bufs, b_bufs, ready, empty, turn,
     tile_count = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         expert, m0, n0, row_start, steps = _wgrad_tile(tile, expert_offsets_ptr, m_dim, n_dim, TILE_M, BLOCK_N,
-                                                       BLOCK_K)
+                                                       BLOCK_K, GROUP_M)
         if tile_count % TURNS == CONSUMER % TURNS:
             acc = gl.zeros((ROWS, BLOCK_N), gl.float32, mma_layout)
             acc = _mma_steps(acc, step, steps, tile_count, a_bufs, b_bufs, ready, empty, turn, CONSUMER, False,
@@ -556,20 +560,20 @@ def _wgrad_ws_kernel(
     num_tiles, m_dim, n_dim, stride_out_e,
     # meta
     COOPERATIVE: gl.constexpr, TWO_OUTPUTS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+    BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
 ):
     """down: a = dy_sorted, b = h; gate/up (TWO_OUTPUTS, cooperative): a, a2 = d_g, d_u, b = x_sorted."""
     a_bufs, b_bufs, ready, empty, turn = _allocate_ring(a_desc, b_desc, COOPERATIVE, STAGES)
     gl.warp_specialize([
         (_wgrad_consumer, (a_desc, a2_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, out_ptr, out2_ptr,
                            expert_offsets_ptr, num_tiles, m_dim, n_dim, stride_out_e, 0, COOPERATIVE, TWO_OUTPUTS,
-                           BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
+                           BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
         (_wgrad_consumer, (a_desc, a2_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, out_ptr, out2_ptr,
                            expert_offsets_ptr, num_tiles, m_dim, n_dim, stride_out_e, 1, COOPERATIVE, TWO_OUTPUTS,
-                           BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
+                           BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
         (_wgrad_producer, (a_desc, a2_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, out_ptr, out2_ptr,
                            expert_offsets_ptr, num_tiles, m_dim, n_dim, stride_out_e, 0, COOPERATIVE, TWO_OUTPUTS,
-                           BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
+                           BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
     ], [4, 1], [_CONSUMER_REGISTERS, _PRODUCER_REGISTERS])
 
 
@@ -635,7 +639,7 @@ def launch_wgrad(a: torch.Tensor, a2: torch.Tensor | None, b: torch.Tensor, out:
         out, out2 if two_outputs else out,
         schedule.expert_offsets,
         num_tiles, m_dim, n_dim, out.stride(0),
-        cooperative, two_outputs, block_m, block_n, block_k, cfg["num_stages"], num_warps=4,
+        cooperative, two_outputs, block_m, block_n, block_k, cfg.get("GROUP_M", 1), cfg["num_stages"], num_warps=4,
     )
 
 

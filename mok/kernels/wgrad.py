@@ -59,7 +59,7 @@ import triton.language as tl
 
 from mok.fp8_block import FP8_BLOCK
 from mok.kernels import warp_specialized
-from mok.kernels.common import interpreting, launch_programs, round_to_bf16, tma_descriptor
+from mok.kernels.common import expert_tile_coordinates, interpreting, launch_programs, round_to_bf16, tma_descriptor
 from mok.kernels.gather import check_sorted_rows
 from mok.kernels.quant_fp8_block import sorted_scale_rows
 from mok.kernels.schedule import RoutingSchedule
@@ -155,18 +155,6 @@ def wgrad_config(
 
 
 @triton.jit
-def expert_tile_coordinates(pid, m_dim, n_dim, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(expert, m0, n0) of program `pid` over an [E_l, m_dim, n_dim] output, expert
-    outermost so consecutive programs reread the same expert rows from L2."""
-    num_m_tiles = tl.cdiv(m_dim, BLOCK_M)
-    num_n_tiles = tl.cdiv(n_dim, BLOCK_N)
-    tiles_per_expert = num_m_tiles * num_n_tiles
-    expert = pid // tiles_per_expert
-    tile = pid % tiles_per_expert
-    return expert, (tile // num_n_tiles) * BLOCK_M, (tile % num_n_tiles) * BLOCK_N
-
-
-@triton.jit
 def store_weight_grad(ptrs, acc, mask, ACCUMULATE: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRETER: tl.constexpr):
     """Stores an fp32 tile (bf16 rounded to nearest even, or fp32), or adds it in place."""
     if ACCUMULATE:
@@ -186,10 +174,10 @@ def _wgrad_tile(
     expert_offsets_ptr, tile, m_dim, n_dim, split_m, stride_out_e, stride_out_m, stride_a_scale, stride_b_scale,
     PRECISION: tl.constexpr, TWO_OUTPUTS: tl.constexpr, STACKED: tl.constexpr, ACCUMULATE: tl.constexpr,
     OUT_BF16: tl.constexpr, INTERPRETER: tl.constexpr, SCALE_ROWS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile of out (and out2): its expert's rows in ascending order."""
-    expert, m0, n0 = expert_tile_coordinates(tile, m_dim, n_dim, BLOCK_M, BLOCK_N)
+    expert, m0, n0 = expert_tile_coordinates(tile, m_dim, n_dim, BLOCK_M, BLOCK_N, GROUP_M)
     row_start = tl.load(expert_offsets_ptr + expert)
     row_end = tl.load(expert_offsets_ptr + expert + 1)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -253,7 +241,8 @@ def _sorted_rows_wgrad_kernel(
     # meta
     PRECISION: tl.constexpr, TWO_OUTPUTS: tl.constexpr, STACKED: tl.constexpr, ACCUMULATE: tl.constexpr,
     OUT_BF16: tl.constexpr, INTERPRETER: tl.constexpr, SCALE_ROWS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PERSISTENT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PERSISTENT: tl.constexpr,
 ):
     """down: a = dy_sorted, b = h;
     gate/up: a, a2 = d_g, d_u (sharing the x_sorted tile b), or with STACKED a = [d_g | d_u]
@@ -265,12 +254,12 @@ def _sorted_rows_wgrad_kernel(
             _wgrad_tile(a_desc, a2_desc, b_desc, out_ptr, out2_ptr, a_scale_ptr, a2_scale_ptr, b_scale_ptr,
                         expert_offsets_ptr, tile, m_dim, n_dim, split_m, stride_out_e, stride_out_m,
                         stride_a_scale, stride_b_scale, PRECISION, TWO_OUTPUTS, STACKED, ACCUMULATE, OUT_BF16,
-                        INTERPRETER, SCALE_ROWS, BLOCK_M, BLOCK_N, BLOCK_K)
+                        INTERPRETER, SCALE_ROWS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     else:
         _wgrad_tile(a_desc, a2_desc, b_desc, out_ptr, out2_ptr, a_scale_ptr, a2_scale_ptr, b_scale_ptr,
                     expert_offsets_ptr, tl.program_id(0), m_dim, n_dim, split_m, stride_out_e, stride_out_m,
                     stride_a_scale, stride_b_scale, PRECISION, TWO_OUTPUTS, STACKED, ACCUMULATE, OUT_BF16,
-                    INTERPRETER, SCALE_ROWS, BLOCK_M, BLOCK_N, BLOCK_K)
+                    INTERPRETER, SCALE_ROWS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
 
 
 # --------------------------------------------------------------------------- launchers
@@ -316,7 +305,7 @@ def _launch_wgrad(
             )
         warp_specialized.launch_wgrad(a, a2, b, out, out2, schedule, cfg)
         return
-    cfg = {"PERSISTENT": False, "STACKED": False, **cfg}
+    cfg = {"PERSISTENT": False, "STACKED": False, "GROUP_M": 1, **cfg}
     if cfg["STACKED"] and (out2 is None or a2 is not None):
         raise ValueError("tile_config: STACKED is for the gate/up wgrad (two outputs, one stacked A operand)")
     experts, m_dim, n_dim = out.shape

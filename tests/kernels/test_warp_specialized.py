@@ -77,7 +77,7 @@ def test_kernels_compile_for_sm90a_without_spills(cooperative, two_operands):
     meta = dict(COOPERATIVE=cooperative, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=cfg["num_stages"])
     b_block = (block_k, block_n) if two_operands else (block_n, block_k)
     scatter_meta = dict(meta, TWO_SEGMENTS=two_operands, B_K_MAJOR=not two_operands, GROUP_M=8)
-    wgrad_meta = dict(meta, TWO_OUTPUTS=two_operands)
+    wgrad_meta = dict(meta, TWO_OUTPUTS=two_operands, GROUP_M=8)
     report = {
         "scatter GEMM": _ptxas_report("_scatter_ws_kernel", {
             "a_desc": _descriptor_type((rows, block_k)), "a2_desc": _descriptor_type((rows, block_k)),

@@ -104,6 +104,27 @@ def test_wgrad_persistent_launch_is_bitwise_the_same(kernel_device):
     assert torch.equal(main, main_persistent) and not torch.equal(main, start), f"accumulated {ctx}"
 
 
+@pytest.mark.parametrize("group_m", [2, 3])
+def test_wgrad_tile_order_is_bitwise_the_same(kernel_device, group_m):
+    """GROUP_M row tiles per column sweep within each expert (per tile and persistent) only
+    reorders the tiles: both wgrads bit for bit, row-tile counts not multiples of GROUP_M."""
+    T, H, I, E, topk = 37, 136, 200, 6, 2
+    inp, sched, _, _, _, sorted_rows, d_out, _ = _setup(T, H, I, E, topk, kernel_device, seed=T + 11)
+    ctx = f"{T=} {H=} {I=} {E=} {topk=} {group_m=}"
+    h, d_gate_up = sorted_rows(I), sorted_rows(2, I)
+    x_sorted, _, dy_sorted = gather_sorted_rows(inp.x, d_out, inp.topk_weights, sched, topk)
+    down_cfg = wgrad_config("down", H, I, allow_warp_specialized=False)
+    gate_up_cfg = wgrad_config("gate_up", I, H, allow_warp_specialized=False)
+    assert -(-H // down_cfg["BLOCK_M"]) % group_m and -(-I // gate_up_cfg["BLOCK_M"]) % group_m, ctx
+    d_w_down = down_wgrad(dy_sorted, h, sched, tile_config=down_cfg)
+    d_w_gate, d_w_up = gate_up_wgrad(d_gate_up, x_sorted, sched, tile_config=gate_up_cfg)
+    for persistent in (False, True):
+        order = dict(GROUP_M=group_m, PERSISTENT=persistent)
+        assert torch.equal(down_wgrad(dy_sorted, h, sched, tile_config={**down_cfg, **order}), d_w_down), ctx
+        reordered = gate_up_wgrad(d_gate_up, x_sorted, sched, tile_config={**gate_up_cfg, **order})
+        assert torch.equal(reordered[0], d_w_gate) and torch.equal(reordered[1], d_w_up), f"{persistent=} {ctx}"
+
+
 @pytest.mark.parametrize("persistent", [False, True])
 def test_gate_up_wgrad_stacked_equals_the_two_output_launch(kernel_device, persistent):
     """The gate/up wgrad as one [2·I, H] output (tile-config flag STACKED: one accumulator,
