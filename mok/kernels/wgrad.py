@@ -110,6 +110,14 @@ COOPERATIVE_DOWN_WGRAD = True
 COOPERATIVE_GATE_UP_WGRAD = True
 # With main_grad the warp-specialized read-modify-write epilogue spilled in one warp group
 # (ptxas: 200–360 B), so the Triton kernel accumulates.
+# Row tiles of d_w_down [H, I] per column sweep within an expert (GROUP_M,
+# `expert_tile_coordinates`), for either kernel. At 1 (the order measured so far) the ~132
+# tiles in flight on mixtral-8x7b (I = 14336: 56 column tiles of 256) cover two or three row
+# tiles, so h[e] (58 MB, above H200's 50 MB L2) streams from HBM about 13 times per expert; at 8
+# about 4 times. Its down wgrad runs at ~580 TFLOPS against 640–660 on deepseek-v3-slice, whose
+# h[e] fits. 1 until timed (`benchmarks/sweeps/warp_specialized.py --kernel down_wgrad`, and in
+# the layer `python -m mok.bench --variant mok.kernels.wgrad.DOWN_WGRAD_GROUP_M=8`).
+DOWN_WGRAD_GROUP_M = 1
 
 
 def wgrad_config(
@@ -133,6 +141,7 @@ def wgrad_config(
     On Hopper the bf16 wgrads run warp-specialized unless `allow_warp_specialized` is False
     (main_grad): the down wgrad ping-pong up to `PING_PONG_DOWN_WGRAD_MAX_INTER` and cooperative
     above it (`COOPERATIVE_DOWN_WGRAD`), the gate/up wgrad cooperative (`COOPERATIVE_GATE_UP_WGRAD`).
+    The down wgrad walks its tiles `DOWN_WGRAD_GROUP_M` row tiles per column sweep.
     fp8_block: `_FP8_BLOCK_TILES`, the same for every shape (under the interpreter with
     `_FP8_BLOCK_INTERPRETER_SIZES`).
     """
@@ -140,15 +149,20 @@ def wgrad_config(
         return {**_FP8_BLOCK_TILES[kind], **(_FP8_BLOCK_INTERPRETER_SIZES if interpreting() else {})}
     if interpreting():  # BLOCK_K divides the interpreter's routing BLOCK_M (16)
         return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=16, num_warps=4, num_stages=1)
-    if allow_warp_specialized and warp_specialized.available_here():
-        if kind == "gate_up" and COOPERATIVE_GATE_UP_WGRAD:
-            return warp_specialized.tile_config(cooperative=True)
-        if kind == "down" and (n_dim <= PING_PONG_DOWN_WGRAD_MAX_INTER or COOPERATIVE_DOWN_WGRAD):
-            return warp_specialized.tile_config(cooperative=n_dim > PING_PONG_DOWN_WGRAD_MAX_INTER)
+    warp_specialized_here = allow_warp_specialized and warp_specialized.available_here()
     if kind == "down":
-        return dict(BLOCK_M=128, BLOCK_N=256 if n_dim >= 256 else 128, BLOCK_K=64, num_warps=8, num_stages=3,
-                    PERSISTENT=n_dim <= PERSISTENT_DOWN_WGRAD_MAX_INTER)
+        return dict(_down_tiles(n_dim, warp_specialized_here), GROUP_M=DOWN_WGRAD_GROUP_M)
+    if warp_specialized_here and COOPERATIVE_GATE_UP_WGRAD:
+        return warp_specialized.tile_config(cooperative=True)
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+
+
+def _down_tiles(inter: int, warp_specialized_here: bool) -> dict:
+    """The bf16 down wgrad's tiles on the GPU (`wgrad_config`), before GROUP_M."""
+    if warp_specialized_here and (inter <= PING_PONG_DOWN_WGRAD_MAX_INTER or COOPERATIVE_DOWN_WGRAD):
+        return warp_specialized.tile_config(cooperative=inter > PING_PONG_DOWN_WGRAD_MAX_INTER)
+    return dict(BLOCK_M=128, BLOCK_N=256 if inter >= 256 else 128, BLOCK_K=64, num_warps=8, num_stages=3,
+                PERSISTENT=inter <= PERSISTENT_DOWN_WGRAD_MAX_INTER)
 
 
 # --------------------------------------------------------------------------- jit helpers

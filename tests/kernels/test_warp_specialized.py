@@ -13,7 +13,7 @@ import tempfile
 import pytest
 import torch
 
-from mok.kernels import dgrad
+from mok.kernels import dgrad, wgrad
 from mok.kernels import warp_specialized as ws
 from mok.kernels.dgrad import dgrad_config, down_dgrad_swiglu, gate_up_dgrad_scatter
 from mok.kernels.gather import gather_sorted_rows
@@ -284,9 +284,10 @@ def test_defaults_choose_the_schedule_by_reduction_on_hopper():
     of the backward; the Triton kernels for the long down GEMM, with main_grad and for peer
     stores (`allow_warp_specialized=False`)."""
     assert gemm_config("down", 2048, 768) == ws.tile_config(cooperative=False)
-    assert wgrad_config("down", 2048, 768) == ws.tile_config(cooperative=False)
+    group_m = dict(GROUP_M=wgrad.DOWN_WGRAD_GROUP_M)
+    assert wgrad_config("down", 2048, 768) == dict(ws.tile_config(cooperative=False), **group_m)
     assert "WARP_SPECIALIZED" not in gemm_config("down", 7168, 2048)
-    assert wgrad_config("down", 4096, 14336) == ws.tile_config(cooperative=True)
+    assert wgrad_config("down", 4096, 14336) == dict(ws.tile_config(cooperative=True), **group_m)
     assert wgrad_config("gate_up", 768, 2048) == ws.tile_config(cooperative=True)
     assert dgrad_config("gate_up", 2048, 768) == ws.tile_config(cooperative=True)
     assert "WARP_SPECIALIZED" not in dgrad_config("gate_up", 7168, 2048)
