@@ -247,15 +247,23 @@ def down_dgrad_swiglu(
     when topk_weights is None: the shared expert has no router weight)."""
     routing = routing_from_tensors(schedule_tensors, block_m)
     d_gate_up, d_topk_weights = dgrad.down_dgrad_swiglu(d_out_sorted, topk_weights, gate_up, w_down, routing, swiglu_limit)
-    if d_topk_weights is None:
-        d_topk_weights = gate_up.new_empty(0, dtype=torch.float32)
-    return d_gate_up, d_topk_weights
+    return d_gate_up, _empty_if_none(d_topk_weights, gate_up)
+
+
+def _empty_if_none(d_topk_weights: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """The down dgrad's router-weight gradient, or an empty [0] fp32 without router weights
+    (a custom op returns tensors only)."""
+    return like.new_empty(0, dtype=torch.float32) if d_topk_weights is None else d_topk_weights
+
+
+def _fake_down_dgrad(gate_up: torch.Tensor, topk_weights: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (0,) if topk_weights is None else tuple(topk_weights.shape)
+    return gate_up.new_empty(gate_up.shape), gate_up.new_empty(shape, dtype=torch.float32)
 
 
 @down_dgrad_swiglu.op.register_fake
 def _(d_out_sorted, topk_weights, gate_up, w_down, schedule_tensors, block_m, swiglu_limit):
-    shape = (0,) if topk_weights is None else tuple(topk_weights.shape)
-    return gate_up.new_empty(gate_up.shape), gate_up.new_empty(shape, dtype=torch.float32)
+    return _fake_down_dgrad(gate_up, topk_weights)
 
 
 @_custom_op("gate_up_dgrad_scatter", ())
@@ -296,15 +304,12 @@ def down_dgrad_swiglu_fp8_block(
     d_gate_up, d_topk_weights = dgrad.down_dgrad_swiglu_fp8_block(
         d_out_q, d_out_scale, topk_weights, gate_up, w_down_t_q, w_down_t_scale, routing, swiglu_limit
     )
-    if d_topk_weights is None:
-        d_topk_weights = gate_up.new_empty(0, dtype=torch.float32)
-    return d_gate_up, d_topk_weights
+    return d_gate_up, _empty_if_none(d_topk_weights, gate_up)
 
 
 @down_dgrad_swiglu_fp8_block.op.register_fake
 def _(d_out_q, d_out_scale, topk_weights, gate_up, w_down_t_q, w_down_t_scale, schedule_tensors, block_m, swiglu_limit):
-    shape = (0,) if topk_weights is None else tuple(topk_weights.shape)
-    return gate_up.new_empty(gate_up.shape), gate_up.new_empty(shape, dtype=torch.float32)
+    return _fake_down_dgrad(gate_up, topk_weights)
 
 
 @_custom_op("gate_up_dgrad_scatter_fp8_block", ())
