@@ -70,7 +70,7 @@ import triton
 import triton.language as tl
 
 from mok.fp8_block import FP8_BLOCK
-from mok.kernels import warp_specialized
+from mok.kernels import grouped_gemm, warp_specialized
 from mok.kernels.comm import PeerRows, signal_peers
 from mok.kernels.common import column_halves, interpreting, tile_coordinates, tma_descriptor
 from mok.kernels.gather import check_sorted_rows
@@ -160,7 +160,8 @@ def dgrad_config(
     short = reduce_dim <= COOPERATIVE_GATE_UP_DGRAD_MAX_INTER
     if kind == "gate_up" and short and allow_warp_specialized and warp_specialized.available_here():
         return warp_specialized.tile_config(cooperative=True)
-    cfg = dict(BLOCK_M=routing_block_m(), BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+    cfg = dict(BLOCK_M=routing_block_m(), BLOCK_N=256, BLOCK_K=64, GROUP_M=grouped_gemm.GEMM_GROUP_M, num_warps=8,
+               num_stages=3)
     if kind == "gate_up" and n_dim >= PERSISTENT_GATE_UP_MIN_HIDDEN:
         cfg.update(num_stages=4, PERSISTENT=True)
     return cfg

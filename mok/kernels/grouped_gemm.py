@@ -360,6 +360,12 @@ PING_PONG_DOWN_MAX_INTER = 1024
 # kernel bracketing it; record h200-20261201-warp-specialized-sweep.log), and the forward's
 # margin on mixtral-8x7b is thin. True runs it above `PING_PONG_DOWN_MAX_INTER`.
 COOPERATIVE_DOWN = False
+# Row tiles per column sweep (`tile_coordinates`) of the bf16 Triton grouped GEMMs: the forward's
+# gate/up and down, and both dgrads (`dgrad.dgrad_config`). A weight tile comes from HBM once per
+# group and then from L2 while the group's tiles are in flight. 8 so far; mixtral-8x7b's experts
+# hold 16 row tiles, so its weights come from HBM twice per step at 8
+# (`benchmarks/sweeps/group_m.py` times 8, 16 and 32).
+GEMM_GROUP_M = 8
 
 
 def gemm_config(
@@ -389,13 +395,13 @@ def gemm_config(
         return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1)
     if kind == "gate_up":
         packed = packed_gate_up and n_dim < PACKED_MAX_INTER
-        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4,
+        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=GEMM_GROUP_M, num_warps=8, num_stages=4,
                     PACKED=packed, X_SORTED=not packed and n_dim >= SORTED_X_MIN_INTER)
     cooperative = reduce_dim > PING_PONG_DOWN_MAX_INTER
     if allow_warp_specialized and (COOPERATIVE_DOWN or not cooperative) and warp_specialized.available_here():
         return warp_specialized.tile_config(cooperative)
     persistent = reduce_dim <= PERSISTENT_DOWN_MAX_INTER
-    return dict(BLOCK_M=128, BLOCK_N=256 if n_dim >= 2048 else 128, BLOCK_K=64, GROUP_M=8, num_warps=8,
+    return dict(BLOCK_M=128, BLOCK_N=256 if n_dim >= 2048 else 128, BLOCK_K=64, GROUP_M=GEMM_GROUP_M, num_warps=8,
                 num_stages=3 if persistent else 4, PERSISTENT=persistent)
 
 
