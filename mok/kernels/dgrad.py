@@ -147,7 +147,7 @@ def dgrad_config(
     way, record h200-20261130-persistent.json). On Hopper the gate/up dgrad runs the
     cooperative warp-specialized kernel up to `COOPERATIVE_GATE_UP_DGRAD_MAX_INTER` unless
     `allow_warp_specialized` is False (stores to other ranks), and the down dgrad with
-    `COOPERATIVE_DOWN_DGRAD`. Under the interpreter, small
+    `COOPERATIVE_DOWN_DGRAD` (unless `allow_warp_specialized` is False: the Triton reference). Under the interpreter, small
     tiles keep the CPU tests fast. The key never includes per-expert counts (they change every step).
     fp8_block: `_FP8_BLOCK_TILES`, the same for every shape until measured.
     """
@@ -155,10 +155,10 @@ def dgrad_config(
         return dict(BLOCK_M=routing_block_m(), **_FP8_BLOCK_TILES["interpreter" if interpreting() else kind])
     if interpreting():
         return dict(BLOCK_M=routing_block_m(), BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1)
-    if kind == "down" and COOPERATIVE_DOWN_DGRAD and warp_specialized.available_here():
+    warp_specialized_here = allow_warp_specialized and warp_specialized.available_here()
+    if kind == "down" and COOPERATIVE_DOWN_DGRAD and warp_specialized_here:
         return warp_specialized.down_dgrad_tile_config()
-    short = reduce_dim <= COOPERATIVE_GATE_UP_DGRAD_MAX_INTER
-    if kind == "gate_up" and short and allow_warp_specialized and warp_specialized.available_here():
+    if kind == "gate_up" and reduce_dim <= COOPERATIVE_GATE_UP_DGRAD_MAX_INTER and warp_specialized_here:
         return warp_specialized.tile_config(cooperative=True)
     cfg = dict(BLOCK_M=routing_block_m(), BLOCK_N=256, BLOCK_K=64, GROUP_M=grouped_gemm.GEMM_GROUP_M, num_warps=8,
                num_stages=3)

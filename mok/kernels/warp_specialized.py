@@ -207,19 +207,27 @@ _STORE_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
 
 
 @gluon.jit
+def _allocate_slots(a_desc, b_desc, A_TILES: gl.constexpr, STAGES: gl.constexpr, READERS: gl.constexpr):
+    """STAGES slots of A_TILES // STAGES A tiles and one B tile each, and their barriers: `ready`
+    (one arrival, the TMA's) and `empty` (READERS arrivals, the consumers that release a slot)."""
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [A_TILES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=READERS)
+    return a_bufs, b_bufs, ready, empty
+
+
+@gluon.jit
 def _allocate_ring(a_desc, b_desc, COOPERATIVE: gl.constexpr, STAGES: gl.constexpr):
     """STAGES slots of A (two per slot, cooperative) and B tiles and the ring's barriers
     (ready, empty, turn)."""
     A_TILES: gl.constexpr = 2 * STAGES if COOPERATIVE else STAGES
     READERS: gl.constexpr = 2 if COOPERATIVE else 1  # consumers that release each slot
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [A_TILES] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    a_bufs, b_bufs, ready, empty = _allocate_slots(a_desc, b_desc, A_TILES, STAGES, READERS)
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=READERS)
     for c in gl.static_range(2):
         mbarrier.init(turn.index(c), count=1)
     fence_async_shared()
@@ -376,13 +384,10 @@ def _down_dgrad_producer(d_out_desc, w_down_desc, gate_desc, up_desc, a_bufs, b_
         expert = gl.load(tile_expert_ptr + m_tile)
         step = _load_segment(step, d_out_desc, w_down_desc, m0, expert, n0, inter, hidden, a_bufs, b_bufs, ready,
                              empty, False, True, BLOCK_M, BLOCK_K, STAGES)
-        for part in gl.static_range(8):
-            buf = part_count % 2
-            mbarrier.wait(operands_empty.index(buf), ((part_count // 2) & 1) ^ 1)
-            bar = operands_ready.index(buf)
-            mbarrier.expect(bar, 2 * gate_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(gate_desc, [m0, n0 + part * (BLOCK_N // 8)], bar, gate_bufs.index(buf))
-            tma.async_copy_global_to_shared(up_desc, [m0, n0 + part * (BLOCK_N // 8)], bar, up_bufs.index(buf))
+        for part in gl.static_range(8):  # a ring of two slots: g as its A tile, u as its B tile
+            coords = [m0, n0 + part * (BLOCK_N // 8)]
+            _load_step(part_count, gate_desc, coords, gate_desc, coords, up_desc, coords, gate_bufs, up_bufs,
+                       operands_ready, operands_empty, False, 2)
             part_count += 1
 
 
@@ -451,15 +456,9 @@ def _down_dgrad_ws_kernel(
     BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
 ):
     """`dgrad._down_dgrad_swiglu_kernel`'s bf16 case, cooperative: see the module docstring."""
+    # the epilogue's operands: a second ring of two slots, a g and a u tile each, both consumers reading
+    gate_bufs, up_bufs, operands_ready, operands_empty = _allocate_slots(gate_desc, up_desc, 2, 2, 2)
     a_bufs, b_bufs, ready, empty, turn = _allocate_ring(d_out_desc, w_down_desc, True, STAGES)
-    gate_bufs = gl.allocate_shared_memory(gate_desc.dtype, [2] + gate_desc.block_type.shape, gate_desc.layout)
-    up_bufs = gl.allocate_shared_memory(up_desc.dtype, [2] + up_desc.block_type.shape, up_desc.layout)
-    operands_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    operands_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for b in gl.static_range(2):
-        mbarrier.init(operands_ready.index(b), count=1)
-        mbarrier.init(operands_empty.index(b), count=2)
-    fence_async_shared()
     gl.warp_specialize([
         (_down_dgrad_consumer, (d_out_desc, w_down_desc, gate_desc, up_desc, a_bufs, b_bufs, ready, empty, turn,
                                 gate_bufs, up_bufs, operands_ready, operands_empty, topk_weights_ptr, d_gate_up_ptr,

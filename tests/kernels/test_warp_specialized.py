@@ -261,7 +261,7 @@ def test_down_dgrad_is_bitwise_the_triton_kernel(T, H, I, E, topk, skewed, weigh
     _, d_out_sorted, _ = gather_sorted_rows(inp.x, torch.randn_like(inp.x), inp.topk_weights, sched, topk)
     _, gate_up = gate_up_swiglu(inp.x, inp.w_gate, inp.w_up, sched, topk, store_gate_up=True)
     weights = inp.topk_weights if weighted else None
-    triton_config = dgrad_config("down", I, H)
+    triton_config = dgrad_config("down", I, H, allow_warp_specialized=False)
     expected = down_dgrad_swiglu(d_out_sorted, weights, gate_up, inp.w_down, sched, swiglu_limit, triton_config)
     got = down_dgrad_swiglu(d_out_sorted, weights, gate_up, inp.w_down, sched, swiglu_limit,
                             ws.down_dgrad_tile_config())
