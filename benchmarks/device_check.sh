@@ -26,7 +26,7 @@ for step in $steps; do
     tune) timeout $T python3 benchmarks/tune_gemm.py --out "$OUT/tune.json" ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.log" ;;
     ws) timeout $T python3 -m pytest -q -p no:cacheprovider tests/kernels/test_warp_specialized.py 2>&1 | tail -15 | tee "$OUT/ws-tests.log"
         timeout $T python3 benchmarks/sweeps/warp_specialized.py --out "$OUT/ws-sweep.json" \
-          ${WS_ARGS:---preset deepseek-v3-slice --preset mixtral-8x7b --kernel down_dgrad --kernel down --kernel down_wgrad --rounds 4} 2>&1 | tee "$OUT/ws-sweep.log" ;;
+          ${WS_ARGS:---preset deepseek-v3-slice --preset mixtral-8x7b --kernel down --kernel down_wgrad --rounds 4} 2>&1 | tee "$OUT/ws-sweep.log" ;;
     groupm) timeout $T python3 benchmarks/sweeps/group_m.py --out "$OUT/group-m.json" \
           ${GROUPM_ARGS:---preset deepseek-v3-slice --preset mixtral-8x7b --rounds 3} 2>&1 | tee "$OUT/group-m.log" ;;
     bench) timeout $T python3 -m mok.bench --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" ;;

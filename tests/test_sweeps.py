@@ -43,4 +43,3 @@ def test_warp_specialized_sweep_brackets_each_kernel_with_its_triton_configs():
         assert kind in sweep.tune_gemm.FLOPS_PER_ROUTE_HI, kind
         assert candidates == candidates[::-1], kind  # the same list forwards and reversed
         assert not candidates[0].get("WARP_SPECIALIZED") and any(c.get("WARP_SPECIALIZED") for c in candidates), kind
-    assert sweep.warp_specialized.down_dgrad_tile_config() in sweep.configs()["down_dgrad"]

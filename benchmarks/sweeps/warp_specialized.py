@@ -1,13 +1,12 @@
 """Sweep: the warp-specialized (Gluon) kernels against the Triton kernels they replace, on the
-down GEMM, the down dgrad, the gate/up dgrad and both wgrads, each with the Triton tiles the
-defaults pick on some preset, then the warp-specialized configs of the kind (ping-pong and
-cooperative, the cooperative also at GROUP_M 8; the down dgrad's tile at 3 and 4 stages and
-at GROUP_M 16), timed in the order Triton…, warp-specialized…, the same reversed, since a
-config timed later in a sweep measures slower (the GPU's clock falls under sustained load);
-with `--rounds R` the whole list takes turns R times as well. `diff vs first` is 0 where the
-output is bitwise the Triton kernel's (the down dgrad's first output, d_gate_up).
+down GEMM, the gate/up dgrad and both wgrads, each with the Triton tiles the defaults pick on
+some preset, then the warp-specialized configs of the kind (ping-pong and cooperative, the
+cooperative also at GROUP_M 8), timed in the order Triton…, warp-specialized…, the same
+reversed, since a config timed later in a sweep measures slower (the GPU's clock falls under
+sustained load); with `--rounds R` the whole list takes turns R times as well. `diff vs first` is 0 where the
+output is bitwise the Triton kernel's.
 
-    python benchmarks/sweeps/warp_specialized.py [tune_gemm.py's options, e.g. --kernel down_dgrad --rounds 6]
+    python benchmarks/sweeps/warp_specialized.py [tune_gemm.py's options, e.g. --kernel down_wgrad --rounds 6]
 """
 
 import pathlib
@@ -19,10 +18,8 @@ import tune_gemm  # noqa: E402
 from mok.kernels import warp_specialized  # noqa: E402
 
 PING_PONG, COOPERATIVE = warp_specialized.tile_config(cooperative=False), warp_specialized.tile_config(cooperative=True)
-DOWN_DGRAD = warp_specialized.down_dgrad_tile_config()
 TRITON = {
     "down": tune_gemm._persistent(tune_gemm._configs((128, 256, 64, 3))) + tune_gemm._configs((128, 256, 64, 4)),
-    "down_dgrad": tune_gemm._configs((128, 256, 64, 3)),
     "gate_up_dgrad": tune_gemm._configs((128, 256, 64, 3))
     + tune_gemm._persistent(tune_gemm._configs((128, 256, 64, 4))),
     "down_wgrad": tune_gemm._configs((128, 256, 64, 3), group_m=False),
@@ -30,7 +27,6 @@ TRITON = {
 }
 WARP_SPECIALIZED = {
     "down": [PING_PONG, COOPERATIVE, dict(PING_PONG, GROUP_M=8), dict(COOPERATIVE, GROUP_M=8)],
-    "down_dgrad": [DOWN_DGRAD, dict(DOWN_DGRAD, num_stages=4), dict(DOWN_DGRAD, GROUP_M=16)],
     "gate_up_dgrad": [PING_PONG, COOPERATIVE, dict(COOPERATIVE, GROUP_M=8)],
     "down_wgrad": [PING_PONG, COOPERATIVE, dict(COOPERATIVE, GROUP_M=8)],
     "gate_up_wgrad": [COOPERATIVE, dict(COOPERATIVE, GROUP_M=8)],  # two outputs: cooperative only

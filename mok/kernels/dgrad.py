@@ -72,7 +72,7 @@ import triton.language as tl
 from mok.fp8_block import FP8_BLOCK
 from mok.kernels import grouped_gemm, warp_specialized
 from mok.kernels.comm import PeerRows, signal_peers
-from mok.kernels.common import column_halves, interpreting, tile_coordinates, tma_descriptor
+from mok.kernels.common import column_halves, interpreting, round_to_bf16, tile_coordinates, tma_descriptor
 from mok.kernels.gather import check_sorted_rows
 from mok.kernels.grouped_gemm import (
     check_fp8_block_pair,
@@ -84,7 +84,7 @@ from mok.kernels.grouped_gemm import (
     sorted_rows_tile,
 )
 from mok.kernels.schedule import RoutingSchedule
-from mok.kernels.swiglu import swiglu_backward_epilogue
+from mok.kernels.swiglu import swiglu_backward
 
 # --------------------------------------------------------------------------- configs
 
@@ -120,14 +120,6 @@ PERSISTENT_GATE_UP_MIN_HIDDEN = 6144
 # -fwd-bwd-v13.json, two machines): deepseek-v3-slice and mixtral-8x7b lost what those gained,
 # so the Triton kernel stays there.
 COOPERATIVE_GATE_UP_DGRAD_MAX_INTER = 1024
-# True runs the bf16 down dgrad on Hopper as the cooperative warp-specialized kernel
-# (`warp_specialized.launch_down_dgrad_swiglu`: the producer warp also loads each tile's g and u
-# into shared memory while the consumers multiply, so the SwiGLU backward epilogue does not wait
-# on them), written to give the Triton kernel's d_gate_up bitwise (compiled for sm_90a in the
-# CPU tests; not yet run on a GPU). Off until tested and timed there against the Triton kernel
-# (`benchmarks/sweeps/warp_specialized.py --kernel down_dgrad`), whose epilogue leaves it at
-# 512 TFLOPS on mixtral-8x7b against 600–650 for the gate/up dgrad and wgrad.
-COOPERATIVE_DOWN_DGRAD = False
 
 
 def dgrad_config(
@@ -146,8 +138,7 @@ def dgrad_config(
     deepseek-v3-slice 6.21 -> 5.39 ms; qwen3-30b and mixtral-8x7b within ±2% either
     way, record h200-20261130-persistent.json). On Hopper the gate/up dgrad runs the
     cooperative warp-specialized kernel up to `COOPERATIVE_GATE_UP_DGRAD_MAX_INTER` unless
-    `allow_warp_specialized` is False (stores to other ranks), and the down dgrad with
-    `COOPERATIVE_DOWN_DGRAD` (unless `allow_warp_specialized` is False: the Triton reference). Under the interpreter, small
+    `allow_warp_specialized` is False (stores to other ranks). Under the interpreter, small
     tiles keep the CPU tests fast. The key never includes per-expert counts (they change every step).
     fp8_block: `_FP8_BLOCK_TILES`, the same for every shape until measured.
     """
@@ -155,10 +146,8 @@ def dgrad_config(
         return dict(BLOCK_M=routing_block_m(), **_FP8_BLOCK_TILES["interpreter" if interpreting() else kind])
     if interpreting():
         return dict(BLOCK_M=routing_block_m(), BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1)
-    warp_specialized_here = allow_warp_specialized and warp_specialized.available_here()
-    if kind == "down" and COOPERATIVE_DOWN_DGRAD and warp_specialized_here:
-        return warp_specialized.down_dgrad_tile_config()
-    if kind == "gate_up" and reduce_dim <= COOPERATIVE_GATE_UP_DGRAD_MAX_INTER and warp_specialized_here:
+    short = reduce_dim <= COOPERATIVE_GATE_UP_DGRAD_MAX_INTER
+    if kind == "gate_up" and short and allow_warp_specialized and warp_specialized.available_here():
         return warp_specialized.tile_config(cooperative=True)
     cfg = dict(BLOCK_M=routing_block_m(), BLOCK_N=256, BLOCK_K=64, GROUP_M=grouped_gemm.GEMM_GROUP_M, num_warps=8,
                num_stages=3)
@@ -190,18 +179,25 @@ def sorted_rows_times_weight(
 
 
 @triton.jit
-def _down_dgrad_columns(
+def _down_dgrad_epilogue(
     d_out_wd, w, row_valid, rows64, n0, gate_up_ptr, d_gate_up_ptr, inter, swiglu_limit, stride_gu_r, stride_dgu_r,
     HAS_LIMIT: tl.constexpr, INTERPRETER: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """`swiglu_backward_epilogue` on columns [n0, n0 + BLOCK_N) of an M tile, g and u loaded here."""
+    """The down dgrad's epilogue on columns [n0, n0 + BLOCK_N) of an M tile: d_g, d_u from
+    w·a and the saved g, u, stored (exact zeros in padding rows); returns the router-weight
+    partials ⟨a, h⟩ over these columns (columns past I are zero on both sides)."""
     n_offs = n0 + tl.arange(0, BLOCK_N)
     out_mask = (n_offs < inter)[None, :]
     gu_ptrs = gate_up_ptr + rows64[:, None] * stride_gu_r + n_offs[None, :]
     gate = tl.load(gu_ptrs, mask=out_mask, other=0.0).to(tl.float32)
     up = tl.load(gu_ptrs + inter, mask=out_mask, other=0.0).to(tl.float32)
-    return swiglu_backward_epilogue(d_out_wd, w, row_valid, rows64, n_offs, gate, up, d_gate_up_ptr, inter,
-                                    swiglu_limit, stride_dgu_r, HAS_LIMIT, INTERPRETER)
+    d_gate, d_up, h = swiglu_backward(w[:, None] * d_out_wd, gate, up, swiglu_limit, HAS_LIMIT)
+    # Padding rows: exact zeros whatever the saved g, u hold there.
+    valid = row_valid[:, None]
+    dgu_ptrs = d_gate_up_ptr + rows64[:, None] * stride_dgu_r + n_offs[None, :]
+    tl.store(dgu_ptrs, round_to_bf16(tl.where(valid, d_gate, 0.0), INTERPRETER), mask=out_mask)
+    tl.store(dgu_ptrs + inter, round_to_bf16(tl.where(valid, d_up, 0.0), INTERPRETER), mask=out_mask)
+    return tl.sum(d_out_wd * h, axis=1)
 
 
 # --------------------------------------------------------------------------- kernels
@@ -257,7 +253,7 @@ def _down_dgrad_swiglu_kernel(
     for half in tl.static_range(2):
         quarters = column_halves(halves[half])
         for quarter in tl.static_range(2):
-            partial += _down_dgrad_columns(
+            partial += _down_dgrad_epilogue(
                 quarters[quarter], w, row_valid, rows64, n_tile * BLOCK_N + (2 * half + quarter) * (BLOCK_N // 4),
                 gate_up_ptr, d_gate_up_ptr, inter, swiglu_limit, stride_gu_r, stride_dgu_r,
                 HAS_LIMIT, INTERPRETER, BLOCK_N // 4,
@@ -397,8 +393,9 @@ def _launch_down_dgrad_swiglu(
     precision: str, d_out, d_out_scale, topk_weights, gate_up, w_down, w_down_scale,
     schedule: RoutingSchedule, hidden: int, inter: int, swiglu_limit: float | None, cfg: dict,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`_down_dgrad_swiglu_kernel` (or, for a tile config with WARP_SPECIALIZED, `warp_specialized`'s
-    kernel, bf16), then the router-weight sum; the scales are None in bf16."""
+    """`_down_dgrad_swiglu_kernel`, then the router-weight sum; the scales are None in bf16."""
+    if cfg.get("WARP_SPECIALIZED", False):  # a warp-specialized down dgrad measured slower (BENCHMARKS.md)
+        raise ValueError("tile_config: the down dgrad runs the Triton kernel only, got WARP_SPECIALIZED")
     device = gate_up.device
     num_n_tiles = triton.cdiv(inter, cfg["BLOCK_N"])
     d_gate_up = torch.empty_like(gate_up)  # [capacity_rows, 2, I] bf16
@@ -406,23 +403,18 @@ def _launch_down_dgrad_swiglu(
     num_slots = topk_weights.numel() if weighted else 0
     # [T·topk, I / BLOCK_N] fp32: every slot a placed route points to is fully written.
     route_partials = torch.empty(num_slots, num_n_tiles, dtype=torch.float32, device=device)
-    if cfg.get("WARP_SPECIALIZED", False):
-        if precision != "bf16":
-            raise ValueError(f"tile_config: WARP_SPECIALIZED is for the bf16 down dgrad, got precision {precision}")
-        warp_specialized.launch_down_dgrad_swiglu(d_out, topk_weights, gate_up, w_down, d_gate_up, route_partials,
-                                                  schedule, swiglu_limit, cfg)
-    else:
-        _down_dgrad_swiglu_kernel[(schedule.max_tiles * num_n_tiles,)](
-            tma_descriptor(d_out, (cfg["BLOCK_M"], cfg["BLOCK_K"])), topk_weights if weighted else d_gate_up,
-            gate_up, tma_descriptor(w_down, _weight_block(precision, cfg)), d_gate_up,
-            route_partials if weighted else d_gate_up,  # unused without weights (HAS_WEIGHTS=False)
-            *(d_gate_up if s is None else s for s in (d_out_scale, w_down_scale)),  # d_gate_up: an unread stand-in
-            schedule.row_source, schedule.tile_expert, schedule.num_rows,
-            hidden, inter, schedule.max_tiles, 0.0 if swiglu_limit is None else float(swiglu_limit),
-            gate_up.stride(0), d_gate_up.stride(0),
-            PRECISION=precision, HAS_WEIGHTS=weighted, HAS_LIMIT=swiglu_limit is not None, INTERPRETER=interpreting(),
-            **cfg,
-        )
+    grid = (schedule.max_tiles * num_n_tiles,)
+    _down_dgrad_swiglu_kernel[grid](
+        tma_descriptor(d_out, (cfg["BLOCK_M"], cfg["BLOCK_K"])), topk_weights if weighted else d_gate_up,
+        gate_up, tma_descriptor(w_down, _weight_block(precision, cfg)), d_gate_up,
+        route_partials if weighted else d_gate_up,  # unused without weights (HAS_WEIGHTS=False)
+        *(d_gate_up if s is None else s for s in (d_out_scale, w_down_scale)),  # d_gate_up: an unread stand-in
+        schedule.row_source, schedule.tile_expert, schedule.num_rows,
+        hidden, inter, schedule.max_tiles, 0.0 if swiglu_limit is None else float(swiglu_limit),
+        gate_up.stride(0), d_gate_up.stride(0),
+        PRECISION=precision, HAS_WEIGHTS=weighted, HAS_LIMIT=swiglu_limit is not None, INTERPRETER=interpreting(),
+        **cfg,
+    )
     if not weighted:
         return d_gate_up, None
     d_topk_weights = torch.empty_like(topk_weights)  # [T, topk] fp32

@@ -362,9 +362,9 @@ PING_PONG_DOWN_MAX_INTER = 1024
 COOPERATIVE_DOWN = False
 # Row tiles per column sweep (`tile_coordinates`) of the bf16 Triton grouped GEMMs: the forward's
 # gate/up and down, and both dgrads (`dgrad.dgrad_config`). A weight tile comes from HBM once per
-# group and then from L2 while the group's tiles are in flight. 8 so far; mixtral-8x7b's experts
-# hold 16 row tiles, so its weights come from HBM twice per step at 8
-# (`benchmarks/sweeps/group_m.py` times 8, 16 and 32).
+# group and then from L2 while the group's tiles are in flight. 16 (mixtral-8x7b's experts hold
+# 16 row tiles) measured slower in the layer: mixtral-8x7b forward+backward 28.8 -> 29.2 ms
+# (record h200-20261201-ab-gemm-group.json); `benchmarks/sweeps/group_m.py` times 8, 16, 32.
 GEMM_GROUP_M = 8
 
 

@@ -4,7 +4,6 @@
     down wgrad:    d_w_down[e] = Σ_{r of e} dy_sorted[r]ᵀ · h[r]  (fp32 sum, stored bf16; `wgrad.py`)
     gate/up wgrad: d_w_gate[e] = Σ_{r of e} d_g[r]ᵀ · x_sorted[r], d_w_up[e] likewise with d_u
     gate/up dgrad: dx[src(r)] = d_g[r] · Wg[e] + d_u[r] · Wu[e]      (two K segments; `dgrad.py`)
-    down dgrad:    a[r] = d_out_sorted[r] · Wd[e], then the SwiGLU backward epilogue (`dgrad.py`)
 
 Legend: r a row of the expert-sorted layout of `schedule.py`, src(r) = row_source[r]
 (−1: padding), e = tile_expert[r // BLOCK_M], H hidden, I intermediate size, E_l local experts.
@@ -25,10 +24,6 @@ tile-config flag COOPERATIVE):
   so each stage's B tile serves 128 rows. At large K, where 128×128 tiles lose to 128×256's
   operand reuse, this keeps the reuse and adds the producer running ahead. For the gate/up
   wgrad, consumer 0 computes d_w_gate's 64 rows and consumer 1 d_w_up's, sharing the x tile.
-  The down dgrad (cooperative only) also has the producer load its epilogue's operands: after
-  a tile's K steps it loads the tile's saved g and u an eighth of the columns at a time into
-  two more buffers (`operands_ready`, `operands_empty`, the same protocol as the ring), so the
-  SwiGLU backward reads them from shared memory instead of waiting on global loads.
 
 Every kernel walks its tiles GROUP_M row tiles per column sweep (tile-config key GROUP_M;
 without it 1, each row tile's columns in turn; the wgrads within each expert), as the Triton
@@ -46,17 +41,16 @@ start its tile's waits only after the other consumer has passed all of its own (
 on `turn[1 − c]` after its last `ready` wait), which keeps every wait within one phase.
 
 Each tile's K loop is the Triton kernel's (the same BLOCK_K steps in the same order, fp32
-accumulation in one wgmma chain), so the result is bitwise the Triton kernel's, which the GPU
-tests check (the down dgrad's router-weight partials, summed over eighths of a tile's columns
-instead of quarters, to fp32 rounding); fixed order, no atomics: deterministic. Gluon has no
-interpreter: the CPU tests compile these kernels for sm_90a and check ptxas's register and
-spill counts, and the Triton kernels stay the reference path (and the only one under
-`TRITON_INTERPRET=1`, on GPUs other than Hopper, under expert parallelism and with main_grad).
+accumulation in one wgmma chain), so the result is bitwise the Triton kernel's (tested on
+the GPU); fixed order, no atomics: deterministic. Gluon has no interpreter: the CPU tests
+compile these kernels for sm_90a and check ptxas's register and spill counts, and the
+Triton kernels stay the reference path (and the only one under `TRITON_INTERPRET=1`, on
+GPUs other than Hopper, under expert parallelism and with main_grad).
 
 Caller contract: as for the Triton kernels (`grouped_gemm.down_scatter`, `wgrad.down_wgrad`,
-`wgrad.gate_up_wgrad`, `dgrad.gate_up_dgrad_scatter`, `dgrad.down_dgrad_swiglu`); bf16 only;
-BLOCK_M is the schedule's block_m. Worker partitions of one `warp_specialize` share one
-signature (Gluon's rule), so each kernel's producer takes its consumers' arguments.
+`wgrad.gate_up_wgrad`, `dgrad.gate_up_dgrad_scatter`); bf16 only; BLOCK_M is the schedule's
+block_m. Worker partitions of one `warp_specialize` share one signature (Gluon's rule), so
+each kernel's producer takes its consumers' arguments.
 """
 
 from __future__ import annotations
@@ -76,7 +70,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from mok.kernels.common import (
-    column_halves,
     expert_tile_coordinates,
     interpreting,
     num_sms,
@@ -84,7 +77,6 @@ from mok.kernels.common import (
     tma_descriptor,
 )
 from mok.kernels.schedule import RoutingSchedule
-from mok.kernels.swiglu import swiglu_backward_epilogue
 
 # Ping-pong: one consumer's tile. A 128×128 fp32 accumulator is 128 registers per thread of
 # its warp group; 128×256 spilled (ptxas, sm_90a: 3.7 KB per thread). Six stages of 128×64 A
@@ -95,10 +87,6 @@ PING_PONG_TILE = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_stages=6)
 # Four stages of 48 KiB (two 64×64 A halves, one 256×64 B tile); three measured the same
 # within 3% either way (record h200-20261201-cooperative-probe.log).
 COOPERATIVE_TILE = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_stages=4)
-# The down dgrad's: cooperative at three stages; with two buffers of the epilogue's g and u (an
-# eighth of the tile's columns each, 2 × 2 × 8 KiB) 176 KiB of shared memory (four stages would
-# fit too, at 224 KiB); GROUP_M row tiles per column sweep, as the Triton kernel.
-DOWN_DGRAD_TILE = dict(COOPERATIVE_TILE, num_stages=3, GROUP_M=8)
 # Registers per thread of the consumer warp groups and of the producer warp (setmaxnreg);
 # the default partition (consumer 0) gets what is left of the launch's 168 × 384 threads.
 _CONSUMER_REGISTERS = gl.constexpr(232)
@@ -125,11 +113,6 @@ def available_here() -> bool:
 def tile_config(cooperative: bool) -> dict:
     """The tile config that selects these kernels (flag WARP_SPECIALIZED) with either schedule."""
     return dict(COOPERATIVE_TILE if cooperative else PING_PONG_TILE, WARP_SPECIALIZED=True, COOPERATIVE=cooperative)
-
-
-def down_dgrad_tile_config() -> dict:
-    """The tile config that selects the warp-specialized down dgrad (cooperative only)."""
-    return dict(DOWN_DGRAD_TILE, WARP_SPECIALIZED=True, COOPERATIVE=True)
 
 
 def _check_device(device: torch.device) -> None:
@@ -207,27 +190,19 @@ _STORE_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
 
 
 @gluon.jit
-def _allocate_slots(a_desc, b_desc, A_TILES: gl.constexpr, STAGES: gl.constexpr, READERS: gl.constexpr):
-    """STAGES slots of A_TILES // STAGES A tiles and one B tile each, and their barriers: `ready`
-    (one arrival, the TMA's) and `empty` (READERS arrivals, the consumers that release a slot)."""
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [A_TILES] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=READERS)
-    return a_bufs, b_bufs, ready, empty
-
-
-@gluon.jit
 def _allocate_ring(a_desc, b_desc, COOPERATIVE: gl.constexpr, STAGES: gl.constexpr):
     """STAGES slots of A (two per slot, cooperative) and B tiles and the ring's barriers
     (ready, empty, turn)."""
     A_TILES: gl.constexpr = 2 * STAGES if COOPERATIVE else STAGES
     READERS: gl.constexpr = 2 if COOPERATIVE else 1  # consumers that release each slot
-    a_bufs, b_bufs, ready, empty = _allocate_slots(a_desc, b_desc, A_TILES, STAGES, READERS)
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [A_TILES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=READERS)
     for c in gl.static_range(2):
         mbarrier.init(turn.index(c), count=1)
     fence_async_shared()
@@ -345,136 +320,6 @@ def _scatter_ws_kernel(
         (_scatter_producer, (a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, empty, turn, y_ptr,
                              row_source_ptr, tile_expert_ptr, num_rows_ptr, n_dim, reduce_dim, stride_y, 0,
                              TWO_SEGMENTS, B_K_MAJOR, COOPERATIVE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
-    ], [4, 1], [_CONSUMER_REGISTERS, _PRODUCER_REGISTERS])
-
-
-# --------------------------------------------------------------------------- down dgrad
-
-
-@gluon.jit
-def _column_eighths(acc):
-    """The eight 32-column slices of a [rows, 256] accumulator, left to right. Free: each
-    thread holds columns of every slice (`column_halves` three times)."""
-    halves = column_halves(acc)
-    quarters = column_halves(halves[0]) + column_halves(halves[1])
-    e0, e1 = column_halves(quarters[0])
-    e2, e3 = column_halves(quarters[1])
-    e4, e5 = column_halves(quarters[2])
-    e6, e7 = column_halves(quarters[3])
-    return e0, e1, e2, e3, e4, e5, e6, e7
-
-
-@gluon.jit
-def _down_dgrad_producer(d_out_desc, w_down_desc, gate_desc, up_desc, a_bufs, b_bufs, ready, empty, turn, gate_bufs,
-                         up_bufs, operands_ready, operands_empty, topk_weights_ptr, d_gate_up_ptr, route_partials_ptr,
-                         row_source_ptr, tile_expert_ptr, num_rows_ptr, hidden, inter, swiglu_limit, stride_dgu_r,
-                         CONSUMER: gl.constexpr, HAS_WEIGHTS: gl.constexpr, HAS_LIMIT: gl.constexpr,
-                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-                         STAGES: gl.constexpr):
-    """Each tile's K steps, then its g and u an eighth of the columns at a time into two buffers,
-    while the consumers multiply. An eighth waits only for the consumers to be done with the
-    eighth two before it, which needs nothing this warp has not issued yet: no deadlock."""
-    num_m_tiles = gl.cdiv(gl.load(num_rows_ptr), BLOCK_M)
-    num_n_tiles = gl.cdiv(inter, BLOCK_N)
-    step = 0
-    part_count = 0
-    for tile in range(gl.program_id(0), num_m_tiles * num_n_tiles, gl.num_programs(0)):
-        m_tile, n_tile = tile_coordinates(tile, num_m_tiles, num_n_tiles, GROUP_M)
-        m0, n0 = m_tile * BLOCK_M, n_tile * BLOCK_N
-        expert = gl.load(tile_expert_ptr + m_tile)
-        step = _load_segment(step, d_out_desc, w_down_desc, m0, expert, n0, inter, hidden, a_bufs, b_bufs, ready,
-                             empty, False, True, BLOCK_M, BLOCK_K, STAGES)
-        for part in gl.static_range(8):  # a ring of two slots: g as its A tile, u as its B tile
-            coords = [m0, n0 + part * (BLOCK_N // 8)]
-            _load_step(part_count, gate_desc, coords, gate_desc, coords, up_desc, coords, gate_bufs, up_bufs,
-                       operands_ready, operands_empty, False, 2)
-            part_count += 1
-
-
-@gluon.jit
-def _down_dgrad_consumer(d_out_desc, w_down_desc, gate_desc, up_desc, a_bufs, b_bufs, ready, empty, turn, gate_bufs,
-                         up_bufs, operands_ready, operands_empty, topk_weights_ptr, d_gate_up_ptr, route_partials_ptr,
-                         row_source_ptr, tile_expert_ptr, num_rows_ptr, hidden, inter, swiglu_limit, stride_dgu_r,
-                         CONSUMER: gl.constexpr, HAS_WEIGHTS: gl.constexpr, HAS_LIMIT: gl.constexpr,
-                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-                         STAGES: gl.constexpr):
-    """Rows [64·CONSUMER, 64·CONSUMER + 64) of every tile: the K loop, then the Triton kernel's
-    epilogue (`swiglu_backward_epilogue`, the same arithmetic) an eighth of the columns at a
-    time, g and u read from the producer's buffers straight into the slice's register layout.
-    Eighths rather than the Triton kernel's quarters: with quarters the accumulator and the
-    epilogue's operands spilled 3 KB per thread (ptxas, sm_90a), with eighths ~0.1 KB."""
-    ROWS: gl.constexpr = BLOCK_M // 2
-    mma_layout: gl.constexpr = _mma_layout(BLOCK_N)
-    num_m_tiles = gl.cdiv(gl.load(num_rows_ptr), BLOCK_M)
-    num_n_tiles = gl.cdiv(inter, BLOCK_N)
-    k_steps = gl.cdiv(hidden, BLOCK_K)
-    tile_count = 0
-    for tile in range(gl.program_id(0), num_m_tiles * num_n_tiles, gl.num_programs(0)):
-        m_tile, n_tile = tile_coordinates(tile, num_m_tiles, num_n_tiles, GROUP_M)
-        acc = gl.zeros((ROWS, BLOCK_N), gl.float32, mma_layout)
-        acc = _mma_steps(acc, tile_count * k_steps, k_steps, tile_count, a_bufs, b_bufs, ready, empty, turn,
-                         CONSUMER, True, False, True, STAGES)
-        parts = _column_eighths(acc)
-        part_layout: gl.constexpr = parts[0].type.layout
-        rows = m_tile * BLOCK_M + CONSUMER * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, part_layout))
-        source = gl.load(row_source_ptr + rows)
-        row_valid = source >= 0
-        slot = gl.where(row_valid, source, 0)
-        w = gl.full((ROWS,), 1.0, gl.float32, gl.SliceLayout(1, part_layout))
-        if HAS_WEIGHTS:
-            w = gl.load(topk_weights_ptr + slot, mask=row_valid, other=0.0)
-        rows64 = rows.to(gl.int64)
-        partial = gl.zeros((ROWS,), gl.float32, gl.SliceLayout(1, part_layout))
-        for part in gl.static_range(8):
-            part_count = tile_count * 8 + part
-            buf = part_count % 2
-            mbarrier.wait(operands_ready.index(buf), (part_count // 2) & 1)
-            gate = gate_bufs.index(buf).slice(CONSUMER * ROWS, ROWS).load(part_layout).to(gl.float32)
-            up = up_bufs.index(buf).slice(CONSUMER * ROWS, ROWS).load(part_layout).to(gl.float32)
-            mbarrier.arrive(operands_empty.index(buf), count=1)
-            n_offs = (n_tile * BLOCK_N + part * (BLOCK_N // 8)
-                      + gl.arange(0, BLOCK_N // 8, layout=gl.SliceLayout(0, part_layout)))
-            partial += swiglu_backward_epilogue(parts[part], w, row_valid, rows64, n_offs, gate, up, d_gate_up_ptr,
-                                                inter, swiglu_limit, stride_dgu_r, HAS_LIMIT, False)
-        if HAS_WEIGHTS:
-            gl.store(route_partials_ptr + slot.to(gl.int64) * num_n_tiles + n_tile, partial, mask=row_valid)
-        tile_count += 1
-
-
-@gluon.jit
-def _down_dgrad_ws_kernel(
-    # TMA descriptors: d_out_sorted [capacity_rows, H], w_down as [E_l·H, I], g and u ([rows, I]
-    # views of gate_up [rows, 2, I]); pointers: topk_weights [T·topk] fp32, d_gate_up [rows, 2, I]
-    # bf16, route_partials [T·topk, I / BLOCK_N] fp32
-    d_out_desc, w_down_desc, gate_desc, up_desc, topk_weights_ptr, d_gate_up_ptr, route_partials_ptr,
-    # schedule
-    row_source_ptr, tile_expert_ptr, num_rows_ptr,
-    # sizes, strides
-    hidden, inter, swiglu_limit, stride_dgu_r,
-    # meta
-    HAS_WEIGHTS: gl.constexpr, HAS_LIMIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-):
-    """`dgrad._down_dgrad_swiglu_kernel`'s bf16 case, cooperative: see the module docstring."""
-    # the epilogue's operands: a second ring of two slots, a g and a u tile each, both consumers reading
-    gate_bufs, up_bufs, operands_ready, operands_empty = _allocate_slots(gate_desc, up_desc, 2, 2, 2)
-    a_bufs, b_bufs, ready, empty, turn = _allocate_ring(d_out_desc, w_down_desc, True, STAGES)
-    gl.warp_specialize([
-        (_down_dgrad_consumer, (d_out_desc, w_down_desc, gate_desc, up_desc, a_bufs, b_bufs, ready, empty, turn,
-                                gate_bufs, up_bufs, operands_ready, operands_empty, topk_weights_ptr, d_gate_up_ptr,
-                                route_partials_ptr, row_source_ptr, tile_expert_ptr, num_rows_ptr, hidden, inter,
-                                swiglu_limit, stride_dgu_r, 0, HAS_WEIGHTS, HAS_LIMIT, BLOCK_M, BLOCK_N, BLOCK_K,
-                                GROUP_M, STAGES)),
-        (_down_dgrad_consumer, (d_out_desc, w_down_desc, gate_desc, up_desc, a_bufs, b_bufs, ready, empty, turn,
-                                gate_bufs, up_bufs, operands_ready, operands_empty, topk_weights_ptr, d_gate_up_ptr,
-                                route_partials_ptr, row_source_ptr, tile_expert_ptr, num_rows_ptr, hidden, inter,
-                                swiglu_limit, stride_dgu_r, 1, HAS_WEIGHTS, HAS_LIMIT, BLOCK_M, BLOCK_N, BLOCK_K,
-                                GROUP_M, STAGES)),
-        (_down_dgrad_producer, (d_out_desc, w_down_desc, gate_desc, up_desc, a_bufs, b_bufs, ready, empty, turn,
-                                gate_bufs, up_bufs, operands_ready, operands_empty, topk_weights_ptr, d_gate_up_ptr,
-                                route_partials_ptr, row_source_ptr, tile_expert_ptr, num_rows_ptr, hidden, inter,
-                                swiglu_limit, stride_dgu_r, 0, HAS_WEIGHTS, HAS_LIMIT, BLOCK_M, BLOCK_N, BLOCK_K,
-                                GROUP_M, STAGES)),
     ], [4, 1], [_CONSUMER_REGISTERS, _PRODUCER_REGISTERS])
 
 
@@ -639,28 +484,4 @@ def launch_wgrad(a: torch.Tensor, a2: torch.Tensor | None, b: torch.Tensor, out:
         schedule.expert_offsets,
         num_tiles, m_dim, n_dim, out.stride(0),
         cooperative, two_outputs, block_m, block_n, block_k, cfg.get("GROUP_M", 1), cfg["num_stages"], num_warps=4,
-    )
-
-
-def launch_down_dgrad_swiglu(d_out: torch.Tensor, topk_weights: torch.Tensor | None, gate_up: torch.Tensor,
-                             w_down: torch.Tensor, d_gate_up: torch.Tensor, route_partials: torch.Tensor,
-                             schedule: RoutingSchedule, swiglu_limit: float | None, cfg: dict) -> None:
-    """d_gate_up and the router-weight partials of `dgrad.down_dgrad_swiglu`'s bf16 case (the
-    caller sums the partials); the caller has checked the operands."""
-    if not cfg.get("COOPERATIVE", False):
-        raise ValueError("tile_config: the down dgrad needs COOPERATIVE with WARP_SPECIALIZED")
-    _check_device(gate_up.device)
-    block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    inter = gate_up.shape[2]
-    weighted = topk_weights is not None
-    eighth = (block_m, block_n // 8)  # the epilogue's g and u blocks (`_column_eighths`)
-    num_tiles = schedule.max_tiles * triton.cdiv(inter, block_n)
-    _down_dgrad_ws_kernel[(min(num_tiles, num_sms(gate_up.device)),)](
-        _descriptor(d_out, (_consumer_rows(block_m, True), block_k)), _descriptor(w_down, (block_k, block_n)),
-        _descriptor(gate_up[:, 0], eighth), _descriptor(gate_up[:, 1], eighth),
-        topk_weights if weighted else d_gate_up, d_gate_up, route_partials if weighted else d_gate_up,  # unread
-        schedule.row_source, schedule.tile_expert, schedule.num_rows,
-        d_out.shape[1], inter, 0.0 if swiglu_limit is None else float(swiglu_limit), d_gate_up.stride(0),
-        weighted, swiglu_limit is not None, block_m, block_n, block_k, cfg.get("GROUP_M", 1), cfg["num_stages"],
-        num_warps=4,
     )

@@ -111,13 +111,12 @@ COOPERATIVE_GATE_UP_WGRAD = True
 # With main_grad the warp-specialized read-modify-write epilogue spilled in one warp group
 # (ptxas: 200–360 B), so the Triton kernel accumulates.
 # Row tiles of d_w_down [H, I] per column sweep within an expert (GROUP_M,
-# `expert_tile_coordinates`), for either kernel. At 1 (the order measured so far) the ~132
-# tiles in flight on mixtral-8x7b (I = 14336: 56 column tiles of 256) cover two or three row
-# tiles, so h[e] (58 MB, above H200's 50 MB L2) streams from HBM about 13 times per expert; at 8
-# about 4 times. Its down wgrad runs at ~580 TFLOPS against 640–660 on deepseek-v3-slice, whose
-# h[e] fits. 1 until timed (`benchmarks/sweeps/warp_specialized.py --kernel down_wgrad`, and in
-# the layer `python -m mok.bench --variant mok.kernels.wgrad.DOWN_WGRAD_GROUP_M=8`).
-DOWN_WGRAD_GROUP_M = 1
+# `expert_tile_coordinates`), for either kernel. At 1 the ~132 tiles in flight on mixtral-8x7b
+# (I = 14336: 56 column tiles of 256) cover two or three row tiles, so h[e] (58 MB, above
+# H200's 50 MB L2) streams from HBM about 13 times per expert; at 8 about 4 times. Measured
+# (record h200-20261201-ab-ws-sweep.json, cooperative kernel, two timings each): mixtral-8x7b
+# 3.21/3.33 -> 3.08/3.11 ms, deepseek-v3-slice (h[e] fits) 3.09/3.10 -> 3.06/3.08.
+DOWN_WGRAD_GROUP_M = 8
 
 
 def wgrad_config(

@@ -1,7 +1,7 @@
 """The warp-specialized (Gluon, Hopper) GEMMs: bitwise the Triton kernels'
 output on a Hopper GPU (odd sizes, empty experts, one tile per program and many, where the two
-consumer warp groups take turns), compiled for sm_90a on any machine (no spills; a small
-bound for the down dgrad), and clear errors where they cannot run."""
+consumer warp groups take turns), compiled for sm_90a on any machine (no spills), and clear
+errors where they cannot run."""
 
 import json
 import os
@@ -13,8 +13,8 @@ import tempfile
 import pytest
 import torch
 
-from mok.kernels import dgrad, wgrad
 from mok.kernels import warp_specialized as ws
+from mok.kernels import wgrad
 from mok.kernels.dgrad import dgrad_config, down_dgrad_swiglu, gate_up_dgrad_scatter
 from mok.kernels.gather import gather_sorted_rows
 from mok.kernels.grouped_gemm import down_scatter, gate_up_swiglu, gemm_config, routing_block_m
@@ -94,37 +94,10 @@ def test_kernels_compile_for_sm90a_without_spills(cooperative, two_operands):
         assert counts == (168, 0), f"{kernel}, {cooperative=} {two_operands=}: (registers, spilled bytes) {counts}"
 
 
-# The down dgrad's consumers hold the whole 64×256 accumulator through the SwiGLU backward
-# epilogue: a few loop-invariant values spill (ptxas: 100 B without a limit, 248 B with one);
-# the epilogue by quarters, as the Triton kernel's, spilled 3 KB.
-_DOWN_DGRAD_SPILL_BOUND = 256
-
-
-@pytest.mark.parametrize("has_limit", [False, True])
-def test_down_dgrad_compiles_for_sm90a(has_limit):
-    """The down dgrad's tile (ring and g, u buffers) fits shared memory, at 168 registers per
-    thread at launch and at most `_DOWN_DGRAD_SPILL_BOUND` bytes spilled."""
-    cfg = ws.down_dgrad_tile_config()
-    block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    meta = dict(HAS_WEIGHTS=True, HAS_LIMIT=has_limit, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                GROUP_M=cfg["GROUP_M"], STAGES=cfg["num_stages"])
-    eighth = _descriptor_type((block_m, block_n // 8))
-    registers, spilled = _ptxas_report("_down_dgrad_ws_kernel", {
-        "d_out_desc": _descriptor_type((block_m // 2, block_k)), "w_down_desc": _descriptor_type((block_k, block_n)),
-        "gate_desc": eighth, "up_desc": eighth, "topk_weights_ptr": "*fp32", "d_gate_up_ptr": "*bf16",
-        "route_partials_ptr": "*fp32", "row_source_ptr": "*i32", "tile_expert_ptr": "*i32", "num_rows_ptr": "*i32",
-        "hidden": "i32", "inter": "i32", "swiglu_limit": "fp32", "stride_dgu_r": "i32",
-        **{name: "constexpr" for name in meta}}, meta)
-    assert registers == 168 and spilled <= _DOWN_DGRAD_SPILL_BOUND, f"{has_limit=}: {registers=} {spilled=}"
-
-
-def test_defaults_choose_it_only_where_it_runs(monkeypatch):
-    """No Hopper GPU here (or the interpreter): the default tile configs keep the Triton kernels,
-    the down dgrad's also when its flag asks for the warp-specialized kernel."""
+def test_defaults_choose_it_only_where_it_runs():
+    """No Hopper GPU here (or the interpreter): the default tile configs keep the Triton kernels."""
     if ws.available_here():
         pytest.skip("a Hopper GPU is present")
-    monkeypatch.setattr(dgrad, "COOPERATIVE_DOWN_DGRAD", True)
-    assert "WARP_SPECIALIZED" not in dgrad_config("down", 14336, 4096)
     for config in (gemm_config("down", 2048, 768), gemm_config("down", 7168, 2048), wgrad_config("down", 2048, 768),
                    wgrad_config("gate_up", 768, 2048), dgrad_config("gate_up", 2048, 768)):
         assert "WARP_SPECIALIZED" not in config
@@ -148,7 +121,7 @@ def test_errors_name_the_tile_config(kernel_device):
     with pytest.raises(ValueError, match="tile_config: the gate/up wgrad .two outputs. needs COOPERATIVE"):
         gate_up_wgrad(d_gate_up, torch.randn_like(h), sched, tile_config=config)
     d_out_sorted = torch.randn(sched.capacity_rows, 64).bfloat16().to(kernel_device)
-    with pytest.raises(ValueError, match="tile_config: the down dgrad needs COOPERATIVE"):
+    with pytest.raises(ValueError, match="tile_config: the down dgrad runs the Triton kernel only"):
         down_dgrad_swiglu(d_out_sorted, inp.topk_weights, d_gate_up, inp.w_down, sched, tile_config=config)
 
 
@@ -250,35 +223,6 @@ def test_gate_up_wgrad_is_bitwise_the_triton_kernel(T, H, I, E, topk, skewed):
 
 @hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("weighted, swiglu_limit", [(True, None), (True, 0.5), (False, None)])
-@pytest.mark.parametrize("T, H, I, E, topk, skewed", _CASES)
-def test_down_dgrad_is_bitwise_the_triton_kernel(T, H, I, E, topk, skewed, weighted, swiglu_limit):
-    """d_gate_up bitwise (exact zeros in padding rows), with and without router weights (the
-    shared expert's case) and a SwiGLU limit that clamps; the router-weight gradient sums its
-    partials over eighths of each tile's columns where the Triton kernel sums over quarters,
-    so it matches to fp32 rounding."""
-    inp, sched = _inputs(T, H, I, E, topk, skewed, seed=4)
-    _, d_out_sorted, _ = gather_sorted_rows(inp.x, torch.randn_like(inp.x), inp.topk_weights, sched, topk)
-    _, gate_up = gate_up_swiglu(inp.x, inp.w_gate, inp.w_up, sched, topk, store_gate_up=True)
-    weights = inp.topk_weights if weighted else None
-    triton_config = dgrad_config("down", I, H, allow_warp_specialized=False)
-    expected = down_dgrad_swiglu(d_out_sorted, weights, gate_up, inp.w_down, sched, swiglu_limit, triton_config)
-    got = down_dgrad_swiglu(d_out_sorted, weights, gate_up, inp.w_down, sched, swiglu_limit,
-                            ws.down_dgrad_tile_config())
-    params = f"{T=} {H=} {I=} {E=} {topk=} {skewed=} {weighted=} {swiglu_limit=}"
-    num_rows = int(sched.num_rows)  # rows past it are left unwritten
-    _check_bitwise(got[0][:num_rows], expected[0][:num_rows], params)
-    assert got[0][:num_rows][sched.row_source[:num_rows] < 0].eq(0).all(), params
-    if weighted:
-        scale = expected[1].abs().max()
-        torch.testing.assert_close(got[1], expected[1], rtol=1e-5, atol=1e-5 * scale.item(), msg=params)
-        assert scale > 0, params
-    else:
-        assert got[1] is None and expected[1] is None, params
-
-
-@hopper
-@pytest.mark.gpu
 def test_defaults_choose_the_schedule_by_reduction_on_hopper():
     """Ping-pong for short reductions, cooperative for the long down wgrad and the gate/up GEMMs
     of the backward; the Triton kernels for the long down GEMM, with main_grad and for peer
@@ -291,7 +235,7 @@ def test_defaults_choose_the_schedule_by_reduction_on_hopper():
     assert wgrad_config("gate_up", 768, 2048) == ws.tile_config(cooperative=True)
     assert dgrad_config("gate_up", 2048, 768) == ws.tile_config(cooperative=True)
     assert "WARP_SPECIALIZED" not in dgrad_config("gate_up", 7168, 2048)
-    assert "WARP_SPECIALIZED" not in dgrad_config("down", 14336, 4096)  # `COOPERATIVE_DOWN_DGRAD` is off
+    assert "WARP_SPECIALIZED" not in dgrad_config("down", 14336, 4096)
     for config in (wgrad_config("down", 2048, 768, allow_warp_specialized=False),
                    wgrad_config("gate_up", 768, 2048, allow_warp_specialized=False),
                    dgrad_config("gate_up", 2048, 768, allow_warp_specialized=False),
