@@ -321,3 +321,15 @@ def test_sonicmoe_api_mismatch_or_absence_is_a_skip(tmp_path, monkeypatch):
     rc, rec, _ = _run(tmp_path / "2", *CUSTOM, "--impl", "sonicmoe", "--pass", "fwd")
     (row,) = rec["results"]
     assert rc == 0 and row["status"] == "skipped" and "Error" in row["message"], row
+
+
+def test_log_lines_on_a_non_terminal_stderr(tmp_path, capsys):
+    """With stderr captured (not a terminal), each step and each result is a line there as its
+    preset finishes, so a run cut short still shows what it measured."""
+    assert cli.main([*CUSTOM, *FAST, "--impl", "torch-eager,mok", "--pass", "fwd", "--no-write"]) == 0
+    lines = capsys.readouterr().err.splitlines()
+    assert any(line.endswith("custom: inputs + fp32 reference") for line in lines), lines
+    results = [line for line in lines if " ms (" in line]
+    assert len(results) == 2, lines
+    assert any("custom fwd torch-eager: " in line and "(1.00×)" in line and line.endswith(", ok") for line in results)
+    assert any("custom fwd mok: " in line and line.endswith(", ok") for line in results), results

@@ -26,6 +26,7 @@ import os
 import shlex
 import site
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -296,7 +297,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(settings: Settings, group, show_progress: bool) -> tuple[list[runner.Result], dict, str]:
-    """(results, machine info, title) of the benchmark, with a progress bar on stderr."""
+    """(results, machine info, title) of the benchmark, with a progress bar on stderr, or, where
+    stderr is not a terminal (a log file, a pipe), a line per step and per result there."""
     info = report.machine_info(settings.device, num_gpus=settings.ep)
     cases = runner.plan(settings.presets, settings.impls, settings.precisions, settings.passes,
                         expert_parallel=settings.ep > 1, variant=settings.variant)
@@ -304,16 +306,30 @@ def _run(settings: Settings, group, show_progress: bool) -> tuple[list[runner.Re
     title = (f"mok.bench on {info['gpu']}{ranks} · torch {info['torch']} · triton {info['triton']} · "
              f"warmup {settings.warmup}, median of {settings.reps}"
              + (f" in {settings.rounds} interleaved rounds" if settings.rounds > 1 else ""))
+    stderr = Console(stderr=True)
+    log = show_progress and not stderr.is_terminal
     progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), console=Console(stderr=True), transient=True, disable=not show_progress)
+                        TimeElapsedColumn(), console=stderr, transient=True, disable=log or not show_progress)
+    start = time.perf_counter()
+
+    def log_line(text: str) -> None:
+        print(f"[{time.perf_counter() - start:7.1f} s] {text}", file=sys.stderr, flush=True)
+
     with progress:
         task = progress.add_task("starting", total=runner.num_steps(cases, settings.rounds))
 
         def step(description: str) -> None:
             progress.update(task, description=description, advance=1)
+            if log:
+                log_line(description)
+
+        def preset_done(results: list[runner.Result]) -> None:
+            if log:
+                for r in results:
+                    log_line(report.result_line(r))
 
         results = runner.run(cases, warmup=settings.warmup, reps=settings.reps, rounds=settings.rounds, seed=settings.seed,
-                             device=settings.device, progress=step, group=group)
+                             device=settings.device, progress=step, group=group, preset_done=preset_done)
     return results, info, title
 
 

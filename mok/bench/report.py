@@ -165,6 +165,18 @@ def _status(r: Result) -> str:
     return f"[{color}]{r.status}[/{color}]" + (f": {first}" if first else "")
 
 
+def result_line(r: Result) -> str:
+    """One plain line for a log: what ran, its time and speedup, or why it was not timed."""
+    what = f"{r.preset} {r.pass_} {_label(r)}"
+    if r.ms is None:
+        first = r.message.strip().splitlines()[0] if r.message.strip() else ""
+        return f"{what}: {r.status}" + (f": {first}" if first else "")
+    speedup = "" if r.speedup is None else f" ({r.speedup:.2f}×)"
+    peak = "" if r.peak_mem_gb is None else f", peak {r.peak_mem_gb:.2f} GB"
+    return (f"{what}: {_num(r.ms)} ms{speedup}, p20–p80 {_num(r.ms_p20)}–{_num(r.ms_p80)}{peak}, "
+            f"max rel err {_fmt(r.max_rel_err, '.2e')}, {r.status}")
+
+
 def print_table(results: Sequence[Result], console: Console, title: str = "", cuda: bool = False) -> None:
     """One row per (preset, pass, impl, precision); FAIL details follow the table."""
     table = Table(title=title, title_justify="left")

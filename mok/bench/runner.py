@@ -537,10 +537,13 @@ def run(
     device: torch.device | str = "cpu",
     progress: Callable[[str], None] | None = None,
     group: dist.ProcessGroup | None = None,
+    preset_done: Callable[[list[Result]], None] | None = None,
 ) -> list[Result]:
     """Checks and times every case; returns one Result per (case, pass), speedups attached.
     Each (case, pass) runs `warmup` untimed calls, then `reps` timed calls in `rounds` turns
     interleaved with the other cases of its preset (medians over all its calls).
+    `preset_done` gets each preset's results as soon as they are in (so a run cut short
+    leaves the presets it finished on record).
 
     group: a process group of P > 1 ranks to run the expert-parallel benchmark over (cases
     planned with `expert_parallel=True`; every rank calls `run` alike and gets the same
@@ -551,6 +554,7 @@ def run(
     num_ranks = _rank_and_size(group)[1]
     results: list[Result] = []
     for preset in dict.fromkeys(c.preset for c in cases):
+        first_result = len(results)
         preset_cases = [c for c in cases if c.preset == preset]
         needs_grads = any("fwd+bwd" in c.passes for c in preset_cases)
         step(f"{preset.name}: inputs + fp32 reference")
@@ -627,6 +631,8 @@ def run(
             ))
         del checked, inp, d_out
         _free(device)
+        if preset_done is not None:
+            preset_done(with_speedups(_sorted(results[first_result:], cases)))
     return with_speedups(_sorted(results, cases))
 
 
