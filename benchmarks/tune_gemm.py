@@ -5,9 +5,11 @@
 Each config runs on the preset's real shape with random routing; TFLOPS count only the
 routed rows (T·topk), so padding and masked tiles show up as lost throughput. Kernels:
 the forward's gate_up (with and without X_SORTED, the copy of x included; gate/up weights
-packed as `MoKMoE` keeps them, and as separate tensors: gate_up_separate) and down, and
-the backward's down_dgrad (with the SwiGLU backward epilogue), gate_up_dgrad, down_wgrad
-and gate_up_wgrad (per-tile and persistent launches). Each config's output is compared with the kernel's first config
+packed as `MoKMoE` keeps them, and as separate tensors: gate_up_separate) and down, the
+backward's down_dgrad (with the SwiGLU backward epilogue), gate_up_dgrad, down_wgrad and
+gate_up_wgrad (per-tile and persistent launches), and the fp8_block wgrads (down_wgrad_fp8,
+gate_up_wgrad_fp8, over operands quantized once ahead of the timing). Each config's output
+is compared with the kernel's first config
 (`max_abs_diff_vs_first`; 0 when the K order is the same). With `--rounds R` a kernel's
 configs take turns R times (the order reversed every other round) and each reports the median
 of all its timed calls: the GPU's clock falls under sustained load, so a config timed once, late
@@ -31,7 +33,8 @@ from mok.kernels.dgrad import down_dgrad_swiglu, gate_up_dgrad_scatter
 from mok.kernels.gather import gather_sorted_rows
 from mok.kernels.grouped_gemm import down_scatter, gate_up_swiglu
 from mok.kernels.schedule import build_routing_schedule
-from mok.kernels.wgrad import down_wgrad, gate_up_wgrad
+from mok.kernels.quant_fp8_block import quantize_fp8_block_sorted_t
+from mok.kernels.wgrad import down_wgrad, down_wgrad_fp8_block, gate_up_wgrad, gate_up_wgrad_fp8_block, wgrad_config
 from mok.testing import make_inputs
 from mok.testing.timing import times_ms
 
@@ -64,6 +67,9 @@ CONFIGS = {
     + _persistent(_configs((128, 256, 64, 3), (128, 256, 64, 4), group_m=False)),
     "gate_up_wgrad": _configs((128, 128, 64, 3), (128, 128, 64, 4), (128, 128, 32, 6), group_m=False)
     + _persistent(_configs((128, 128, 64, 3), (128, 128, 64, 4), group_m=False)),
+    # the library's fp8_block tiles (the same for every shape)
+    "down_wgrad_fp8": [wgrad_config("down", 0, 0, "fp8_block", allow_warp_specialized=False)],
+    "gate_up_wgrad_fp8": [wgrad_config("gate_up", 0, 0, "fp8_block", allow_warp_specialized=False)],
 }
 
 def _configs_64(*tiles) -> list[dict]:
@@ -85,7 +91,7 @@ CONFIGS_64 = {
 }
 # GEMM FLOPs per routed row, in units of H·I (gate/up GEMMs do two products).
 FLOPS_PER_ROUTE_HI = {"gate_up": 4, "gate_up_separate": 4, "down": 2, "down_dgrad": 2, "gate_up_dgrad": 4, "down_wgrad": 2,
-                      "gate_up_wgrad": 4}
+                      "gate_up_wgrad": 4, "down_wgrad_fp8": 2, "gate_up_wgrad_fp8": 4}
 
 
 def _kernel_call(kind, cfg, inp, sched, topk, operands):
@@ -103,6 +109,9 @@ def _kernel_call(kind, cfg, inp, sched, topk, operands):
                                                        tile_config=cfg),
         "down_wgrad": lambda: down_wgrad(operands["dy_sorted"], operands["h"], sched, tile_config=cfg),
         "gate_up_wgrad": lambda: gate_up_wgrad(operands["gate_up"], operands["x_sorted"], sched, tile_config=cfg),
+        "down_wgrad_fp8": lambda: down_wgrad_fp8_block(*operands["dy_t"], *operands["h_t"], sched, tile_config=cfg),
+        "gate_up_wgrad_fp8": lambda: gate_up_wgrad_fp8_block(*operands["gate_up_t"], *operands["x_t"], sched,
+                                                             tile_config=cfg),
     }
     return calls[kind]
 
@@ -146,8 +155,13 @@ def main() -> None:
         padding = sched.row_source < 0
         operands["h"][padding] = 0
         operands["gate_up"][padding] = 0
+        kinds = [k for k in args.kernel or CONFIGS if k in configs]
+        if any(k.endswith("_fp8") for k in kinds):  # transposed e4m3 copies and their scales, as the backward makes
+            quantized = {"dy_t": operands["dy_sorted"], "h_t": operands["h"], "x_t": operands["x_sorted"],
+                         "gate_up_t": operands["gate_up"].flatten(1)}
+            operands.update({name: quantize_fp8_block_sorted_t(a, sched) for name, a in quantized.items()})
         num_rows = int(sched.num_rows)  # a host sync is fine here: outside the timed calls
-        for kind in [k for k in args.kernel or CONFIGS if k in configs]:
+        for kind in kinds:
             flops = FLOPS_PER_ROUTE_HI[kind] * T * topk * H * I
             first, runnable = None, []
             candidates = configs[kind](p) if callable(configs[kind]) else configs[kind]

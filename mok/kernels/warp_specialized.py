@@ -69,6 +69,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from mok.fp8_block import FP8_BLOCK
 from mok.kernels.common import (
     expert_tile_coordinates,
     interpreting,
@@ -87,6 +88,10 @@ PING_PONG_TILE = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_stages=6)
 # Four stages of 48 KiB (two 64×64 A halves, one 256×64 B tile); three measured the same
 # within 3% either way (record h200-20261201-cooperative-probe.log).
 COOPERATIVE_TILE = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_stages=4)
+# fp8_block wgrads: 128×128 tiles, a 64×128 accumulator per consumer plus each step's fresh
+# 64×128 product (64 + 64 registers per thread; 64×256 would need 256), BLOCK_K the 128-row
+# scale block; 32 KiB per stage (two 64×128 A tiles and one 128×128 B tile of e4m3), six stages.
+FP8_BLOCK_WGRAD_TILE = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_stages=6)
 # Registers per thread of the consumer warp groups and of the producer warp (setmaxnreg);
 # the default partition (consumer 0) gets what is left of the launch's 168 × 384 threads.
 _CONSUMER_REGISTERS = gl.constexpr(232)
@@ -113,6 +118,12 @@ def available_here() -> bool:
 def tile_config(cooperative: bool) -> dict:
     """The tile config that selects these kernels (flag WARP_SPECIALIZED) with either schedule."""
     return dict(COOPERATIVE_TILE if cooperative else PING_PONG_TILE, WARP_SPECIALIZED=True, COOPERATIVE=cooperative)
+
+
+def fp8_block_wgrad_tile_config(stacked: bool) -> dict:
+    """The tile config that selects the fp8_block wgrads here (cooperative), `stacked` for the
+    gate/up wgrad (its A operand the stacked [d_g | d_u]ᵀ)."""
+    return dict(FP8_BLOCK_WGRAD_TILE, WARP_SPECIALIZED=True, COOPERATIVE=True, STACKED=stacked)
 
 
 def _check_device(device: torch.device) -> None:
@@ -179,12 +190,44 @@ def _mma_steps(acc, first_step, steps, tile_count, a_bufs, b_bufs, ready, empty,
     return acc
 
 
+@gluon.jit
+def _scaled_mma_steps(acc, first_step, steps, row_start, a_bufs, b_bufs, ready, empty, a_scale_ptr, b_scale_ptr,
+                      stride_a_scale, stride_b_scale, m_offs, m_dim, n_offs, n_dim, CONSUMER: gl.constexpr,
+                      BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+    """Consumer, cooperative, fp8_block: acc += Σ over the ring steps [first_step, first_step +
+    steps) of (A·B) · sa[m] · sb[n], each step's FP8 product fresh in fp32 and then scaled by
+    the scales of its 128-row block (rows `row_start + k·BLOCK_K`, BLOCK_K = 128), as
+    `wgrad._wgrad_tile` does. A tiles [rows, K], B tiles [N, K]: FP8 wgmma reads both K-major.
+    The scales are loaded before the step's MMA, which hides their latency; the two consumers
+    drift apart, so one's scaling runs under the other's MMAs."""
+    for k in range(steps):
+        step = first_step + k
+        slot = step % STAGES
+        scale_row = ((row_start + k * BLOCK_K) // BLOCK_K).to(gl.int64)
+        # one scale per thread, then to the accumulator's layout: loaded there directly, every
+        # thread would hold 32 column scales' 64-bit addresses (ptxas spilled)
+        a_scale = gl.load(a_scale_ptr + scale_row * stride_a_scale + m_offs, mask=m_offs < m_dim, other=0.0)
+        b_scale = gl.load(b_scale_ptr + scale_row * stride_b_scale + n_offs, mask=n_offs < n_dim, other=0.0)
+        a_scale = gl.convert_layout(a_scale, gl.SliceLayout(1, acc.type.layout))
+        b_scale = gl.convert_layout(b_scale, gl.SliceLayout(0, acc.type.layout))
+        mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+        product = warpgroup_mma(a_bufs.index(2 * slot + CONSUMER), b_bufs.index(slot).permute((1, 0)), acc,
+                                use_acc=False, is_async=True)
+        product = warpgroup_mma_wait(num_outstanding=0, deps=(product,))
+        mbarrier.arrive(empty.index(slot), count=1)
+        acc += product * (a_scale[:, None] * b_scale[None, :])
+    return acc
+
+
 @gluon.constexpr_function
-def _mma_layout(block_n):
-    """The wgmma accumulator layout of one warp group's [rows, block_n] tile (rows: 64 or 128)."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, block_n, 16])
+def _mma_layout(block_n, fp8=False):
+    """The wgmma accumulator layout of one warp group's [rows, block_n] tile (rows: 64 or 128);
+    an instruction's K is 32 bytes of operand: 16 bf16 or 32 FP8 values."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, block_n, 32 if fp8 else 16])
 
 
+# A vector spread over a warp group's 128 threads, one element each (the fp8_block scales).
+_SCALE_LAYOUT = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
 # Row-major layout of the epilogue's stores: 8 consecutive columns (16 bytes of bf16) per thread.
 _STORE_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
 
@@ -343,10 +386,11 @@ def _wgrad_tile_m(block_m, two_outputs):
 
 
 @gluon.jit
-def _wgrad_producer(a_desc, a2_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, out_ptr, out2_ptr,
-                    expert_offsets_ptr, num_tiles, m_dim, n_dim, stride_out_e, CONSUMER: gl.constexpr,
-                    COOPERATIVE: gl.constexpr, TWO_OUTPUTS: gl.constexpr, BLOCK_M: gl.constexpr,
-                    BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+def _wgrad_producer(a_desc, a2_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, out_ptr, out2_ptr, a_scale_ptr,
+                    b_scale_ptr, expert_offsets_ptr, num_tiles, m_dim, n_dim, split_m, stride_out_e, stride_a_scale,
+                    stride_b_scale, CONSUMER: gl.constexpr, COOPERATIVE: gl.constexpr, TWO_OUTPUTS: gl.constexpr,
+                    FP8: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                    GROUP_M: gl.constexpr, STAGES: gl.constexpr):
     TILE_M: gl.constexpr = _wgrad_tile_m(BLOCK_M, TWO_OUTPUTS)
     # consumer 1's A columns: the same as consumer 0's in a2 (two outputs), or the tile's second half
     A2_OFFSET: gl.constexpr = 0 if TWO_OUTPUTS else _consumer_rows(BLOCK_M, COOPERATIVE)
@@ -356,80 +400,105 @@ def _wgrad_producer(a_desc, a2_desc, b_desc, a_bufs, b_bufs, ready, empty, turn,
                                                        BLOCK_K, GROUP_M)
         for k in range(steps):
             r0 = row_start + k * BLOCK_K
-            _load_step(step, a_desc, [r0, m0], a2_desc, [r0, m0 + A2_OFFSET], b_desc, [r0, n0], a_bufs, b_bufs,
-                       ready, empty, COOPERATIVE, STAGES)
+            if FP8:  # transposed copies [m_dim or n_dim, rows]: K-major tiles
+                _load_step(step, a_desc, [m0, r0], a2_desc, [m0 + A2_OFFSET, r0], b_desc, [n0, r0], a_bufs, b_bufs,
+                           ready, empty, COOPERATIVE, STAGES)
+            else:
+                _load_step(step, a_desc, [r0, m0], a2_desc, [r0, m0 + A2_OFFSET], b_desc, [r0, n0], a_bufs, b_bufs,
+                           ready, empty, COOPERATIVE, STAGES)
             step += 1
 
 
 @gluon.jit
-def _wgrad_consumer(a_desc, a2_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, out_ptr, out2_ptr,
-                    expert_offsets_ptr, num_tiles, m_dim, n_dim, stride_out_e, CONSUMER: gl.constexpr,
-                    COOPERATIVE: gl.constexpr, TWO_OUTPUTS: gl.constexpr, BLOCK_M: gl.constexpr,
-                    BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+def _wgrad_consumer(a_desc, a2_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, out_ptr, out2_ptr, a_scale_ptr,
+                    b_scale_ptr, expert_offsets_ptr, num_tiles, m_dim, n_dim, split_m, stride_out_e, stride_a_scale,
+                    stride_b_scale, CONSUMER: gl.constexpr, COOPERATIVE: gl.constexpr, TWO_OUTPUTS: gl.constexpr,
+                    FP8: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                    GROUP_M: gl.constexpr, STAGES: gl.constexpr):
     TILE_M: gl.constexpr = _wgrad_tile_m(BLOCK_M, TWO_OUTPUTS)
     ROWS: gl.constexpr = _consumer_rows(BLOCK_M, COOPERATIVE)
     TURNS: gl.constexpr = _takes_turns(COOPERATIVE)
-    mma_layout: gl.constexpr = _mma_layout(BLOCK_N)
+    mma_layout: gl.constexpr = _mma_layout(BLOCK_N, FP8)
     step = 0  # the ring's step count: every partition walks all of the program's tiles
     tile_count = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         expert, m0, n0, row_start, steps = _wgrad_tile(tile, expert_offsets_ptr, m_dim, n_dim, TILE_M, BLOCK_N,
                                                        BLOCK_K, GROUP_M)
+        if TWO_OUTPUTS:  # consumer c's rows are out_c's (d_w_gate, d_w_up)
+            out = out2_ptr if CONSUMER == 1 else out_ptr
+            first_row = m0
+        else:
+            out = out_ptr
+            first_row = m0 + (CONSUMER * ROWS if COOPERATIVE else 0)
         if tile_count % TURNS == CONSUMER % TURNS:
             acc = gl.zeros((ROWS, BLOCK_N), gl.float32, mma_layout)
-            acc = _mma_steps(acc, step, steps, tile_count, a_bufs, b_bufs, ready, empty, turn, CONSUMER, False,
-                             False, COOPERATIVE, STAGES)
-            grad = gl.convert_layout(acc.to(gl.bfloat16), _STORE_LAYOUT)
-            if TWO_OUTPUTS:  # consumer c's rows are out_c's (d_w_gate, d_w_up)
-                out = out2_ptr if CONSUMER == 1 else out_ptr
-                first_row = m0
+            if FP8:
+                m_offs = first_row + gl.arange(0, ROWS, layout=_SCALE_LAYOUT)
+                n_offs = n0 + gl.arange(0, BLOCK_N, layout=_SCALE_LAYOUT)
+                acc = _scaled_mma_steps(acc, step, steps, row_start, a_bufs, b_bufs, ready, empty, a_scale_ptr,
+                                        b_scale_ptr, stride_a_scale, stride_b_scale, m_offs, m_dim, n_offs, n_dim,
+                                        CONSUMER, BLOCK_K, STAGES)
             else:
-                out = out_ptr
-                first_row = m0 + (CONSUMER * ROWS if COOPERATIVE else 0)
+                acc = _mma_steps(acc, step, steps, tile_count, a_bufs, b_bufs, ready, empty, turn, CONSUMER, False,
+                                 False, COOPERATIVE, STAGES)
+            grad = gl.convert_layout(acc.to(gl.bfloat16), _STORE_LAYOUT)
             rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, _STORE_LAYOUT))
             cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, _STORE_LAYOUT))
-            offs = expert.to(gl.int64) * stride_out_e + rows.to(gl.int64)[:, None] * n_dim + cols[None, :]
-            gl.store(out + offs, grad, mask=(rows < m_dim)[:, None] & (cols < n_dim)[None, :])
+            in_out2 = rows >= split_m  # stacked rows: [0, split_m) are out's, the rest out2's
+            out_rows = gl.where(in_out2, rows - split_m, rows).to(gl.int64)
+            offs = expert.to(gl.int64) * stride_out_e + out_rows[:, None] * n_dim + cols[None, :]
+            ptrs = gl.where(in_out2[:, None], out2_ptr + offs, out + offs)
+            gl.store(ptrs, grad, mask=(rows < m_dim)[:, None] & (cols < n_dim)[None, :])
         step += steps
         tile_count += 1
 
 
 @gluon.jit
 def _wgrad_ws_kernel(
-    # TMA descriptors (a, a2 [rows, m_dim], b [rows, n_dim]) and out, out2 [E_l, m_dim, n_dim] bf16
+    # TMA descriptors (bf16: a, a2 [rows, m_dim], b [rows, n_dim]; FP8: e4m3 aᵀ [m_dim, rows],
+    # bᵀ [n_dim, rows]) and out, out2 [E_l, ·, n_dim] bf16
     a_desc, a2_desc, b_desc, out_ptr, out2_ptr,
+    # FP8: the scales of aᵀ and bᵀ, [rows / 128, m_dim] and [rows / 128, n_dim] fp32
+    a_scale_ptr, b_scale_ptr,
     # schedule
     expert_offsets_ptr,
-    # sizes (num_tiles tiles over the outputs), strides
-    num_tiles, m_dim, n_dim, stride_out_e,
+    # sizes (num_tiles tiles over m_dim × n_dim per expert; rows from split_m on are out2's), strides
+    num_tiles, m_dim, n_dim, split_m, stride_out_e, stride_a_scale, stride_b_scale,
     # meta
-    COOPERATIVE: gl.constexpr, TWO_OUTPUTS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+    COOPERATIVE: gl.constexpr, TWO_OUTPUTS: gl.constexpr, FP8: gl.constexpr, BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
 ):
-    """down: a = dy_sorted, b = h; gate/up (TWO_OUTPUTS, cooperative): a, a2 = d_g, d_u, b = x_sorted."""
+    """down: a = dy_sorted, b = h; gate/up (TWO_OUTPUTS, cooperative): a, a2 = d_g, d_u, b = x_sorted;
+    FP8 (cooperative): a = dyᵀ or the stacked [d_g | d_u]ᵀ (out's rows, then out2's), b = hᵀ or xᵀ."""
     a_bufs, b_bufs, ready, empty, turn = _allocate_ring(a_desc, b_desc, COOPERATIVE, STAGES)
     gl.warp_specialize([
-        (_wgrad_consumer, (a_desc, a2_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, out_ptr, out2_ptr,
-                           expert_offsets_ptr, num_tiles, m_dim, n_dim, stride_out_e, 0, COOPERATIVE, TWO_OUTPUTS,
-                           BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
-        (_wgrad_consumer, (a_desc, a2_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, out_ptr, out2_ptr,
-                           expert_offsets_ptr, num_tiles, m_dim, n_dim, stride_out_e, 1, COOPERATIVE, TWO_OUTPUTS,
-                           BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
-        (_wgrad_producer, (a_desc, a2_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, out_ptr, out2_ptr,
-                           expert_offsets_ptr, num_tiles, m_dim, n_dim, stride_out_e, 0, COOPERATIVE, TWO_OUTPUTS,
-                           BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
+        (_wgrad_consumer, (a_desc, a2_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, out_ptr, out2_ptr, a_scale_ptr,
+                           b_scale_ptr, expert_offsets_ptr, num_tiles, m_dim, n_dim, split_m, stride_out_e,
+                           stride_a_scale, stride_b_scale, 0, COOPERATIVE, TWO_OUTPUTS, FP8, BLOCK_M, BLOCK_N,
+                           BLOCK_K, GROUP_M, STAGES)),
+        (_wgrad_consumer, (a_desc, a2_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, out_ptr, out2_ptr, a_scale_ptr,
+                           b_scale_ptr, expert_offsets_ptr, num_tiles, m_dim, n_dim, split_m, stride_out_e,
+                           stride_a_scale, stride_b_scale, 1, COOPERATIVE, TWO_OUTPUTS, FP8, BLOCK_M, BLOCK_N,
+                           BLOCK_K, GROUP_M, STAGES)),
+        (_wgrad_producer, (a_desc, a2_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, out_ptr, out2_ptr, a_scale_ptr,
+                           b_scale_ptr, expert_offsets_ptr, num_tiles, m_dim, n_dim, split_m, stride_out_e,
+                           stride_a_scale, stride_b_scale, 0, COOPERATIVE, TWO_OUTPUTS, FP8, BLOCK_M, BLOCK_N,
+                           BLOCK_K, GROUP_M, STAGES)),
     ], [4, 1], [_CONSUMER_REGISTERS, _PRODUCER_REGISTERS])
 
 
 # --------------------------------------------------------------------------- launchers
 
 
-def _shared_layout(block_shape) -> gl.NVMMASharedLayout:
-    return gl.NVMMASharedLayout.get_default_for(list(block_shape), gl.bfloat16)
+_GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv}
+
+
+def _shared_layout(block_shape, dtype: torch.dtype = torch.bfloat16) -> gl.NVMMASharedLayout:
+    return gl.NVMMASharedLayout.get_default_for(list(block_shape), _GLUON_DTYPES[dtype])
 
 
 def _descriptor(t: torch.Tensor, block_shape):
-    return tma_descriptor(t, block_shape, _shared_layout(block_shape))
+    return tma_descriptor(t, block_shape, _shared_layout(block_shape, t.dtype))
 
 
 def _launch_scatter(a, a2, b, b2, y, schedule: RoutingSchedule, cfg: dict, b_k_major: bool) -> None:
@@ -465,23 +534,40 @@ def launch_gate_up_dgrad_scatter(d_gate: torch.Tensor, d_up: torch.Tensor, w_gat
 
 
 def launch_wgrad(a: torch.Tensor, a2: torch.Tensor | None, b: torch.Tensor, out: torch.Tensor,
-                 out2: torch.Tensor | None, schedule: RoutingSchedule, cfg: dict) -> None:
+                 out2: torch.Tensor | None, schedule: RoutingSchedule, cfg: dict,
+                 scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """out[e] = Σ_r a[r]ᵀ · b[r] and, with a2 and out2 (cooperative only), out2[e] = Σ_r a2[r]ᵀ · b[r]
-    (`wgrad.down_wgrad` and `wgrad.gate_up_wgrad` without main_grad); the caller has checked the
-    operands and the outputs (new contiguous bf16 [E_l, m_dim, n_dim])."""
-    cooperative, two_outputs = cfg.get("COOPERATIVE", False), out2 is not None
-    if two_outputs and not cooperative:
-        raise ValueError("tile_config: the gate/up wgrad (two outputs) needs COOPERATIVE with WARP_SPECIALIZED")
+    (`wgrad.down_wgrad` and `wgrad.gate_up_wgrad` without main_grad). With `scales` (aᵀ's, bᵀ's),
+    the fp8_block wgrads (`wgrad.down_wgrad_fp8_block`, `wgrad.gate_up_wgrad_fp8_block` with
+    STACKED, cooperative only): a, b their e4m3 transposed copies, and with out2, a the stacked
+    [d_g | d_u]ᵀ whose second half of rows is out2's. The caller has checked the operands and the
+    outputs (new contiguous bf16 [E_l, m_dim, n_dim])."""
+    cooperative, fp8 = cfg.get("COOPERATIVE", False), scales is not None
+    two_outputs = out2 is not None and not fp8
+    if (two_outputs or fp8) and not cooperative:
+        what = "fp8_block wgrad" if fp8 else "gate/up wgrad (two outputs)"
+        raise ValueError(f"tile_config: the {what} needs COOPERATIVE with WARP_SPECIALIZED")
     _check_device(b.device)
     experts, m_dim, n_dim = out.shape
     block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    split_m = m_dim
+    if fp8:
+        if block_k != FP8_BLOCK or schedule.block_m != FP8_BLOCK:
+            raise ValueError(f"tile_config: the fp8_block wgrads need BLOCK_K {FP8_BLOCK} and a schedule of block_m "
+                             f"{FP8_BLOCK}, got BLOCK_K {block_k} and block_m {schedule.block_m}")
+        m_dim = a.shape[0]  # out's rows, then out2's
+        a_block, b_block = (_consumer_rows(block_m, True), block_k), (block_n, block_k)
+        a_scale, b_scale = scales
+    else:
+        a_block, b_block = (block_k, _consumer_rows(block_m, cooperative)), (block_k, block_n)
+        a_scale = b_scale = out  # unread
     num_tiles = experts * triton.cdiv(m_dim, _wgrad_tile_m(block_m, two_outputs)) * triton.cdiv(n_dim, block_n)
-    a_block = (block_k, _consumer_rows(block_m, cooperative))
     a_desc = _descriptor(a, a_block)
     _wgrad_ws_kernel[(min(num_tiles, num_sms(b.device)),)](
-        a_desc, _descriptor(a2, a_block) if two_outputs else a_desc, _descriptor(b, (block_k, block_n)),
-        out, out2 if two_outputs else out,
+        a_desc, _descriptor(a2, a_block) if two_outputs else a_desc, _descriptor(b, b_block),
+        out, out if out2 is None else out2, a_scale, b_scale,
         schedule.expert_offsets,
-        num_tiles, m_dim, n_dim, out.stride(0),
-        cooperative, two_outputs, block_m, block_n, block_k, cfg.get("GROUP_M", 1), cfg["num_stages"], num_warps=4,
+        num_tiles, m_dim, n_dim, split_m, out.stride(0), a_scale.stride(0), b_scale.stride(0),
+        cooperative, two_outputs, fp8, block_m, block_n, block_k, cfg.get("GROUP_M", 1), cfg["num_stages"],
+        num_warps=4,
     )

@@ -117,6 +117,14 @@ COOPERATIVE_GATE_UP_WGRAD = True
 # (record h200-20261201-ab-ws-sweep.json, cooperative kernel, two timings each): mixtral-8x7b
 # 3.21/3.33 -> 3.08/3.11 ms, deepseek-v3-slice (h[e] fits) 3.09/3.10 -> 3.06/3.08.
 DOWN_WGRAD_GROUP_M = 8
+# True runs both fp8_block wgrads without main_grad on Hopper warp-specialized
+# (`warp_specialized.fp8_block_wgrad_tile_config`: cooperative 128×128, the producer running
+# ahead, each consumer scaling its step's product while the other's MMAs run), written to give
+# the Triton kernel's output bitwise (compiled for sm_90a in the CPU tests; not yet run on a
+# GPU). The Triton fp8_block wgrads wait for every step's product before scaling it: on H200
+# they ran no faster than the bf16 wgrads (qwen3-30b 2.69 against 2.04 ms, deepseek-v3-slice
+# 11.24 against 10.65, record h200-20261130-fp8-block-profile.log). Off until timed there.
+WARP_SPECIALIZED_FP8_BLOCK_WGRAD = False
 
 
 def wgrad_config(
@@ -142,13 +150,16 @@ def wgrad_config(
     above it (`COOPERATIVE_DOWN_WGRAD`), the gate/up wgrad cooperative (`COOPERATIVE_GATE_UP_WGRAD`).
     The down wgrad walks its tiles `DOWN_WGRAD_GROUP_M` row tiles per column sweep.
     fp8_block: `_FP8_BLOCK_TILES`, the same for every shape (under the interpreter with
-    `_FP8_BLOCK_INTERPRETER_SIZES`).
+    `_FP8_BLOCK_INTERPRETER_SIZES`), or on Hopper without main_grad the warp-specialized
+    kernel with `WARP_SPECIALIZED_FP8_BLOCK_WGRAD`.
     """
+    warp_specialized_here = allow_warp_specialized and warp_specialized.available_here()
     if precision == "fp8_block":
+        if warp_specialized_here and WARP_SPECIALIZED_FP8_BLOCK_WGRAD:
+            return warp_specialized.fp8_block_wgrad_tile_config(stacked=kind == "gate_up")
         return {**_FP8_BLOCK_TILES[kind], **(_FP8_BLOCK_INTERPRETER_SIZES if interpreting() else {})}
     if interpreting():  # BLOCK_K divides the interpreter's routing BLOCK_M (16)
         return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=16, num_warps=4, num_stages=1)
-    warp_specialized_here = allow_warp_specialized and warp_specialized.available_here()
     if kind == "down":
         return dict(_down_tiles(n_dim, warp_specialized_here), GROUP_M=DOWN_WGRAD_GROUP_M)
     if warp_specialized_here and COOPERATIVE_GATE_UP_WGRAD:
@@ -312,11 +323,14 @@ def _launch_wgrad(
     one shape, a2 None), a holds both outputs' A operands one after the other along m_dim."""
     _check_block_k(cfg, schedule, precision)
     if cfg.get("WARP_SPECIALIZED", False):
-        if precision != "bf16" or accumulate or cfg.get("STACKED", False):
+        fp8 = precision == "fp8_block"
+        if accumulate or cfg.get("STACKED", False) != (fp8 and out2 is not None):
             raise ValueError(
-                "tile_config: WARP_SPECIALIZED is for the bf16 wgrads into a new gradient (no main_grad, not STACKED)"
+                "tile_config: WARP_SPECIALIZED is for the wgrads into a new gradient (no main_grad), STACKED for "
+                "the fp8_block gate/up wgrad only"
             )
-        warp_specialized.launch_wgrad(a, a2, b, out, out2, schedule, cfg)
+        a_scale, _, b_scale = scales if fp8 else (None, None, None)
+        warp_specialized.launch_wgrad(a, a2, b, out, out2, schedule, cfg, (a_scale, b_scale) if fp8 else None)
         return
     cfg = {"PERSISTENT": False, "STACKED": False, "GROUP_M": 1, **cfg}
     if cfg["STACKED"] and (out2 is None or a2 is not None):
@@ -437,7 +451,7 @@ def down_wgrad_fp8_block(
     _check_sorted_t_pair("dy_t_q", dy_t_q, "dy_t_scale", dy_t_scale, hidden, schedule)
     _check_sorted_t_pair("h_t_q", h_t_q, "h_t_scale", h_t_scale, inter, schedule)
     out = _down_output(main_grad, schedule, hidden, inter, h_t_q.device)
-    cfg = tile_config or wgrad_config("down", hidden, inter, "fp8_block")
+    cfg = tile_config or wgrad_config("down", hidden, inter, "fp8_block", allow_warp_specialized=main_grad is None)
     _launch_wgrad("fp8_block", dy_t_q, None, h_t_q, (dy_t_scale, None, h_t_scale), out, None, schedule, cfg,
                   accumulate=main_grad is not None)
     return out
@@ -466,7 +480,8 @@ def gate_up_wgrad_fp8_block(
     _check_sorted_t_pair("d_gate_up_t_q", d_gate_up_t_q, "d_gate_up_t_scale", d_gate_up_t_scale, 2 * inter, schedule)
     _check_sorted_t_pair("x_t_q", x_t_q, "x_t_scale", x_t_scale, hidden, schedule)
     d_w_gate, d_w_up = _gate_up_outputs(main_grad_gate, main_grad_up, schedule, inter, hidden, device)
-    cfg = tile_config or wgrad_config("gate_up", inter, hidden, "fp8_block")
+    cfg = tile_config or wgrad_config("gate_up", inter, hidden, "fp8_block",
+                                      allow_warp_specialized=main_grad_gate is None)
     a, a2 = _gate_up_a_operands(cfg, d_gate_up_t_q, d_gate_up_t_q[:inter], d_gate_up_t_q[inter:])
     # column views of the scales, row stride 2·I
     a_scale, a2_scale = _gate_up_a_operands(cfg, d_gate_up_t_scale, d_gate_up_t_scale[:, :inter],

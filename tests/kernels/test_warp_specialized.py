@@ -18,8 +18,15 @@ from mok.kernels import wgrad
 from mok.kernels.dgrad import dgrad_config, down_dgrad_swiglu, gate_up_dgrad_scatter
 from mok.kernels.gather import gather_sorted_rows
 from mok.kernels.grouped_gemm import down_scatter, gate_up_swiglu, gemm_config, routing_block_m
+from mok.kernels.quant_fp8_block import quantize_fp8_block_sorted_t, quantize_fp8_block_swiglu_sorted_t
 from mok.kernels.schedule import build_routing_schedule
-from mok.kernels.wgrad import down_wgrad, gate_up_wgrad, wgrad_config
+from mok.kernels.wgrad import (
+    down_wgrad,
+    down_wgrad_fp8_block,
+    gate_up_wgrad,
+    gate_up_wgrad_fp8_block,
+    wgrad_config,
+)
 from mok.testing import make_inputs
 
 _WS_CONFIG = ws.tile_config(cooperative=False)
@@ -62,8 +69,19 @@ def _ptxas_report(kernel_name: str, signature: dict, constants: dict) -> tuple[i
     return int(re.search(r"Used (\d+) registers", report)[1]), int(re.search(r"(\d+) bytes spill stores", report)[1])
 
 
-def _descriptor_type(block_shape) -> str:
-    return f"tensordesc<bf16[{block_shape[0]},{block_shape[1]}],{ws._shared_layout(block_shape)!r}>"
+def _descriptor_type(block_shape, dtype: torch.dtype = torch.bfloat16) -> str:
+    name = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8e4nv"}[dtype]
+    return f"tensordesc<{name}[{block_shape[0]},{block_shape[1]}],{ws._shared_layout(block_shape, dtype)!r}>"
+
+
+def _wgrad_signature(a_block, b_block, dtype: torch.dtype, meta: dict) -> dict:
+    return {
+        "a_desc": _descriptor_type(a_block, dtype), "a2_desc": _descriptor_type(a_block, dtype),
+        "b_desc": _descriptor_type(b_block, dtype), "out_ptr": "*bf16", "out2_ptr": "*bf16",
+        "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32", "expert_offsets_ptr": "*i32", "num_tiles": "i32",
+        "m_dim": "i32", "n_dim": "i32", "split_m": "i32", "stride_out_e": "i32", "stride_a_scale": "i32",
+        "stride_b_scale": "i32", **{name: "constexpr" for name in meta},
+    }
 
 
 @pytest.mark.parametrize("cooperative, two_operands", [(False, False), (True, False), (True, True)])
@@ -77,21 +95,29 @@ def test_kernels_compile_for_sm90a_without_spills(cooperative, two_operands):
     meta = dict(COOPERATIVE=cooperative, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=cfg["num_stages"])
     b_block = (block_k, block_n) if two_operands else (block_n, block_k)
     scatter_meta = dict(meta, TWO_SEGMENTS=two_operands, B_K_MAJOR=not two_operands, GROUP_M=8)
-    wgrad_meta = dict(meta, TWO_OUTPUTS=two_operands, GROUP_M=8)
+    wgrad_meta = dict(meta, TWO_OUTPUTS=two_operands, FP8=False, GROUP_M=8)
     report = {
         "scatter GEMM": _ptxas_report("_scatter_ws_kernel", {
             "a_desc": _descriptor_type((rows, block_k)), "a2_desc": _descriptor_type((rows, block_k)),
             "b_desc": _descriptor_type(b_block), "b2_desc": _descriptor_type(b_block), "y_ptr": "*bf16",
             "row_source_ptr": "*i32", "tile_expert_ptr": "*i32", "num_rows_ptr": "*i32", "n_dim": "i32",
             "reduce_dim": "i32", "stride_y": "i32", **{name: "constexpr" for name in scatter_meta}}, scatter_meta),
-        "wgrad": _ptxas_report("_wgrad_ws_kernel", {
-            "a_desc": _descriptor_type((block_k, rows)), "a2_desc": _descriptor_type((block_k, rows)),
-            "b_desc": _descriptor_type((block_k, block_n)), "out_ptr": "*bf16", "out2_ptr": "*bf16",
-            "expert_offsets_ptr": "*i32", "num_tiles": "i32", "m_dim": "i32", "n_dim": "i32", "stride_out_e": "i32",
-            **{name: "constexpr" for name in wgrad_meta}}, wgrad_meta),
+        "wgrad": _ptxas_report("_wgrad_ws_kernel", _wgrad_signature((block_k, rows), (block_k, block_n),
+                                                                     torch.bfloat16, wgrad_meta), wgrad_meta),
     }
     for kernel, counts in report.items():
         assert counts == (168, 0), f"{kernel}, {cooperative=} {two_operands=}: (registers, spilled bytes) {counts}"
+
+
+def test_fp8_block_wgrad_compiles_for_sm90a_without_spills():
+    """The fp8_block wgrad's tile (each consumer's accumulator and its step's fresh product,
+    both K-major e4m3 operands) fits: 168 registers per thread at launch, nothing spilled."""
+    cfg = ws.fp8_block_wgrad_tile_config(stacked=True)
+    block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    meta = dict(COOPERATIVE=True, TWO_OUTPUTS=False, FP8=True, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                GROUP_M=8, STAGES=cfg["num_stages"])
+    signature = _wgrad_signature((block_m // 2, block_k), (block_n, block_k), torch.float8_e4m3fn, meta)
+    assert _ptxas_report("_wgrad_ws_kernel", signature, meta) == (168, 0)
 
 
 def test_defaults_choose_it_only_where_it_runs():
@@ -115,7 +141,7 @@ def test_errors_name_the_tile_config(kernel_device):
         with pytest.raises(ValueError, match="tile_config: WARP_SPECIALIZED needs a Hopper GPU"):
             down_scatter(h, inp.w_down, sched, 16, tile_config=config)
     main_grad = torch.zeros(4, 64, 64, device=kernel_device)
-    with pytest.raises(ValueError, match="tile_config: WARP_SPECIALIZED is for the bf16 wgrads into a new gradient"):
+    with pytest.raises(ValueError, match="tile_config: WARP_SPECIALIZED is for the wgrads into a new gradient"):
         down_wgrad(torch.randn_like(h), h, sched, main_grad=main_grad, tile_config=config)
     d_gate_up = torch.randn(sched.capacity_rows, 2, 64).bfloat16().to(kernel_device)
     with pytest.raises(ValueError, match="tile_config: the gate/up wgrad .two outputs. needs COOPERATIVE"):
@@ -123,6 +149,16 @@ def test_errors_name_the_tile_config(kernel_device):
     d_out_sorted = torch.randn(sched.capacity_rows, 64).bfloat16().to(kernel_device)
     with pytest.raises(ValueError, match="tile_config: the down dgrad runs the Triton kernel only"):
         down_dgrad_swiglu(d_out_sorted, inp.topk_weights, d_gate_up, inp.w_down, sched, tile_config=config)
+    # fp8_block: a schedule of 128-row tiles (one scale block per K step)
+    sched = build_routing_schedule(inp.topk_ids, 4, 128, flag)
+    dy, h_t = (quantize_fp8_block_sorted_t(torch.randn(sched.capacity_rows, 64, device=kernel_device), sched)
+               for _ in range(2))
+    fp8_config = ws.fp8_block_wgrad_tile_config(stacked=False)
+    with pytest.raises(ValueError, match="tile_config: WARP_SPECIALIZED is for the wgrads into a new gradient"):
+        down_wgrad_fp8_block(*dy, *h_t, sched, main_grad=torch.zeros(4, 64, 64, device=kernel_device),
+                             tile_config=fp8_config)
+    with pytest.raises(ValueError, match="tile_config: the fp8_block wgrad needs COOPERATIVE"):
+        down_wgrad_fp8_block(*dy, *h_t, sched, tile_config=dict(fp8_config, COOPERATIVE=False))
 
 
 # (T, H, I, E, topk, skewed): odd H and I (ragged N and K tiles), one token, experts with no
@@ -223,6 +259,33 @@ def test_gate_up_wgrad_is_bitwise_the_triton_kernel(T, H, I, E, topk, skewed):
 
 @hopper
 @pytest.mark.gpu
+@pytest.mark.parametrize("T, H, I, E, topk, skewed", _CASES)
+def test_fp8_block_wgrads_are_bitwise_the_triton_kernel(T, H, I, E, topk, skewed):
+    """Both fp8_block wgrads (the gate/up one over the stacked [d_g | d_u]ᵀ: with I not a
+    multiple of 64 a consumer's rows straddle d_w_gate's and d_w_up's), experts with several
+    128-row scale blocks, and exact zeros for experts with no rows (skewed cases)."""
+    inp, sched = _inputs(T, H, I, E, topk, skewed, seed=5)
+    x_sorted, _, dy_sorted = gather_sorted_rows(inp.x, torch.randn_like(inp.x), inp.topk_weights, sched, topk)
+    _, gate_up = gate_up_swiglu(inp.x, inp.w_gate, inp.w_up, sched, topk, store_gate_up=True)
+    dy, h = quantize_fp8_block_sorted_t(dy_sorted, sched), quantize_fp8_block_swiglu_sorted_t(gate_up, sched)
+    d_gate_up, x = quantize_fp8_block_sorted_t(_d_gate_up(sched, I).flatten(1), sched), quantize_fp8_block_sorted_t(
+        x_sorted, sched)
+    runs = {
+        "down": (lambda cfg: (down_wgrad_fp8_block(*dy, *h, sched, tile_config=cfg),), (H, I)),
+        "gate_up": (lambda cfg: gate_up_wgrad_fp8_block(*d_gate_up, *x, sched, tile_config=cfg), (I, H)),
+    }
+    for kind, (run, (m_dim, n_dim)) in runs.items():
+        params = f"{kind} {T=} {H=} {I=} {E=} {topk=} {skewed=}"
+        expected = run(wgrad_config(kind, m_dim, n_dim, "fp8_block", allow_warp_specialized=False))
+        got = run(ws.fp8_block_wgrad_tile_config(stacked=kind == "gate_up"))
+        for g, e in zip(got, expected, strict=True):
+            _check_bitwise(g, e, params)
+            if skewed:
+                assert g[topk + 2:].eq(0).all(), params
+
+
+@hopper
+@pytest.mark.gpu
 def test_defaults_choose_the_schedule_by_reduction_on_hopper():
     """Ping-pong for short reductions, cooperative for the long down wgrad and the gate/up GEMMs
     of the backward; the Triton kernels for the long down GEMM, with main_grad and for peer
@@ -236,6 +299,7 @@ def test_defaults_choose_the_schedule_by_reduction_on_hopper():
     assert dgrad_config("gate_up", 2048, 768) == ws.tile_config(cooperative=True)
     assert "WARP_SPECIALIZED" not in dgrad_config("gate_up", 7168, 2048)
     assert "WARP_SPECIALIZED" not in dgrad_config("down", 14336, 4096)
+    assert "WARP_SPECIALIZED" not in wgrad_config("down", 2048, 768, "fp8_block")  # off until timed
     for config in (wgrad_config("down", 2048, 768, allow_warp_specialized=False),
                    wgrad_config("gate_up", 768, 2048, allow_warp_specialized=False),
                    dgrad_config("gate_up", 2048, 768, allow_warp_specialized=False),
