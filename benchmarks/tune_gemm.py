@@ -32,8 +32,8 @@ from mok.bench.presets import GPU_PRESETS, PRESETS
 from mok.kernels.dgrad import down_dgrad_swiglu, gate_up_dgrad_scatter
 from mok.kernels.gather import gather_sorted_rows
 from mok.kernels.grouped_gemm import down_scatter, gate_up_swiglu
-from mok.kernels.schedule import build_routing_schedule
 from mok.kernels.quant_fp8_block import quantize_fp8_block_sorted_t
+from mok.kernels.schedule import build_routing_schedule
 from mok.kernels.wgrad import down_wgrad, down_wgrad_fp8_block, gate_up_wgrad, gate_up_wgrad_fp8_block, wgrad_config
 from mok.testing import make_inputs
 from mok.testing.timing import times_ms

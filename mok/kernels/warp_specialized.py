@@ -88,10 +88,13 @@ PING_PONG_TILE = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_stages=6)
 # Four stages of 48 KiB (two 64×64 A halves, one 256×64 B tile); three measured the same
 # within 3% either way (record h200-20261201-cooperative-probe.log).
 COOPERATIVE_TILE = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_stages=4)
-# fp8_block wgrads: 128×128 tiles, a 64×128 accumulator per consumer plus each step's fresh
-# 64×128 product (64 + 64 registers per thread; 64×256 would need 256), BLOCK_K the 128-row
-# scale block; 32 KiB per stage (two 64×128 A tiles and one 128×128 B tile of e4m3), six stages.
-FP8_BLOCK_WGRAD_TILE = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_stages=6)
+# fp8_block wgrads: 128×128 tiles, a 64×128 accumulator per consumer plus its step's fresh
+# 64×128 product (64 registers per thread each, so 64×256 would not fit), BLOCK_K the 128-row
+# scale block; 32 KiB per stage (two 64×128 A tiles and one 128×128 B tile of e4m3), six
+# stages; GROUP_M 8. On deepseek-v3-slice, with each step's scales loaded in that step: down
+# wgrad 3.34/3.36 ms (Triton, first/last) -> 3.11–3.13 at GROUP_M 1, 2.86–2.95 at 8; gate/up
+# wgrad 6.47/6.46 -> 6.79–6.82, 6.50–6.61 (record h200-20261201-fp8-wgrad-ws-sweep.log).
+FP8_BLOCK_WGRAD_TILE = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_stages=6, GROUP_M=8)
 # Registers per thread of the consumer warp groups and of the producer warp (setmaxnreg);
 # the default partition (consumer 0) gets what is left of the launch's 168 × 384 threads.
 _CONSUMER_REGISTERS = gl.constexpr(232)
@@ -191,31 +194,52 @@ def _mma_steps(acc, first_step, steps, tile_count, a_bufs, b_bufs, ready, empty,
 
 
 @gluon.jit
+def _block_scales(a_scale_ptr, b_scale_ptr, stride_a_scale, stride_b_scale, block, valid, m_offs, m_dim, n_offs,
+                  n_dim):
+    """Row and column scales of the 128-row block `block` (zeros unless `valid`), one per thread
+    (`_SCALE_LAYOUT`): loaded in the accumulator's layout, each thread would hold 32 column
+    scales' 64-bit addresses (ptxas spilled)."""
+    block = block.to(gl.int64)
+    a_scale = gl.load(a_scale_ptr + block * stride_a_scale + m_offs, mask=valid & (m_offs < m_dim), other=0.0)
+    b_scale = gl.load(b_scale_ptr + block * stride_b_scale + n_offs, mask=valid & (n_offs < n_dim), other=0.0)
+    return a_scale, b_scale
+
+
+@gluon.jit
+def _add_scaled(acc, product, a_scale, b_scale):
+    """acc + product · sa[m] · sb[n] (`wgrad._wgrad_tile`'s arithmetic), the scales first moved to
+    the accumulator's layout."""
+    a_scale = gl.convert_layout(a_scale, gl.SliceLayout(1, acc.type.layout))
+    b_scale = gl.convert_layout(b_scale, gl.SliceLayout(0, acc.type.layout))
+    return acc + product * (a_scale[:, None] * b_scale[None, :])
+
+
+@gluon.jit
 def _scaled_mma_steps(acc, first_step, steps, row_start, a_bufs, b_bufs, ready, empty, a_scale_ptr, b_scale_ptr,
                       stride_a_scale, stride_b_scale, m_offs, m_dim, n_offs, n_dim, CONSUMER: gl.constexpr,
                       BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
     """Consumer, cooperative, fp8_block: acc += Σ over the ring steps [first_step, first_step +
     steps) of (A·B) · sa[m] · sb[n], each step's FP8 product fresh in fp32 and then scaled by
-    the scales of its 128-row block (rows `row_start + k·BLOCK_K`, BLOCK_K = 128), as
-    `wgrad._wgrad_tile` does. A tiles [rows, K], B tiles [N, K]: FP8 wgmma reads both K-major.
-    The scales are loaded before the step's MMA, which hides their latency; the two consumers
-    drift apart, so one's scaling runs under the other's MMAs."""
+    the scales of its 128-row block (rows `row_start + k·BLOCK_K`, BLOCK_K = 128), in step
+    order, as `wgrad._wgrad_tile` does. A tiles [rows, K], B tiles [N, K]: FP8 wgmma reads both
+    K-major. Each step's scales are loaded a step ahead. The product is waited for before it
+    is scaled (ptxas serializes every wgmma of a loop that reads one product while the next
+    MMA runs: C7514), so the scaling overlaps only the other consumer's MMAs."""
+    first_block = row_start // BLOCK_K
+    scales = _block_scales(a_scale_ptr, b_scale_ptr, stride_a_scale, stride_b_scale, first_block, steps > 0, m_offs,
+                           m_dim, n_offs, n_dim)
     for k in range(steps):
         step = first_step + k
         slot = step % STAGES
-        scale_row = ((row_start + k * BLOCK_K) // BLOCK_K).to(gl.int64)
-        # one scale per thread, then to the accumulator's layout: loaded there directly, every
-        # thread would hold 32 column scales' 64-bit addresses (ptxas spilled)
-        a_scale = gl.load(a_scale_ptr + scale_row * stride_a_scale + m_offs, mask=m_offs < m_dim, other=0.0)
-        b_scale = gl.load(b_scale_ptr + scale_row * stride_b_scale + n_offs, mask=n_offs < n_dim, other=0.0)
-        a_scale = gl.convert_layout(a_scale, gl.SliceLayout(1, acc.type.layout))
-        b_scale = gl.convert_layout(b_scale, gl.SliceLayout(0, acc.type.layout))
+        next_scales = _block_scales(a_scale_ptr, b_scale_ptr, stride_a_scale, stride_b_scale, first_block + k + 1,
+                                    k + 1 < steps, m_offs, m_dim, n_offs, n_dim)
         mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
         product = warpgroup_mma(a_bufs.index(2 * slot + CONSUMER), b_bufs.index(slot).permute((1, 0)), acc,
                                 use_acc=False, is_async=True)
         product = warpgroup_mma_wait(num_outstanding=0, deps=(product,))
         mbarrier.arrive(empty.index(slot), count=1)
-        acc += product * (a_scale[:, None] * b_scale[None, :])
+        acc = _add_scaled(acc, product, *scales)
+        scales = next_scales
     return acc
 
 
