@@ -4,6 +4,8 @@
     down wgrad:    d_w_down[e] = Σ_{r of e} dy_sorted[r]ᵀ · h[r]  (fp32 sum, stored bf16; `wgrad.py`)
     gate/up wgrad: d_w_gate[e] = Σ_{r of e} d_g[r]ᵀ · x_sorted[r], d_w_up[e] likewise with d_u
     gate/up dgrad: dx[src(r)] = d_g[r] · Wg[e] + d_u[r] · Wu[e]      (two K segments; `dgrad.py`)
+    fp8_block wgrads: both wgrads over e4m3 operands quantized in 128-row blocks, each step's
+                   product scaled by its block's row and column scales (`wgrad.py`'s fp8_block)
 
 Legend: r a row of the expert-sorted layout of `schedule.py`, src(r) = row_source[r]
 (−1: padding), e = tile_expert[r // BLOCK_M], H hidden, I intermediate size, E_l local experts.
@@ -48,8 +50,8 @@ Triton kernels stay the reference path (and the only one under `TRITON_INTERPRET
 GPUs other than Hopper, under expert parallelism and with main_grad).
 
 Caller contract: as for the Triton kernels (`grouped_gemm.down_scatter`, `wgrad.down_wgrad`,
-`wgrad.gate_up_wgrad`, `dgrad.gate_up_dgrad_scatter`); bf16 only; BLOCK_M is the schedule's
-block_m. Worker partitions of one `warp_specialize` share one signature (Gluon's rule), so
+`wgrad.gate_up_wgrad`, `dgrad.gate_up_dgrad_scatter`, and the wgrads' `*_fp8_block`); bf16,
+and fp8_block for the wgrads; BLOCK_M is the schedule's block_m. Worker partitions of one `warp_specialize` share one signature (Gluon's rule), so
 each kernel's producer takes its consumers' arguments.
 """
 

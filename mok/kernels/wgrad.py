@@ -119,11 +119,12 @@ COOPERATIVE_GATE_UP_WGRAD = True
 DOWN_WGRAD_GROUP_M = 8
 # True runs both fp8_block wgrads without main_grad on Hopper warp-specialized
 # (`warp_specialized.fp8_block_wgrad_tile_config`: cooperative 128×128, the producer running
-# ahead, each consumer scaling its step's product while the other's MMAs run), written to give
-# the Triton kernel's output bitwise (compiled for sm_90a in the CPU tests; not yet run on a
-# GPU). The Triton fp8_block wgrads wait for every step's product before scaling it: on H200
-# they ran no faster than the bf16 wgrads (qwen3-30b 2.69 against 2.04 ms, deepseek-v3-slice
-# 11.24 against 10.65, record h200-20261130-fp8-block-profile.log). Off until timed there.
+# ahead, one consumer scaling its step's product while the other's MMAs run), bitwise the
+# Triton kernel's output (H200). The Triton fp8_block wgrads ran no faster than the bf16
+# wgrads (qwen3-30b 2.69 against 2.04 ms, deepseek-v3-slice 11.24 against 10.65, record
+# h200-20261130-fp8-block-profile.log); on deepseek-v3-slice this kernel took the down wgrad
+# from 3.34 to 2.86–2.95 ms and the gate/up wgrad from 6.47 to 6.50–6.61 (record
+# h200-20261201-fp8-wgrad-ws-sweep.log). Off until timed in the layer on every preset.
 WARP_SPECIALIZED_FP8_BLOCK_WGRAD = False
 
 
