@@ -156,11 +156,15 @@ def _num(value: float | None) -> str:
     return f"{value:.3g}" if abs(value) < 10 else f"{value:.1f}"
 
 
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else ""
+
+
 def _status(r: Result) -> str:
     if r.status == "ok":
         note = "" if r.same_function else " (different function: not checked)"
         return "[green]ok[/green]" + note + (f" [dim]{r.message}[/dim]" if r.message else "")
-    first = r.message.strip().splitlines()[0] if r.message.strip() else ""
+    first = _first_line(r.message)
     color = {"FAIL": "red", "error": "red", "skipped": "yellow"}.get(r.status, "white")
     return f"[{color}]{r.status}[/{color}]" + (f": {first}" if first else "")
 
@@ -169,7 +173,7 @@ def result_line(r: Result) -> str:
     """One plain line for a log: what ran, its time and speedup, or why it was not timed."""
     what = f"{r.preset} {r.pass_} {_label(r)}"
     if r.ms is None:
-        first = r.message.strip().splitlines()[0] if r.message.strip() else ""
+        first = _first_line(r.message)
         return f"{what}: {r.status}" + (f": {first}" if first else "")
     speedup = "" if r.speedup is None else f" ({r.speedup:.2f}×)"
     peak = "" if r.peak_mem_gb is None else f", peak {r.peak_mem_gb:.2f} GB"

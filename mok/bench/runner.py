@@ -499,10 +499,6 @@ def _free(device) -> None:
         torch.cuda.empty_cache()
 
 
-def _first_line(text: str) -> str:
-    return text.strip().splitlines()[0] if text.strip() else ""
-
-
 @dataclass(eq=False)
 class _Timed:
     """One checked (impl, pass) of a preset, filled in round by round: its per-call ms, the

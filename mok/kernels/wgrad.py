@@ -330,8 +330,7 @@ def _launch_wgrad(
                 "tile_config: WARP_SPECIALIZED is for the wgrads into a new gradient (no main_grad), STACKED for "
                 "the fp8_block gate/up wgrad only"
             )
-        a_scale, _, b_scale = scales if fp8 else (None, None, None)
-        warp_specialized.launch_wgrad(a, a2, b, out, out2, schedule, cfg, (a_scale, b_scale) if fp8 else None)
+        warp_specialized.launch_wgrad(a, a2, b, out, out2, schedule, cfg, (scales[0], scales[2]) if fp8 else None)
         return
     cfg = {"PERSISTENT": False, "STACKED": False, "GROUP_M": 1, **cfg}
     if cfg["STACKED"] and (out2 is None or a2 is not None):

@@ -8,6 +8,7 @@ import torch
 
 from mok import reference
 from mok.fp8_block import fp8_block_dequantize, fp8_block_quantize
+from mok.kernels import dgrad
 from mok.kernels.dgrad import (
     dgrad_config,
     down_dgrad_swiglu,
@@ -97,8 +98,6 @@ def test_down_dgrad_swiglu_matches_reference(kernel_device, T, H, I, E, topk, li
 def test_down_dgrad_prefetch_changes_nothing(monkeypatch, T, H, I, E, topk):
     """`PREFETCH_DOWN_DGRAD_OPERANDS` only asks for lines early (the last column tile ragged):
     both outputs bit for bit."""
-    from mok.kernels import dgrad
-
     inp = make_inputs(T, H, I, E, topk, seed=T, device="cuda", signed_weights=True)
     sched, rows, _, _, _ = _schedule(inp, E)
     gen = torch.Generator().manual_seed(2)
