@@ -65,15 +65,6 @@ def column_halves(x):
 
 
 @triton.jit
-def prefetch_to_l2(ptrs):
-    """Asks for the 128-byte lines at `ptrs` (in-bounds addresses, one per line) to be brought
-    into L2 without waiting for them (PTX `prefetch.global.L2`), so that a load of them later
-    waits less. GPU only: the interpreter has no inline assembly."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
 def tile_coordinates(pid, max_m_tiles, num_n_tiles, GROUP_M: tl.constexpr):
     """(m_tile, n_tile) of program `pid`, walking GROUP_M row tiles per column sweep so
     consecutive programs reuse the same weight tiles from L2."""

@@ -72,14 +72,7 @@ import triton.language as tl
 from mok.fp8_block import FP8_BLOCK
 from mok.kernels import grouped_gemm, warp_specialized
 from mok.kernels.comm import PeerRows, signal_peers
-from mok.kernels.common import (
-    column_halves,
-    interpreting,
-    prefetch_to_l2,
-    round_to_bf16,
-    tile_coordinates,
-    tma_descriptor,
-)
+from mok.kernels.common import column_halves, interpreting, round_to_bf16, tile_coordinates, tma_descriptor
 from mok.kernels.gather import check_sorted_rows
 from mok.kernels.grouped_gemm import (
     check_fp8_block_pair,
@@ -127,12 +120,6 @@ PERSISTENT_GATE_UP_MIN_HIDDEN = 6144
 # -fwd-bwd-v13.json, two machines): deepseek-v3-slice and mixtral-8x7b lost what those gained,
 # so the Triton kernel stays there.
 COOPERATIVE_GATE_UP_DGRAD_MAX_INTER = 1024
-# True has the bf16 down dgrad ask for its tile's saved g, u to be brought into L2 when the tile
-# starts (`common.prefetch_to_l2`, 128 KiB per 128×256 tile), so that its epilogue's four
-# quarter loads, each waited for before the quarter's stores, wait on L2 instead of HBM. Off
-# until timed (`python -m mok.bench --variant mok.kernels.dgrad.PREFETCH_DOWN_DGRAD_OPERANDS=True`):
-# the lines stay in L2 through the tile's K loop, beside the weights and dOut it streams.
-PREFETCH_DOWN_DGRAD_OPERANDS = False
 
 
 def dgrad_config(
@@ -230,8 +217,7 @@ def _down_dgrad_swiglu_kernel(
     stride_gu_r, stride_dgu_r,
     # meta
     PRECISION: tl.constexpr, HAS_WEIGHTS: tl.constexpr, HAS_LIMIT: tl.constexpr, INTERPRETER: tl.constexpr,
-    PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     num_n_tiles = tl.cdiv(inter, BLOCK_N)
     m_tile, n_tile = tile_coordinates(tl.program_id(0), max_m_tiles, num_n_tiles, GROUP_M)
@@ -239,11 +225,6 @@ def _down_dgrad_swiglu_kernel(
         return
     expert = tl.load(tile_expert_ptr + m_tile)
     rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    if PREFETCH:  # the epilogue's g, u lines (64 bf16 each; past I, the row's last line) into L2
-        line_cols = tl.minimum(n_tile * BLOCK_N + 64 * tl.arange(0, BLOCK_N // 64), inter - 1)
-        lines = gate_up_ptr + rows.to(tl.int64)[:, None] * stride_gu_r + line_cols[None, :]
-        prefetch_to_l2(lines)
-        prefetch_to_l2(lines + inter)
     source = tl.load(row_source_ptr + rows)
     row_valid = source >= 0
     slot = tl.where(row_valid, source, 0)
@@ -432,7 +413,7 @@ def _launch_down_dgrad_swiglu(
         hidden, inter, schedule.max_tiles, 0.0 if swiglu_limit is None else float(swiglu_limit),
         gate_up.stride(0), d_gate_up.stride(0),
         PRECISION=precision, HAS_WEIGHTS=weighted, HAS_LIMIT=swiglu_limit is not None, INTERPRETER=interpreting(),
-        PREFETCH=PREFETCH_DOWN_DGRAD_OPERANDS and precision == "bf16" and not interpreting(), **cfg,
+        **cfg,
     )
     if not weighted:
         return d_gate_up, None

@@ -120,12 +120,12 @@ DOWN_WGRAD_GROUP_M = 8
 # True runs both fp8_block wgrads without main_grad on Hopper warp-specialized
 # (`warp_specialized.fp8_block_wgrad_tile_config`: cooperative 128×128, the producer running
 # ahead, one consumer scaling its step's product while the other's MMAs run), bitwise the
-# Triton kernel's output (H200). The Triton fp8_block wgrads ran no faster than the bf16
-# wgrads (qwen3-30b 2.69 against 2.04 ms, deepseek-v3-slice 11.24 against 10.65, record
-# h200-20261130-fp8-block-profile.log); on deepseek-v3-slice this kernel took the down wgrad
-# from 3.34 to 2.86–2.95 ms and the gate/up wgrad from 6.47 to 6.50–6.61 (record
-# h200-20261201-fp8-wgrad-ws-sweep.log). Off until timed in the layer on every preset.
-WARP_SPECIALIZED_FP8_BLOCK_WGRAD = False
+# Triton kernel's output (H200). Kernels against the Triton wgrads (record
+# h200-20261201-fp8-wgrad-ws-sweep-v2.log): qwen3-30b down 0.96 -> 0.64-0.67 ms, gate/up
+# 1.76 -> 1.27-1.32; deepseek-v3-slice down 3.42/3.53 -> 2.62-2.68, gate/up 6.63 -> 5.39-5.52.
+# The fp8_block layer (record h200-20261201-ab-fp8-ws-wgrad.json): qwen3-30b 9.60 -> 8.85 ms,
+# deepseek-v3-slice 33.0 -> 31.4.
+WARP_SPECIALIZED_FP8_BLOCK_WGRAD = True
 
 
 def wgrad_config(

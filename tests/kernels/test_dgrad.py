@@ -8,7 +8,6 @@ import torch
 
 from mok import reference
 from mok.fp8_block import fp8_block_dequantize, fp8_block_quantize
-from mok.kernels import dgrad
 from mok.kernels.dgrad import (
     dgrad_config,
     down_dgrad_swiglu,
@@ -90,27 +89,6 @@ def test_down_dgrad_swiglu_matches_reference(kernel_device, T, H, I, E, topk, li
     assert_close_to_reference(d_topk_weights.cpu().view(-1), expected, name="d_topk_weights", context=ctx, check_cosine=True)
     # Same bf16 inputs on both sides: only fp32 summation order differs.
     assert torch.allclose(d_topk_weights.cpu().view(-1), expected, rtol=1e-4, atol=1e-4), ctx
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the L2 prefetch is inline PTX)")
-@pytest.mark.parametrize("T, H, I, E, topk", [(300, 256, 600, 6, 2), (1, 64, 64, 3, 1)])
-def test_down_dgrad_prefetch_changes_nothing(monkeypatch, T, H, I, E, topk):
-    """`PREFETCH_DOWN_DGRAD_OPERANDS` only asks for lines early (the last column tile ragged):
-    both outputs bit for bit."""
-    inp = make_inputs(T, H, I, E, topk, seed=T, device="cuda", signed_weights=True)
-    sched, rows, _, _, _ = _schedule(inp, E)
-    gen = torch.Generator().manual_seed(2)
-    gate_up = _sorted(rows, torch.randn(rows.numel(), 2, I, generator=gen), sched.capacity_rows).cuda()
-    d_out = _sorted_tokens(torch.randn(T, H, generator=gen).bfloat16().cuda(), sched, topk)
-    outputs = []
-    for prefetch in (False, True):
-        monkeypatch.setattr(dgrad, "PREFETCH_DOWN_DGRAD_OPERANDS", prefetch)
-        outputs.append(down_dgrad_swiglu(d_out, inp.topk_weights, gate_up, inp.w_down, sched))
-    (d_gate_up, d_weights), (d_gate_up_prefetched, d_weights_prefetched) = outputs
-    num_rows = int(sched.num_rows)
-    assert torch.equal(d_gate_up[:num_rows], d_gate_up_prefetched[:num_rows]) and d_gate_up[:num_rows].abs().sum() > 0
-    assert torch.equal(d_weights, d_weights_prefetched)
 
 
 def test_router_weight_gradient_does_not_depend_on_w(kernel_device):
