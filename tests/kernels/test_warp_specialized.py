@@ -290,8 +290,8 @@ def test_fp8_block_wgrads_are_bitwise_the_triton_kernel(T, H, I, E, topk, skewed
 @hopper
 @pytest.mark.gpu
 def test_defaults_choose_the_schedule_by_reduction_on_hopper():
-    """Ping-pong for short reductions, cooperative for the long down wgrad and the gate/up GEMMs
-    of the backward; the Triton kernels for the long down GEMM, with main_grad and for peer
+    """Ping-pong for short reductions, cooperative for the long down wgrad, the gate/up GEMMs
+    of the backward and both fp8_block wgrads; the Triton kernels for the long down GEMM, with main_grad and for peer
     stores (`allow_warp_specialized=False`)."""
     assert gemm_config("down", 2048, 768) == ws.tile_config(cooperative=False)
     group_m = dict(GROUP_M=wgrad.DOWN_WGRAD_GROUP_M)
@@ -302,8 +302,10 @@ def test_defaults_choose_the_schedule_by_reduction_on_hopper():
     assert dgrad_config("gate_up", 2048, 768) == ws.tile_config(cooperative=True)
     assert "WARP_SPECIALIZED" not in dgrad_config("gate_up", 7168, 2048)
     assert "WARP_SPECIALIZED" not in dgrad_config("down", 14336, 4096)
-    assert "WARP_SPECIALIZED" not in wgrad_config("down", 2048, 768, "fp8_block")  # off until timed
+    assert wgrad_config("down", 2048, 768, "fp8_block") == ws.fp8_block_wgrad_tile_config(stacked=False)
+    assert wgrad_config("gate_up", 768, 2048, "fp8_block") == ws.fp8_block_wgrad_tile_config(stacked=True)
     for config in (wgrad_config("down", 2048, 768, allow_warp_specialized=False),
+                   wgrad_config("gate_up", 768, 2048, "fp8_block", allow_warp_specialized=False),
                    wgrad_config("gate_up", 768, 2048, allow_warp_specialized=False),
                    dgrad_config("gate_up", 2048, 768, allow_warp_specialized=False),
                    gemm_config("down", 7168, 2048, allow_warp_specialized=False)):
