@@ -28,7 +28,7 @@ TRITON = {
     "down_wgrad_fp8": tune_gemm.CONFIGS["down_wgrad_fp8"],
     "gate_up_wgrad_fp8": tune_gemm.CONFIGS["gate_up_wgrad_fp8"],
 }
-FP8_DOWN, FP8_GATE_UP = (warp_specialized.fp8_block_wgrad_tile_config(stacked) for stacked in (False, True))
+FP8_DOWN, FP8_GATE_UP = (warp_specialized.fp8_block_tile_config(stacked) for stacked in (False, True))
 WARP_SPECIALIZED = {
     "down": [PING_PONG, COOPERATIVE, dict(PING_PONG, GROUP_M=8), dict(COOPERATIVE, GROUP_M=8)],
     "gate_up_dgrad": [PING_PONG, COOPERATIVE, dict(COOPERATIVE, GROUP_M=8)],

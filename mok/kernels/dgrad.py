@@ -120,6 +120,14 @@ PERSISTENT_GATE_UP_MIN_HIDDEN = 6144
 # -fwd-bwd-v13.json, two machines): deepseek-v3-slice and mixtral-8x7b lost what those gained,
 # so the Triton kernel stays there.
 COOPERATIVE_GATE_UP_DGRAD_MAX_INTER = 1024
+# The fp8_block gate/up dgrad into local slots runs on Hopper in the cooperative warp-specialized
+# kernel (`warp_specialized.fp8_block_tile_config`: over the two K segments, each step's product
+# scaled by d_g's or d_u's row scales and the weight block's), bitwise the Triton kernel's
+# output, up to this reduction (I). The fp8_block layer against the Triton kernel, 5 interleaved
+# rounds (records h200-20261201-ab-fp8-ws-gate-up-dgrad.json, -ab-fp8-ws-scatter.json with the
+# down GEMM's too): qwen3-30b (I = 768) 8.89 -> 8.70 ms and 8.89 -> 8.65; deepseek-v3-slice
+# (I = 2048) 31.1 -> 31.7 and 31.3 -> 32.0, slower, as the bf16 cooperative gate/up dgrad was there.
+WARP_SPECIALIZED_FP8_BLOCK_GATE_UP_DGRAD_MAX_INTER = 1024
 
 
 def dgrad_config(
@@ -140,9 +148,13 @@ def dgrad_config(
     cooperative warp-specialized kernel up to `COOPERATIVE_GATE_UP_DGRAD_MAX_INTER` unless
     `allow_warp_specialized` is False (stores to other ranks). Under the interpreter, small
     tiles keep the CPU tests fast. The key never includes per-expert counts (they change every step).
-    fp8_block: `_FP8_BLOCK_TILES`, the same for every shape until measured.
+    fp8_block: `_FP8_BLOCK_TILES`, the same for every shape until measured; on Hopper the gate/up
+    dgrad into local slots warp-specialized up to `WARP_SPECIALIZED_FP8_BLOCK_GATE_UP_DGRAD_MAX_INTER`.
     """
     if precision == "fp8_block":
+        short = reduce_dim <= WARP_SPECIALIZED_FP8_BLOCK_GATE_UP_DGRAD_MAX_INTER
+        if kind == "gate_up" and short and allow_warp_specialized and warp_specialized.available_here():
+            return warp_specialized.fp8_block_tile_config()
         return dict(BLOCK_M=routing_block_m(), **_FP8_BLOCK_TILES["interpreter" if interpreting() else kind])
     if interpreting():
         return dict(BLOCK_M=routing_block_m(), BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1)
@@ -490,18 +502,16 @@ def _launch_gate_up_dgrad_scatter(
     schedule: RoutingSchedule, num_slots: int, hidden: int, inter: int, cfg: dict, peer_rows: PeerRows | None = None,
 ) -> torch.Tensor:
     """One launch of `_gate_up_dgrad_scatter_kernel` (the scales are None in bf16), or, for a tile
-    config with WARP_SPECIALIZED, of `warp_specialized`'s kernel (bf16, local slots)."""
+    config with WARP_SPECIALIZED, of `warp_specialized`'s kernel (local slots)."""
     if peer_rows is None:
         dx = torch.empty(num_slots, hidden, dtype=torch.bfloat16, device=d_gate.device)  # [T·topk, H] bf16
     else:
         dx = peer_rows.checked_local_out(hidden, d_gate.device)
     if cfg.get("WARP_SPECIALIZED", False):
-        if precision != "bf16" or peer_rows is not None:
-            raise ValueError(
-                f"tile_config: WARP_SPECIALIZED is for the bf16 gate/up dgrad into local slots, got precision "
-                f"{precision}" + (" and peer_rows" if peer_rows is not None else "")
-            )
-        warp_specialized.launch_gate_up_dgrad_scatter(d_gate, d_up, w_gate, w_up, dx, schedule, cfg)
+        if peer_rows is not None:
+            raise ValueError("tile_config: WARP_SPECIALIZED is for the gate/up dgrad into local slots, got peer_rows")
+        scales = None if d_gate_scale is None else (d_gate_scale, d_up_scale, w_gate_scale, w_up_scale)
+        warp_specialized.launch_gate_up_dgrad_scatter(d_gate, d_up, w_gate, w_up, dx, schedule, cfg, scales)
         return dx
     programs = scatter_grid(schedule, hidden, cfg)
     cfg = {"PERSISTENT": False, **cfg}

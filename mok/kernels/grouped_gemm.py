@@ -360,6 +360,13 @@ PING_PONG_DOWN_MAX_INTER = 1024
 # kernel bracketing it; record h200-20261201-warp-specialized-sweep.log), and the forward's
 # margin on mixtral-8x7b is thin. True runs it above `PING_PONG_DOWN_MAX_INTER`.
 COOPERATIVE_DOWN = False
+# True runs the fp8_block down GEMM into local slots on Hopper in the cooperative warp-specialized
+# kernel (`warp_specialized.fp8_block_tile_config`: the fp8_block wgrads' schedule, each step's
+# product scaled by the rows' and the weight block's scales), bitwise the Triton kernel's output.
+# The fp8_block layer against the Triton kernel (record h200-20261201-ab-fp8-ws-down.json, 5
+# interleaved rounds): qwen3-30b 8.84 -> 8.76 ms, deepseek-v3-slice 31.4 -> 31.6, both inside
+# the p20–p80 spreads, so it stays off.
+WARP_SPECIALIZED_FP8_BLOCK_DOWN = False
 # Row tiles per column sweep (`tile_coordinates`) of the bf16 Triton grouped GEMMs: the forward's
 # gate/up and down, and both dgrads (`dgrad.dgrad_config`). A weight tile comes from HBM once per
 # group and then from L2 while the group's tiles are in flight. 16 (mixtral-8x7b's experts hold
@@ -387,9 +394,13 @@ def gemm_config(
     fast (BLOCK_M 32, a whole MXFP8 block of rows).
     On Hopper the bf16 down GEMM into local slots runs warp-specialized (ping-pong) up to
     `PING_PONG_DOWN_MAX_INTER`, and cooperative above it with `COOPERATIVE_DOWN`.
-    fp8_block: `_FP8_BLOCK_TILES`, the same for every shape until measured.
+    fp8_block: `_FP8_BLOCK_TILES`, the same for every shape until measured; on Hopper the down
+    GEMM into local slots warp-specialized with `WARP_SPECIALIZED_FP8_BLOCK_DOWN`.
     """
     if precision == "fp8_block":
+        if kind == "down" and WARP_SPECIALIZED_FP8_BLOCK_DOWN and allow_warp_specialized \
+                and warp_specialized.available_here():
+            return warp_specialized.fp8_block_tile_config()
         return dict(_FP8_BLOCK_TILES["interpreter" if interpreting() else kind])
     if interpreting():
         return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1)
@@ -609,14 +620,12 @@ def _launch_down_scatter(
     peer_rows: PeerRows | None = None,
 ) -> None:
     """One launch of `_down_scatter_kernel` (the scales are None in bf16), or, for a tile config
-    with WARP_SPECIALIZED, of `warp_specialized`'s kernel (bf16, local slots)."""
+    with WARP_SPECIALIZED, of `warp_specialized`'s kernel (local slots)."""
     if cfg.get("WARP_SPECIALIZED", False):
-        if precision != "bf16" or peer_rows is not None:
-            raise ValueError(
-                f"tile_config: WARP_SPECIALIZED is for the bf16 down GEMM into local slots, got precision {precision}"
-                + (" and peer_rows" if peer_rows is not None else "")
-            )
-        warp_specialized.launch_down_scatter(h, w_down, y, schedule, cfg)
+        if peer_rows is not None:
+            raise ValueError("tile_config: WARP_SPECIALIZED is for the down GEMM into local slots, got peer_rows")
+        scales = None if h_scale is None else (h_scale, w_down_scale)
+        warp_specialized.launch_down_scatter(h, w_down, y, schedule, cfg, scales)
         return
     hidden, inter = w_down.shape[1], w_down.shape[2]
     programs = scatter_grid(schedule, hidden, cfg)

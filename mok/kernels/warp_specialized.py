@@ -6,6 +6,8 @@
     gate/up dgrad: dx[src(r)] = d_g[r] · Wg[e] + d_u[r] · Wu[e]      (two K segments; `dgrad.py`)
     fp8_block wgrads: both wgrads over e4m3 operands quantized in 128-row blocks, each step's
                    product scaled by its block's row and column scales (`wgrad.py`'s fp8_block)
+    fp8_block down and gate/up dgrad: the scatter GEMMs over e4m3 rows quantized in 1×128 blocks
+                   and the weights' 128×128 blocks (`grouped_gemm.py`'s and `dgrad.py`'s fp8_block)
 
 Legend: r a row of the expert-sorted layout of `schedule.py`, src(r) = row_source[r]
 (−1: padding), e = tile_expert[r // BLOCK_M], H hidden, I intermediate size, E_l local experts.
@@ -50,8 +52,9 @@ Triton kernels stay the reference path (and the only one under `TRITON_INTERPRET
 GPUs other than Hopper, under expert parallelism and with main_grad).
 
 Caller contract: as for the Triton kernels (`grouped_gemm.down_scatter`, `wgrad.down_wgrad`,
-`wgrad.gate_up_wgrad`, `dgrad.gate_up_dgrad_scatter`, and the wgrads' `*_fp8_block`); bf16,
-and fp8_block for the wgrads; BLOCK_M is the schedule's block_m. Worker partitions of one `warp_specialize` share one signature (Gluon's rule), so
+`wgrad.gate_up_wgrad`, `dgrad.gate_up_dgrad_scatter`, and their `*_fp8_block`); bf16, and
+fp8_block for the wgrads and the scatter GEMMs (cooperative only); BLOCK_M is the schedule's
+block_m. Worker partitions of one `warp_specialize` share one signature (Gluon's rule), so
 each kernel's producer takes its consumers' arguments.
 """
 
@@ -90,13 +93,14 @@ PING_PONG_TILE = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_stages=6)
 # Four stages of 48 KiB (two 64×64 A halves, one 256×64 B tile); three measured the same
 # within 3% either way (record h200-20261201-cooperative-probe.log).
 COOPERATIVE_TILE = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_stages=4)
-# fp8_block wgrads: 128×128 tiles, a 64×128 accumulator per consumer plus its step's fresh
-# 64×128 product (64 registers per thread each, so 64×256 would not fit), BLOCK_K the 128-row
-# scale block; 32 KiB per stage (two 64×128 A tiles and one 128×128 B tile of e4m3), six
-# stages; GROUP_M 8. On deepseek-v3-slice, with each step's scales loaded in that step: down
-# wgrad 3.34/3.36 ms (Triton, first/last) -> 3.11–3.13 at GROUP_M 1, 2.86–2.95 at 8; gate/up
-# wgrad 6.47/6.46 -> 6.79–6.82, 6.50–6.61 (record h200-20261201-fp8-wgrad-ws-sweep.log).
-FP8_BLOCK_WGRAD_TILE = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_stages=6, GROUP_M=8)
+# fp8_block GEMMs (cooperative): 128×128 tiles, a 64×128 accumulator per consumer plus its
+# step's fresh 64×128 product (64 registers per thread each, so 64×256 would not fit),
+# BLOCK_K the 128-wide scale block; 32 KiB per stage (two 64×128 A tiles and one 128×128 B
+# tile of e4m3), six stages; GROUP_M 8. Chosen on the wgrads (deepseek-v3-slice, each step's
+# scales loaded in that step): down wgrad 3.34/3.36 ms (Triton, first/last) -> 3.11–3.13 at
+# GROUP_M 1, 2.86–2.95 at 8; gate/up wgrad 6.47/6.46 -> 6.79–6.82, 6.50–6.61 (record
+# h200-20261201-fp8-wgrad-ws-sweep.log).
+FP8_BLOCK_TILE = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_stages=6, GROUP_M=8)
 # Registers per thread of the consumer warp groups and of the producer warp (setmaxnreg);
 # the default partition (consumer 0) gets what is left of the launch's 168 × 384 threads.
 _CONSUMER_REGISTERS = gl.constexpr(232)
@@ -125,10 +129,10 @@ def tile_config(cooperative: bool) -> dict:
     return dict(COOPERATIVE_TILE if cooperative else PING_PONG_TILE, WARP_SPECIALIZED=True, COOPERATIVE=cooperative)
 
 
-def fp8_block_wgrad_tile_config(stacked: bool) -> dict:
-    """The tile config that selects the fp8_block wgrads here (cooperative), `stacked` for the
+def fp8_block_tile_config(stacked: bool = False) -> dict:
+    """The tile config that selects the fp8_block GEMMs here (cooperative), `stacked` for the
     gate/up wgrad (its A operand the stacked [d_g | d_u]ᵀ)."""
-    return dict(FP8_BLOCK_WGRAD_TILE, WARP_SPECIALIZED=True, COOPERATIVE=True, STACKED=stacked)
+    return dict(FP8_BLOCK_TILE, WARP_SPECIALIZED=True, COOPERATIVE=True, STACKED=stacked)
 
 
 def _check_device(device: torch.device) -> None:
@@ -196,14 +200,19 @@ def _mma_steps(acc, first_step, steps, tile_count, a_bufs, b_bufs, ready, empty,
 
 
 @gluon.jit
-def _block_scales(a_scale_ptr, b_scale_ptr, stride_a_scale, stride_b_scale, block, valid, m_offs, m_dim, n_offs,
-                  n_dim):
-    """Row and column scales of the 128-row block `block` (zeros unless `valid`), one per thread
+def _block_scales(a_scale_ptr, b_scale_ptr, scale_strides, block, valid, m_offs, m_dim, n_offs, n_dim,
+                  B_COLUMNS: gl.constexpr):
+    """Row and column scales of the K block `block` (zeros unless `valid`), one per thread
     (`_SCALE_LAYOUT`): loaded in the accumulator's layout, each thread would hold 32 column
-    scales' 64-bit addresses (ptxas spilled)."""
-    block = block.to(gl.int64)
-    a_scale = gl.load(a_scale_ptr + block * stride_a_scale + m_offs, mask=valid & (m_offs < m_dim), other=0.0)
-    b_scale = gl.load(b_scale_ptr + block * stride_b_scale + n_offs, mask=valid & (n_offs < n_dim), other=0.0)
+    scales' 64-bit addresses (ptxas spilled). Row m's scale is at a_scale_ptr + block · sa_block
+    + m · sa_row, column n's at b_scale_ptr + block · sb_block + (n // B_COLUMNS) · sb_row
+    (`scale_strides` = (sa_block, sa_row, sb_block, sb_row); B_COLUMNS 128: a weight's block)."""
+    sa_block, sa_row, sb_block, sb_row = scale_strides
+    # block · stride stays below the scale tensor's size: int32 holds it
+    a_offs = m_offs.to(gl.int64) * sa_row + block * sa_block
+    b_offs = (n_offs // B_COLUMNS).to(gl.int64) * sb_row + block * sb_block
+    a_scale = gl.load(a_scale_ptr + a_offs, mask=valid & (m_offs < m_dim), other=0.0)
+    b_scale = gl.load(b_scale_ptr + b_offs, mask=valid & (n_offs < n_dim), other=0.0)
     return a_scale, b_scale
 
 
@@ -217,24 +226,24 @@ def _add_scaled(acc, product, a_scale, b_scale):
 
 
 @gluon.jit
-def _scaled_mma_steps(acc, first_step, steps, row_start, a_bufs, b_bufs, ready, empty, a_scale_ptr, b_scale_ptr,
-                      stride_a_scale, stride_b_scale, m_offs, m_dim, n_offs, n_dim, CONSUMER: gl.constexpr,
-                      BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+def _scaled_mma_steps(acc, first_step, steps, first_block, a_bufs, b_bufs, ready, empty, a_scale_ptr, b_scale_ptr,
+                      scale_strides, m_offs, m_dim, n_offs, n_dim, CONSUMER: gl.constexpr, B_COLUMNS: gl.constexpr,
+                      STAGES: gl.constexpr):
     """Consumer, cooperative, fp8_block: acc += Σ over the ring steps [first_step, first_step +
     steps) of (A·B) · sa[m] · sb[n], each step's FP8 product fresh in fp32 and then scaled by
-    the scales of its 128-row block (rows `row_start + k·BLOCK_K`, BLOCK_K = 128), in step
-    order, as `wgrad._wgrad_tile` does. A tiles [rows, K], B tiles [N, K]: FP8 wgmma reads both
-    K-major. Each step's scales are loaded a step ahead. The product is waited for before it
-    is scaled (ptxas serializes every wgmma of a loop that reads one product while the next
-    MMA runs: C7514), so the scaling overlaps only the other consumer's MMAs."""
-    first_block = row_start // BLOCK_K
-    scales = _block_scales(a_scale_ptr, b_scale_ptr, stride_a_scale, stride_b_scale, first_block, steps > 0, m_offs,
-                           m_dim, n_offs, n_dim)
+    the scales of its K block (`first_block + k`; `_block_scales`), in step order, as the
+    Triton kernels do (`wgrad._wgrad_tile`, `grouped_gemm.sorted_rows_tile`). A tiles [rows, K],
+    B tiles [N, K]: FP8 wgmma reads both K-major. Each step's scales are loaded a step ahead.
+    The product is waited for before it is scaled (ptxas serializes every wgmma of a loop that
+    reads one product while the next MMA runs: C7514), so the scaling overlaps only the other
+    consumer's MMAs."""
+    scales = _block_scales(a_scale_ptr, b_scale_ptr, scale_strides, first_block, steps > 0, m_offs, m_dim, n_offs,
+                           n_dim, B_COLUMNS)
     for k in range(steps):
         step = first_step + k
         slot = step % STAGES
-        next_scales = _block_scales(a_scale_ptr, b_scale_ptr, stride_a_scale, stride_b_scale, first_block + k + 1,
-                                    k + 1 < steps, m_offs, m_dim, n_offs, n_dim)
+        next_scales = _block_scales(a_scale_ptr, b_scale_ptr, scale_strides, first_block + k + 1, k + 1 < steps,
+                                    m_offs, m_dim, n_offs, n_dim, B_COLUMNS)
         mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
         product = warpgroup_mma(a_bufs.index(2 * slot + CONSUMER), b_bufs.index(slot).permute((1, 0)), acc,
                                 use_acc=False, is_async=True)
@@ -314,11 +323,11 @@ def _load_segment(step, a_desc, b_desc, m0, expert, n0, n_dim, reduce_dim, a_buf
 
 
 @gluon.jit
-def _scatter_producer(a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, empty, turn, y_ptr, row_source_ptr,
-                      tile_expert_ptr, num_rows_ptr, n_dim, reduce_dim, stride_y, CONSUMER: gl.constexpr,
-                      TWO_SEGMENTS: gl.constexpr, B_K_MAJOR: gl.constexpr, COOPERATIVE: gl.constexpr,
-                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-                      STAGES: gl.constexpr):
+def _scatter_producer(a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, empty, turn, y_ptr, a_scale_ptr,
+                      a2_scale_ptr, b_scale_ptr, b2_scale_ptr, row_source_ptr, tile_expert_ptr, num_rows_ptr, m_dim,
+                      n_dim, reduce_dim, stride_y, CONSUMER: gl.constexpr, TWO_SEGMENTS: gl.constexpr,
+                      B_K_MAJOR: gl.constexpr, COOPERATIVE: gl.constexpr, FP8: gl.constexpr, BLOCK_M: gl.constexpr,
+                      BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
     num_m_tiles = gl.cdiv(gl.load(num_rows_ptr), BLOCK_M)
     num_n_tiles = gl.cdiv(n_dim, BLOCK_N)
     step = 0
@@ -334,26 +343,40 @@ def _scatter_producer(a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, e
 
 
 @gluon.jit
-def _scatter_consumer(a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, empty, turn, y_ptr, row_source_ptr,
-                      tile_expert_ptr, num_rows_ptr, n_dim, reduce_dim, stride_y, CONSUMER: gl.constexpr,
-                      TWO_SEGMENTS: gl.constexpr, B_K_MAJOR: gl.constexpr, COOPERATIVE: gl.constexpr,
-                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-                      STAGES: gl.constexpr):
+def _scatter_consumer(a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, empty, turn, y_ptr, a_scale_ptr,
+                      a2_scale_ptr, b_scale_ptr, b2_scale_ptr, row_source_ptr, tile_expert_ptr, num_rows_ptr, m_dim,
+                      n_dim, reduce_dim, stride_y, CONSUMER: gl.constexpr, TWO_SEGMENTS: gl.constexpr,
+                      B_K_MAJOR: gl.constexpr, COOPERATIVE: gl.constexpr, FP8: gl.constexpr, BLOCK_M: gl.constexpr,
+                      BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
     ROWS: gl.constexpr = _consumer_rows(BLOCK_M, COOPERATIVE)
     TURNS: gl.constexpr = _takes_turns(COOPERATIVE)
-    mma_layout: gl.constexpr = _mma_layout(BLOCK_N)
+    mma_layout: gl.constexpr = _mma_layout(BLOCK_N, FP8)
     num_m_tiles = gl.cdiv(gl.load(num_rows_ptr), BLOCK_M)
     num_n_tiles = gl.cdiv(n_dim, BLOCK_N)
-    k_steps = gl.cdiv(reduce_dim, BLOCK_K) * (2 if TWO_SEGMENTS else 1)
+    k_blocks = gl.cdiv(reduce_dim, BLOCK_K)
+    k_steps = k_blocks * (2 if TWO_SEGMENTS else 1)
     tile_count = 0
     for tile in range(gl.program_id(0), num_m_tiles * num_n_tiles, gl.num_programs(0)):
         if tile_count % TURNS == CONSUMER % TURNS:
             m_tile, n_tile = tile_coordinates(tile, num_m_tiles, num_n_tiles, GROUP_M)
-            acc = gl.zeros((ROWS, BLOCK_N), gl.float32, mma_layout)
-            acc = _mma_steps(acc, tile_count * k_steps, k_steps, tile_count, a_bufs, b_bufs, ready, empty, turn,
-                             CONSUMER, True, B_K_MAJOR, COOPERATIVE, STAGES)
-            y = gl.convert_layout(acc.to(gl.bfloat16), _STORE_LAYOUT)
             first_row = m_tile * BLOCK_M + (CONSUMER * ROWS if COOPERATIVE else 0)
+            acc = gl.zeros((ROWS, BLOCK_N), gl.float32, mma_layout)
+            if FP8:  # each segment: rows' 1×128 scales [rows, K/128], the weight's [E_l, n_dim/128, K/128]
+                m_offs = first_row + gl.arange(0, ROWS, layout=_SCALE_LAYOUT)
+                n_offs = n_tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=_SCALE_LAYOUT)
+                weight_scales = gl.load(tile_expert_ptr + m_tile).to(gl.int64) * gl.cdiv(n_dim, BLOCK_K) * k_blocks
+                strides = (1, k_blocks, 1, k_blocks)
+                acc = _scaled_mma_steps(acc, tile_count * k_steps, k_blocks, 0, a_bufs, b_bufs, ready, empty,
+                                        a_scale_ptr, b_scale_ptr + weight_scales, strides, m_offs, m_dim, n_offs,
+                                        n_dim, CONSUMER, BLOCK_K, STAGES)
+                if TWO_SEGMENTS:
+                    acc = _scaled_mma_steps(acc, tile_count * k_steps + k_blocks, k_blocks, 0, a_bufs, b_bufs, ready,
+                                            empty, a2_scale_ptr, b2_scale_ptr + weight_scales, strides, m_offs, m_dim,
+                                            n_offs, n_dim, CONSUMER, BLOCK_K, STAGES)
+            else:
+                acc = _mma_steps(acc, tile_count * k_steps, k_steps, tile_count, a_bufs, b_bufs, ready, empty, turn,
+                                 CONSUMER, True, B_K_MAJOR, COOPERATIVE, STAGES)
+            y = gl.convert_layout(acc.to(gl.bfloat16), _STORE_LAYOUT)
             rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, _STORE_LAYOUT))
             cols = n_tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, _STORE_LAYOUT))
             source = gl.load(row_source_ptr + rows)
@@ -368,27 +391,33 @@ def _scatter_ws_kernel(
     # TMA descriptors: segment 1 A [capacity_rows, K] and B, segment 2's (TWO_SEGMENTS; else
     # segment 1's again); y [slots, n_dim]
     a_desc, a2_desc, b_desc, b2_desc, y_ptr,
+    # FP8: the scales of A [capacity_rows, K/128] and B [E_l, n_dim/128, K/128] fp32, segment 2's
+    a_scale_ptr, a2_scale_ptr, b_scale_ptr, b2_scale_ptr,
     # schedule
     row_source_ptr, tile_expert_ptr, num_rows_ptr,
-    # sizes (K per segment), strides
-    n_dim, reduce_dim, stride_y,
+    # sizes (m_dim: capacity_rows; K per segment), strides
+    m_dim, n_dim, reduce_dim, stride_y,
     # meta
-    TWO_SEGMENTS: gl.constexpr, B_K_MAJOR: gl.constexpr, COOPERATIVE: gl.constexpr,
+    TWO_SEGMENTS: gl.constexpr, B_K_MAJOR: gl.constexpr, COOPERATIVE: gl.constexpr, FP8: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
 ):
     """down: a = h, b = w_down as [E_l·H, I] (K-major); gate/up dgrad (TWO_SEGMENTS): a, a2 = d_g,
-    d_u, b, b2 = w_gate, w_up as [E_l·I, H]."""
+    d_u, b, b2 = w_gate, w_up as [E_l·I, H], or (FP8, cooperative) their transposed copies as
+    [E_l·H, I] (K-major, as FP8 wgmma needs)."""
     a_bufs, b_bufs, ready, empty, turn = _allocate_ring(a_desc, b_desc, COOPERATIVE, STAGES)
     gl.warp_specialize([
-        (_scatter_consumer, (a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, empty, turn, y_ptr,
-                             row_source_ptr, tile_expert_ptr, num_rows_ptr, n_dim, reduce_dim, stride_y, 0,
-                             TWO_SEGMENTS, B_K_MAJOR, COOPERATIVE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
-        (_scatter_consumer, (a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, empty, turn, y_ptr,
-                             row_source_ptr, tile_expert_ptr, num_rows_ptr, n_dim, reduce_dim, stride_y, 1,
-                             TWO_SEGMENTS, B_K_MAJOR, COOPERATIVE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
-        (_scatter_producer, (a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, empty, turn, y_ptr,
-                             row_source_ptr, tile_expert_ptr, num_rows_ptr, n_dim, reduce_dim, stride_y, 0,
-                             TWO_SEGMENTS, B_K_MAJOR, COOPERATIVE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
+        (_scatter_consumer, (a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, empty, turn, y_ptr, a_scale_ptr,
+                             a2_scale_ptr, b_scale_ptr, b2_scale_ptr, row_source_ptr, tile_expert_ptr, num_rows_ptr,
+                             m_dim, n_dim, reduce_dim, stride_y, 0, TWO_SEGMENTS, B_K_MAJOR, COOPERATIVE, FP8,
+                             BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
+        (_scatter_consumer, (a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, empty, turn, y_ptr, a_scale_ptr,
+                             a2_scale_ptr, b_scale_ptr, b2_scale_ptr, row_source_ptr, tile_expert_ptr, num_rows_ptr,
+                             m_dim, n_dim, reduce_dim, stride_y, 1, TWO_SEGMENTS, B_K_MAJOR, COOPERATIVE, FP8,
+                             BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
+        (_scatter_producer, (a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, empty, turn, y_ptr, a_scale_ptr,
+                             a2_scale_ptr, b_scale_ptr, b2_scale_ptr, row_source_ptr, tile_expert_ptr, num_rows_ptr,
+                             m_dim, n_dim, reduce_dim, stride_y, 0, TWO_SEGMENTS, B_K_MAJOR, COOPERATIVE, FP8,
+                             BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
     ], [4, 1], [_CONSUMER_REGISTERS, _PRODUCER_REGISTERS])
 
 
@@ -461,9 +490,9 @@ def _wgrad_consumer(a_desc, a2_desc, b_desc, a_bufs, b_bufs, ready, empty, turn,
             if FP8:
                 m_offs = first_row + gl.arange(0, ROWS, layout=_SCALE_LAYOUT)
                 n_offs = n0 + gl.arange(0, BLOCK_N, layout=_SCALE_LAYOUT)
-                acc = _scaled_mma_steps(acc, step, steps, row_start, a_bufs, b_bufs, ready, empty, a_scale_ptr,
-                                        b_scale_ptr, stride_a_scale, stride_b_scale, m_offs, m_dim, n_offs, n_dim,
-                                        CONSUMER, BLOCK_K, STAGES)
+                acc = _scaled_mma_steps(acc, step, steps, row_start // BLOCK_K, a_bufs, b_bufs, ready, empty,
+                                        a_scale_ptr, b_scale_ptr, (stride_a_scale, 1, stride_b_scale, 1), m_offs,
+                                        m_dim, n_offs, n_dim, CONSUMER, 1, STAGES)
             else:
                 acc = _mma_steps(acc, step, steps, tile_count, a_bufs, b_bufs, ready, empty, turn, CONSUMER, False,
                                  False, COOPERATIVE, STAGES)
@@ -527,9 +556,25 @@ def _descriptor(t: torch.Tensor, block_shape):
     return tma_descriptor(t, block_shape, _shared_layout(block_shape, t.dtype))
 
 
-def _launch_scatter(a, a2, b, b2, y, schedule: RoutingSchedule, cfg: dict, b_k_major: bool) -> None:
+def _check_fp8_block_tile(cfg: dict, schedule: RoutingSchedule, what: str) -> None:
+    """The fp8_block kernels here: cooperative, BLOCK_K the scale block, 128-row tiles."""
+    if not cfg.get("COOPERATIVE", False):
+        raise ValueError(f"tile_config: the fp8_block {what} needs COOPERATIVE with WARP_SPECIALIZED")
+    if cfg["BLOCK_K"] != FP8_BLOCK or schedule.block_m != FP8_BLOCK:
+        raise ValueError(f"tile_config: the fp8_block {what} needs BLOCK_K {FP8_BLOCK} and a schedule of block_m "
+                         f"{FP8_BLOCK}, got BLOCK_K {cfg['BLOCK_K']} and block_m {schedule.block_m}")
+
+
+def _launch_scatter(a, a2, b, b2, y, schedule: RoutingSchedule, cfg: dict, b_k_major: bool,
+                    scales: tuple[torch.Tensor, ...] | None) -> None:
+    """`scales` (fp8_block): A's and B's, or with a2 A's, A2's, B's and B2's."""
+    cooperative, two_segments, fp8 = cfg.get("COOPERATIVE", False), a2 is not None, scales is not None
+    if fp8:
+        _check_fp8_block_tile(cfg, schedule, "gate/up dgrad" if two_segments else "down GEMM")
+        a_scale, a2_scale, b_scale, b2_scale = scales if two_segments else (scales[0], scales[0], scales[1], scales[1])
+    else:
+        a_scale = a2_scale = b_scale = b2_scale = y  # unread
     _check_device(y.device)
-    cooperative, two_segments = cfg.get("COOPERATIVE", False), a2 is not None
     block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     a_block = (_consumer_rows(block_m, cooperative), block_k)
     b_block = (block_n, block_k) if b_k_major else (block_k, block_n)
@@ -538,25 +583,31 @@ def _launch_scatter(a, a2, b, b2, y, schedule: RoutingSchedule, cfg: dict, b_k_m
     _scatter_ws_kernel[(num_sms(y.device),)](
         a_desc, _descriptor(a2, a_block) if two_segments else a_desc,
         b_desc, _descriptor(b2, b_block) if two_segments else b_desc, y,
+        a_scale, a2_scale, b_scale, b2_scale,
         schedule.row_source, schedule.tile_expert, schedule.num_rows,
-        n_dim, a.shape[1], y.stride(0),
-        two_segments, b_k_major, cooperative, block_m, block_n, block_k, cfg.get("GROUP_M", 1), cfg["num_stages"],
-        num_warps=4,
+        a.shape[0], n_dim, a.shape[1], y.stride(0),
+        two_segments, b_k_major, cooperative, fp8, block_m, block_n, block_k, cfg.get("GROUP_M", 1),
+        cfg["num_stages"], num_warps=4,
     )
 
 
 def launch_down_scatter(h: torch.Tensor, w_down: torch.Tensor, y: torch.Tensor, schedule: RoutingSchedule,
-                        cfg: dict) -> None:
-    """y[row_source[r]] = h[r] · w_down[e]ᵀ (`grouped_gemm.down_scatter`'s bf16 local case);
-    the caller has checked the operands."""
-    _launch_scatter(h, None, w_down, None, y, schedule, cfg, b_k_major=True)  # w_down read as [E_l·H, I]
+                        cfg: dict, scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """y[row_source[r]] = h[r] · w_down[e]ᵀ (`grouped_gemm.down_scatter`'s local case); with
+    `scales` (h's, w_down's) the fp8_block one (`grouped_gemm.down_scatter_fp8_block`: h, w_down
+    e4m3). The caller has checked the operands."""
+    _launch_scatter(h, None, w_down, None, y, schedule, cfg, True, scales)  # w_down read as [E_l·H, I]
 
 
 def launch_gate_up_dgrad_scatter(d_gate: torch.Tensor, d_up: torch.Tensor, w_gate: torch.Tensor,
-                                 w_up: torch.Tensor, dx: torch.Tensor, schedule: RoutingSchedule, cfg: dict) -> None:
+                                 w_up: torch.Tensor, dx: torch.Tensor, schedule: RoutingSchedule, cfg: dict,
+                                 scales: tuple[torch.Tensor, ...] | None = None) -> None:
     """dx[row_source[r]] = d_g[r] · w_gate[e] + d_u[r] · w_up[e] (`dgrad.gate_up_dgrad_scatter`'s
-    bf16 local case: d_g, d_u the [rows, I] columns of d_gate_up); the caller has checked the operands."""
-    _launch_scatter(d_gate, d_up, w_gate, w_up, dx, schedule, cfg, b_k_major=False)  # weights read as [E_l·I, H]
+    local case: d_g, d_u the [rows, I] columns of d_gate_up, weights [E_l, I, H]). With `scales`
+    (d_g's, d_u's, w_gate's, w_up's) the fp8_block one (`dgrad.gate_up_dgrad_scatter_fp8_block`:
+    e4m3 d_g, d_u and the weights' transposed copies [E_l, H, I]). The caller has checked the operands."""
+    # bf16 weights read as [E_l·I, H]; the fp8 transposed copies as [E_l·H, I] (K-major)
+    _launch_scatter(d_gate, d_up, w_gate, w_up, dx, schedule, cfg, scales is not None, scales)
 
 
 def launch_wgrad(a: torch.Tensor, a2: torch.Tensor | None, b: torch.Tensor, out: torch.Tensor,
@@ -570,17 +621,15 @@ def launch_wgrad(a: torch.Tensor, a2: torch.Tensor | None, b: torch.Tensor, out:
     outputs (new contiguous bf16 [E_l, m_dim, n_dim])."""
     cooperative, fp8 = cfg.get("COOPERATIVE", False), scales is not None
     two_outputs = out2 is not None and not fp8
-    if (two_outputs or fp8) and not cooperative:
-        what = "fp8_block wgrad" if fp8 else "gate/up wgrad (two outputs)"
-        raise ValueError(f"tile_config: the {what} needs COOPERATIVE with WARP_SPECIALIZED")
+    if two_outputs and not cooperative:
+        raise ValueError("tile_config: the gate/up wgrad (two outputs) needs COOPERATIVE with WARP_SPECIALIZED")
+    if fp8:
+        _check_fp8_block_tile(cfg, schedule, "wgrad")
     _check_device(b.device)
     experts, m_dim, n_dim = out.shape
     block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     split_m = m_dim
     if fp8:
-        if block_k != FP8_BLOCK or schedule.block_m != FP8_BLOCK:
-            raise ValueError(f"tile_config: the fp8_block wgrads need BLOCK_K {FP8_BLOCK} and a schedule of block_m "
-                             f"{FP8_BLOCK}, got BLOCK_K {block_k} and block_m {schedule.block_m}")
         m_dim = a.shape[0]  # out's rows, then out2's
         a_block, b_block = (_consumer_rows(block_m, True), block_k), (block_n, block_k)
         a_scale, b_scale = scales

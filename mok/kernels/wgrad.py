@@ -118,7 +118,7 @@ COOPERATIVE_GATE_UP_WGRAD = True
 # 3.21/3.33 -> 3.08/3.11 ms, deepseek-v3-slice (h[e] fits) 3.09/3.10 -> 3.06/3.08.
 DOWN_WGRAD_GROUP_M = 8
 # True runs both fp8_block wgrads without main_grad on Hopper warp-specialized
-# (`warp_specialized.fp8_block_wgrad_tile_config`: cooperative 128×128, the producer running
+# (`warp_specialized.fp8_block_tile_config`: cooperative 128×128, the producer running
 # ahead, one consumer scaling its step's product while the other's MMAs run), bitwise the
 # Triton kernel's output (H200). Kernels against the Triton wgrads (record
 # h200-20261201-fp8-wgrad-ws-sweep-v2.log): qwen3-30b down 0.96 -> 0.64-0.67 ms, gate/up
@@ -157,7 +157,7 @@ def wgrad_config(
     warp_specialized_here = allow_warp_specialized and warp_specialized.available_here()
     if precision == "fp8_block":
         if warp_specialized_here and WARP_SPECIALIZED_FP8_BLOCK_WGRAD:
-            return warp_specialized.fp8_block_wgrad_tile_config(stacked=kind == "gate_up")
+            return warp_specialized.fp8_block_tile_config(stacked=kind == "gate_up")
         return {**_FP8_BLOCK_TILES[kind], **(_FP8_BLOCK_INTERPRETER_SIZES if interpreting() else {})}
     if interpreting():  # BLOCK_K divides the interpreter's routing BLOCK_M (16)
         return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=16, num_warps=4, num_stages=1)

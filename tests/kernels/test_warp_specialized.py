@@ -13,12 +13,17 @@ import tempfile
 import pytest
 import torch
 
+from mok.fp8_block import fp8_block_quantize
 from mok.kernels import warp_specialized as ws
 from mok.kernels import wgrad
-from mok.kernels.dgrad import dgrad_config, down_dgrad_swiglu, gate_up_dgrad_scatter
+from mok.kernels.dgrad import dgrad_config, down_dgrad_swiglu, gate_up_dgrad_scatter, gate_up_dgrad_scatter_fp8_block
 from mok.kernels.gather import gather_sorted_rows
-from mok.kernels.grouped_gemm import down_scatter, gate_up_swiglu, gemm_config, routing_block_m
-from mok.kernels.quant_fp8_block import quantize_fp8_block_sorted_t, quantize_fp8_block_swiglu_sorted_t
+from mok.kernels.grouped_gemm import down_scatter, down_scatter_fp8_block, gate_up_swiglu, gemm_config, routing_block_m
+from mok.kernels.quant_fp8_block import (
+    quantize_fp8_block_activations,
+    quantize_fp8_block_sorted_t,
+    quantize_fp8_block_swiglu_sorted_t,
+)
 from mok.kernels.schedule import build_routing_schedule
 from mok.kernels.wgrad import (
     down_wgrad,
@@ -77,6 +82,16 @@ def _descriptor_type(block_shape, dtype: torch.dtype = torch.bfloat16) -> str:
     return f"tensordesc<{name}[{block_shape[0]},{block_shape[1]}],{ws._shared_layout(block_shape, dtype)!r}>"
 
 
+def _scatter_signature(a_block, b_block, dtype: torch.dtype, meta: dict) -> dict:
+    return {
+        "a_desc": _descriptor_type(a_block, dtype), "a2_desc": _descriptor_type(a_block, dtype),
+        "b_desc": _descriptor_type(b_block, dtype), "b2_desc": _descriptor_type(b_block, dtype), "y_ptr": "*bf16",
+        "a_scale_ptr": "*fp32", "a2_scale_ptr": "*fp32", "b_scale_ptr": "*fp32", "b2_scale_ptr": "*fp32",
+        "row_source_ptr": "*i32", "tile_expert_ptr": "*i32", "num_rows_ptr": "*i32", "m_dim": "i32", "n_dim": "i32",
+        "reduce_dim": "i32", "stride_y": "i32", **{name: "constexpr" for name in meta},
+    }
+
+
 def _wgrad_signature(a_block, b_block, dtype: torch.dtype, meta: dict) -> dict:
     return {
         "a_desc": _descriptor_type(a_block, dtype), "a2_desc": _descriptor_type(a_block, dtype),
@@ -97,14 +112,12 @@ def test_kernels_compile_for_sm90a_without_spills(cooperative, two_operands):
     rows = ws._consumer_rows(block_m, cooperative)
     meta = dict(COOPERATIVE=cooperative, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=cfg["num_stages"])
     b_block = (block_k, block_n) if two_operands else (block_n, block_k)
-    scatter_meta = dict(meta, TWO_SEGMENTS=two_operands, B_K_MAJOR=not two_operands, GROUP_M=8)
+    scatter_meta = dict(meta, TWO_SEGMENTS=two_operands, B_K_MAJOR=not two_operands, FP8=False, GROUP_M=8)
     wgrad_meta = dict(meta, TWO_OUTPUTS=two_operands, FP8=False, GROUP_M=8)
     report = {
-        "scatter GEMM": _ptxas_report("_scatter_ws_kernel", {
-            "a_desc": _descriptor_type((rows, block_k)), "a2_desc": _descriptor_type((rows, block_k)),
-            "b_desc": _descriptor_type(b_block), "b2_desc": _descriptor_type(b_block), "y_ptr": "*bf16",
-            "row_source_ptr": "*i32", "tile_expert_ptr": "*i32", "num_rows_ptr": "*i32", "n_dim": "i32",
-            "reduce_dim": "i32", "stride_y": "i32", **{name: "constexpr" for name in scatter_meta}}, scatter_meta),
+        "scatter GEMM": _ptxas_report("_scatter_ws_kernel", _scatter_signature((rows, block_k), b_block,
+                                                                               torch.bfloat16, scatter_meta),
+                                      scatter_meta),
         "wgrad": _ptxas_report("_wgrad_ws_kernel", _wgrad_signature((block_k, rows), (block_k, block_n),
                                                                      torch.bfloat16, wgrad_meta), wgrad_meta),
     }
@@ -112,15 +125,24 @@ def test_kernels_compile_for_sm90a_without_spills(cooperative, two_operands):
         assert counts == (168, 0), f"{kernel}, {cooperative=} {two_operands=}: (registers, spilled bytes) {counts}"
 
 
-def test_fp8_block_wgrad_compiles_for_sm90a_without_spills():
-    """The fp8_block wgrad's tile (each consumer's accumulator and its step's fresh product,
-    both K-major e4m3 operands) fits: 168 registers per thread at launch, nothing spilled."""
-    cfg = ws.fp8_block_wgrad_tile_config(stacked=True)
+@pytest.mark.parametrize("kernel", ["wgrad", "down", "gate/up dgrad"])
+def test_fp8_block_kernels_compile_for_sm90a_without_spills(kernel):
+    """The fp8_block tile (each consumer's accumulator and its step's fresh product, both
+    K-major e4m3 operands) fits in the wgrads and in the scatter GEMMs (the gate/up dgrad's two
+    K segments): 168 registers per thread at launch, nothing spilled."""
+    cfg = ws.fp8_block_tile_config(stacked=kernel == "wgrad")
     block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    meta = dict(COOPERATIVE=True, TWO_OUTPUTS=False, FP8=True, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+    meta = dict(COOPERATIVE=True, FP8=True, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                 GROUP_M=cfg["GROUP_M"], STAGES=cfg["num_stages"])
-    signature = _wgrad_signature((block_m // 2, block_k), (block_n, block_k), torch.float8_e4m3fn, meta)
-    assert _ptxas_report("_wgrad_ws_kernel", signature, meta) == (168, 0)
+    a_block, b_block = (block_m // 2, block_k), (block_n, block_k)
+    if kernel == "wgrad":
+        meta = dict(meta, TWO_OUTPUTS=False)
+        report = _ptxas_report("_wgrad_ws_kernel", _wgrad_signature(a_block, b_block, torch.float8_e4m3fn, meta), meta)
+    else:
+        meta = dict(meta, TWO_SEGMENTS=kernel != "down", B_K_MAJOR=True)
+        report = _ptxas_report("_scatter_ws_kernel", _scatter_signature(a_block, b_block, torch.float8_e4m3fn, meta),
+                               meta)
+    assert report == (168, 0), f"{kernel}: (registers, spilled bytes) {report}"
 
 
 def test_defaults_choose_it_only_where_it_runs():
@@ -128,13 +150,16 @@ def test_defaults_choose_it_only_where_it_runs():
     if ws.available_here():
         pytest.skip("a Hopper GPU is present")
     for config in (gemm_config("down", 2048, 768), gemm_config("down", 7168, 2048), wgrad_config("down", 2048, 768),
-                   wgrad_config("gate_up", 768, 2048), dgrad_config("gate_up", 2048, 768)):
+                   wgrad_config("gate_up", 768, 2048), dgrad_config("gate_up", 2048, 768),
+                   gemm_config("down", 2048, 768, "fp8_block"), dgrad_config("gate_up", 2048, 768, "fp8_block"),
+                   wgrad_config("down", 2048, 768, "fp8_block"), wgrad_config("gate_up", 768, 2048, "fp8_block")):
         assert "WARP_SPECIALIZED" not in config
 
 
 def test_errors_name_the_tile_config(kernel_device):
     """An explicit WARP_SPECIALIZED config is refused, naming it, where the kernels cannot run
-    (not a Hopper GPU, or the interpreter), with main_grad, and ping-pong for the gate/up wgrad."""
+    (not a Hopper GPU, or the interpreter), with main_grad, and ping-pong for the gate/up wgrad
+    and the fp8_block GEMMs."""
     inp = make_inputs(8, 64, 64, 4, 2, seed=0, device=kernel_device)
     flag = torch.zeros(1, dtype=torch.int32, device=kernel_device)
     sched = build_routing_schedule(inp.topk_ids, 4, routing_block_m(), flag)
@@ -156,12 +181,21 @@ def test_errors_name_the_tile_config(kernel_device):
     sched = build_routing_schedule(inp.topk_ids, 4, 128, flag)
     dy, h_t = (quantize_fp8_block_sorted_t(torch.randn(sched.capacity_rows, 64, device=kernel_device), sched)
                for _ in range(2))
-    fp8_config = ws.fp8_block_wgrad_tile_config(stacked=False)
+    fp8_config = ws.fp8_block_tile_config(stacked=False)
     with pytest.raises(ValueError, match="tile_config: WARP_SPECIALIZED is for the wgrads into a new gradient"):
         down_wgrad_fp8_block(*dy, *h_t, sched, main_grad=torch.zeros(4, 64, 64, device=kernel_device),
                              tile_config=fp8_config)
     with pytest.raises(ValueError, match="tile_config: the fp8_block wgrad needs COOPERATIVE"):
         down_wgrad_fp8_block(*dy, *h_t, sched, tile_config=dict(fp8_config, COOPERATIVE=False))
+    inp = make_inputs(8, 128, 128, 4, 2, seed=0, device=kernel_device)  # fp8_block: H, I multiples of 128
+    sched = build_routing_schedule(inp.topk_ids, 4, 128, flag)
+    rows = quantize_fp8_block_activations(torch.randn(sched.capacity_rows, 128, device=kernel_device))
+    weight = fp8_block_quantize(inp.w_down)
+    with pytest.raises(ValueError, match="tile_config: the fp8_block down GEMM needs COOPERATIVE"):
+        down_scatter_fp8_block(*rows, *weight[:2], sched, 16, tile_config=dict(fp8_config, COOPERATIVE=False))
+    with pytest.raises(ValueError, match="tile_config: the fp8_block gate/up dgrad needs COOPERATIVE"):
+        gate_up_dgrad_scatter_fp8_block(*rows, *rows, *weight[2:], *weight[2:], sched, 16,
+                                        tile_config=dict(fp8_config, COOPERATIVE=False))
 
 
 # (T, H, I, E, topk, skewed): odd H and I (ragged N and K tiles), one token, experts with no
@@ -260,6 +294,39 @@ def test_gate_up_wgrad_is_bitwise_the_triton_kernel(T, H, I, E, topk, skewed):
             assert g[topk + 2:].eq(0).all(), f"{name} {params}"
 
 
+# fp8_block's GEMMs that reduce over H or I need both multiples of 128.
+_FP8_CASES = [
+    (37, 256, 384, 5, 2, False),
+    (1, 128, 128, 4, 1, False),
+    (300, 384, 768, 10, 8, True),
+    (4096, 1024, 256, 8, 2, False),
+    (2048, 512, 768, 16, 4, True),
+]
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("T, H, I, E, topk, skewed", _FP8_CASES)
+def test_fp8_block_scatter_gemms_are_bitwise_the_triton_kernel(T, H, I, E, topk, skewed):
+    """The fp8_block down GEMM and gate/up dgrad (two K segments over the weights' transposed
+    copies, each with its own row and weight scales), scattered to the slots."""
+    inp, sched = _inputs(T, H, I, E, topk, skewed, seed=6)
+    h, d_gate, d_up = (quantize_fp8_block_activations(torch.randn(sched.capacity_rows, I, device="cuda"))
+                       for _ in range(3))
+    w_down = fp8_block_quantize(inp.w_down)[:2]  # [E, H, I] and its scales
+    w_gate_t, w_up_t = (fp8_block_quantize(w)[2:] for w in (inp.w_gate, inp.w_up))  # [E, H, I] and their scales
+    runs = {
+        "down": (lambda cfg: down_scatter_fp8_block(*h, *w_down, sched, T * topk, tile_config=cfg),
+                 gemm_config("down", H, I, "fp8_block", allow_warp_specialized=False)),
+        "gate/up dgrad": (lambda cfg: gate_up_dgrad_scatter_fp8_block(*d_gate, *d_up, *w_gate_t, *w_up_t, sched,
+                                                                      T * topk, tile_config=cfg),
+                          dgrad_config("gate_up", H, I, "fp8_block", allow_warp_specialized=False)),
+    }
+    for kind, (run, triton_config) in runs.items():
+        params = f"{kind} {T=} {H=} {I=} {E=} {topk=} {skewed=}"
+        _check_bitwise(run(ws.fp8_block_tile_config()), run(triton_config), params)
+
+
 @hopper
 @pytest.mark.gpu
 @pytest.mark.parametrize("T, H, I, E, topk, skewed", _CASES)
@@ -280,7 +347,7 @@ def test_fp8_block_wgrads_are_bitwise_the_triton_kernel(T, H, I, E, topk, skewed
     for kind, (run, (m_dim, n_dim)) in runs.items():
         params = f"{kind} {T=} {H=} {I=} {E=} {topk=} {skewed=}"
         expected = run(wgrad_config(kind, m_dim, n_dim, "fp8_block", allow_warp_specialized=False))
-        got = run(ws.fp8_block_wgrad_tile_config(stacked=kind == "gate_up"))
+        got = run(ws.fp8_block_tile_config(stacked=kind == "gate_up"))
         for g, e in zip(got, expected, strict=True):
             _check_bitwise(g, e, params)
             if skewed:
@@ -291,8 +358,9 @@ def test_fp8_block_wgrads_are_bitwise_the_triton_kernel(T, H, I, E, topk, skewed
 @pytest.mark.gpu
 def test_defaults_choose_the_schedule_by_reduction_on_hopper():
     """Ping-pong for short reductions, cooperative for the long down wgrad, the gate/up GEMMs
-    of the backward and both fp8_block wgrads; the Triton kernels for the long down GEMM, with main_grad and for peer
-    stores (`allow_warp_specialized=False`)."""
+    of the backward, both fp8_block wgrads and the short fp8_block gate/up dgrad; the Triton
+    kernels for the long down GEMM, the fp8_block down GEMM, with main_grad and for peer stores
+    (`allow_warp_specialized=False`)."""
     assert gemm_config("down", 2048, 768) == ws.tile_config(cooperative=False)
     group_m = dict(GROUP_M=wgrad.DOWN_WGRAD_GROUP_M)
     assert wgrad_config("down", 2048, 768) == dict(ws.tile_config(cooperative=False), **group_m)
@@ -302,8 +370,11 @@ def test_defaults_choose_the_schedule_by_reduction_on_hopper():
     assert dgrad_config("gate_up", 2048, 768) == ws.tile_config(cooperative=True)
     assert "WARP_SPECIALIZED" not in dgrad_config("gate_up", 7168, 2048)
     assert "WARP_SPECIALIZED" not in dgrad_config("down", 14336, 4096)
-    assert wgrad_config("down", 2048, 768, "fp8_block") == ws.fp8_block_wgrad_tile_config(stacked=False)
-    assert wgrad_config("gate_up", 768, 2048, "fp8_block") == ws.fp8_block_wgrad_tile_config(stacked=True)
+    assert wgrad_config("down", 2048, 768, "fp8_block") == ws.fp8_block_tile_config(stacked=False)
+    assert wgrad_config("gate_up", 768, 2048, "fp8_block") == ws.fp8_block_tile_config(stacked=True)
+    assert dgrad_config("gate_up", 2048, 768, "fp8_block") == ws.fp8_block_tile_config()
+    assert "WARP_SPECIALIZED" not in dgrad_config("gate_up", 7168, 2048, "fp8_block")
+    assert "WARP_SPECIALIZED" not in gemm_config("down", 2048, 768, "fp8_block")
     for config in (wgrad_config("down", 2048, 768, allow_warp_specialized=False),
                    wgrad_config("gate_up", 768, 2048, "fp8_block", allow_warp_specialized=False),
                    wgrad_config("gate_up", 768, 2048, allow_warp_specialized=False),
