@@ -7,8 +7,9 @@ routed rows (T·topk), so padding and masked tiles show up as lost throughput. K
 the forward's gate_up (with and without X_SORTED, the copy of x included; gate/up weights
 packed as `MoKMoE` keeps them, and as separate tensors: gate_up_separate) and down, the
 backward's down_dgrad (with the SwiGLU backward epilogue), gate_up_dgrad, down_wgrad and
-gate_up_wgrad (per-tile and persistent launches), and the fp8_block wgrads (down_wgrad_fp8,
-gate_up_wgrad_fp8, over operands quantized once ahead of the timing). Each config's output
+gate_up_wgrad (per-tile and persistent launches), and the fp8_block down GEMM, gate/up dgrad
+and wgrads (down_fp8, gate_up_dgrad_fp8, down_wgrad_fp8, gate_up_wgrad_fp8, over operands
+and weights quantized once ahead of the timing). Each config's output
 is compared with the kernel's first config
 (`max_abs_diff_vs_first`; 0 when the K order is the same). With `--rounds R` a kernel's
 configs take turns R times (the order reversed every other round) and each reports the median
@@ -29,10 +30,11 @@ import torch
 import triton
 
 from mok.bench.presets import GPU_PRESETS, PRESETS
-from mok.kernels.dgrad import down_dgrad_swiglu, gate_up_dgrad_scatter
+from mok.fp8_block import fp8_block_quantize
+from mok.kernels.dgrad import dgrad_config, down_dgrad_swiglu, gate_up_dgrad_scatter, gate_up_dgrad_scatter_fp8_block
 from mok.kernels.gather import gather_sorted_rows
-from mok.kernels.grouped_gemm import down_scatter, gate_up_swiglu
-from mok.kernels.quant_fp8_block import quantize_fp8_block_sorted_t
+from mok.kernels.grouped_gemm import down_scatter, down_scatter_fp8_block, gate_up_swiglu, gemm_config
+from mok.kernels.quant_fp8_block import quantize_fp8_block_activations, quantize_fp8_block_sorted_t
 from mok.kernels.schedule import build_routing_schedule
 from mok.kernels.wgrad import down_wgrad, down_wgrad_fp8_block, gate_up_wgrad, gate_up_wgrad_fp8_block, wgrad_config
 from mok.testing import make_inputs
@@ -67,7 +69,9 @@ CONFIGS = {
     + _persistent(_configs((128, 256, 64, 3), (128, 256, 64, 4), group_m=False)),
     "gate_up_wgrad": _configs((128, 128, 64, 3), (128, 128, 64, 4), (128, 128, 32, 6), group_m=False)
     + _persistent(_configs((128, 128, 64, 3), (128, 128, 64, 4), group_m=False)),
-    # the library's fp8_block tiles (the same for every shape)
+    # the library's fp8_block Triton tiles (the same for every shape)
+    "down_fp8": [gemm_config("down", 0, 0, "fp8_block", allow_warp_specialized=False)],
+    "gate_up_dgrad_fp8": [dgrad_config("gate_up", 0, 0, "fp8_block", allow_warp_specialized=False)],
     "down_wgrad_fp8": [wgrad_config("down", 0, 0, "fp8_block", allow_warp_specialized=False)],
     "gate_up_wgrad_fp8": [wgrad_config("gate_up", 0, 0, "fp8_block", allow_warp_specialized=False)],
 }
@@ -91,7 +95,8 @@ CONFIGS_64 = {
 }
 # GEMM FLOPs per routed row, in units of H·I (gate/up GEMMs do two products).
 FLOPS_PER_ROUTE_HI = {"gate_up": 4, "gate_up_separate": 4, "down": 2, "down_dgrad": 2, "gate_up_dgrad": 4, "down_wgrad": 2,
-                      "gate_up_wgrad": 4, "down_wgrad_fp8": 2, "gate_up_wgrad_fp8": 4}
+                      "gate_up_wgrad": 4, "down_fp8": 2, "gate_up_dgrad_fp8": 4, "down_wgrad_fp8": 2,
+                      "gate_up_wgrad_fp8": 4}
 
 
 def _kernel_call(kind, cfg, inp, sched, topk, operands):
@@ -109,6 +114,11 @@ def _kernel_call(kind, cfg, inp, sched, topk, operands):
                                                        tile_config=cfg),
         "down_wgrad": lambda: down_wgrad(operands["dy_sorted"], operands["h"], sched, tile_config=cfg),
         "gate_up_wgrad": lambda: gate_up_wgrad(operands["gate_up"], operands["x_sorted"], sched, tile_config=cfg),
+        "down_fp8": lambda: down_scatter_fp8_block(*operands["h_q"], *operands["w_down_q"], sched, routes,
+                                                   tile_config=cfg),
+        "gate_up_dgrad_fp8": lambda: gate_up_dgrad_scatter_fp8_block(
+            *operands["d_gate_q"], *operands["d_up_q"], *operands["w_gate_t_q"], *operands["w_up_t_q"], sched, routes,
+            tile_config=cfg),
         "down_wgrad_fp8": lambda: down_wgrad_fp8_block(*operands["dy_t"], *operands["h_t"], sched, tile_config=cfg),
         "gate_up_wgrad_fp8": lambda: gate_up_wgrad_fp8_block(*operands["gate_up_t"], *operands["x_t"], sched,
                                                              tile_config=cfg),
@@ -156,10 +166,14 @@ def main() -> None:
         operands["h"][padding] = 0
         operands["gate_up"][padding] = 0
         kinds = [k for k in args.kernel or CONFIGS if k in configs]
-        if any(k.endswith("_fp8") for k in kinds):  # transposed e4m3 copies and their scales, as the backward makes
+        if any(k.endswith("_fp8") for k in kinds):  # e4m3 operands and their scales, as the layer makes them
             quantized = {"dy_t": operands["dy_sorted"], "h_t": operands["h"], "x_t": operands["x_sorted"],
                          "gate_up_t": operands["gate_up"].flatten(1)}
             operands.update({name: quantize_fp8_block_sorted_t(a, sched) for name, a in quantized.items()})
+            rows = {"h_q": operands["h"], "d_gate_q": operands["gate_up"][:, 0], "d_up_q": operands["gate_up"][:, 1]}
+            operands.update({name: quantize_fp8_block_activations(a) for name, a in rows.items()})
+            operands["w_down_q"] = fp8_block_quantize(inp.w_down)[:2]  # [E, H, I] and its scales
+            operands["w_gate_t_q"], operands["w_up_t_q"] = (fp8_block_quantize(w)[2:] for w in (inp.w_gate, inp.w_up))
         num_rows = int(sched.num_rows)  # a host sync is fine here: outside the timed calls
         for kind in kinds:
             flops = FLOPS_PER_ROUTE_HI[kind] * T * topk * H * I

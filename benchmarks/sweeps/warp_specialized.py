@@ -1,6 +1,6 @@
 """Sweep: the warp-specialized (Gluon) kernels against the Triton kernels they replace, on the
 down GEMM, the gate/up dgrad and both wgrads (bf16, and fp8_block: cooperative only, also at 4
-stages), each with the Triton tiles the defaults pick on some preset, then the
+stages and at the other GROUP_M), each with the Triton tiles the defaults pick on some preset, then the
 warp-specialized configs of the kind (ping-pong and cooperative, the cooperative also at
 GROUP_M 8), timed in the order Triton…, warp-specialized…, the same
 reversed, since a config timed later in a sweep measures slower (the GPU's clock falls under
@@ -25,8 +25,7 @@ TRITON = {
     + tune_gemm._persistent(tune_gemm._configs((128, 256, 64, 4))),
     "down_wgrad": tune_gemm._configs((128, 256, 64, 3), group_m=False),
     "gate_up_wgrad": tune_gemm._configs((128, 128, 64, 3), group_m=False),
-    "down_wgrad_fp8": tune_gemm.CONFIGS["down_wgrad_fp8"],
-    "gate_up_wgrad_fp8": tune_gemm.CONFIGS["gate_up_wgrad_fp8"],
+    **{kind: tune_gemm.CONFIGS[kind] for kind in tune_gemm.CONFIGS if kind.endswith("_fp8")},
 }
 FP8_DOWN, FP8_GATE_UP = (warp_specialized.fp8_block_tile_config(stacked) for stacked in (False, True))
 WARP_SPECIALIZED = {
@@ -34,6 +33,8 @@ WARP_SPECIALIZED = {
     "gate_up_dgrad": [PING_PONG, COOPERATIVE, dict(COOPERATIVE, GROUP_M=8)],
     "down_wgrad": [PING_PONG, COOPERATIVE, dict(COOPERATIVE, GROUP_M=8)],
     "gate_up_wgrad": [COOPERATIVE, dict(COOPERATIVE, GROUP_M=8)],  # two outputs: cooperative only
+    "down_fp8": [FP8_DOWN, dict(FP8_DOWN, num_stages=4), dict(FP8_DOWN, GROUP_M=1)],
+    "gate_up_dgrad_fp8": [FP8_DOWN, dict(FP8_DOWN, num_stages=4), dict(FP8_DOWN, GROUP_M=1)],
     "down_wgrad_fp8": [FP8_DOWN, dict(FP8_DOWN, num_stages=4), dict(FP8_DOWN, GROUP_M=8)],
     "gate_up_wgrad_fp8": [FP8_GATE_UP, dict(FP8_GATE_UP, num_stages=4), dict(FP8_GATE_UP, GROUP_M=8)],
 }
