@@ -151,15 +151,14 @@ def dgrad_config(
     fp8_block: `_FP8_BLOCK_TILES`, the same for every shape until measured; on Hopper the gate/up
     dgrad into local slots warp-specialized up to `WARP_SPECIALIZED_FP8_BLOCK_GATE_UP_DGRAD_MAX_INTER`.
     """
+    gate_up_warp_specialized = kind == "gate_up" and allow_warp_specialized and warp_specialized.available_here()
     if precision == "fp8_block":
-        short = reduce_dim <= WARP_SPECIALIZED_FP8_BLOCK_GATE_UP_DGRAD_MAX_INTER
-        if kind == "gate_up" and short and allow_warp_specialized and warp_specialized.available_here():
+        if gate_up_warp_specialized and reduce_dim <= WARP_SPECIALIZED_FP8_BLOCK_GATE_UP_DGRAD_MAX_INTER:
             return warp_specialized.fp8_block_tile_config()
         return dict(BLOCK_M=routing_block_m(), **_FP8_BLOCK_TILES["interpreter" if interpreting() else kind])
     if interpreting():
         return dict(BLOCK_M=routing_block_m(), BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1)
-    short = reduce_dim <= COOPERATIVE_GATE_UP_DGRAD_MAX_INTER
-    if kind == "gate_up" and short and allow_warp_specialized and warp_specialized.available_here():
+    if gate_up_warp_specialized and reduce_dim <= COOPERATIVE_GATE_UP_DGRAD_MAX_INTER:
         return warp_specialized.tile_config(cooperative=True)
     cfg = dict(BLOCK_M=routing_block_m(), BLOCK_N=256, BLOCK_K=64, GROUP_M=grouped_gemm.GEMM_GROUP_M, num_warps=8,
                num_stages=3)
