@@ -1,6 +1,6 @@
 """Sweep: the warp-specialized (Gluon) kernels against the Triton kernels they replace, on the
 down GEMM, the gate/up dgrad and both wgrads (bf16, and fp8_block: cooperative only, also at 4
-stages and at the other GROUP_M), each with the Triton tiles the defaults pick on some preset, then the
+stages and at 128×128), each with the Triton tiles the defaults pick on some preset, then the
 warp-specialized configs of the kind (ping-pong and cooperative, the cooperative also at
 GROUP_M 8), timed in the order Triton…, warp-specialized…, the same
 reversed, since a config timed later in a sweep measures slower (the GPU's clock falls under
@@ -28,15 +28,20 @@ TRITON = {
     **{kind: tune_gemm.CONFIGS[kind] for kind in tune_gemm.CONFIGS if kind.endswith("_fp8")},
 }
 FP8_DOWN, FP8_GATE_UP = (warp_specialized.fp8_block_tile_config(stacked) for stacked in (False, True))
+
+
+def _fp8_configs(base: dict) -> list[dict]:
+    """The fp8_block tile (128×256, two 128-column accumulators per consumer), at 4 stages, and 128×128 at 6."""
+    return [base, dict(base, num_stages=4), dict(base, BLOCK_N=128, num_stages=6)]
+
+
 WARP_SPECIALIZED = {
     "down": [PING_PONG, COOPERATIVE, dict(PING_PONG, GROUP_M=8), dict(COOPERATIVE, GROUP_M=8)],
     "gate_up_dgrad": [PING_PONG, COOPERATIVE, dict(COOPERATIVE, GROUP_M=8)],
     "down_wgrad": [PING_PONG, COOPERATIVE, dict(COOPERATIVE, GROUP_M=8)],
     "gate_up_wgrad": [COOPERATIVE, dict(COOPERATIVE, GROUP_M=8)],  # two outputs: cooperative only
-    "down_fp8": [FP8_DOWN, dict(FP8_DOWN, num_stages=4), dict(FP8_DOWN, GROUP_M=1)],
-    "gate_up_dgrad_fp8": [FP8_DOWN, dict(FP8_DOWN, num_stages=4), dict(FP8_DOWN, GROUP_M=1)],
-    "down_wgrad_fp8": [FP8_DOWN, dict(FP8_DOWN, num_stages=4), dict(FP8_DOWN, GROUP_M=8)],
-    "gate_up_wgrad_fp8": [FP8_GATE_UP, dict(FP8_GATE_UP, num_stages=4), dict(FP8_GATE_UP, GROUP_M=8)],
+    **{kind: _fp8_configs(FP8_GATE_UP if kind == "gate_up_wgrad_fp8" else FP8_DOWN)
+       for kind in ("down_fp8", "gate_up_dgrad_fp8", "down_wgrad_fp8", "gate_up_wgrad_fp8")},
 }
 
 def configs() -> dict:

@@ -120,14 +120,12 @@ PERSISTENT_GATE_UP_MIN_HIDDEN = 6144
 # -fwd-bwd-v13.json, two machines): deepseek-v3-slice and mixtral-8x7b lost what those gained,
 # so the Triton kernel stays there.
 COOPERATIVE_GATE_UP_DGRAD_MAX_INTER = 1024
-# The fp8_block gate/up dgrad into local slots runs on Hopper in the cooperative warp-specialized
+# On Hopper the fp8_block gate/up dgrad into local slots runs in the cooperative warp-specialized
 # kernel (`warp_specialized.fp8_block_tile_config`: over the two K segments, each step's product
 # scaled by d_g's or d_u's row scales and the weight block's), bitwise the Triton kernel's
-# output, up to this reduction (I). The fp8_block layer against the Triton kernel, 5 interleaved
-# rounds (records h200-20261201-ab-fp8-ws-gate-up-dgrad.json, -ab-fp8-ws-scatter.json with the
-# down GEMM's too): qwen3-30b (I = 768) 8.89 -> 8.70 ms and 8.89 -> 8.65; deepseek-v3-slice
-# (I = 2048) 31.1 -> 31.7 and 31.3 -> 32.0, slower, as the bf16 cooperative gate/up dgrad was there.
-WARP_SPECIALIZED_FP8_BLOCK_GATE_UP_DGRAD_MAX_INTER = 1024
+# output. Per kernel (record h200-20261201-fp8-wide-scalar-scales-sweep.log): qwen3-30b
+# 1.33–1.55 -> 0.83–0.95 ms, deepseek-v3-slice 5.17–5.18 -> 3.79–4.00. False keeps the Triton kernel.
+WARP_SPECIALIZED_FP8_BLOCK_GATE_UP_DGRAD = True
 
 
 def dgrad_config(
@@ -149,11 +147,11 @@ def dgrad_config(
     `allow_warp_specialized` is False (stores to other ranks). Under the interpreter, small
     tiles keep the CPU tests fast. The key never includes per-expert counts (they change every step).
     fp8_block: `_FP8_BLOCK_TILES`, the same for every shape until measured; on Hopper the gate/up
-    dgrad into local slots warp-specialized up to `WARP_SPECIALIZED_FP8_BLOCK_GATE_UP_DGRAD_MAX_INTER`.
+    dgrad into local slots warp-specialized with `WARP_SPECIALIZED_FP8_BLOCK_GATE_UP_DGRAD`.
     """
     gate_up_warp_specialized = kind == "gate_up" and allow_warp_specialized and warp_specialized.available_here()
     if precision == "fp8_block":
-        if gate_up_warp_specialized and reduce_dim <= WARP_SPECIALIZED_FP8_BLOCK_GATE_UP_DGRAD_MAX_INTER:
+        if gate_up_warp_specialized and WARP_SPECIALIZED_FP8_BLOCK_GATE_UP_DGRAD:
             return warp_specialized.fp8_block_tile_config()
         return dict(BLOCK_M=routing_block_m(), **_FP8_BLOCK_TILES["interpreter" if interpreting() else kind])
     if interpreting():

@@ -360,13 +360,12 @@ PING_PONG_DOWN_MAX_INTER = 1024
 # kernel bracketing it; record h200-20261201-warp-specialized-sweep.log), and the forward's
 # margin on mixtral-8x7b is thin. True runs it above `PING_PONG_DOWN_MAX_INTER`.
 COOPERATIVE_DOWN = False
-# True runs the fp8_block down GEMM into local slots on Hopper in the cooperative warp-specialized
-# kernel (`warp_specialized.fp8_block_tile_config`: the fp8_block wgrads' schedule, each step's
-# product scaled by the rows' and the weight block's scales), bitwise the Triton kernel's output.
-# The fp8_block layer against the Triton kernel (record h200-20261201-ab-fp8-ws-down.json, 5
-# interleaved rounds): qwen3-30b 8.84 -> 8.76 ms, deepseek-v3-slice 31.4 -> 31.6, both inside
-# the p20–p80 spreads, so it stays off.
-WARP_SPECIALIZED_FP8_BLOCK_DOWN = False
+# On Hopper the fp8_block down GEMM into local slots runs in the cooperative warp-specialized
+# kernel (`warp_specialized.fp8_block_tile_config`: 128×256 tiles, each step's product scaled
+# by the rows' scales and the weight block's one scale per 128 columns), bitwise the Triton
+# kernel's output. Per kernel (record h200-20261201-fp8-wide-scalar-scales-sweep.log): qwen3-30b
+# 0.78–0.88 -> 0.46–0.53 ms, deepseek-v3-slice 2.40–2.84 -> 1.70–1.92. False keeps the Triton kernel.
+WARP_SPECIALIZED_FP8_BLOCK_DOWN = True
 # Row tiles per column sweep (`tile_coordinates`) of the bf16 Triton grouped GEMMs: the forward's
 # gate/up and down, and both dgrads (`dgrad.dgrad_config`). A weight tile comes from HBM once per
 # group and then from L2 while the group's tiles are in flight. 16 (mixtral-8x7b's experts hold
@@ -425,11 +424,12 @@ def checked_tile_config(
     tile_config: dict | None, default: dict, schedule: RoutingSchedule, precision: str, what: str, whole_block_n: bool
 ) -> dict:
     """`tile_config` or `default`, checked against the schedule's M tile and, in fp8_block,
-    the scale block (`what` names the GEMM in errors; `whole_block_n`: BLOCK_N must be 128)."""
+    the scale block (`what` names the GEMM in errors; `whole_block_n`: BLOCK_N must be 128).
+    The warp-specialized scatter GEMMs (never `whole_block_n`) check their fp8_block tiles themselves."""
     cfg = tile_config or default
     if cfg["BLOCK_M"] != schedule.block_m:
         raise ValueError(f"schedule: expected block_m {cfg['BLOCK_M']}, got {schedule.block_m}")
-    if precision == "fp8_block":
+    if precision == "fp8_block" and (whole_block_n or not cfg.get("WARP_SPECIALIZED", False)):
         check_fp8_block_tiles(cfg, what, whole_block_n)
     return cfg
 

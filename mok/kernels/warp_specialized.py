@@ -28,6 +28,8 @@ tile-config flag COOPERATIVE):
   so each stage's B tile serves 128 rows. At large K, where 128×128 tiles lose to 128×256's
   operand reuse, this keeps the reuse and adds the producer running ahead. For the gate/up
   wgrad, consumer 0 computes d_w_gate's 64 rows and consumer 1 d_w_up's, sharing the x tile.
+  fp8_block runs it on 128×256 tiles too, each consumer's 64×256 as two 128-column halves
+  (`_scaled_mma_steps`: each half's product scaled into its accumulator before the next MMA).
 
 Every kernel walks its tiles GROUP_M row tiles per column sweep (tile-config key GROUP_M;
 without it 1, each row tile's columns in turn; the wgrads within each expert), as the Triton
@@ -93,14 +95,19 @@ PING_PONG_TILE = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_stages=6)
 # Four stages of 48 KiB (two 64×64 A halves, one 256×64 B tile); three measured the same
 # within 3% either way (record h200-20261201-cooperative-probe.log).
 COOPERATIVE_TILE = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_stages=4)
-# fp8_block GEMMs (cooperative): 128×128 tiles, a 64×128 accumulator per consumer plus its
-# step's fresh 64×128 product (64 registers per thread each, so 64×256 would not fit),
-# BLOCK_K the 128-wide scale block; 32 KiB per stage (two 64×128 A tiles and one 128×128 B
-# tile of e4m3), six stages; GROUP_M 8. Chosen on the wgrads (deepseek-v3-slice, each step's
-# scales loaded in that step): down wgrad 3.34/3.36 ms (Triton, first/last) -> 3.11–3.13 at
-# GROUP_M 1, 2.86–2.95 at 8; gate/up wgrad 6.47/6.46 -> 6.79–6.82, 6.50–6.61 (record
-# h200-20261201-fp8-wgrad-ws-sweep.log).
-FP8_BLOCK_TILE = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_stages=6, GROUP_M=8)
+# fp8_block GEMMs (cooperative): BLOCK_K the 128-wide scale block. A consumer holds its
+# accumulator and its step's fresh product (64 registers per thread each at 64×128), so a
+# 64×256 accumulator and product would not fit; a 128×256 tile (each consumer's 64×256 in two
+# 128-column accumulators: `_scaled_mma_steps` multiplies half the B tile at a time) fits and
+# lets each stage's A tile serve twice the columns. 48 KiB per stage (two 64×128 A tiles and
+# one 256×128 B tile of e4m3), three stages (four measured the same within 2%); GROUP_M 8.
+# H200, ms, Triton kernel -> 128×128 at six stages -> this tile, every output bitwise the
+# Triton kernel's (record h200-20261201-fp8-wide-scalar-scales-sweep.log, each config timed
+# twice): qwen3-30b down wgrad 0.95 -> 0.62 -> 0.57, gate/up wgrad 1.78–1.82 -> 1.23–1.31 ->
+# 1.13–1.22, down GEMM 0.78–0.88 -> 0.56–0.57 -> 0.46–0.53, gate/up dgrad 1.33–1.55 -> 1.00 ->
+# 0.83–0.95; deepseek-v3-slice 3.34–3.46 -> 2.61 -> 2.19–2.45, 6.50–6.58 -> 5.60–5.72 ->
+# 4.91–4.95, 2.40–2.84 -> 2.14–2.21 -> 1.70–1.92, 5.17–5.18 -> 4.34–4.43 -> 3.79–4.00.
+FP8_BLOCK_TILE = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_stages=3, GROUP_M=8)
 # Registers per thread of the consumer warp groups and of the producer warp (setmaxnreg);
 # the default partition (consumer 0) gets what is left of the launch's 168 × 384 threads.
 _CONSUMER_REGISTERS = gl.constexpr(232)
@@ -200,58 +207,104 @@ def _mma_steps(acc, first_step, steps, tile_count, a_bufs, b_bufs, ready, empty,
 
 
 @gluon.jit
-def _block_scales(a_scale_ptr, b_scale_ptr, scale_strides, block, valid, m_offs, m_dim, n_offs, n_dim,
-                  B_COLUMNS: gl.constexpr):
-    """Row and column scales of the K block `block` (zeros unless `valid`), one per thread
-    (`_SCALE_LAYOUT`): loaded in the accumulator's layout, each thread would hold 32 column
-    scales' 64-bit addresses (ptxas spilled). Row m's scale is at a_scale_ptr + block · sa_block
-    + m · sa_row, column n's at b_scale_ptr + block · sb_block + (n // B_COLUMNS) · sb_row
-    (`scale_strides` = (sa_block, sa_row, sb_block, sb_row); B_COLUMNS 128: a weight's block)."""
+def _column_scales(b_scale_ptr, sb_block, sb_row, block, valid, n0, n_dim, COLUMNS: gl.constexpr,
+                   B_COLUMNS: gl.constexpr):
+    """The scales of columns [n0, n0 + COLUMNS) for the K block `block`, column n's at b_scale_ptr +
+    block · sb_block + (n // B_COLUMNS) · sb_row: one per column, one per thread (`_SCALE_LAYOUT`;
+    loaded in the accumulator's column layout each thread would hold 32 of them and their 64-bit
+    addresses: ptxas spilled), or with B_COLUMNS = COLUMNS (a weight's 128×128 block, n0 a
+    multiple of it) the one scale of them all."""
+    if B_COLUMNS == 1:
+        n_offs = n0 + gl.arange(0, COLUMNS, layout=_SCALE_LAYOUT)
+        scale = gl.load(b_scale_ptr + n_offs.to(gl.int64) * sb_row + block * sb_block,
+                        mask=valid & (n_offs < n_dim), other=0.0)
+    else:
+        gl.static_assert(B_COLUMNS == COLUMNS, "column scales: one per column or one per accumulator")
+        scale = gl.load(b_scale_ptr + (n0 // B_COLUMNS).to(gl.int64) * sb_row + block * sb_block,
+                        mask=valid & (n0 < n_dim), other=0.0)
+    return scale
+
+
+@gluon.jit
+def _block_scales(a_scale_ptr, b_scale_ptr, scale_strides, block, valid, m_offs, m_dim, n0, n_dim,
+                  COLUMNS: gl.constexpr, B_COLUMNS: gl.constexpr, SPLIT_N: gl.constexpr):
+    """Row and column scales of the K block `block` (zeros unless `valid`): row m's at
+    a_scale_ptr + block · sa_block + m · sa_row, loaded in the layout of `m_offs` (the
+    accumulator's rows: two per thread); the columns' by `_column_scales`, of [n0, n0 + COLUMNS)
+    and with SPLIT_N of the next COLUMNS too (else the same again). `scale_strides` = (sa_block,
+    sa_row, sb_block, sb_row)."""
     sa_block, sa_row, sb_block, sb_row = scale_strides
     # block · stride stays below the scale tensor's size: int32 holds it
-    a_offs = m_offs.to(gl.int64) * sa_row + block * sa_block
-    b_offs = (n_offs // B_COLUMNS).to(gl.int64) * sb_row + block * sb_block
-    a_scale = gl.load(a_scale_ptr + a_offs, mask=valid & (m_offs < m_dim), other=0.0)
-    b_scale = gl.load(b_scale_ptr + b_offs, mask=valid & (n_offs < n_dim), other=0.0)
-    return a_scale, b_scale
+    a_scale = gl.load(a_scale_ptr + m_offs.to(gl.int64) * sa_row + block * sa_block, mask=valid & (m_offs < m_dim),
+                      other=0.0)
+    b_scale = _column_scales(b_scale_ptr, sb_block, sb_row, block, valid, n0, n_dim, COLUMNS, B_COLUMNS)
+    if SPLIT_N:
+        b_scale_hi = _column_scales(b_scale_ptr, sb_block, sb_row, block, valid, n0 + COLUMNS, n_dim, COLUMNS,
+                                    B_COLUMNS)
+    else:
+        b_scale_hi = b_scale
+    return a_scale, b_scale, b_scale_hi
 
 
 @gluon.jit
-def _add_scaled(acc, product, a_scale, b_scale):
-    """acc + product · sa[m] · sb[n] (`wgrad._wgrad_tile`'s arithmetic), the scales first moved to
-    the accumulator's layout."""
-    a_scale = gl.convert_layout(a_scale, gl.SliceLayout(1, acc.type.layout))
-    b_scale = gl.convert_layout(b_scale, gl.SliceLayout(0, acc.type.layout))
-    return acc + product * (a_scale[:, None] * b_scale[None, :])
+def _add_scaled(acc, product, a_scale, b_scale, B_COLUMNS: gl.constexpr):
+    """acc + product · (sa[m] · sb[n]) (`wgrad._wgrad_tile`'s and `grouped_gemm.sorted_rows_tile`'s
+    arithmetic), per-column scales first moved to the accumulator's column layout."""
+    if B_COLUMNS == 1:
+        b_scale = gl.convert_layout(b_scale, gl.SliceLayout(0, acc.type.layout))[None, :]
+    return acc + product * (a_scale[:, None] * b_scale)
 
 
 @gluon.jit
-def _scaled_mma_steps(acc, first_step, steps, first_block, a_bufs, b_bufs, ready, empty, a_scale_ptr, b_scale_ptr,
-                      scale_strides, m_offs, m_dim, n_offs, n_dim, CONSUMER: gl.constexpr, B_COLUMNS: gl.constexpr,
-                      STAGES: gl.constexpr):
+def _scaled_mma_steps(acc, acc_hi, first_step, steps, first_block, a_bufs, b_bufs, ready, empty, a_scale_ptr,
+                      b_scale_ptr, scale_strides, first_row, m_dim, n0, n_dim, CONSUMER: gl.constexpr,
+                      B_COLUMNS: gl.constexpr, STAGES: gl.constexpr):
     """Consumer, cooperative, fp8_block: acc += Σ over the ring steps [first_step, first_step +
     steps) of (A·B) · sa[m] · sb[n], each step's FP8 product fresh in fp32 and then scaled by
-    the scales of its K block (`first_block + k`; `_block_scales`), in step order, as the
+    the scales of its K block (`first_block + k`; `_block_scales`, the tile's rows from first_row
+    and columns from n0 on), in step order, as the
     Triton kernels do (`wgrad._wgrad_tile`, `grouped_gemm.sorted_rows_tile`). A tiles [rows, K],
     B tiles [N, K]: FP8 wgmma reads both K-major. Each step's scales are loaded a step ahead.
     The product is waited for before it is scaled (ptxas serializes every wgmma of a loop that
     reads one product while the next MMA runs: C7514), so the scaling overlaps only the other
-    consumer's MMAs."""
-    scales = _block_scales(a_scale_ptr, b_scale_ptr, scale_strides, first_block, steps > 0, m_offs, m_dim, n_offs,
-                           n_dim, B_COLUMNS)
+    consumer's MMAs. A B tile twice the accumulator's width (SPLIT_N) is multiplied a half at a
+    time, its first half into acc and its second into acc_hi, so that only one product is in
+    registers at a time; each stage's A tile then serves twice the columns. Returns (acc, acc_hi)."""
+    HALF_N: gl.constexpr = acc.shape[1]
+    SPLIT_N: gl.constexpr = b_bufs.shape[1] > HALF_N
+    m_offs = first_row + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, acc.type.layout))
+    scales = _block_scales(a_scale_ptr, b_scale_ptr, scale_strides, first_block, steps > 0, m_offs, m_dim, n0, n_dim,
+                           HALF_N, B_COLUMNS, SPLIT_N)
+    # Each MMA writes its product over the registers of the previous one (wgmma's accumulator
+    # is read and written in place), which is dead by then: given acc or acc_hi there, a copy of
+    # them would have to stay live beside it.
+    product = gl.zeros_like(acc)
     for k in range(steps):
         step = first_step + k
         slot = step % STAGES
         next_scales = _block_scales(a_scale_ptr, b_scale_ptr, scale_strides, first_block + k + 1, k + 1 < steps,
-                                    m_offs, m_dim, n_offs, n_dim, B_COLUMNS)
+                                    m_offs, m_dim, n0, n_dim, HALF_N, B_COLUMNS, SPLIT_N)
+        a_scale, b_scale, b_scale_hi = scales
         mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
-        product = warpgroup_mma(a_bufs.index(2 * slot + CONSUMER), b_bufs.index(slot).permute((1, 0)), acc,
-                                use_acc=False, is_async=True)
+        a = a_bufs.index(2 * slot + CONSUMER)
+        b = b_bufs.index(slot)
+        product = warpgroup_mma(a, b.slice(0, HALF_N).permute((1, 0)), product, use_acc=False, is_async=True)
         product = warpgroup_mma_wait(num_outstanding=0, deps=(product,))
-        mbarrier.arrive(empty.index(slot), count=1)
-        acc = _add_scaled(acc, product, *scales)
+        if SPLIT_N:
+            acc = _add_scaled(acc, product, a_scale, b_scale, B_COLUMNS)
+            # A wait on nothing that takes acc: its scaling stays before the next MMA's issue, so
+            # that the compiler does not keep this product live beside the next one.
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            product = warpgroup_mma(a, b.slice(HALF_N, HALF_N).permute((1, 0)), product, use_acc=False,
+                                    is_async=True)
+            product = warpgroup_mma_wait(num_outstanding=0, deps=(product,))
+            mbarrier.arrive(empty.index(slot), count=1)
+            acc_hi = _add_scaled(acc_hi, product, a_scale, b_scale_hi, B_COLUMNS)
+        else:
+            mbarrier.arrive(empty.index(slot), count=1)
+            acc = _add_scaled(acc, product, a_scale, b_scale, B_COLUMNS)
         scales = next_scales
-    return acc
+    return acc, acc_hi
 
 
 @gluon.constexpr_function
@@ -261,7 +314,15 @@ def _mma_layout(block_n, fp8=False):
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, block_n, 32 if fp8 else 16])
 
 
-# A vector spread over a warp group's 128 threads, one element each (the fp8_block scales).
+@gluon.constexpr_function
+def _mma_n(block_n, fp8):
+    """Columns of one consumer's accumulator: the tile's, or for fp8_block at most 128 (its
+    accumulator and a step's fresh product would not both fit at 64×256; `_scaled_mma_steps`
+    splits a wider tile in two accumulators)."""
+    return min(block_n, 128) if fp8 else block_n
+
+
+# A vector spread over a warp group's 128 threads, one element each (the wgrads' fp8_block column scales).
 _SCALE_LAYOUT = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
 # Row-major layout of the epilogue's stores: 8 consecutive columns (16 bytes of bf16) per thread.
 _STORE_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
@@ -350,7 +411,8 @@ def _scatter_consumer(a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, e
                       BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
     ROWS: gl.constexpr = _consumer_rows(BLOCK_M, COOPERATIVE)
     TURNS: gl.constexpr = _takes_turns(COOPERATIVE)
-    mma_layout: gl.constexpr = _mma_layout(BLOCK_N, FP8)
+    MMA_N: gl.constexpr = _mma_n(BLOCK_N, FP8)
+    mma_layout: gl.constexpr = _mma_layout(MMA_N, FP8)
     num_m_tiles = gl.cdiv(gl.load(num_rows_ptr), BLOCK_M)
     num_n_tiles = gl.cdiv(n_dim, BLOCK_N)
     k_blocks = gl.cdiv(reduce_dim, BLOCK_K)
@@ -360,30 +422,40 @@ def _scatter_consumer(a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, e
         if tile_count % TURNS == CONSUMER % TURNS:
             m_tile, n_tile = tile_coordinates(tile, num_m_tiles, num_n_tiles, GROUP_M)
             first_row = m_tile * BLOCK_M + (CONSUMER * ROWS if COOPERATIVE else 0)
-            acc = gl.zeros((ROWS, BLOCK_N), gl.float32, mma_layout)
+            n0 = n_tile * BLOCK_N
+            acc = gl.zeros((ROWS, MMA_N), gl.float32, mma_layout)
+            acc_hi = acc  # fp8_block at BLOCK_N = 2 · MMA_N: columns [n0 + MMA_N, n0 + BLOCK_N)
             if FP8:  # each segment: rows' 1×128 scales [rows, K/128], the weight's [E_l, n_dim/128, K/128]
-                m_offs = first_row + gl.arange(0, ROWS, layout=_SCALE_LAYOUT)
-                n_offs = n_tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=_SCALE_LAYOUT)
                 weight_scales = gl.load(tile_expert_ptr + m_tile).to(gl.int64) * gl.cdiv(n_dim, BLOCK_K) * k_blocks
                 strides = (1, k_blocks, 1, k_blocks)
-                acc = _scaled_mma_steps(acc, tile_count * k_steps, k_blocks, 0, a_bufs, b_bufs, ready, empty,
-                                        a_scale_ptr, b_scale_ptr + weight_scales, strides, m_offs, m_dim, n_offs,
-                                        n_dim, CONSUMER, BLOCK_K, STAGES)
+                acc, acc_hi = _scaled_mma_steps(acc, acc_hi, tile_count * k_steps, k_blocks, 0, a_bufs, b_bufs, ready,
+                                                empty, a_scale_ptr, b_scale_ptr + weight_scales, strides,
+                                                first_row, m_dim, n0, n_dim, CONSUMER, BLOCK_K, STAGES)
                 if TWO_SEGMENTS:
-                    acc = _scaled_mma_steps(acc, tile_count * k_steps + k_blocks, k_blocks, 0, a_bufs, b_bufs, ready,
-                                            empty, a2_scale_ptr, b2_scale_ptr + weight_scales, strides, m_offs, m_dim,
-                                            n_offs, n_dim, CONSUMER, BLOCK_K, STAGES)
+                    acc, acc_hi = _scaled_mma_steps(acc, acc_hi, tile_count * k_steps + k_blocks, k_blocks, 0, a_bufs,
+                                                    b_bufs, ready, empty, a2_scale_ptr, b2_scale_ptr + weight_scales,
+                                                    strides, first_row, m_dim, n0, n_dim, CONSUMER, BLOCK_K, STAGES)
             else:
                 acc = _mma_steps(acc, tile_count * k_steps, k_steps, tile_count, a_bufs, b_bufs, ready, empty, turn,
                                  CONSUMER, True, B_K_MAJOR, COOPERATIVE, STAGES)
-            y = gl.convert_layout(acc.to(gl.bfloat16), _STORE_LAYOUT)
-            rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, _STORE_LAYOUT))
-            cols = n_tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, _STORE_LAYOUT))
-            source = gl.load(row_source_ptr + rows)
-            slot = gl.where(source >= 0, source, 0).to(gl.int64)
-            mask = (source >= 0)[:, None] & (cols < n_dim)[None, :]
-            gl.store(y_ptr + slot[:, None] * stride_y + cols[None, :], y, mask=mask)
+            _scatter_store(acc, y_ptr, row_source_ptr, first_row, n0, n_dim, stride_y)
+            if MMA_N < BLOCK_N:
+                _scatter_store(acc_hi, y_ptr, row_source_ptr, first_row, n0 + MMA_N, n_dim, stride_y)
         tile_count += 1
+
+
+@gluon.jit
+def _scatter_store(acc, y_ptr, row_source_ptr, first_row, n0, n_dim, stride_y):
+    """y[row_source[r], n0 : n0 + acc's columns] = acc's rows r from first_row on, in bf16 (padding rows not stored)."""
+    ROWS: gl.constexpr = acc.shape[0]
+    COLUMNS: gl.constexpr = acc.shape[1]
+    y = gl.convert_layout(acc.to(gl.bfloat16), _STORE_LAYOUT)
+    rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, _STORE_LAYOUT))
+    cols = n0 + gl.arange(0, COLUMNS, layout=gl.SliceLayout(0, _STORE_LAYOUT))
+    source = gl.load(row_source_ptr + rows)
+    slot = gl.where(source >= 0, source, 0).to(gl.int64)
+    mask = (source >= 0)[:, None] & (cols < n_dim)[None, :]
+    gl.store(y_ptr + slot[:, None] * stride_y + cols[None, :], y, mask=mask)
 
 
 @gluon.jit
@@ -473,7 +545,8 @@ def _wgrad_consumer(a_desc, a2_desc, b_desc, a_bufs, b_bufs, ready, empty, turn,
     TILE_M: gl.constexpr = _wgrad_tile_m(BLOCK_M, TWO_OUTPUTS)
     ROWS: gl.constexpr = _consumer_rows(BLOCK_M, COOPERATIVE)
     TURNS: gl.constexpr = _takes_turns(COOPERATIVE)
-    mma_layout: gl.constexpr = _mma_layout(BLOCK_N, FP8)
+    MMA_N: gl.constexpr = _mma_n(BLOCK_N, FP8)
+    mma_layout: gl.constexpr = _mma_layout(MMA_N, FP8)
     step = 0  # the ring's step count: every partition walks all of the program's tiles
     tile_count = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
@@ -486,26 +559,38 @@ def _wgrad_consumer(a_desc, a2_desc, b_desc, a_bufs, b_bufs, ready, empty, turn,
             out = out_ptr
             first_row = m0 + (CONSUMER * ROWS if COOPERATIVE else 0)
         if tile_count % TURNS == CONSUMER % TURNS:
-            acc = gl.zeros((ROWS, BLOCK_N), gl.float32, mma_layout)
+            acc = gl.zeros((ROWS, MMA_N), gl.float32, mma_layout)
+            acc_hi = acc  # fp8_block at BLOCK_N = 2 · MMA_N: columns [n0 + MMA_N, n0 + BLOCK_N)
             if FP8:
-                m_offs = first_row + gl.arange(0, ROWS, layout=_SCALE_LAYOUT)
-                n_offs = n0 + gl.arange(0, BLOCK_N, layout=_SCALE_LAYOUT)
-                acc = _scaled_mma_steps(acc, step, steps, row_start // BLOCK_K, a_bufs, b_bufs, ready, empty,
-                                        a_scale_ptr, b_scale_ptr, (stride_a_scale, 1, stride_b_scale, 1), m_offs,
-                                        m_dim, n_offs, n_dim, CONSUMER, 1, STAGES)
+                acc, acc_hi = _scaled_mma_steps(acc, acc_hi, step, steps, row_start // BLOCK_K, a_bufs, b_bufs, ready,
+                                                empty, a_scale_ptr, b_scale_ptr,
+                                                (stride_a_scale, 1, stride_b_scale, 1), first_row, m_dim, n0, n_dim,
+                                                CONSUMER, 1, STAGES)
             else:
                 acc = _mma_steps(acc, step, steps, tile_count, a_bufs, b_bufs, ready, empty, turn, CONSUMER, False,
                                  False, COOPERATIVE, STAGES)
-            grad = gl.convert_layout(acc.to(gl.bfloat16), _STORE_LAYOUT)
-            rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, _STORE_LAYOUT))
-            cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, _STORE_LAYOUT))
-            in_out2 = rows >= split_m  # stacked rows: [0, split_m) are out's, the rest out2's
-            out_rows = gl.where(in_out2, rows - split_m, rows).to(gl.int64)
-            offs = expert.to(gl.int64) * stride_out_e + out_rows[:, None] * n_dim + cols[None, :]
-            ptrs = gl.where(in_out2[:, None], out2_ptr + offs, out + offs)
-            gl.store(ptrs, grad, mask=(rows < m_dim)[:, None] & (cols < n_dim)[None, :])
+            _wgrad_store(acc, out, out2_ptr, expert, first_row, n0, m_dim, n_dim, split_m, stride_out_e)
+            if MMA_N < BLOCK_N:
+                _wgrad_store(acc_hi, out, out2_ptr, expert, first_row, n0 + MMA_N, m_dim, n_dim, split_m,
+                             stride_out_e)
         step += steps
         tile_count += 1
+
+
+@gluon.jit
+def _wgrad_store(acc, out, out2_ptr, expert, first_row, n0, m_dim, n_dim, split_m, stride_out_e):
+    """out[expert] (rows below split_m) or out2[expert] (the rest, less split_m), rows from
+    first_row and columns from n0 on: acc in bf16."""
+    ROWS: gl.constexpr = acc.shape[0]
+    COLUMNS: gl.constexpr = acc.shape[1]
+    grad = gl.convert_layout(acc.to(gl.bfloat16), _STORE_LAYOUT)
+    rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, _STORE_LAYOUT))
+    cols = n0 + gl.arange(0, COLUMNS, layout=gl.SliceLayout(0, _STORE_LAYOUT))
+    in_out2 = rows >= split_m  # stacked rows: [0, split_m) are out's, the rest out2's
+    out_rows = gl.where(in_out2, rows - split_m, rows).to(gl.int64)
+    offs = expert.to(gl.int64) * stride_out_e + out_rows[:, None] * n_dim + cols[None, :]
+    ptrs = gl.where(in_out2[:, None], out2_ptr + offs, out + offs)
+    gl.store(ptrs, grad, mask=(rows < m_dim)[:, None] & (cols < n_dim)[None, :])
 
 
 @gluon.jit
@@ -563,6 +648,9 @@ def _check_fp8_block_tile(cfg: dict, schedule: RoutingSchedule, what: str) -> No
     if cfg["BLOCK_K"] != FP8_BLOCK or schedule.block_m != FP8_BLOCK:
         raise ValueError(f"tile_config: the fp8_block {what} needs BLOCK_K {FP8_BLOCK} and a schedule of block_m "
                          f"{FP8_BLOCK}, got BLOCK_K {cfg['BLOCK_K']} and block_m {schedule.block_m}")
+    if cfg["BLOCK_N"] not in (FP8_BLOCK, 2 * FP8_BLOCK):
+        raise ValueError(f"tile_config: the fp8_block {what} needs BLOCK_N {FP8_BLOCK} or {2 * FP8_BLOCK} (one or two "
+                         f"accumulators of {FP8_BLOCK} columns), got {cfg['BLOCK_N']}")
 
 
 def _launch_scatter(a, a2, b, b2, y, schedule: RoutingSchedule, cfg: dict, b_k_major: bool,
