@@ -102,11 +102,13 @@ COOPERATIVE_TILE = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_stages=4)
 # lets each stage's A tile serve twice the columns. 48 KiB per stage (two 64×128 A tiles and
 # one 256×128 B tile of e4m3), three stages (four measured the same within 2%); GROUP_M 8.
 # H200, ms, Triton kernel -> 128×128 at six stages -> this tile, every output bitwise the
-# Triton kernel's (record h200-20261201-fp8-wide-scalar-scales-sweep.log, each config timed
-# twice): qwen3-30b down wgrad 0.95 -> 0.62 -> 0.57, gate/up wgrad 1.78–1.82 -> 1.23–1.31 ->
-# 1.13–1.22, down GEMM 0.78–0.88 -> 0.56–0.57 -> 0.46–0.53, gate/up dgrad 1.33–1.55 -> 1.00 ->
-# 0.83–0.95; deepseek-v3-slice 3.34–3.46 -> 2.61 -> 2.19–2.45, 6.50–6.58 -> 5.60–5.72 ->
-# 4.91–4.95, 2.40–2.84 -> 2.14–2.21 -> 1.70–1.92, 5.17–5.18 -> 4.34–4.43 -> 3.79–4.00.
+# Triton kernel's (each config timed twice; the scatter GEMMs from record
+# h200-20261201-fp8-wide-scalar-scales-sweep.log, the wgrads, with their column scales through
+# the ring, from -fp8-wgrad-tma-scales-sweep.log): qwen3-30b down wgrad 0.95–1.01 -> 0.59 ->
+# 0.53–0.57, gate/up wgrad 1.78–1.90 -> 1.25–1.29 -> 1.04–1.16, down GEMM 0.78–0.88 -> 0.56–0.57
+# -> 0.46–0.53, gate/up dgrad 1.33–1.55 -> 1.00 -> 0.83–0.95; deepseek-v3-slice 3.36–3.52 ->
+# 2.61–2.70 -> 2.12–2.35, 6.52–6.58 -> 5.80–5.81 -> 4.68–4.80, 2.40–2.84 -> 2.14–2.21 ->
+# 1.70–1.92, 5.17–5.18 -> 4.34–4.43 -> 3.79–4.00.
 FP8_BLOCK_TILE = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_stages=3, GROUP_M=8)
 # Registers per thread of the consumer warp groups and of the producer warp (setmaxnreg);
 # the default partition (consumer 0) gets what is left of the launch's 168 × 384 threads.
@@ -156,18 +158,19 @@ def _check_device(device: torch.device) -> None:
 
 @gluon.jit
 def _load_step(step, a_desc, a_coords, a2_desc, a2_coords, b_desc, b_coords, a_bufs, b_bufs, ready, empty,
-               COOPERATIVE: gl.constexpr, STAGES: gl.constexpr):
+               extra_bytes, COOPERATIVE: gl.constexpr, STAGES: gl.constexpr):
     """Producer: wait until the slot of `step` is free, then TMA-load its tiles: A and B, or,
-    cooperative, consumer 0's A (a_desc), consumer 1's A (a2_desc) and the shared B."""
+    cooperative, consumer 0's A (a_desc), consumer 1's A (a2_desc) and the shared B. The slot's
+    `ready` also waits for `extra_bytes` more, which the caller loads into it after this."""
     slot = step % STAGES
     mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
     bar = ready.index(slot)
     if COOPERATIVE:
-        mbarrier.expect(bar, 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+        mbarrier.expect(bar, 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes + extra_bytes)
         tma.async_copy_global_to_shared(a_desc, a_coords, bar, a_bufs.index(2 * slot))
         tma.async_copy_global_to_shared(a2_desc, a2_coords, bar, a_bufs.index(2 * slot + 1))
     else:
-        mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+        mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes + extra_bytes)
         tma.async_copy_global_to_shared(a_desc, a_coords, bar, a_bufs.index(slot))
     tma.async_copy_global_to_shared(b_desc, b_coords, bar, b_bufs.index(slot))
 
@@ -207,74 +210,71 @@ def _mma_steps(acc, first_step, steps, tile_count, a_bufs, b_bufs, ready, empty,
 
 
 @gluon.jit
-def _column_scales(b_scale_ptr, sb_block, sb_row, block, valid, n0, n_dim, COLUMNS: gl.constexpr,
-                   B_COLUMNS: gl.constexpr):
-    """The scales of columns [n0, n0 + COLUMNS) for the K block `block`, column n's at b_scale_ptr +
-    block · sb_block + (n // B_COLUMNS) · sb_row: one per column, one per thread (`_SCALE_LAYOUT`;
-    loaded in the accumulator's column layout each thread would hold 32 of them and their 64-bit
-    addresses: ptxas spilled), or with B_COLUMNS = COLUMNS (a weight's 128×128 block, n0 a
-    multiple of it) the one scale of them all."""
-    if B_COLUMNS == 1:
-        n_offs = n0 + gl.arange(0, COLUMNS, layout=_SCALE_LAYOUT)
-        scale = gl.load(b_scale_ptr + n_offs.to(gl.int64) * sb_row + block * sb_block,
-                        mask=valid & (n_offs < n_dim), other=0.0)
-    else:
-        gl.static_assert(B_COLUMNS == COLUMNS, "column scales: one per column or one per accumulator")
-        scale = gl.load(b_scale_ptr + (n0 // B_COLUMNS).to(gl.int64) * sb_row + block * sb_block,
-                        mask=valid & (n0 < n_dim), other=0.0)
-    return scale
-
-
-@gluon.jit
 def _block_scales(a_scale_ptr, b_scale_ptr, scale_strides, block, valid, m_offs, m_dim, n0, n_dim,
-                  COLUMNS: gl.constexpr, B_COLUMNS: gl.constexpr, SPLIT_N: gl.constexpr):
-    """Row and column scales of the K block `block` (zeros unless `valid`): row m's at
-    a_scale_ptr + block · sa_block + m · sa_row, loaded in the layout of `m_offs` (the
-    accumulator's rows: two per thread); the columns' by `_column_scales`, of [n0, n0 + COLUMNS)
-    and with SPLIT_N of the next COLUMNS too (else the same again). `scale_strides` = (sa_block,
-    sa_row, sb_block, sb_row)."""
+                  COLUMNS: gl.constexpr, PER_COLUMN: gl.constexpr, SPLIT_N: gl.constexpr):
+    """Scales of the K block `block` (zeros unless `valid`), `scale_strides` = (sa_block, sa_row,
+    sb_block, sb_row): row m's at a_scale_ptr + block · sa_block + m · sa_row, loaded in the layout
+    of `m_offs` (the accumulator's rows: two per thread); unless PER_COLUMN (those ride in the
+    ring: `_ring_column_scales`), the one weight-block scale of columns [n0, n0 + COLUMNS) at
+    b_scale_ptr + block · sb_block + (n0 // COLUMNS) · sb_row, and with SPLIT_N the next COLUMNS'
+    (else the same again). Returns (row scales, column scale, next columns' scale)."""
     sa_block, sa_row, sb_block, sb_row = scale_strides
     # block · stride stays below the scale tensor's size: int32 holds it
     a_scale = gl.load(a_scale_ptr + m_offs.to(gl.int64) * sa_row + block * sa_block, mask=valid & (m_offs < m_dim),
                       other=0.0)
-    b_scale = _column_scales(b_scale_ptr, sb_block, sb_row, block, valid, n0, n_dim, COLUMNS, B_COLUMNS)
-    if SPLIT_N:
-        b_scale_hi = _column_scales(b_scale_ptr, sb_block, sb_row, block, valid, n0 + COLUMNS, n_dim, COLUMNS,
-                                    B_COLUMNS)
+    if PER_COLUMN:
+        b_scale = a_scale  # unread
+        b_scale_hi = a_scale
     else:
-        b_scale_hi = b_scale
+        b_scale = gl.load(b_scale_ptr + (n0 // COLUMNS).to(gl.int64) * sb_row + block * sb_block,
+                          mask=valid & (n0 < n_dim), other=0.0)
+        if SPLIT_N:
+            b_scale_hi = gl.load(b_scale_ptr + (n0 // COLUMNS + 1).to(gl.int64) * sb_row + block * sb_block,
+                                 mask=valid & (n0 + COLUMNS < n_dim), other=0.0)
+        else:
+            b_scale_hi = b_scale
     return a_scale, b_scale, b_scale_hi
 
 
 @gluon.jit
-def _add_scaled(acc, product, a_scale, b_scale, B_COLUMNS: gl.constexpr):
+def _ring_column_scales(b_scale_bufs, slot, first_column, COLUMNS: gl.constexpr, layout: gl.constexpr):
+    """[1, COLUMNS] scales of the B tile's columns from first_column on, in `layout` (the
+    accumulator's), from the ring slot the producer loaded them into with the tiles (TMA:
+    columns past the operand read as zeros)."""
+    return b_scale_bufs.index(slot).slice(first_column, COLUMNS, dim=1).load(layout)
+
+
+@gluon.jit
+def _add_scaled(acc, product, a_scale, b_scale):
     """acc + product · (sa[m] · sb[n]) (`wgrad._wgrad_tile`'s and `grouped_gemm.sorted_rows_tile`'s
-    arithmetic), per-column scales first moved to the accumulator's column layout."""
-    if B_COLUMNS == 1:
-        b_scale = gl.convert_layout(b_scale, gl.SliceLayout(0, acc.type.layout))[None, :]
+    arithmetic): a_scale [rows] in the accumulator's row layout, b_scale a scalar or [1, columns]
+    in the accumulator's layout."""
     return acc + product * (a_scale[:, None] * b_scale)
 
 
 @gluon.jit
 def _scaled_mma_steps(acc, acc_hi, first_step, steps, first_block, a_bufs, b_bufs, ready, empty, a_scale_ptr,
-                      b_scale_ptr, scale_strides, first_row, m_dim, n0, n_dim, CONSUMER: gl.constexpr,
-                      B_COLUMNS: gl.constexpr, STAGES: gl.constexpr):
+                      b_scales, scale_strides, first_row, m_dim, n0, n_dim, CONSUMER: gl.constexpr,
+                      PER_COLUMN: gl.constexpr, STAGES: gl.constexpr):
     """Consumer, cooperative, fp8_block: acc += Σ over the ring steps [first_step, first_step +
     steps) of (A·B) · sa[m] · sb[n], each step's FP8 product fresh in fp32 and then scaled by
-    the scales of its K block (`first_block + k`; `_block_scales`, the tile's rows from first_row
-    and columns from n0 on), in step order, as the
-    Triton kernels do (`wgrad._wgrad_tile`, `grouped_gemm.sorted_rows_tile`). A tiles [rows, K],
-    B tiles [N, K]: FP8 wgmma reads both K-major. Each step's scales are loaded a step ahead.
-    The product is waited for before it is scaled (ptxas serializes every wgmma of a loop that
-    reads one product while the next MMA runs: C7514), so the scaling overlaps only the other
-    consumer's MMAs. A B tile twice the accumulator's width (SPLIT_N) is multiplied a half at a
-    time, its first half into acc and its second into acc_hi, so that only one product is in
-    registers at a time; each stage's A tile then serves twice the columns. Returns (acc, acc_hi)."""
+    the scales of its K block (`first_block + k`, the tile's rows from first_row and columns from
+    n0 on), in step order, as the Triton kernels do (`wgrad._wgrad_tile`,
+    `grouped_gemm.sorted_rows_tile`). A tiles [rows, K], B tiles [N, K]: FP8 wgmma reads both
+    K-major. The row scales and a weight's block scales (`b_scales` the weight's scale pointer)
+    are loaded a step ahead (`_block_scales`); per-column scales (PER_COLUMN, the wgrads:
+    `b_scales` the ring's column-scale slots) come with the step's tiles. The product is waited
+    for before it is scaled (ptxas serializes every wgmma of a loop that reads one product while
+    the next MMA runs: C7514), so the scaling overlaps only the other consumer's MMAs. A B tile
+    twice the accumulator's width (SPLIT_N) is multiplied a half at a time, its first half into
+    acc and its second into acc_hi, so that only one product is in registers at a time; each
+    stage's A tile then serves twice the columns. Returns (acc, acc_hi)."""
     HALF_N: gl.constexpr = acc.shape[1]
     SPLIT_N: gl.constexpr = b_bufs.shape[1] > HALF_N
-    m_offs = first_row + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, acc.type.layout))
-    scales = _block_scales(a_scale_ptr, b_scale_ptr, scale_strides, first_block, steps > 0, m_offs, m_dim, n0, n_dim,
-                           HALF_N, B_COLUMNS, SPLIT_N)
+    layout: gl.constexpr = acc.type.layout
+    m_offs = first_row + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, layout))
+    scales = _block_scales(a_scale_ptr, b_scales, scale_strides, first_block, steps > 0, m_offs, m_dim, n0, n_dim,
+                           HALF_N, PER_COLUMN, SPLIT_N)
     # Each MMA writes its product over the registers of the previous one (wgmma's accumulator
     # is read and written in place), which is dead by then: given acc or acc_hi there, a copy of
     # them would have to stay live beside it.
@@ -282,27 +282,31 @@ def _scaled_mma_steps(acc, acc_hi, first_step, steps, first_block, a_bufs, b_buf
     for k in range(steps):
         step = first_step + k
         slot = step % STAGES
-        next_scales = _block_scales(a_scale_ptr, b_scale_ptr, scale_strides, first_block + k + 1, k + 1 < steps,
-                                    m_offs, m_dim, n0, n_dim, HALF_N, B_COLUMNS, SPLIT_N)
+        next_scales = _block_scales(a_scale_ptr, b_scales, scale_strides, first_block + k + 1, k + 1 < steps,
+                                    m_offs, m_dim, n0, n_dim, HALF_N, PER_COLUMN, SPLIT_N)
         a_scale, b_scale, b_scale_hi = scales
         mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
         a = a_bufs.index(2 * slot + CONSUMER)
         b = b_bufs.index(slot)
         product = warpgroup_mma(a, b.slice(0, HALF_N).permute((1, 0)), product, use_acc=False, is_async=True)
         product = warpgroup_mma_wait(num_outstanding=0, deps=(product,))
+        if PER_COLUMN:
+            b_scale = _ring_column_scales(b_scales, slot, 0, HALF_N, layout)
         if SPLIT_N:
-            acc = _add_scaled(acc, product, a_scale, b_scale, B_COLUMNS)
+            acc = _add_scaled(acc, product, a_scale, b_scale)
             # A wait on nothing that takes acc: its scaling stays before the next MMA's issue, so
             # that the compiler does not keep this product live beside the next one.
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             product = warpgroup_mma(a, b.slice(HALF_N, HALF_N).permute((1, 0)), product, use_acc=False,
                                     is_async=True)
             product = warpgroup_mma_wait(num_outstanding=0, deps=(product,))
+            if PER_COLUMN:
+                b_scale_hi = _ring_column_scales(b_scales, slot, HALF_N, HALF_N, layout)
             mbarrier.arrive(empty.index(slot), count=1)
-            acc_hi = _add_scaled(acc_hi, product, a_scale, b_scale_hi, B_COLUMNS)
+            acc_hi = _add_scaled(acc_hi, product, a_scale, b_scale_hi)
         else:
             mbarrier.arrive(empty.index(slot), count=1)
-            acc = _add_scaled(acc, product, a_scale, b_scale, B_COLUMNS)
+            acc = _add_scaled(acc, product, a_scale, b_scale)
         scales = next_scales
     return acc, acc_hi
 
@@ -322,8 +326,6 @@ def _mma_n(block_n, fp8):
     return min(block_n, 128) if fp8 else block_n
 
 
-# A vector spread over a warp group's 128 threads, one element each (the wgrads' fp8_block column scales).
-_SCALE_LAYOUT = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
 # Row-major layout of the epilogue's stores: 8 consecutive columns (16 bytes of bf16) per thread.
 _STORE_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
 
@@ -377,7 +379,7 @@ def _load_segment(step, a_desc, b_desc, m0, expert, n0, n_dim, reduce_dim, a_buf
             b_coords = [expert * n_dim + n0, k0]
         else:
             b_coords = [expert * reduce_dim + k0, n0]
-        _load_step(step, a_desc, [m0, k0], a_desc, [m0 + ROWS, k0], b_desc, b_coords, a_bufs, b_bufs, ready, empty,
+        _load_step(step, a_desc, [m0, k0], a_desc, [m0 + ROWS, k0], b_desc, b_coords, a_bufs, b_bufs, ready, empty, 0,
                    COOPERATIVE, STAGES)
         step += 1
     return step
@@ -430,11 +432,11 @@ def _scatter_consumer(a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, e
                 strides = (1, k_blocks, 1, k_blocks)
                 acc, acc_hi = _scaled_mma_steps(acc, acc_hi, tile_count * k_steps, k_blocks, 0, a_bufs, b_bufs, ready,
                                                 empty, a_scale_ptr, b_scale_ptr + weight_scales, strides,
-                                                first_row, m_dim, n0, n_dim, CONSUMER, BLOCK_K, STAGES)
+                                                first_row, m_dim, n0, n_dim, CONSUMER, False, STAGES)
                 if TWO_SEGMENTS:
                     acc, acc_hi = _scaled_mma_steps(acc, acc_hi, tile_count * k_steps + k_blocks, k_blocks, 0, a_bufs,
                                                     b_bufs, ready, empty, a2_scale_ptr, b2_scale_ptr + weight_scales,
-                                                    strides, first_row, m_dim, n0, n_dim, CONSUMER, BLOCK_K, STAGES)
+                                                    strides, first_row, m_dim, n0, n_dim, CONSUMER, False, STAGES)
             else:
                 acc = _mma_steps(acc, tile_count * k_steps, k_steps, tile_count, a_bufs, b_bufs, ready, empty, turn,
                                  CONSUMER, True, B_K_MAJOR, COOPERATIVE, STAGES)
@@ -513,9 +515,9 @@ def _wgrad_tile_m(block_m, two_outputs):
 
 
 @gluon.jit
-def _wgrad_producer(a_desc, a2_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, out_ptr, out2_ptr, a_scale_ptr,
-                    b_scale_ptr, expert_offsets_ptr, num_tiles, m_dim, n_dim, split_m, stride_out_e, stride_a_scale,
-                    stride_b_scale, CONSUMER: gl.constexpr, COOPERATIVE: gl.constexpr, TWO_OUTPUTS: gl.constexpr,
+def _wgrad_producer(a_desc, a2_desc, b_desc, b_scale_desc, a_bufs, b_bufs, b_scale_bufs, ready, empty, turn, out_ptr,
+                    out2_ptr, a_scale_ptr, expert_offsets_ptr, num_tiles, m_dim, n_dim, split_m, stride_out_e,
+                    stride_a_scale, CONSUMER: gl.constexpr, COOPERATIVE: gl.constexpr, TWO_OUTPUTS: gl.constexpr,
                     FP8: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                     GROUP_M: gl.constexpr, STAGES: gl.constexpr):
     TILE_M: gl.constexpr = _wgrad_tile_m(BLOCK_M, TWO_OUTPUTS)
@@ -527,19 +529,22 @@ def _wgrad_producer(a_desc, a2_desc, b_desc, a_bufs, b_bufs, ready, empty, turn,
                                                        BLOCK_K, GROUP_M)
         for k in range(steps):
             r0 = row_start + k * BLOCK_K
-            if FP8:  # transposed copies [m_dim or n_dim, rows]: K-major tiles
+            if FP8:  # transposed copies [m_dim or n_dim, rows]: K-major tiles; B's column scales with them
                 _load_step(step, a_desc, [m0, r0], a2_desc, [m0 + A2_OFFSET, r0], b_desc, [n0, r0], a_bufs, b_bufs,
-                           ready, empty, COOPERATIVE, STAGES)
+                           ready, empty, b_scale_desc.block_type.nbytes, COOPERATIVE, STAGES)
+                slot = step % STAGES
+                tma.async_copy_global_to_shared(b_scale_desc, [r0 // BLOCK_K, n0], ready.index(slot),
+                                                b_scale_bufs.index(slot))
             else:
                 _load_step(step, a_desc, [r0, m0], a2_desc, [r0, m0 + A2_OFFSET], b_desc, [r0, n0], a_bufs, b_bufs,
-                           ready, empty, COOPERATIVE, STAGES)
+                           ready, empty, 0, COOPERATIVE, STAGES)
             step += 1
 
 
 @gluon.jit
-def _wgrad_consumer(a_desc, a2_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, out_ptr, out2_ptr, a_scale_ptr,
-                    b_scale_ptr, expert_offsets_ptr, num_tiles, m_dim, n_dim, split_m, stride_out_e, stride_a_scale,
-                    stride_b_scale, CONSUMER: gl.constexpr, COOPERATIVE: gl.constexpr, TWO_OUTPUTS: gl.constexpr,
+def _wgrad_consumer(a_desc, a2_desc, b_desc, b_scale_desc, a_bufs, b_bufs, b_scale_bufs, ready, empty, turn, out_ptr,
+                    out2_ptr, a_scale_ptr, expert_offsets_ptr, num_tiles, m_dim, n_dim, split_m, stride_out_e,
+                    stride_a_scale, CONSUMER: gl.constexpr, COOPERATIVE: gl.constexpr, TWO_OUTPUTS: gl.constexpr,
                     FP8: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                     GROUP_M: gl.constexpr, STAGES: gl.constexpr):
     TILE_M: gl.constexpr = _wgrad_tile_m(BLOCK_M, TWO_OUTPUTS)
@@ -563,9 +568,8 @@ def _wgrad_consumer(a_desc, a2_desc, b_desc, a_bufs, b_bufs, ready, empty, turn,
             acc_hi = acc  # fp8_block at BLOCK_N = 2 · MMA_N: columns [n0 + MMA_N, n0 + BLOCK_N)
             if FP8:
                 acc, acc_hi = _scaled_mma_steps(acc, acc_hi, step, steps, row_start // BLOCK_K, a_bufs, b_bufs, ready,
-                                                empty, a_scale_ptr, b_scale_ptr,
-                                                (stride_a_scale, 1, stride_b_scale, 1), first_row, m_dim, n0, n_dim,
-                                                CONSUMER, 1, STAGES)
+                                                empty, a_scale_ptr, b_scale_bufs, (stride_a_scale, 1, 0, 0), first_row,
+                                                m_dim, n0, n_dim, CONSUMER, True, STAGES)
             else:
                 acc = _mma_steps(acc, step, steps, tile_count, a_bufs, b_bufs, ready, empty, turn, CONSUMER, False,
                                  False, COOPERATIVE, STAGES)
@@ -596,33 +600,40 @@ def _wgrad_store(acc, out, out2_ptr, expert, first_row, n0, m_dim, n_dim, split_
 @gluon.jit
 def _wgrad_ws_kernel(
     # TMA descriptors (bf16: a, a2 [rows, m_dim], b [rows, n_dim]; FP8: e4m3 aᵀ [m_dim, rows],
-    # bᵀ [n_dim, rows]) and out, out2 [E_l, ·, n_dim] bf16
-    a_desc, a2_desc, b_desc, out_ptr, out2_ptr,
-    # FP8: the scales of aᵀ and bᵀ, [rows / 128, m_dim] and [rows / 128, n_dim] fp32
-    a_scale_ptr, b_scale_ptr,
+    # bᵀ [n_dim, rows], and bᵀ's scales [rows / 128, n_dim] fp32; bf16: b again, unread) and
+    # out, out2 [E_l, ·, n_dim] bf16
+    a_desc, a2_desc, b_desc, b_scale_desc, out_ptr, out2_ptr,
+    # FP8: the scales of aᵀ, [rows / 128, m_dim] fp32
+    a_scale_ptr,
     # schedule
     expert_offsets_ptr,
     # sizes (num_tiles tiles over m_dim × n_dim per expert; rows from split_m on are out2's), strides
-    num_tiles, m_dim, n_dim, split_m, stride_out_e, stride_a_scale, stride_b_scale,
+    num_tiles, m_dim, n_dim, split_m, stride_out_e, stride_a_scale,
     # meta
     COOPERATIVE: gl.constexpr, TWO_OUTPUTS: gl.constexpr, FP8: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
 ):
     """down: a = dy_sorted, b = h; gate/up (TWO_OUTPUTS, cooperative): a, a2 = d_g, d_u, b = x_sorted;
-    FP8 (cooperative): a = dyᵀ or the stacked [d_g | d_u]ᵀ (out's rows, then out2's), b = hᵀ or xᵀ."""
+    FP8 (cooperative): a = dyᵀ or the stacked [d_g | d_u]ᵀ (out's rows, then out2's), b = hᵀ or xᵀ,
+    each step's B column scales loaded into the ring beside its tiles."""
     a_bufs, b_bufs, ready, empty, turn = _allocate_ring(a_desc, b_desc, COOPERATIVE, STAGES)
+    if FP8:
+        b_scale_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + b_scale_desc.block_type.shape,
+                                                 b_scale_desc.layout)
+    else:
+        b_scale_bufs = b_bufs  # unread
     gl.warp_specialize([
-        (_wgrad_consumer, (a_desc, a2_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, out_ptr, out2_ptr, a_scale_ptr,
-                           b_scale_ptr, expert_offsets_ptr, num_tiles, m_dim, n_dim, split_m, stride_out_e,
-                           stride_a_scale, stride_b_scale, 0, COOPERATIVE, TWO_OUTPUTS, FP8, BLOCK_M, BLOCK_N,
+        (_wgrad_consumer, (a_desc, a2_desc, b_desc, b_scale_desc, a_bufs, b_bufs, b_scale_bufs, ready, empty, turn,
+                           out_ptr, out2_ptr, a_scale_ptr, expert_offsets_ptr, num_tiles, m_dim, n_dim, split_m,
+                           stride_out_e, stride_a_scale, 0, COOPERATIVE, TWO_OUTPUTS, FP8, BLOCK_M, BLOCK_N,
                            BLOCK_K, GROUP_M, STAGES)),
-        (_wgrad_consumer, (a_desc, a2_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, out_ptr, out2_ptr, a_scale_ptr,
-                           b_scale_ptr, expert_offsets_ptr, num_tiles, m_dim, n_dim, split_m, stride_out_e,
-                           stride_a_scale, stride_b_scale, 1, COOPERATIVE, TWO_OUTPUTS, FP8, BLOCK_M, BLOCK_N,
+        (_wgrad_consumer, (a_desc, a2_desc, b_desc, b_scale_desc, a_bufs, b_bufs, b_scale_bufs, ready, empty, turn,
+                           out_ptr, out2_ptr, a_scale_ptr, expert_offsets_ptr, num_tiles, m_dim, n_dim, split_m,
+                           stride_out_e, stride_a_scale, 1, COOPERATIVE, TWO_OUTPUTS, FP8, BLOCK_M, BLOCK_N,
                            BLOCK_K, GROUP_M, STAGES)),
-        (_wgrad_producer, (a_desc, a2_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, out_ptr, out2_ptr, a_scale_ptr,
-                           b_scale_ptr, expert_offsets_ptr, num_tiles, m_dim, n_dim, split_m, stride_out_e,
-                           stride_a_scale, stride_b_scale, 0, COOPERATIVE, TWO_OUTPUTS, FP8, BLOCK_M, BLOCK_N,
+        (_wgrad_producer, (a_desc, a2_desc, b_desc, b_scale_desc, a_bufs, b_bufs, b_scale_bufs, ready, empty, turn,
+                           out_ptr, out2_ptr, a_scale_ptr, expert_offsets_ptr, num_tiles, m_dim, n_dim, split_m,
+                           stride_out_e, stride_a_scale, 0, COOPERATIVE, TWO_OUTPUTS, FP8, BLOCK_M, BLOCK_N,
                            BLOCK_K, GROUP_M, STAGES)),
     ], [4, 1], [_CONSUMER_REGISTERS, _PRODUCER_REGISTERS])
 
@@ -630,7 +641,7 @@ def _wgrad_ws_kernel(
 # --------------------------------------------------------------------------- launchers
 
 
-_GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv}
+_GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv, torch.float32: gl.float32}
 
 
 def _shared_layout(block_shape, dtype: torch.dtype = torch.bfloat16) -> gl.NVMMASharedLayout:
@@ -721,16 +732,20 @@ def launch_wgrad(a: torch.Tensor, a2: torch.Tensor | None, b: torch.Tensor, out:
         m_dim = a.shape[0]  # out's rows, then out2's
         a_block, b_block = (_consumer_rows(block_m, True), block_k), (block_n, block_k)
         a_scale, b_scale = scales
+        if n_dim % 4:  # TMA reads the column scales' rows: 16-byte aligned
+            raise ValueError(f"the warp-specialized fp8_block wgrad needs an output width that is a multiple of 4, "
+                             f"got {n_dim}")
     else:
         a_block, b_block = (block_k, _consumer_rows(block_m, cooperative)), (block_k, block_n)
-        a_scale = b_scale = out  # unread
+        a_scale = out  # unread
     num_tiles = experts * triton.cdiv(m_dim, _wgrad_tile_m(block_m, two_outputs)) * triton.cdiv(n_dim, block_n)
-    a_desc = _descriptor(a, a_block)
+    a_desc, b_desc = _descriptor(a, a_block), _descriptor(b, b_block)
     _wgrad_ws_kernel[(min(num_tiles, num_sms(b.device)),)](
-        a_desc, _descriptor(a2, a_block) if two_outputs else a_desc, _descriptor(b, b_block),
-        out, out if out2 is None else out2, a_scale, b_scale,
+        a_desc, _descriptor(a2, a_block) if two_outputs else a_desc, b_desc,
+        _descriptor(b_scale, (1, block_n)) if fp8 else b_desc,
+        out, out if out2 is None else out2, a_scale,
         schedule.expert_offsets,
-        num_tiles, m_dim, n_dim, split_m, out.stride(0), a_scale.stride(0), b_scale.stride(0),
+        num_tiles, m_dim, n_dim, split_m, out.stride(0), a_scale.stride(0),
         cooperative, two_outputs, fp8, block_m, block_n, block_k, cfg.get("GROUP_M", 1), cfg["num_stages"],
         num_warps=4,
     )

@@ -78,7 +78,7 @@ def _ptxas_report(kernel_name: str, signature: dict, constants: dict) -> tuple[i
 
 
 def _descriptor_type(block_shape, dtype: torch.dtype = torch.bfloat16) -> str:
-    name = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8e4nv"}[dtype]
+    name = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8e4nv", torch.float32: "fp32"}[dtype]
     return f"tensordesc<{name}[{block_shape[0]},{block_shape[1]}],{ws._shared_layout(block_shape, dtype)!r}>"
 
 
@@ -93,12 +93,14 @@ def _scatter_signature(a_block, b_block, dtype: torch.dtype, meta: dict) -> dict
 
 
 def _wgrad_signature(a_block, b_block, dtype: torch.dtype, meta: dict) -> dict:
+    fp8 = dtype == torch.float8_e4m3fn  # B's column scales through TMA, [1, BLOCK_N] per step
+    b_scale_desc = _descriptor_type((1, b_block[0]), torch.float32) if fp8 else _descriptor_type(b_block, dtype)
     return {
         "a_desc": _descriptor_type(a_block, dtype), "a2_desc": _descriptor_type(a_block, dtype),
-        "b_desc": _descriptor_type(b_block, dtype), "out_ptr": "*bf16", "out2_ptr": "*bf16",
-        "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32", "expert_offsets_ptr": "*i32", "num_tiles": "i32",
+        "b_desc": _descriptor_type(b_block, dtype), "b_scale_desc": b_scale_desc, "out_ptr": "*bf16",
+        "out2_ptr": "*bf16", "a_scale_ptr": "*fp32", "expert_offsets_ptr": "*i32", "num_tiles": "i32",
         "m_dim": "i32", "n_dim": "i32", "split_m": "i32", "stride_out_e": "i32", "stride_a_scale": "i32",
-        "stride_b_scale": "i32", **{name: "constexpr" for name in meta},
+        **{name: "constexpr" for name in meta},
     }
 
 
@@ -136,7 +138,7 @@ def test_fp8_block_kernels_compile_for_sm90a_without_spills(kernel, wide):
     """The fp8_block tiles (each consumer's accumulator, two of them in the wide tile, and its
     step's fresh product, both K-major e4m3 operands) fit in the wgrads and in the scatter GEMMs
     (the gate/up dgrad's two K segments): 168 registers per thread at launch, nothing spilled but,
-    in the wide gate/up dgrad, a few per-tile values (112 bytes, in the SASS: stored before the
+    in the wide gate/up dgrad, a few per-tile values (92 bytes, in the SASS: stored before the
     first segment's K loop, reloaded between the segments and one of them at each step of the
     second)."""
     cfg = _fp8_tile(ws.fp8_block_tile_config(stacked=kernel == "wgrad"), wide)
@@ -152,7 +154,7 @@ def test_fp8_block_kernels_compile_for_sm90a_without_spills(kernel, wide):
         report = _ptxas_report("_scatter_ws_kernel", _scatter_signature(a_block, b_block, torch.float8_e4m3fn, meta),
                                meta)
     registers, spilled = report
-    allowed_spill = 112 if wide and kernel == "gate/up dgrad" else 0
+    allowed_spill = 92 if wide and kernel == "gate/up dgrad" else 0
     assert registers == 168 and spilled <= allowed_spill, f"{kernel}, {wide=}: (registers, spilled bytes) {report}"
 
 
