@@ -161,7 +161,8 @@ def _load_step(step, a_desc, a_coords, a2_desc, a2_coords, b_desc, b_coords, a_b
                extra_bytes, COOPERATIVE: gl.constexpr, STAGES: gl.constexpr):
     """Producer: wait until the slot of `step` is free, then TMA-load its tiles: A and B, or,
     cooperative, consumer 0's A (a_desc), consumer 1's A (a2_desc) and the shared B. The slot's
-    `ready` also waits for `extra_bytes` more, which the caller loads into it after this."""
+    `ready` also waits for `extra_bytes` more, which the caller loads into it after this.
+    Returns (slot, its ready barrier)."""
     slot = step % STAGES
     mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
     bar = ready.index(slot)
@@ -173,6 +174,7 @@ def _load_step(step, a_desc, a_coords, a2_desc, a2_coords, b_desc, b_coords, a_b
         mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes + extra_bytes)
         tma.async_copy_global_to_shared(a_desc, a_coords, bar, a_bufs.index(slot))
     tma.async_copy_global_to_shared(b_desc, b_coords, bar, b_bufs.index(slot))
+    return slot, bar
 
 
 @gluon.jit
@@ -530,11 +532,10 @@ def _wgrad_producer(a_desc, a2_desc, b_desc, b_scale_desc, a_bufs, b_bufs, b_sca
         for k in range(steps):
             r0 = row_start + k * BLOCK_K
             if FP8:  # transposed copies [m_dim or n_dim, rows]: K-major tiles; B's column scales with them
-                _load_step(step, a_desc, [m0, r0], a2_desc, [m0 + A2_OFFSET, r0], b_desc, [n0, r0], a_bufs, b_bufs,
-                           ready, empty, b_scale_desc.block_type.nbytes, COOPERATIVE, STAGES)
-                slot = step % STAGES
-                tma.async_copy_global_to_shared(b_scale_desc, [r0 // BLOCK_K, n0], ready.index(slot),
-                                                b_scale_bufs.index(slot))
+                slot, bar = _load_step(step, a_desc, [m0, r0], a2_desc, [m0 + A2_OFFSET, r0], b_desc, [n0, r0],
+                                       a_bufs, b_bufs, ready, empty, b_scale_desc.block_type.nbytes, COOPERATIVE,
+                                       STAGES)
+                tma.async_copy_global_to_shared(b_scale_desc, [r0 // BLOCK_K, n0], bar, b_scale_bufs.index(slot))
             else:
                 _load_step(step, a_desc, [r0, m0], a2_desc, [r0, m0 + A2_OFFSET], b_desc, [r0, n0], a_bufs, b_bufs,
                            ready, empty, 0, COOPERATIVE, STAGES)
