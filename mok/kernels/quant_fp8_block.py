@@ -147,7 +147,7 @@ def _quantize_tile(x, amax_bits, INTERPRETER: tl.constexpr):
     """(fp32 tile, int32 |x|-bit amax broadcastable to it) -> (uint8 E4M3 tile, fp32 scale)."""
     non_finite = amax_bits >= _FP32_INF_BITS
     amax = tl.maximum(amax_bits.to(tl.float32, bitcast=True), _AMAX_FLOOR)
-    scale = tl.div_rn(amax, tl.full(amax.shape, _E4M3_MAX, tl.float32))
+    scale = tl.div_rn(amax, _E4M3_MAX)
     scale = tl.where(non_finite, float("nan"), scale)
     scaled = tl.div_rn(x, scale)
     # Saturate like the reference's clamp; `where` keeps NaN a NaN.

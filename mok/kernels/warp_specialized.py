@@ -81,10 +81,13 @@ from mok.kernels.common import (
     expert_tile_coordinates,
     interpreting,
     num_sms,
+    round_to_bf16,
     tile_coordinates,
     tma_descriptor,
 )
+from mok.kernels.quant_fp8_block import quantize_row_blocks
 from mok.kernels.schedule import RoutingSchedule
+from mok.kernels.swiglu import swiglu_forward
 
 # Ping-pong: one consumer's tile. A 128×128 fp32 accumulator is 128 registers per thread of
 # its warp group; 128×256 spilled (ptxas, sm_90a: 3.7 KB per thread). Six stages of 128×64 A
@@ -157,21 +160,30 @@ def _check_device(device: torch.device) -> None:
 
 
 @gluon.jit
-def _load_step(step, a_desc, a_coords, a2_desc, a2_coords, b_desc, b_coords, a_bufs, b_bufs, ready, empty,
-               extra_bytes, COOPERATIVE: gl.constexpr, STAGES: gl.constexpr):
-    """Producer: wait until the slot of `step` is free, then TMA-load its tiles: A and B, or,
-    cooperative, consumer 0's A (a_desc), consumer 1's A (a2_desc) and the shared B. The slot's
-    `ready` also waits for `extra_bytes` more, which the caller loads into it after this.
-    Returns (slot, its ready barrier)."""
+def _claim_slot(step, ready, empty, nbytes, STAGES: gl.constexpr):
+    """Producer: wait until the slot of `step` is free, then arm its `ready` barrier for the
+    `nbytes` the caller's TMA loads into it will bring. Returns (slot, ready barrier)."""
     slot = step % STAGES
     mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
     bar = ready.index(slot)
+    mbarrier.expect(bar, nbytes)
+    return slot, bar
+
+
+@gluon.jit
+def _load_step(step, a_desc, a_coords, a2_desc, a2_coords, b_desc, b_coords, a_bufs, b_bufs, ready, empty,
+               extra_bytes, COOPERATIVE: gl.constexpr, STAGES: gl.constexpr):
+    """Producer: claim the slot of `step`, then TMA-load its tiles: A and B, or, cooperative,
+    consumer 0's A (a_desc), consumer 1's A (a2_desc) and the shared B. The slot's `ready`
+    also waits for `extra_bytes` more, which the caller loads into it after this.
+    Returns (slot, its ready barrier)."""
+    A_TILES: gl.constexpr = 2 if COOPERATIVE else 1
+    slot, bar = _claim_slot(step, ready, empty,
+                            A_TILES * a_desc.block_type.nbytes + b_desc.block_type.nbytes + extra_bytes, STAGES)
     if COOPERATIVE:
-        mbarrier.expect(bar, 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes + extra_bytes)
         tma.async_copy_global_to_shared(a_desc, a_coords, bar, a_bufs.index(2 * slot))
         tma.async_copy_global_to_shared(a2_desc, a2_coords, bar, a_bufs.index(2 * slot + 1))
     else:
-        mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes + extra_bytes)
         tma.async_copy_global_to_shared(a_desc, a_coords, bar, a_bufs.index(slot))
     tma.async_copy_global_to_shared(b_desc, b_coords, bar, b_bufs.index(slot))
     return slot, bar
@@ -212,15 +224,15 @@ def _mma_steps(acc, first_step, steps, tile_count, a_bufs, b_bufs, ready, empty,
 
 
 @gluon.jit
-def _block_scales(a_scale_ptr, b_scale_ptr, scale_strides, block, valid, m_offs, m_dim, n0, n_dim,
-                  COLUMNS: gl.constexpr, PER_COLUMN: gl.constexpr, SPLIT_N: gl.constexpr):
+def _block_scales(a_scale_ptr, b_scale_ptr, b_hi_scale_ptr, hi_valid, scale_strides, block, valid, m_offs, m_dim,
+                  PER_COLUMN: gl.constexpr, SPLIT_N: gl.constexpr):
     """Scales of the K block `block` (zeros unless `valid`), `scale_strides` = (sa_block, sa_row,
-    sb_block, sb_row): row m's at a_scale_ptr + block · sa_block + m · sa_row, loaded in the layout
-    of `m_offs` (the accumulator's rows: two per thread); unless PER_COLUMN (those ride in the
-    ring: `_ring_column_scales`), the one weight-block scale of columns [n0, n0 + COLUMNS) at
-    b_scale_ptr + block · sb_block + (n0 // COLUMNS) · sb_row, and with SPLIT_N the next COLUMNS'
-    (else the same again). Returns (row scales, column scale, next columns' scale)."""
-    sa_block, sa_row, sb_block, sb_row = scale_strides
+    sb_block): row m's at a_scale_ptr + block · sa_block + m · sa_row, loaded in the layout of
+    `m_offs` (the accumulator's rows: two per thread); unless PER_COLUMN (those ride in the ring:
+    `_ring_column_scales`), the one weight-block scale of the accumulator's columns at b_scale_ptr +
+    block · sb_block, and with SPLIT_N acc_hi's at b_hi_scale_ptr + block · sb_block (zero unless
+    `hi_valid`; else the first again). Returns (row scales, acc's column scale, acc_hi's)."""
+    sa_block, sa_row, sb_block = scale_strides
     # block · stride stays below the scale tensor's size: int32 holds it
     a_scale = gl.load(a_scale_ptr + m_offs.to(gl.int64) * sa_row + block * sa_block, mask=valid & (m_offs < m_dim),
                       other=0.0)
@@ -228,11 +240,9 @@ def _block_scales(a_scale_ptr, b_scale_ptr, scale_strides, block, valid, m_offs,
         b_scale = a_scale  # unread
         b_scale_hi = a_scale
     else:
-        b_scale = gl.load(b_scale_ptr + (n0 // COLUMNS).to(gl.int64) * sb_row + block * sb_block,
-                          mask=valid & (n0 < n_dim), other=0.0)
+        b_scale = gl.load(b_scale_ptr + block * sb_block, mask=valid, other=0.0)
         if SPLIT_N:
-            b_scale_hi = gl.load(b_scale_ptr + (n0 // COLUMNS + 1).to(gl.int64) * sb_row + block * sb_block,
-                                 mask=valid & (n0 + COLUMNS < n_dim), other=0.0)
+            b_scale_hi = gl.load(b_hi_scale_ptr + block * sb_block, mask=valid & hi_valid, other=0.0)
         else:
             b_scale_hi = b_scale
     return a_scale, b_scale, b_scale_hi
@@ -256,16 +266,16 @@ def _add_scaled(acc, product, a_scale, b_scale):
 
 @gluon.jit
 def _scaled_mma_steps(acc, acc_hi, first_step, steps, first_block, a_bufs, b_bufs, ready, empty, a_scale_ptr,
-                      b_scales, scale_strides, first_row, m_dim, n0, n_dim, CONSUMER: gl.constexpr,
+                      b_scales, b_hi_scales, hi_valid, scale_strides, first_row, m_dim, CONSUMER: gl.constexpr,
                       PER_COLUMN: gl.constexpr, STAGES: gl.constexpr):
     """Consumer, cooperative, fp8_block: acc += Σ over the ring steps [first_step, first_step +
     steps) of (A·B) · sa[m] · sb[n], each step's FP8 product fresh in fp32 and then scaled by
-    the scales of its K block (`first_block + k`, the tile's rows from first_row and columns from
-    n0 on), in step order, as the Triton kernels do (`wgrad._wgrad_tile`,
-    `grouped_gemm.sorted_rows_tile`). A tiles [rows, K], B tiles [N, K]: FP8 wgmma reads both
-    K-major. The row scales and a weight's block scales (`b_scales` the weight's scale pointer)
-    are loaded a step ahead (`_block_scales`); per-column scales (PER_COLUMN, the wgrads:
-    `b_scales` the ring's column-scale slots) come with the step's tiles. The product is waited
+    the scales of its K block (`first_block + k`, the tile's rows from first_row on), in step
+    order, as the Triton kernels do (`wgrad._wgrad_tile`, `grouped_gemm.sorted_rows_tile`). A
+    tiles [rows, K], B tiles [N, K]: FP8 wgmma reads both K-major. The row scales and the weight
+    blocks' scales (`b_scales`, `b_hi_scales`, `hi_valid`: `_block_scales`) are loaded a step
+    ahead; per-column scales (PER_COLUMN, the wgrads: `b_scales` the ring's column-scale slots)
+    come with the step's tiles. The product is waited
     for before it is scaled (ptxas serializes every wgmma of a loop that reads one product while
     the next MMA runs: C7514), so the scaling overlaps only the other consumer's MMAs. A B tile
     twice the accumulator's width (SPLIT_N) is multiplied a half at a time, its first half into
@@ -275,8 +285,8 @@ def _scaled_mma_steps(acc, acc_hi, first_step, steps, first_block, a_bufs, b_buf
     SPLIT_N: gl.constexpr = b_bufs.shape[1] > HALF_N
     layout: gl.constexpr = acc.type.layout
     m_offs = first_row + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, layout))
-    scales = _block_scales(a_scale_ptr, b_scales, scale_strides, first_block, steps > 0, m_offs, m_dim, n0, n_dim,
-                           HALF_N, PER_COLUMN, SPLIT_N)
+    scales = _block_scales(a_scale_ptr, b_scales, b_hi_scales, hi_valid, scale_strides, first_block, steps > 0,
+                           m_offs, m_dim, PER_COLUMN, SPLIT_N)
     # Each MMA writes its product over the registers of the previous one (wgmma's accumulator
     # is read and written in place), which is dead by then: given acc or acc_hi there, a copy of
     # them would have to stay live beside it.
@@ -284,8 +294,8 @@ def _scaled_mma_steps(acc, acc_hi, first_step, steps, first_block, a_bufs, b_buf
     for k in range(steps):
         step = first_step + k
         slot = step % STAGES
-        next_scales = _block_scales(a_scale_ptr, b_scales, scale_strides, first_block + k + 1, k + 1 < steps,
-                                    m_offs, m_dim, n0, n_dim, HALF_N, PER_COLUMN, SPLIT_N)
+        next_scales = _block_scales(a_scale_ptr, b_scales, b_hi_scales, hi_valid, scale_strides, first_block + k + 1,
+                                    k + 1 < steps, m_offs, m_dim, PER_COLUMN, SPLIT_N)
         a_scale, b_scale, b_scale_hi = scales
         mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
         a = a_bufs.index(2 * slot + CONSUMER)
@@ -333,13 +343,14 @@ _STORE_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
 
 
 @gluon.jit
-def _allocate_ring(a_desc, b_desc, COOPERATIVE: gl.constexpr, STAGES: gl.constexpr):
-    """STAGES slots of A (two per slot, cooperative) and B tiles and the ring's barriers
-    (ready, empty, turn)."""
+def _allocate_ring(a_desc, b_desc, COOPERATIVE: gl.constexpr, STAGES: gl.constexpr, B_TILES: gl.constexpr):
+    """STAGES slots of A (two per slot, cooperative) and B tiles (B_TILES of b_desc's boxes
+    stacked along the rows) and the ring's barriers (ready, empty, turn)."""
     A_TILES: gl.constexpr = 2 * STAGES if COOPERATIVE else STAGES
     READERS: gl.constexpr = 2 if COOPERATIVE else 1  # consumers that release each slot
+    B_ROWS: gl.constexpr = B_TILES * b_desc.block_type.shape[0]
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [A_TILES] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, B_ROWS, b_desc.block_type.shape[1]], b_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -430,15 +441,20 @@ def _scatter_consumer(a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, e
             acc = gl.zeros((ROWS, MMA_N), gl.float32, mma_layout)
             acc_hi = acc  # fp8_block at BLOCK_N = 2 · MMA_N: columns [n0 + MMA_N, n0 + BLOCK_N)
             if FP8:  # each segment: rows' 1×128 scales [rows, K/128], the weight's [E_l, n_dim/128, K/128]
-                weight_scales = gl.load(tile_expert_ptr + m_tile).to(gl.int64) * gl.cdiv(n_dim, BLOCK_K) * k_blocks
-                strides = (1, k_blocks, 1, k_blocks)
+                # the weight block of columns [n0, n0 + 128) and of the next 128, if any
+                weight_scales = (gl.load(tile_expert_ptr + m_tile).to(gl.int64) * gl.cdiv(n_dim, BLOCK_K)
+                                 + n0 // BLOCK_K) * k_blocks
+                hi_valid = n0 + MMA_N < n_dim
+                strides = (1, k_blocks, 1)
                 acc, acc_hi = _scaled_mma_steps(acc, acc_hi, tile_count * k_steps, k_blocks, 0, a_bufs, b_bufs, ready,
-                                                empty, a_scale_ptr, b_scale_ptr + weight_scales, strides,
-                                                first_row, m_dim, n0, n_dim, CONSUMER, False, STAGES)
+                                                empty, a_scale_ptr, b_scale_ptr + weight_scales,
+                                                b_scale_ptr + weight_scales + k_blocks, hi_valid, strides, first_row,
+                                                m_dim, CONSUMER, False, STAGES)
                 if TWO_SEGMENTS:
                     acc, acc_hi = _scaled_mma_steps(acc, acc_hi, tile_count * k_steps + k_blocks, k_blocks, 0, a_bufs,
                                                     b_bufs, ready, empty, a2_scale_ptr, b2_scale_ptr + weight_scales,
-                                                    strides, first_row, m_dim, n0, n_dim, CONSUMER, False, STAGES)
+                                                    b2_scale_ptr + weight_scales + k_blocks, hi_valid, strides,
+                                                    first_row, m_dim, CONSUMER, False, STAGES)
             else:
                 acc = _mma_steps(acc, tile_count * k_steps, k_steps, tile_count, a_bufs, b_bufs, ready, empty, turn,
                                  CONSUMER, True, B_K_MAJOR, COOPERATIVE, STAGES)
@@ -480,7 +496,7 @@ def _scatter_ws_kernel(
     """down: a = h, b = w_down as [E_l·H, I] (K-major); gate/up dgrad (TWO_SEGMENTS): a, a2 = d_g,
     d_u, b, b2 = w_gate, w_up as [E_l·I, H], or (FP8, cooperative) their transposed copies as
     [E_l·H, I] (K-major, as FP8 wgmma needs)."""
-    a_bufs, b_bufs, ready, empty, turn = _allocate_ring(a_desc, b_desc, COOPERATIVE, STAGES)
+    a_bufs, b_bufs, ready, empty, turn = _allocate_ring(a_desc, b_desc, COOPERATIVE, STAGES, 1)
     gl.warp_specialize([
         (_scatter_consumer, (a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, empty, turn, y_ptr, a_scale_ptr,
                              a2_scale_ptr, b_scale_ptr, b2_scale_ptr, row_source_ptr, tile_expert_ptr, num_rows_ptr,
@@ -494,6 +510,121 @@ def _scatter_ws_kernel(
                              a2_scale_ptr, b_scale_ptr, b2_scale_ptr, row_source_ptr, tile_expert_ptr, num_rows_ptr,
                              m_dim, n_dim, reduce_dim, stride_y, 0, TWO_SEGMENTS, B_K_MAJOR, COOPERATIVE, FP8,
                              BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
+    ], [4, 1], [_CONSUMER_REGISTERS, _PRODUCER_REGISTERS])
+
+
+# --------------------------------------------------------------------------- fp8_block gate/up (forward)
+
+
+@gluon.jit
+def _gate_up_producer(x_desc, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, empty, h_ptr, h_scale_ptr, gate_up_ptr,
+                      x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr, tile_expert_ptr, num_rows_ptr, hidden, inter,
+                      swiglu_limit, CONSUMER: gl.constexpr, HAS_LIMIT: gl.constexpr, STORE_GATE_UP: gl.constexpr,
+                      BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    HALF_N: gl.constexpr = w_gate_desc.block_type.shape[0]
+    ROWS: gl.constexpr = BLOCK_M // 2
+    nbytes: gl.constexpr = 2 * x_desc.block_type.nbytes + 2 * w_gate_desc.block_type.nbytes
+    num_m_tiles = gl.cdiv(gl.load(num_rows_ptr), BLOCK_M)
+    num_n_tiles = gl.cdiv(inter, HALF_N)
+    step = 0
+    for tile in range(gl.program_id(0), num_m_tiles * num_n_tiles, gl.num_programs(0)):
+        m_tile, n_tile = tile_coordinates(tile, num_m_tiles, num_n_tiles, GROUP_M)
+        m0 = m_tile * BLOCK_M
+        w_row = gl.load(tile_expert_ptr + m_tile) * inter + n_tile * HALF_N  # weights read as [E_l·I, H]
+        for k0 in range(0, hidden, BLOCK_K):
+            slot, bar = _claim_slot(step, ready, empty, nbytes, STAGES)
+            tma.async_copy_global_to_shared(x_desc, [m0, k0], bar, a_bufs.index(2 * slot))
+            tma.async_copy_global_to_shared(x_desc, [m0 + ROWS, k0], bar, a_bufs.index(2 * slot + 1))
+            b = b_bufs.index(slot)  # the gate tile in its first HALF_N rows, the up tile in the rest
+            tma.async_copy_global_to_shared(w_gate_desc, [w_row, k0], bar, b.slice(0, HALF_N))
+            tma.async_copy_global_to_shared(w_up_desc, [w_row, k0], bar, b.slice(HALF_N, HALF_N))
+            step += 1
+
+
+@gluon.jit
+def _gate_up_consumer(x_desc, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, empty, h_ptr, h_scale_ptr, gate_up_ptr,
+                      x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr, tile_expert_ptr, num_rows_ptr, hidden, inter,
+                      swiglu_limit, CONSUMER: gl.constexpr, HAS_LIMIT: gl.constexpr, STORE_GATE_UP: gl.constexpr,
+                      BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    HALF_N: gl.constexpr = w_gate_desc.block_type.shape[0]
+    ROWS: gl.constexpr = BLOCK_M // 2
+    mma_layout: gl.constexpr = _mma_layout(HALF_N, True)
+    num_m_tiles = gl.cdiv(gl.load(num_rows_ptr), BLOCK_M)
+    num_n_tiles = gl.cdiv(inter, HALF_N)
+    k_blocks = gl.cdiv(hidden, BLOCK_K)
+    tile_count = 0
+    for tile in range(gl.program_id(0), num_m_tiles * num_n_tiles, gl.num_programs(0)):
+        m_tile, n_tile = tile_coordinates(tile, num_m_tiles, num_n_tiles, GROUP_M)
+        first_row = m_tile * BLOCK_M + CONSUMER * ROWS
+        # both weights' scales [E_l, I/128, H/128]: the block row of columns [n0, n0 + 128)
+        weight_scales = (gl.load(tile_expert_ptr + m_tile).to(gl.int64) * num_n_tiles + n_tile) * k_blocks
+        gate = gl.zeros((ROWS, HALF_N), gl.float32, mma_layout)
+        gate, up = _scaled_mma_steps(gate, gate, tile_count * k_blocks, k_blocks, 0, a_bufs, b_bufs, ready, empty,
+                                     x_scale_ptr, w_gate_scale_ptr + weight_scales, w_up_scale_ptr + weight_scales,
+                                     True, (1, k_blocks, 1), first_row, num_m_tiles * BLOCK_M, CONSUMER, False,
+                                     STAGES)
+        _gate_up_epilogue(gate, up, h_ptr, h_scale_ptr, gate_up_ptr, first_row, n_tile, inter, swiglu_limit,
+                          HAS_LIMIT, STORE_GATE_UP)
+        tile_count += 1
+
+
+@gluon.jit
+def _gate_up_epilogue(gate, up, h_ptr, h_scale_ptr, gate_up_ptr, first_row, n_tile, inter, swiglu_limit,
+                      HAS_LIMIT: gl.constexpr, STORE_GATE_UP: gl.constexpr):
+    """`grouped_gemm._gate_up_swiglu_kernel`'s fp8_block epilogue on the consumer's rows from
+    first_row and columns [n0, n0 + 128), n0 = n_tile · 128: h = SwiGLU(g, u) quantized as one
+    1×128 block per row (h_q [rows, I] e4m3 bytes, h_scale [rows, I/128]), and with
+    STORE_GATE_UP g, u in bf16 ([rows, 2, I]); the same device functions, so the same bits."""
+    ROWS: gl.constexpr = gate.shape[0]
+    COLUMNS: gl.constexpr = gate.shape[1]
+    h = swiglu_forward(gate, up, swiglu_limit, HAS_LIMIT)
+    h_q, h_scale = quantize_row_blocks(h, False)  # [rows, 128] uint8, [rows, 1] fp32
+    layout: gl.constexpr = gate.type.layout
+    rows = (first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))).to(gl.int64)
+    cols = n_tile * COLUMNS + gl.arange(0, COLUMNS, layout=gl.SliceLayout(0, layout))
+    gl.store(h_ptr + rows[:, None] * inter + cols[None, :], h_q)
+    gl.store(h_scale_ptr + rows[:, None] * (inter // COLUMNS) + n_tile, h_scale)
+    if STORE_GATE_UP:
+        gu = gate_up_ptr + rows[:, None] * (2 * inter) + cols[None, :]
+        gl.store(gu, round_to_bf16(gate, False))
+        gl.store(gu + inter, round_to_bf16(up, False))
+
+
+@gluon.jit
+def _gate_up_ws_kernel(
+    # TMA descriptors: x's e4m3 rows in the sorted layout [capacity_rows, H], the weights'
+    # e4m3 [E_l·I, H]
+    x_desc, w_gate_desc, w_up_desc,
+    # outputs: h_q [capacity_rows, I] e4m3 bytes, h_scale [capacity_rows, I/128] fp32, g, u
+    # [capacity_rows, 2, I] bf16 (STORE_GATE_UP)
+    h_ptr, h_scale_ptr, gate_up_ptr,
+    # scales: x's [capacity_rows, H/128], the weights' [E_l, I/128, H/128]
+    x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr,
+    # schedule
+    tile_expert_ptr, num_rows_ptr,
+    # sizes
+    hidden, inter, swiglu_limit,
+    # meta
+    HAS_LIMIT: gl.constexpr, STORE_GATE_UP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
+    GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+):
+    """h = SwiGLU(x·Wgᵀ, x·Wuᵀ) of each sorted row, cooperative: a tile is 128 rows × 128
+    columns of h, its B slot the gate tile over the up tile, so a consumer's two 128-column
+    accumulators (`_scaled_mma_steps`) are its rows' g and u."""
+    a_bufs, b_bufs, ready, empty, turn = _allocate_ring(x_desc, w_gate_desc, True, STAGES, 2)
+    gl.warp_specialize([
+        (_gate_up_consumer, (x_desc, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, empty, h_ptr, h_scale_ptr,
+                             gate_up_ptr, x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr, tile_expert_ptr, num_rows_ptr,
+                             hidden, inter, swiglu_limit, 0, HAS_LIMIT, STORE_GATE_UP, BLOCK_M, BLOCK_K, GROUP_M,
+                             STAGES)),
+        (_gate_up_consumer, (x_desc, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, empty, h_ptr, h_scale_ptr,
+                             gate_up_ptr, x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr, tile_expert_ptr, num_rows_ptr,
+                             hidden, inter, swiglu_limit, 1, HAS_LIMIT, STORE_GATE_UP, BLOCK_M, BLOCK_K, GROUP_M,
+                             STAGES)),
+        (_gate_up_producer, (x_desc, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, empty, h_ptr, h_scale_ptr,
+                             gate_up_ptr, x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr, tile_expert_ptr, num_rows_ptr,
+                             hidden, inter, swiglu_limit, 0, HAS_LIMIT, STORE_GATE_UP, BLOCK_M, BLOCK_K, GROUP_M,
+                             STAGES)),
     ], [4, 1], [_CONSUMER_REGISTERS, _PRODUCER_REGISTERS])
 
 
@@ -569,8 +700,8 @@ def _wgrad_consumer(a_desc, a2_desc, b_desc, b_scale_desc, a_bufs, b_bufs, b_sca
             acc_hi = acc  # fp8_block at BLOCK_N = 2 · MMA_N: columns [n0 + MMA_N, n0 + BLOCK_N)
             if FP8:
                 acc, acc_hi = _scaled_mma_steps(acc, acc_hi, step, steps, row_start // BLOCK_K, a_bufs, b_bufs, ready,
-                                                empty, a_scale_ptr, b_scale_bufs, (stride_a_scale, 1, 0, 0), first_row,
-                                                m_dim, n0, n_dim, CONSUMER, True, STAGES)
+                                                empty, a_scale_ptr, b_scale_bufs, b_scale_bufs, False,
+                                                (stride_a_scale, 1, 0), first_row, m_dim, CONSUMER, True, STAGES)
             else:
                 acc = _mma_steps(acc, step, steps, tile_count, a_bufs, b_bufs, ready, empty, turn, CONSUMER, False,
                                  False, COOPERATIVE, STAGES)
@@ -617,7 +748,7 @@ def _wgrad_ws_kernel(
     """down: a = dy_sorted, b = h; gate/up (TWO_OUTPUTS, cooperative): a, a2 = d_g, d_u, b = x_sorted;
     FP8 (cooperative): a = dyᵀ or the stacked [d_g | d_u]ᵀ (out's rows, then out2's), b = hᵀ or xᵀ,
     each step's B column scales loaded into the ring beside its tiles."""
-    a_bufs, b_bufs, ready, empty, turn = _allocate_ring(a_desc, b_desc, COOPERATIVE, STAGES)
+    a_bufs, b_bufs, ready, empty, turn = _allocate_ring(a_desc, b_desc, COOPERATIVE, STAGES, 1)
     if FP8:
         b_scale_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + b_scale_desc.block_type.shape,
                                                  b_scale_desc.layout)
@@ -708,6 +839,35 @@ def launch_gate_up_dgrad_scatter(d_gate: torch.Tensor, d_up: torch.Tensor, w_gat
     e4m3 d_g, d_u and the weights' transposed copies [E_l, H, I]). The caller has checked the operands."""
     # bf16 weights read as [E_l·I, H]; the fp8 transposed copies as [E_l·H, I] (K-major)
     _launch_scatter(d_gate, d_up, w_gate, w_up, dx, schedule, cfg, scales is not None, scales)
+
+
+def launch_gate_up_swiglu_fp8_block(x_q: torch.Tensor, x_scale: torch.Tensor, w_gate_q: torch.Tensor,
+                                    w_gate_scale: torch.Tensor, w_up_q: torch.Tensor, w_up_scale: torch.Tensor,
+                                    h_q: torch.Tensor, h_scale: torch.Tensor, gate_up: torch.Tensor | None,
+                                    schedule: RoutingSchedule, swiglu_limit: float | None, cfg: dict) -> None:
+    """`grouped_gemm.gate_up_swiglu_fp8_block`'s kernel here: x_q, x_scale its rows already in
+    the sorted layout ([capacity_rows, H] e4m3 and [capacity_rows, H/128], as
+    `quant_fp8_block.quantize_fp8_block_gathered` gives), h_q (uint8 bytes), h_scale and, unless
+    None, gate_up written for every row below the schedule's num_rows. The caller has checked
+    the operands and the outputs."""
+    _check_fp8_block_tile(cfg, schedule, "gate/up GEMM")
+    if cfg["BLOCK_N"] != 2 * FP8_BLOCK:
+        raise ValueError(f"tile_config: the fp8_block gate/up GEMM needs BLOCK_N {2 * FP8_BLOCK} (a gate and an up "
+                         f"tile of {FP8_BLOCK} columns), got {cfg['BLOCK_N']}")
+    _check_device(x_q.device)
+    hidden, inter = x_q.shape[1], w_gate_q.shape[1]
+    half = (FP8_BLOCK, cfg["BLOCK_K"])
+    x_desc = _descriptor(x_q, (cfg["BLOCK_M"] // 2, cfg["BLOCK_K"]))
+    num_tiles = (schedule.capacity_rows // cfg["BLOCK_M"]) * (inter // FP8_BLOCK)
+    _gate_up_ws_kernel[(min(num_tiles, num_sms(x_q.device)),)](
+        x_desc, _descriptor(w_gate_q, half), _descriptor(w_up_q, half),
+        h_q, h_scale, h_scale if gate_up is None else gate_up,  # h_scale: unread
+        x_scale, w_gate_scale, w_up_scale,
+        schedule.tile_expert, schedule.num_rows,
+        hidden, inter, 0.0 if swiglu_limit is None else float(swiglu_limit),
+        swiglu_limit is not None, gate_up is not None, cfg["BLOCK_M"], cfg["BLOCK_K"], cfg.get("GROUP_M", 1),
+        cfg["num_stages"], num_warps=4,
+    )
 
 
 def launch_wgrad(a: torch.Tensor, a2: torch.Tensor | None, b: torch.Tensor, out: torch.Tensor,
