@@ -33,8 +33,18 @@ from mok.bench.presets import GPU_PRESETS, PRESETS
 from mok.fp8_block import fp8_block_quantize
 from mok.kernels.dgrad import dgrad_config, down_dgrad_swiglu, gate_up_dgrad_scatter, gate_up_dgrad_scatter_fp8_block
 from mok.kernels.gather import gather_sorted_rows
-from mok.kernels.grouped_gemm import down_scatter, down_scatter_fp8_block, gate_up_swiglu, gemm_config
-from mok.kernels.quant_fp8_block import quantize_fp8_block_activations, quantize_fp8_block_sorted_t
+from mok.kernels.grouped_gemm import (
+    down_scatter,
+    down_scatter_fp8_block,
+    gate_up_swiglu,
+    gate_up_swiglu_fp8_block,
+    gemm_config,
+)
+from mok.kernels.quant_fp8_block import (
+    quantize_fp8_block_activations,
+    quantize_fp8_block_gathered,
+    quantize_fp8_block_sorted_t,
+)
 from mok.kernels.schedule import build_routing_schedule
 from mok.kernels.wgrad import down_wgrad, down_wgrad_fp8_block, gate_up_wgrad, gate_up_wgrad_fp8_block, wgrad_config
 from mok.testing import make_inputs
@@ -70,6 +80,7 @@ CONFIGS = {
     "gate_up_wgrad": _configs((128, 128, 64, 3), (128, 128, 64, 4), (128, 128, 32, 6), group_m=False)
     + _persistent(_configs((128, 128, 64, 3), (128, 128, 64, 4), group_m=False)),
     # the library's fp8_block Triton tiles (the same for every shape)
+    "gate_up_fp8": [gemm_config("gate_up", 0, 0, "fp8_block", allow_warp_specialized=False)],
     "down_fp8": [gemm_config("down", 0, 0, "fp8_block", allow_warp_specialized=False)],
     "gate_up_dgrad_fp8": [dgrad_config("gate_up", 0, 0, "fp8_block", allow_warp_specialized=False)],
     "down_wgrad_fp8": [wgrad_config("down", 0, 0, "fp8_block", allow_warp_specialized=False)],
@@ -95,8 +106,8 @@ CONFIGS_64 = {
 }
 # GEMM FLOPs per routed row, in units of H·I (gate/up GEMMs do two products).
 FLOPS_PER_ROUTE_HI = {"gate_up": 4, "gate_up_separate": 4, "down": 2, "down_dgrad": 2, "gate_up_dgrad": 4, "down_wgrad": 2,
-                      "gate_up_wgrad": 4, "down_fp8": 2, "gate_up_dgrad_fp8": 4, "down_wgrad_fp8": 2,
-                      "gate_up_wgrad_fp8": 4}
+                      "gate_up_wgrad": 4, "gate_up_fp8": 4, "down_fp8": 2, "gate_up_dgrad_fp8": 4,
+                      "down_wgrad_fp8": 2, "gate_up_wgrad_fp8": 4}
 
 
 def _kernel_call(kind, cfg, inp, sched, topk, operands):
@@ -114,6 +125,10 @@ def _kernel_call(kind, cfg, inp, sched, topk, operands):
                                                        tile_config=cfg),
         "down_wgrad": lambda: down_wgrad(operands["dy_sorted"], operands["h"], sched, tile_config=cfg),
         "gate_up_wgrad": lambda: gate_up_wgrad(operands["gate_up"], operands["x_sorted"], sched, tile_config=cfg),
+        # x per token for the Triton kernel, its rows in the sorted layout for the warp-specialized one
+        "gate_up_fp8": lambda: gate_up_swiglu_fp8_block(
+            *operands["x_sorted_q" if cfg.get("WARP_SPECIALIZED") else "x_q"], *operands["w_gate_q"],
+            *operands["w_up_q"], sched, topk, store_gate_up=True, tile_config=cfg),
         "down_fp8": lambda: down_scatter_fp8_block(*operands["h_q"], *operands["w_down_q"], sched, routes,
                                                    tile_config=cfg),
         "gate_up_dgrad_fp8": lambda: gate_up_dgrad_scatter_fp8_block(
@@ -130,7 +145,7 @@ def _written(kind: str, out, num_rows: int) -> torch.Tensor:
     """The part of a kernel's (first) output that it writes: sorted-layout outputs only up to
     the schedule's rows, so configs can be compared with each other."""
     first = out[0] if isinstance(out, tuple) else out
-    return first[:num_rows] if kind in ("gate_up", "gate_up_separate", "down_dgrad") else first
+    return first[:num_rows] if kind in ("gate_up", "gate_up_separate", "gate_up_fp8", "down_dgrad") else first
 
 
 def main() -> None:
@@ -174,6 +189,9 @@ def main() -> None:
             operands.update({name: quantize_fp8_block_activations(a) for name, a in rows.items()})
             operands["w_down_q"] = fp8_block_quantize(inp.w_down)[:2]  # [E, H, I] and its scales
             operands["w_gate_t_q"], operands["w_up_t_q"] = (fp8_block_quantize(w)[2:] for w in (inp.w_gate, inp.w_up))
+            operands["w_gate_q"], operands["w_up_q"] = (fp8_block_quantize(w)[:2] for w in (inp.w_gate, inp.w_up))
+            operands["x_q"] = quantize_fp8_block_activations(inp.x)
+            operands["x_sorted_q"] = quantize_fp8_block_gathered(inp.x, sched, topk)
         num_rows = int(sched.num_rows)  # a host sync is fine here: outside the timed calls
         for kind in kinds:
             flops = FLOPS_PER_ROUTE_HI[kind] * T * topk * H * I
