@@ -4,7 +4,9 @@ the profiled calls (the span from the first kernel's start to the last one's end
 the time some kernel ran; the profiler's own host overhead can add to it).
 
     python benchmarks/profile_layer.py --preset qwen3-30b [--backward] [--precision fp8_block] [--iters 10] [--registers]
+        [--variant MODULE.ATTR=VALUE ...]
 
+`--variant` profiles with a module setting changed, as `mok.bench --variant` times it.
 `--registers` also lists every Triton kernel the call compiled with its registers per
 thread and the bytes it spills (ptxas's numbers, as the driver reports them on load): a
 kernel that spills is the first suspect when it runs slower than its FLOPs or bytes say.
@@ -18,7 +20,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import mok
+from mok.bench.__main__ import parse_variant
 from mok.bench.presets import GPU_PRESETS, PRESETS
+from mok.bench.runner import patched
 from mok.testing import make_inputs
 
 
@@ -29,7 +33,14 @@ def main() -> None:
     parser.add_argument("--precision", default="bf16", choices=mok.config.PRECISIONS)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--registers", action="store_true", help="list registers and spills of each compiled kernel")
+    parser.add_argument("--variant", action="append", default=[], metavar="MODULE.ATTR=VALUE",
+                        help="a module setting to profile with (repeatable)")
     args = parser.parse_args()
+    with patched([parse_variant(text, parser) for text in args.variant]):
+        profile_layer(args)
+
+
+def profile_layer(args: argparse.Namespace) -> None:
     p = PRESETS[args.preset]
     inp = make_inputs(p.num_tokens, p.hidden_size, p.intermediate_size, p.num_experts, p.topk,
                       p.shared_intermediate_size, seed=0, device="cuda")

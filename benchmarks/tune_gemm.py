@@ -40,11 +40,7 @@ from mok.kernels.grouped_gemm import (
     gate_up_swiglu_fp8_block,
     gemm_config,
 )
-from mok.kernels.quant_fp8_block import (
-    quantize_fp8_block_activations,
-    quantize_fp8_block_gathered,
-    quantize_fp8_block_sorted_t,
-)
+from mok.kernels.quant_fp8_block import quantize_fp8_block_activations, quantize_fp8_block_sorted_t
 from mok.kernels.schedule import build_routing_schedule
 from mok.kernels.wgrad import down_wgrad, down_wgrad_fp8_block, gate_up_wgrad, gate_up_wgrad_fp8_block, wgrad_config
 from mok.testing import make_inputs
@@ -125,10 +121,8 @@ def _kernel_call(kind, cfg, inp, sched, topk, operands):
                                                        tile_config=cfg),
         "down_wgrad": lambda: down_wgrad(operands["dy_sorted"], operands["h"], sched, tile_config=cfg),
         "gate_up_wgrad": lambda: gate_up_wgrad(operands["gate_up"], operands["x_sorted"], sched, tile_config=cfg),
-        # x per token for the Triton kernel, its rows in the sorted layout for the warp-specialized one
-        "gate_up_fp8": lambda: gate_up_swiglu_fp8_block(
-            *operands["x_sorted_q" if cfg.get("WARP_SPECIALIZED") else "x_q"], *operands["w_gate_q"],
-            *operands["w_up_q"], sched, topk, store_gate_up=True, tile_config=cfg),
+        "gate_up_fp8": lambda: gate_up_swiglu_fp8_block(*operands["x_q"], *operands["w_gate_q"], *operands["w_up_q"],
+                                                        sched, topk, store_gate_up=True, tile_config=cfg),
         "down_fp8": lambda: down_scatter_fp8_block(*operands["h_q"], *operands["w_down_q"], sched, routes,
                                                    tile_config=cfg),
         "gate_up_dgrad_fp8": lambda: gate_up_dgrad_scatter_fp8_block(
@@ -191,7 +185,6 @@ def main() -> None:
             operands["w_gate_t_q"], operands["w_up_t_q"] = (fp8_block_quantize(w)[2:] for w in (inp.w_gate, inp.w_up))
             operands["w_gate_q"], operands["w_up_q"] = (fp8_block_quantize(w)[:2] for w in (inp.w_gate, inp.w_up))
             operands["x_q"] = quantize_fp8_block_activations(inp.x)
-            operands["x_sorted_q"] = quantize_fp8_block_gathered(inp.x, sched, topk)
         num_rows = int(sched.num_rows)  # a host sync is fine here: outside the timed calls
         for kind in kinds:
             flops = FLOPS_PER_ROUTE_HI[kind] * T * topk * H * I

@@ -36,7 +36,7 @@ from mok import reference
 from mok import ops
 from mok.config import MoKConfig
 from mok.kernels.common import interpreting
-from mok.kernels.grouped_gemm import fp8_block_gate_up_reads_sorted_x, routing_block_m
+from mok.kernels.grouped_gemm import routing_block_m
 from mok.kernels.common import ERROR_BAD_EXPERT_ID, ERROR_CAPACITY_OVERFLOW, ERROR_PEER_TIMEOUT
 from mok.fp8_block import FP8_BLOCK, fp8_block_round
 from mok.mxfp8 import mxfp8_dequantize, mxfp8_quantize
@@ -455,11 +455,7 @@ def _expert_mlp(x, w_gate, w_up, w_down, routing, block_m, topk, num_slots, swig
     `quant.mxfp8_round`): x and h in blocks of 32 along H and I, the weights' `rows` copies.
     The backward gets h unrounded (its wgrad rounds it along the rows)."""
     if isinstance(w_gate, _Fp8BlockWeight):
-        _, inter, hidden = w_gate.q.shape
-        if fp8_block_gate_up_reads_sorted_x(inter, hidden):  # x's rows quantized straight into the sorted layout
-            x_q, x_scale = ops.quantize_fp8_block_gathered(x, routing, block_m, topk)  # [rows, H], [rows, H/128]
-        else:
-            x_q, x_scale = ops.quantize_fp8_block_activations(x)  # [T, H] e4m3, [T, H/128] fp32
+        x_q, x_scale = ops.quantize_fp8_block_activations(x)  # [T, H] e4m3, [T, H/128] fp32
         h_q, h_scale, gate_up = ops.gate_up_swiglu_fp8_block(
             x_q, x_scale, w_gate.q, w_gate.scale, w_up.q, w_up.scale, routing, block_m, topk, swiglu_limit,
             needs_backward,

@@ -214,7 +214,7 @@ def parse_settings(
             impls.append("torch-compile")
             if sonicmoe_available():
                 impls.append("sonicmoe")
-    variant = tuple(_parse_variant(text, parser) for text in args.variant or ())
+    variant = tuple(parse_variant(text, parser) for text in args.variant or ())
     if variant and ep > 1:
         parser.error("--variant: one GPU only (not under expert parallelism)")
     if variant and "mok-variant" not in impls:
@@ -243,7 +243,7 @@ def parse_settings(
     return settings, args
 
 
-def _parse_variant(text: str, parser: argparse.ArgumentParser) -> tuple[str, str, object]:
+def parse_variant(text: str, parser: argparse.ArgumentParser) -> tuple[str, str, object]:
     """(module, attribute, value) of a --variant MODULE.ATTR=VALUE: an existing attribute of
     an importable mok module, and a Python literal."""
     target, sep, literal = text.partition("=")

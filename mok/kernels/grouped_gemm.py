@@ -366,12 +366,14 @@ COOPERATIVE_DOWN = False
 # kernel's output. Per kernel (record h200-20261201-fp8-wide-scalar-scales-sweep.log): qwen3-30b
 # 0.78–0.88 -> 0.46–0.53 ms, deepseek-v3-slice 2.40–2.84 -> 1.70–1.92. False keeps the Triton kernel.
 WARP_SPECIALIZED_FP8_BLOCK_DOWN = True
-# True runs the fp8_block gate/up GEMM on Hopper in the cooperative warp-specialized kernel
+# The fp8_block gate/up GEMM runs on Hopper in the cooperative warp-specialized kernel
 # (`warp_specialized.launch_gate_up_swiglu_fp8_block`: 128 rows × 128 columns of h per tile,
-# the gate tile over the up tile in each B slot, the Triton kernel's epilogue functions), over x
-# quantized straight into the sorted layout (`fp8_block_gate_up_reads_sorted_x`). Not yet run
-# on a GPU, so off.
-WARP_SPECIALIZED_FP8_BLOCK_GATE_UP = False
+# x's rows gathered by cp.async, the gate tile over the up tile in each B slot, the Triton
+# kernel's epilogue functions, bitwise its output) from this hidden size on, where the K loop
+# is long. H200, ms, Triton -> warp-specialized (records h200-20261201-fp8ws-gate-up-gather-
+# sweep.log, -mixtral-sweep.log): deepseek-v3-slice (H 7168) 5.20–5.21 -> 4.57–4.70,
+# mixtral-8x7b (H 4096) 5.50–5.55 -> 5.74–5.76, qwen3-30b (H 2048) 1.42 -> 1.43–1.44.
+WARP_SPECIALIZED_FP8_BLOCK_GATE_UP_MIN_HIDDEN = 6144
 # Row tiles per column sweep (`tile_coordinates`) of the bf16 Triton grouped GEMMs: the forward's
 # gate/up and down, and both dgrads (`dgrad.dgrad_config`). A weight tile comes from HBM once per
 # group and then from L2 while the group's tiles are in flight. 16 (mixtral-8x7b's experts hold
@@ -401,12 +403,12 @@ def gemm_config(
     `PING_PONG_DOWN_MAX_INTER`, and cooperative above it with `COOPERATIVE_DOWN`.
     fp8_block: `_FP8_BLOCK_TILES`, the same for every shape until measured; on Hopper the down
     GEMM into local slots warp-specialized with `WARP_SPECIALIZED_FP8_BLOCK_DOWN`, the gate/up
-    GEMM with `WARP_SPECIALIZED_FP8_BLOCK_GATE_UP`.
+    GEMM from `WARP_SPECIALIZED_FP8_BLOCK_GATE_UP_MIN_HIDDEN` on.
     """
     if precision == "fp8_block":
         warp_specialized_here = allow_warp_specialized and warp_specialized.available_here()
         if warp_specialized_here and ((kind == "down" and WARP_SPECIALIZED_FP8_BLOCK_DOWN)
-                                      or (kind == "gate_up" and WARP_SPECIALIZED_FP8_BLOCK_GATE_UP)):
+                                      or (kind == "gate_up" and reduce_dim >= WARP_SPECIALIZED_FP8_BLOCK_GATE_UP_MIN_HIDDEN)):
             return warp_specialized.fp8_block_tile_config()
         return dict(_FP8_BLOCK_TILES["interpreter" if interpreting() else kind])
     if interpreting():
@@ -577,16 +579,9 @@ def gate_up_swiglu(
     return h, gate_up
 
 
-def fp8_block_gate_up_reads_sorted_x(inter: int, hidden: int) -> bool:
-    """Whether `gate_up_swiglu_fp8_block`'s default kernel here reads x's quantized rows in the
-    sorted layout (the warp-specialized one: `quant_fp8_block.quantize_fp8_block_gathered`)
-    rather than per token (`quantize_fp8_block_activations`)."""
-    return gemm_config("gate_up", inter, hidden, "fp8_block").get("WARP_SPECIALIZED", False)
-
-
 def gate_up_swiglu_fp8_block(
-    x_q: torch.Tensor,  # [T, H] float8_e4m3fn, or [capacity_rows, H] (warp-specialized)
-    x_scale: torch.Tensor,  # [T or capacity_rows, H/128] fp32
+    x_q: torch.Tensor,  # [T, H] float8_e4m3fn
+    x_scale: torch.Tensor,  # [T, H/128] fp32
     w_gate_q: torch.Tensor,  # [E_l, I, H] float8_e4m3fn
     w_gate_scale: torch.Tensor,  # [E_l, I/128, H/128] fp32
     w_up_q: torch.Tensor,  # [E_l, I, H] float8_e4m3fn
@@ -600,31 +595,25 @@ def gate_up_swiglu_fp8_block(
     """The fp8_block gate/up GEMM: (h_q [capacity_rows, I] float8_e4m3fn, h_scale
     [capacity_rows, I/128] fp32), h quantized in 1×128 blocks for `down_scatter_fp8_block`,
     and g,u [capacity_rows, 2, I] bf16 when `store_gate_up`. x_q, x_scale come from
-    `quantize_fp8_block_activations(x)`, or, for a warp-specialized tile config
-    (`fp8_block_gate_up_reads_sorted_x`), its rows in the sorted layout from
-    `quantize_fp8_block_gathered(x, schedule, topk)`; each weight pair from
-    `mok.fp8_block_quantize` (its q, scale). Rows past the schedule's `num_rows` are left unwritten."""
+    `quantize_fp8_block_activations(x)`, each weight pair from `mok.fp8_block_quantize`
+    (its q, scale). Rows past the schedule's `num_rows` are left unwritten."""
     _, inter, hidden = fp8_block_weight_shape("w_gate_q", w_gate_q, "[E_l, I, H]", schedule.num_local_experts)
     device = w_gate_q.device
-    cfg = _tile_config("gate_up", inter, hidden, "fp8_block", tile_config, schedule)
-    warp_specialized_kernel = cfg.get("WARP_SPECIALIZED", False)
     if x_q.dim() != 2:
         raise ValueError(f"x_q: expected a 2-D [T, {hidden}] float8_e4m3fn tensor, got shape {list(x_q.shape)}")
-    if warp_specialized_kernel and x_q.shape[0] != schedule.capacity_rows:
-        raise ValueError(f"x_q: expected the [{schedule.capacity_rows}, {hidden}] sorted rows "
-                         f"(quantize_fp8_block_gathered) for the warp-specialized kernel, got shape {list(x_q.shape)}")
     check_fp8_block_pair("x_q", x_q, "x_scale", x_scale, (x_q.shape[0], hidden), (1, FP8_BLOCK), device)
     for name, q, scale in (("w_gate", w_gate_q, w_gate_scale), ("w_up", w_up_q, w_up_scale)):
         check_fp8_block_pair(
             f"{name}_q", q, f"{name}_scale", scale, tuple(w_gate_q.shape), (FP8_BLOCK, FP8_BLOCK), device
         )
+    cfg = _tile_config("gate_up", inter, hidden, "fp8_block", tile_config, schedule)
     rows = schedule.capacity_rows
     h_q = torch.empty(rows, inter, dtype=torch.uint8, device=device)  # [capacity_rows, I] e4m3 bytes
     h_scale = torch.empty(rows, inter // FP8_BLOCK, dtype=torch.float32, device=device)  # [capacity_rows, I/128]
     gate_up = torch.empty(rows, 2, inter, dtype=torch.bfloat16, device=device) if store_gate_up else None
-    if warp_specialized_kernel:
+    if cfg.get("WARP_SPECIALIZED", False):
         warp_specialized.launch_gate_up_swiglu_fp8_block(x_q, x_scale, w_gate_q, w_gate_scale, w_up_q, w_up_scale, h_q,
-                                                         h_scale, gate_up, schedule, swiglu_limit, cfg)
+                                                         h_scale, gate_up, schedule, topk, swiglu_limit, cfg)
     else:
         _launch_gate_up_swiglu(
             "fp8_block", x_q, x_scale, w_gate_q, w_gate_scale, w_up_q, w_up_scale, h_q, h_scale, gate_up,

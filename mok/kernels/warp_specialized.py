@@ -68,6 +68,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -85,6 +86,7 @@ from mok.kernels.common import (
     tile_coordinates,
     tma_descriptor,
 )
+from mok.kernels.gather import sorted_row_routes
 from mok.kernels.quant_fp8_block import quantize_row_blocks
 from mok.kernels.schedule import RoutingSchedule
 from mok.kernels.swiglu import swiglu_forward
@@ -117,6 +119,10 @@ FP8_BLOCK_TILE = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_stages=3, GROUP
 # the default partition (consumer 0) gets what is left of the launch's 168 × 384 threads.
 _CONSUMER_REGISTERS = gl.constexpr(232)
 _PRODUCER_REGISTERS = gl.constexpr(40)
+# The fp8_block gate/up's producer: a warp group, whose threads gather x's rows into the A
+# tiles by cp.async, 16 bytes each (a 64×128 e4m3 half tile: four per thread).
+_GATHER_THREADS = gl.constexpr(128)
+_GATHER_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0]))
 
 
 @functools.cache
@@ -224,17 +230,18 @@ def _mma_steps(acc, first_step, steps, tile_count, a_bufs, b_bufs, ready, empty,
 
 
 @gluon.jit
-def _block_scales(a_scale_ptr, b_scale_ptr, b_hi_scale_ptr, hi_valid, scale_strides, block, valid, m_offs, m_dim,
-                  PER_COLUMN: gl.constexpr, SPLIT_N: gl.constexpr):
+def _block_scales(a_scale_ptr, b_scale_ptr, b_hi_scale_ptr, hi_valid, scale_strides, block, valid, scale_rows,
+                  rows_valid, PER_COLUMN: gl.constexpr, SPLIT_N: gl.constexpr):
     """Scales of the K block `block` (zeros unless `valid`), `scale_strides` = (sa_block, sa_row,
-    sb_block): row m's at a_scale_ptr + block · sa_block + m · sa_row, loaded in the layout of
-    `m_offs` (the accumulator's rows: two per thread); unless PER_COLUMN (those ride in the ring:
+    sb_block): the accumulator's row i's at a_scale_ptr + block · sa_block + scale_rows[i] · sa_row
+    (zero where not rows_valid[i]), loaded in the layout of `scale_rows` (the accumulator's rows:
+    two per thread); unless PER_COLUMN (those ride in the ring:
     `_ring_column_scales`), the one weight-block scale of the accumulator's columns at b_scale_ptr +
     block · sb_block, and with SPLIT_N acc_hi's at b_hi_scale_ptr + block · sb_block (zero unless
     `hi_valid`; else the first again). Returns (row scales, acc's column scale, acc_hi's)."""
     sa_block, sa_row, sb_block = scale_strides
     # block · stride stays below the scale tensor's size: int32 holds it
-    a_scale = gl.load(a_scale_ptr + m_offs.to(gl.int64) * sa_row + block * sa_block, mask=valid & (m_offs < m_dim),
+    a_scale = gl.load(a_scale_ptr + scale_rows.to(gl.int64) * sa_row + block * sa_block, mask=valid & rows_valid,
                       other=0.0)
     if PER_COLUMN:
         b_scale = a_scale  # unread
@@ -266,12 +273,12 @@ def _add_scaled(acc, product, a_scale, b_scale):
 
 @gluon.jit
 def _scaled_mma_steps(acc, acc_hi, first_step, steps, first_block, a_bufs, b_bufs, ready, empty, a_scale_ptr,
-                      b_scales, b_hi_scales, hi_valid, scale_strides, first_row, m_dim, CONSUMER: gl.constexpr,
-                      PER_COLUMN: gl.constexpr, STAGES: gl.constexpr):
+                      b_scales, b_hi_scales, hi_valid, scale_strides, scale_rows, rows_valid, CONSUMER: gl.constexpr,
+                      PER_COLUMN: gl.constexpr, A_COPIED: gl.constexpr, STAGES: gl.constexpr):
     """Consumer, cooperative, fp8_block: acc += Σ over the ring steps [first_step, first_step +
     steps) of (A·B) · sa[m] · sb[n], each step's FP8 product fresh in fp32 and then scaled by
-    the scales of its K block (`first_block + k`, the tile's rows from first_row on), in step
-    order, as the Triton kernels do (`wgrad._wgrad_tile`, `grouped_gemm.sorted_rows_tile`). A
+    the scales of its K block (`first_block + k`; the rows' at `scale_rows`, where `rows_valid`:
+    `_accumulator_rows`), in step order, as the Triton kernels do (`wgrad._wgrad_tile`, `grouped_gemm.sorted_rows_tile`). A
     tiles [rows, K], B tiles [N, K]: FP8 wgmma reads both K-major. The row scales and the weight
     blocks' scales (`b_scales`, `b_hi_scales`, `hi_valid`: `_block_scales`) are loaded a step
     ahead; per-column scales (PER_COLUMN, the wgrads: `b_scales` the ring's column-scale slots)
@@ -280,13 +287,14 @@ def _scaled_mma_steps(acc, acc_hi, first_step, steps, first_block, a_bufs, b_buf
     the next MMA runs: C7514), so the scaling overlaps only the other consumer's MMAs. A B tile
     twice the accumulator's width (SPLIT_N) is multiplied a half at a time, its first half into
     acc and its second into acc_hi, so that only one product is in registers at a time; each
-    stage's A tile then serves twice the columns. Returns (acc, acc_hi)."""
+    stage's A tile then serves twice the columns. A_COPIED: the producer's threads wrote the A
+    tiles (`_copy_gathered_rows`), so a proxy fence orders their writes before the wgmma's reads.
+    Returns (acc, acc_hi)."""
     HALF_N: gl.constexpr = acc.shape[1]
     SPLIT_N: gl.constexpr = b_bufs.shape[1] > HALF_N
     layout: gl.constexpr = acc.type.layout
-    m_offs = first_row + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, layout))
     scales = _block_scales(a_scale_ptr, b_scales, b_hi_scales, hi_valid, scale_strides, first_block, steps > 0,
-                           m_offs, m_dim, PER_COLUMN, SPLIT_N)
+                           scale_rows, rows_valid, PER_COLUMN, SPLIT_N)
     # Each MMA writes its product over the registers of the previous one (wgmma's accumulator
     # is read and written in place), which is dead by then: given acc or acc_hi there, a copy of
     # them would have to stay live beside it.
@@ -295,9 +303,11 @@ def _scaled_mma_steps(acc, acc_hi, first_step, steps, first_block, a_bufs, b_buf
         step = first_step + k
         slot = step % STAGES
         next_scales = _block_scales(a_scale_ptr, b_scales, b_hi_scales, hi_valid, scale_strides, first_block + k + 1,
-                                    k + 1 < steps, m_offs, m_dim, PER_COLUMN, SPLIT_N)
+                                    k + 1 < steps, scale_rows, rows_valid, PER_COLUMN, SPLIT_N)
         a_scale, b_scale, b_scale_hi = scales
         mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+        if A_COPIED:
+            fence_async_shared()
         a = a_bufs.index(2 * slot + CONSUMER)
         b = b_bufs.index(slot)
         product = warpgroup_mma(a, b.slice(0, HALF_N).permute((1, 0)), product, use_acc=False, is_async=True)
@@ -324,6 +334,20 @@ def _scaled_mma_steps(acc, acc_hi, first_step, steps, first_block, a_bufs, b_buf
 
 
 @gluon.constexpr_function
+def _fp8_shared_layout(block_shape):
+    """The wgmma operand layout of an e4m3 tile in shared memory (as its TMA descriptor's)."""
+    return gl.NVMMASharedLayout.get_default_for(list(block_shape), gl.float8e4nv)
+
+
+@gluon.jit
+def _accumulator_rows(first_row, m_dim, ROWS: gl.constexpr, layout: gl.constexpr):
+    """(rows [first_row, first_row + ROWS) in the row layout of an accumulator of `layout`,
+    which of them are below m_dim): `_scaled_mma_steps`' scale rows of A's own rows."""
+    rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    return rows, rows < m_dim
+
+
+@gluon.constexpr_function
 def _mma_layout(block_n, fp8=False):
     """The wgmma accumulator layout of one warp group's [rows, block_n] tile (rows: 64 or 128);
     an instruction's K is 32 bytes of operand: 16 bf16 or 32 FP8 values."""
@@ -347,20 +371,33 @@ def _allocate_ring(a_desc, b_desc, COOPERATIVE: gl.constexpr, STAGES: gl.constex
     """STAGES slots of A (two per slot, cooperative) and B tiles (B_TILES of b_desc's boxes
     stacked along the rows) and the ring's barriers (ready, empty, turn)."""
     A_TILES: gl.constexpr = 2 * STAGES if COOPERATIVE else STAGES
-    READERS: gl.constexpr = 2 if COOPERATIVE else 1  # consumers that release each slot
-    B_ROWS: gl.constexpr = B_TILES * b_desc.block_type.shape[0]
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [A_TILES] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, B_ROWS, b_desc.block_type.shape[1]], b_desc.layout)
+    b_bufs = _allocate_b_tiles(b_desc, STAGES, B_TILES)
+    ready, empty, turn = _allocate_barriers(2 if COOPERATIVE else 1, 0, STAGES)
+    return a_bufs, b_bufs, ready, empty, turn
+
+
+@gluon.jit
+def _allocate_b_tiles(b_desc, STAGES: gl.constexpr, B_TILES: gl.constexpr):
+    B_ROWS: gl.constexpr = B_TILES * b_desc.block_type.shape[0]
+    return gl.allocate_shared_memory(b_desc.dtype, [STAGES, B_ROWS, b_desc.block_type.shape[1]], b_desc.layout)
+
+
+@gluon.jit
+def _allocate_barriers(READERS: gl.constexpr, COPIERS: gl.constexpr, STAGES: gl.constexpr):
+    """The ring's barriers (ready, empty, turn): READERS consumers release each slot; `ready`
+    completes on the producer's TMA bytes and, with COPIERS, once each of its COPIERS threads'
+    cp.async copies into the slot have landed (`_copy_gathered_rows`)."""
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(ready.index(s), count=1 + COPIERS)
         mbarrier.init(empty.index(s), count=READERS)
     for c in gl.static_range(2):
         mbarrier.init(turn.index(c), count=1)
     fence_async_shared()
-    return a_bufs, b_bufs, ready, empty, turn
+    return ready, empty, turn
 
 
 @gluon.constexpr_function
@@ -446,15 +483,16 @@ def _scatter_consumer(a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, e
                                  + n0 // BLOCK_K) * k_blocks
                 hi_valid = n0 + MMA_N < n_dim
                 strides = (1, k_blocks, 1)
+                rows, rows_valid = _accumulator_rows(first_row, m_dim, ROWS, mma_layout)
                 acc, acc_hi = _scaled_mma_steps(acc, acc_hi, tile_count * k_steps, k_blocks, 0, a_bufs, b_bufs, ready,
                                                 empty, a_scale_ptr, b_scale_ptr + weight_scales,
-                                                b_scale_ptr + weight_scales + k_blocks, hi_valid, strides, first_row,
-                                                m_dim, CONSUMER, False, STAGES)
+                                                b_scale_ptr + weight_scales + k_blocks, hi_valid, strides, rows,
+                                                rows_valid, CONSUMER, False, False, STAGES)
                 if TWO_SEGMENTS:
                     acc, acc_hi = _scaled_mma_steps(acc, acc_hi, tile_count * k_steps + k_blocks, k_blocks, 0, a_bufs,
                                                     b_bufs, ready, empty, a2_scale_ptr, b2_scale_ptr + weight_scales,
-                                                    b2_scale_ptr + weight_scales + k_blocks, hi_valid, strides,
-                                                    first_row, m_dim, CONSUMER, False, STAGES)
+                                                    b2_scale_ptr + weight_scales + k_blocks, hi_valid, strides, rows,
+                                                    rows_valid, CONSUMER, False, False, STAGES)
             else:
                 acc = _mma_steps(acc, tile_count * k_steps, k_steps, tile_count, a_bufs, b_bufs, ready, empty, turn,
                                  CONSUMER, True, B_K_MAJOR, COOPERATIVE, STAGES)
@@ -517,24 +555,53 @@ def _scatter_ws_kernel(
 
 
 @gluon.jit
-def _gate_up_producer(x_desc, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, empty, h_ptr, h_scale_ptr, gate_up_ptr,
-                      x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr, tile_expert_ptr, num_rows_ptr, hidden, inter,
-                      swiglu_limit, CONSUMER: gl.constexpr, HAS_LIMIT: gl.constexpr, STORE_GATE_UP: gl.constexpr,
-                      BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+def _gathered_rows(row_source_ptr, num_rows, first_row, topk, ROWS: gl.constexpr, layout: gl.constexpr):
+    """(token of each sorted row [first_row, first_row + ROWS), whether it has one) in the row
+    layout of `layout`: padding rows and rows past num_rows have none."""
+    rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    _, tokens, valid = sorted_row_routes(rows, rows < num_rows, row_source_ptr, topk)
+    return tokens, valid
+
+
+@gluon.jit
+def _copy_gathered_rows(x_ptr, row_offsets, rows_valid, k0, buf, BLOCK_K: gl.constexpr):
+    """Producer: cp.async x's bytes [k0, k0 + BLOCK_K) of the rows at `row_offsets` (zeros where
+    not rows_valid) into the A tile `buf`. Hopper's TMA cannot gather rows."""
+    cols = k0 + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, _GATHER_LAYOUT))
+    # 16-byte copies: the row offsets and k0 are multiples of 128 (H is, in fp8_block)
+    cols = gl.max_contiguous(gl.multiple_of(cols, BLOCK_K), BLOCK_K)
+    async_copy.async_copy_global_to_shared(buf, x_ptr + row_offsets[:, None] + cols[None, :],
+                                           mask=rows_valid[:, None])
+
+
+@gluon.jit
+def _gate_up_producer(x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, empty, h_ptr, h_scale_ptr, gate_up_ptr,
+                      x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr, row_source_ptr, tile_expert_ptr, num_rows_ptr,
+                      topk, hidden, inter, swiglu_limit, CONSUMER: gl.constexpr, HAS_LIMIT: gl.constexpr,
+                      STORE_GATE_UP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
+                      GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    """Each step: the two A halves gathered from x's token rows (every producer thread's
+    cp.async copies arrive on the slot's `ready` once landed), the gate and up tiles by TMA."""
     HALF_N: gl.constexpr = w_gate_desc.block_type.shape[0]
     ROWS: gl.constexpr = BLOCK_M // 2
-    nbytes: gl.constexpr = 2 * x_desc.block_type.nbytes + 2 * w_gate_desc.block_type.nbytes
-    num_m_tiles = gl.cdiv(gl.load(num_rows_ptr), BLOCK_M)
+    num_rows = gl.load(num_rows_ptr)
+    num_m_tiles = gl.cdiv(num_rows, BLOCK_M)
     num_n_tiles = gl.cdiv(inter, HALF_N)
     step = 0
     for tile in range(gl.program_id(0), num_m_tiles * num_n_tiles, gl.num_programs(0)):
         m_tile, n_tile = tile_coordinates(tile, num_m_tiles, num_n_tiles, GROUP_M)
         m0 = m_tile * BLOCK_M
         w_row = gl.load(tile_expert_ptr + m_tile) * inter + n_tile * HALF_N  # weights read as [E_l·I, H]
+        tokens, valid = _gathered_rows(row_source_ptr, num_rows, m0, topk, ROWS, _GATHER_LAYOUT)
+        tokens_2, valid_2 = _gathered_rows(row_source_ptr, num_rows, m0 + ROWS, topk, ROWS, _GATHER_LAYOUT)
+        # x: [T, H] e4m3 bytes
+        offsets = gl.multiple_of(tokens.to(gl.int64) * hidden, BLOCK_K)
+        offsets_2 = gl.multiple_of(tokens_2.to(gl.int64) * hidden, BLOCK_K)
         for k0 in range(0, hidden, BLOCK_K):
-            slot, bar = _claim_slot(step, ready, empty, nbytes, STAGES)
-            tma.async_copy_global_to_shared(x_desc, [m0, k0], bar, a_bufs.index(2 * slot))
-            tma.async_copy_global_to_shared(x_desc, [m0 + ROWS, k0], bar, a_bufs.index(2 * slot + 1))
+            slot, bar = _claim_slot(step, ready, empty, 2 * w_gate_desc.block_type.nbytes, STAGES)
+            _copy_gathered_rows(x_ptr, offsets, valid, k0, a_bufs.index(2 * slot), BLOCK_K)
+            _copy_gathered_rows(x_ptr, offsets_2, valid_2, k0, a_bufs.index(2 * slot + 1), BLOCK_K)
+            async_copy.mbarrier_arrive(bar, increment_count=False)
             b = b_bufs.index(slot)  # the gate tile in its first HALF_N rows, the up tile in the rest
             tma.async_copy_global_to_shared(w_gate_desc, [w_row, k0], bar, b.slice(0, HALF_N))
             tma.async_copy_global_to_shared(w_up_desc, [w_row, k0], bar, b.slice(HALF_N, HALF_N))
@@ -542,14 +609,16 @@ def _gate_up_producer(x_desc, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, emp
 
 
 @gluon.jit
-def _gate_up_consumer(x_desc, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, empty, h_ptr, h_scale_ptr, gate_up_ptr,
-                      x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr, tile_expert_ptr, num_rows_ptr, hidden, inter,
-                      swiglu_limit, CONSUMER: gl.constexpr, HAS_LIMIT: gl.constexpr, STORE_GATE_UP: gl.constexpr,
-                      BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+def _gate_up_consumer(x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, empty, h_ptr, h_scale_ptr, gate_up_ptr,
+                      x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr, row_source_ptr, tile_expert_ptr, num_rows_ptr,
+                      topk, hidden, inter, swiglu_limit, CONSUMER: gl.constexpr, HAS_LIMIT: gl.constexpr,
+                      STORE_GATE_UP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
+                      GROUP_M: gl.constexpr, STAGES: gl.constexpr):
     HALF_N: gl.constexpr = w_gate_desc.block_type.shape[0]
     ROWS: gl.constexpr = BLOCK_M // 2
     mma_layout: gl.constexpr = _mma_layout(HALF_N, True)
-    num_m_tiles = gl.cdiv(gl.load(num_rows_ptr), BLOCK_M)
+    num_rows = gl.load(num_rows_ptr)
+    num_m_tiles = gl.cdiv(num_rows, BLOCK_M)
     num_n_tiles = gl.cdiv(inter, HALF_N)
     k_blocks = gl.cdiv(hidden, BLOCK_K)
     tile_count = 0
@@ -558,11 +627,11 @@ def _gate_up_consumer(x_desc, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, emp
         first_row = m_tile * BLOCK_M + CONSUMER * ROWS
         # both weights' scales [E_l, I/128, H/128]: the block row of columns [n0, n0 + 128)
         weight_scales = (gl.load(tile_expert_ptr + m_tile).to(gl.int64) * num_n_tiles + n_tile) * k_blocks
+        tokens, valid = _gathered_rows(row_source_ptr, num_rows, first_row, topk, ROWS, mma_layout)
         gate = gl.zeros((ROWS, HALF_N), gl.float32, mma_layout)
         gate, up = _scaled_mma_steps(gate, gate, tile_count * k_blocks, k_blocks, 0, a_bufs, b_bufs, ready, empty,
                                      x_scale_ptr, w_gate_scale_ptr + weight_scales, w_up_scale_ptr + weight_scales,
-                                     True, (1, k_blocks, 1), first_row, num_m_tiles * BLOCK_M, CONSUMER, False,
-                                     STAGES)
+                                     True, (1, k_blocks, 1), tokens, valid, CONSUMER, False, True, STAGES)
         _gate_up_epilogue(gate, up, h_ptr, h_scale_ptr, gate_up_ptr, first_row, n_tile, inter, swiglu_limit,
                           HAS_LIMIT, STORE_GATE_UP)
         tile_count += 1
@@ -592,40 +661,43 @@ def _gate_up_epilogue(gate, up, h_ptr, h_scale_ptr, gate_up_ptr, first_row, n_ti
 
 @gluon.jit
 def _gate_up_ws_kernel(
-    # TMA descriptors: x's e4m3 rows in the sorted layout [capacity_rows, H], the weights'
-    # e4m3 [E_l·I, H]
-    x_desc, w_gate_desc, w_up_desc,
+    # x's e4m3 token rows [T, H] (bytes); TMA descriptors of the weights' e4m3 [E_l·I, H]
+    x_ptr, w_gate_desc, w_up_desc,
     # outputs: h_q [capacity_rows, I] e4m3 bytes, h_scale [capacity_rows, I/128] fp32, g, u
     # [capacity_rows, 2, I] bf16 (STORE_GATE_UP)
     h_ptr, h_scale_ptr, gate_up_ptr,
-    # scales: x's [capacity_rows, H/128], the weights' [E_l, I/128, H/128]
+    # scales: x's [T, H/128], the weights' [E_l, I/128, H/128]
     x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr,
     # schedule
-    tile_expert_ptr, num_rows_ptr,
+    row_source_ptr, tile_expert_ptr, num_rows_ptr,
     # sizes
-    hidden, inter, swiglu_limit,
+    topk, hidden, inter, swiglu_limit,
     # meta
-    HAS_LIMIT: gl.constexpr, STORE_GATE_UP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
-    GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+    HAS_LIMIT: gl.constexpr, STORE_GATE_UP: gl.constexpr, BLOCK_M: gl.constexpr,
+    BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
 ):
     """h = SwiGLU(x·Wgᵀ, x·Wuᵀ) of each sorted row, cooperative: a tile is 128 rows × 128
-    columns of h, its B slot the gate tile over the up tile, so a consumer's two 128-column
-    accumulators (`_scaled_mma_steps`) are its rows' g and u."""
-    a_bufs, b_bufs, ready, empty, turn = _allocate_ring(x_desc, w_gate_desc, True, STAGES, 2)
+    columns of h, its A tiles gathered from x's token rows by the producer warp group, its B
+    slot the gate tile over the up tile, so a consumer's two 128-column accumulators
+    (`_scaled_mma_steps`) are its rows' g and u."""
+    A_TILE: gl.constexpr = [BLOCK_M // 2, BLOCK_K]
+    a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [2 * STAGES] + A_TILE, _fp8_shared_layout(A_TILE))
+    b_bufs = _allocate_b_tiles(w_gate_desc, STAGES, 2)
+    ready, empty, _ = _allocate_barriers(2, _GATHER_THREADS, STAGES)
     gl.warp_specialize([
-        (_gate_up_consumer, (x_desc, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, empty, h_ptr, h_scale_ptr,
-                             gate_up_ptr, x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr, tile_expert_ptr, num_rows_ptr,
-                             hidden, inter, swiglu_limit, 0, HAS_LIMIT, STORE_GATE_UP, BLOCK_M, BLOCK_K, GROUP_M,
-                             STAGES)),
-        (_gate_up_consumer, (x_desc, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, empty, h_ptr, h_scale_ptr,
-                             gate_up_ptr, x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr, tile_expert_ptr, num_rows_ptr,
-                             hidden, inter, swiglu_limit, 1, HAS_LIMIT, STORE_GATE_UP, BLOCK_M, BLOCK_K, GROUP_M,
-                             STAGES)),
-        (_gate_up_producer, (x_desc, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, empty, h_ptr, h_scale_ptr,
-                             gate_up_ptr, x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr, tile_expert_ptr, num_rows_ptr,
-                             hidden, inter, swiglu_limit, 0, HAS_LIMIT, STORE_GATE_UP, BLOCK_M, BLOCK_K, GROUP_M,
-                             STAGES)),
-    ], [4, 1], [_CONSUMER_REGISTERS, _PRODUCER_REGISTERS])
+        (_gate_up_consumer, (x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, empty, h_ptr, h_scale_ptr,
+                             gate_up_ptr, x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr, row_source_ptr,
+                             tile_expert_ptr, num_rows_ptr, topk, hidden, inter, swiglu_limit, 0, HAS_LIMIT,
+                             STORE_GATE_UP, BLOCK_M, BLOCK_K, GROUP_M, STAGES)),
+        (_gate_up_consumer, (x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, empty, h_ptr, h_scale_ptr,
+                             gate_up_ptr, x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr, row_source_ptr,
+                             tile_expert_ptr, num_rows_ptr, topk, hidden, inter, swiglu_limit, 1, HAS_LIMIT,
+                             STORE_GATE_UP, BLOCK_M, BLOCK_K, GROUP_M, STAGES)),
+        (_gate_up_producer, (x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, empty, h_ptr, h_scale_ptr,
+                             gate_up_ptr, x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr, row_source_ptr,
+                             tile_expert_ptr, num_rows_ptr, topk, hidden, inter, swiglu_limit, 0, HAS_LIMIT,
+                             STORE_GATE_UP, BLOCK_M, BLOCK_K, GROUP_M, STAGES)),
+    ], [4, _GATHER_THREADS // 32], [_CONSUMER_REGISTERS, _PRODUCER_REGISTERS])
 
 
 # --------------------------------------------------------------------------- wgrads
@@ -699,9 +771,11 @@ def _wgrad_consumer(a_desc, a2_desc, b_desc, b_scale_desc, a_bufs, b_bufs, b_sca
             acc = gl.zeros((ROWS, MMA_N), gl.float32, mma_layout)
             acc_hi = acc  # fp8_block at BLOCK_N = 2 · MMA_N: columns [n0 + MMA_N, n0 + BLOCK_N)
             if FP8:
+                rows, rows_valid = _accumulator_rows(first_row, m_dim, ROWS, mma_layout)
                 acc, acc_hi = _scaled_mma_steps(acc, acc_hi, step, steps, row_start // BLOCK_K, a_bufs, b_bufs, ready,
                                                 empty, a_scale_ptr, b_scale_bufs, b_scale_bufs, False,
-                                                (stride_a_scale, 1, 0), first_row, m_dim, CONSUMER, True, STAGES)
+                                                (stride_a_scale, 1, 0), rows, rows_valid, CONSUMER, True, False,
+                                                STAGES)
             else:
                 acc = _mma_steps(acc, step, steps, tile_count, a_bufs, b_bufs, ready, empty, turn, CONSUMER, False,
                                  False, COOPERATIVE, STAGES)
@@ -844,12 +918,12 @@ def launch_gate_up_dgrad_scatter(d_gate: torch.Tensor, d_up: torch.Tensor, w_gat
 def launch_gate_up_swiglu_fp8_block(x_q: torch.Tensor, x_scale: torch.Tensor, w_gate_q: torch.Tensor,
                                     w_gate_scale: torch.Tensor, w_up_q: torch.Tensor, w_up_scale: torch.Tensor,
                                     h_q: torch.Tensor, h_scale: torch.Tensor, gate_up: torch.Tensor | None,
-                                    schedule: RoutingSchedule, swiglu_limit: float | None, cfg: dict) -> None:
-    """`grouped_gemm.gate_up_swiglu_fp8_block`'s kernel here: x_q, x_scale its rows already in
-    the sorted layout ([capacity_rows, H] e4m3 and [capacity_rows, H/128], as
-    `quant_fp8_block.quantize_fp8_block_gathered` gives), h_q (uint8 bytes), h_scale and, unless
-    None, gate_up written for every row below the schedule's num_rows. The caller has checked
-    the operands and the outputs."""
+                                    schedule: RoutingSchedule, topk: int, swiglu_limit: float | None,
+                                    cfg: dict) -> None:
+    """`grouped_gemm.gate_up_swiglu_fp8_block`'s kernel here: x_q, x_scale per token ([T, H]
+    e4m3 and [T, H/128], `quantize_fp8_block_activations`), h_q (uint8 bytes), h_scale and,
+    unless None, gate_up written for every row below the schedule's num_rows. The caller has
+    checked the operands and the outputs."""
     _check_fp8_block_tile(cfg, schedule, "gate/up GEMM")
     if cfg["BLOCK_N"] != 2 * FP8_BLOCK:
         raise ValueError(f"tile_config: the fp8_block gate/up GEMM needs BLOCK_N {2 * FP8_BLOCK} (a gate and an up "
@@ -857,16 +931,14 @@ def launch_gate_up_swiglu_fp8_block(x_q: torch.Tensor, x_scale: torch.Tensor, w_
     _check_device(x_q.device)
     hidden, inter = x_q.shape[1], w_gate_q.shape[1]
     half = (FP8_BLOCK, cfg["BLOCK_K"])
-    x_desc = _descriptor(x_q, (cfg["BLOCK_M"] // 2, cfg["BLOCK_K"]))
     num_tiles = (schedule.capacity_rows // cfg["BLOCK_M"]) * (inter // FP8_BLOCK)
     _gate_up_ws_kernel[(min(num_tiles, num_sms(x_q.device)),)](
-        x_desc, _descriptor(w_gate_q, half), _descriptor(w_up_q, half),
+        x_q, _descriptor(w_gate_q, half), _descriptor(w_up_q, half),
         h_q, h_scale, h_scale if gate_up is None else gate_up,  # h_scale: unread
         x_scale, w_gate_scale, w_up_scale,
-        schedule.tile_expert, schedule.num_rows,
-        hidden, inter, 0.0 if swiglu_limit is None else float(swiglu_limit),
-        swiglu_limit is not None, gate_up is not None, cfg["BLOCK_M"], cfg["BLOCK_K"], cfg.get("GROUP_M", 1),
-        cfg["num_stages"], num_warps=4,
+        schedule.row_source, schedule.tile_expert, schedule.num_rows,
+        topk, hidden, inter, 0.0 if swiglu_limit is None else float(swiglu_limit),
+        swiglu_limit is not None, gate_up is not None, cfg["BLOCK_M"], cfg["BLOCK_K"], cfg.get("GROUP_M", 1), cfg["num_stages"], num_warps=4,
     )
 
 

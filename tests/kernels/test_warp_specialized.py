@@ -28,7 +28,6 @@ from mok.kernels.grouped_gemm import (
 )
 from mok.kernels.quant_fp8_block import (
     quantize_fp8_block_activations,
-    quantize_fp8_block_gathered,
     quantize_fp8_block_sorted_t,
     quantize_fp8_block_swiglu_sorted_t,
 )
@@ -57,22 +56,24 @@ from triton import compile
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from mok.kernels import warp_specialized
-name, signature, constants, ptx_path = json.loads(sys.argv[1])
-source = GluonASTSource(getattr(warp_specialized, name), signature, constants)
+name, signature, constants, aligned, ptx_path = json.loads(sys.argv[1])
+attrs = {(list(signature).index(arg),): [["tt.divisibility", 16]] for arg in aligned}
+source = GluonASTSource(getattr(warp_specialized, name), signature, constants, attrs)
 with open(ptx_path, "w") as f:
     f.write(compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"])
 """
 
 
-def _ptxas_report(kernel_name: str, signature: dict, constants: dict) -> tuple[int, int]:
+def _ptxas_report(kernel_name: str, signature: dict, constants: dict, aligned: tuple[str, ...] = ()) -> tuple[int, int]:
     """(registers per thread, spilled bytes) of a kernel compiled for sm_90a, without a GPU,
-    whose wgmma ptxas did not serialize."""
+    whose wgmma ptxas did not serialize; `aligned` names the arguments compiled as multiples of
+    16 (as a launch specializes them when they are)."""
     from triton.backends.nvidia.compiler import get_ptxas
 
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     with tempfile.TemporaryDirectory() as tmp:
         ptx = os.path.join(tmp, "kernel.ptx")
-        argument = json.dumps([kernel_name, signature, constants, ptx])
+        argument = json.dumps([kernel_name, signature, constants, list(aligned), ptx])
         compiled = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90A, argument], capture_output=True, text=True,
                                   env=env)
         assert compiled.returncode == 0, f"compiling {kernel_name} failed:\n{compiled.stderr[-3000:]}"
@@ -168,20 +169,23 @@ def test_fp8_block_kernels_compile_for_sm90a_without_spills(kernel, wide):
 
 
 def test_fp8_block_gate_up_compiles_for_sm90a_without_spills():
-    """The forward's fp8_block gate/up (g and u as a consumer's two accumulators, the SwiGLU and
-    h-quantizing epilogue on them): 168 registers per thread at launch, nothing spilled."""
+    """The forward's fp8_block gate/up (x's rows gathered by cp.async, g and u as a consumer's two
+    accumulators, the SwiGLU and h-quantizing epilogue on them): 168 registers per thread at
+    launch, nothing spilled but two pointers of a consumer (8 bytes, in the SASS: stored once
+    at the start, reloaded once per tile; none in the K loop). x and H aligned, as fp8_block's
+    H is a multiple of 128: 16-byte copies."""
     cfg = ws.fp8_block_tile_config()
     meta = dict(HAS_LIMIT=True, STORE_GATE_UP=True, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"],
                 GROUP_M=cfg["GROUP_M"], STAGES=cfg["num_stages"])
     fp8, half = torch.float8_e4m3fn, (cfg["BLOCK_N"] // 2, cfg["BLOCK_K"])
     signature = {
-        "x_desc": _descriptor_type((cfg["BLOCK_M"] // 2, cfg["BLOCK_K"]), fp8), "w_gate_desc": _descriptor_type(half, fp8),
-        "w_up_desc": _descriptor_type(half, fp8), "h_ptr": "*u8", "h_scale_ptr": "*fp32", "gate_up_ptr": "*bf16",
-        "x_scale_ptr": "*fp32", "w_gate_scale_ptr": "*fp32", "w_up_scale_ptr": "*fp32", "tile_expert_ptr": "*i32",
-        "num_rows_ptr": "*i32", "hidden": "i32", "inter": "i32", "swiglu_limit": "fp32",
+        "x_ptr": "*u8", "w_gate_desc": _descriptor_type(half, fp8), "w_up_desc": _descriptor_type(half, fp8),
+        "h_ptr": "*u8", "h_scale_ptr": "*fp32", "gate_up_ptr": "*bf16", "x_scale_ptr": "*fp32",
+        "w_gate_scale_ptr": "*fp32", "w_up_scale_ptr": "*fp32", "row_source_ptr": "*i32", "tile_expert_ptr": "*i32",
+        "num_rows_ptr": "*i32", "topk": "i32", "hidden": "i32", "inter": "i32", "swiglu_limit": "fp32",
         **{name: "constexpr" for name in meta},
     }
-    assert _ptxas_report("_gate_up_ws_kernel", signature, meta) == (168, 0)
+    assert _ptxas_report("_gate_up_ws_kernel", signature, meta, aligned=("x_ptr", "hidden")) == (168, 8)
 
 
 def test_defaults_choose_it_only_where_it_runs():
@@ -237,9 +241,8 @@ def test_errors_name_the_tile_config(kernel_device):
     with pytest.raises(ValueError, match="tile_config: the fp8_block gate/up dgrad needs COOPERATIVE"):
         gate_up_dgrad_scatter_fp8_block(*rows, *rows, *weight[2:], *weight[2:], sched, 16,
                                         tile_config=dict(fp8_config, COOPERATIVE=False))
-    x_sorted = quantize_fp8_block_gathered(inp.x, sched, 2)
     with pytest.raises(ValueError, match="tile_config: the fp8_block gate/up GEMM needs BLOCK_N 256"):
-        gate_up_swiglu_fp8_block(*x_sorted, *weight[:2], *weight[:2], sched, 2,
+        gate_up_swiglu_fp8_block(*quantize_fp8_block_activations(inp.x), *weight[:2], *weight[:2], sched, 2,
                                  tile_config=dict(fp8_config, BLOCK_N=128))
 
 
@@ -372,17 +375,15 @@ def test_fp8_block_scatter_gemms_are_bitwise_the_triton_kernel(T, H, I, E, topk,
 @pytest.mark.parametrize("swiglu_limit", [None, 1.5])
 @pytest.mark.parametrize("T, H, I, E, topk, skewed", _FP8_CASES)
 def test_fp8_block_gate_up_is_bitwise_the_triton_kernel(T, H, I, E, topk, skewed, swiglu_limit):
-    """The forward's fp8_block gate/up over x quantized into the sorted layout: h_q, h_scale
-    and the saved g, u bitwise the Triton kernel's over x quantized per token, on every row in
-    use (padding rows included)."""
+    """The forward's fp8_block gate/up, x's rows gathered by the producer: h_q, h_scale and the
+    saved g, u bitwise the Triton kernel's, on every row in use (padding rows included)."""
     inp, sched = _inputs(T, H, I, E, topk, skewed, seed=7)
     (wg_q, wg_s, _, _), (wu_q, wu_s, _, _) = (fp8_block_quantize(w) for w in (inp.w_gate, inp.w_up))
-    x_tokens = quantize_fp8_block_activations(inp.x)
-    x_sorted = quantize_fp8_block_gathered(inp.x, sched, topk)
-    run = lambda x, cfg: gate_up_swiglu_fp8_block(*x, wg_q, wg_s, wu_q, wu_s, sched, topk,  # noqa: E731
-                                                  swiglu_limit=swiglu_limit, store_gate_up=True, tile_config=cfg)
-    got = run(x_sorted, ws.fp8_block_tile_config())
-    expected = run(x_tokens, gemm_config("gate_up", I, H, "fp8_block", allow_warp_specialized=False))
+    x_q = quantize_fp8_block_activations(inp.x)
+    run = lambda cfg: gate_up_swiglu_fp8_block(*x_q, wg_q, wg_s, wu_q, wu_s, sched, topk,  # noqa: E731
+                                               swiglu_limit=swiglu_limit, store_gate_up=True, tile_config=cfg)
+    got = run(ws.fp8_block_tile_config())
+    expected = run(gemm_config("gate_up", I, H, "fp8_block", allow_warp_specialized=False))
     rows = int(sched.num_rows.item())
     params = f"{T=} {H=} {I=} {E=} {topk=} {skewed=} {swiglu_limit=}"
     for name, g, e in zip(("h_q", "h_scale", "gate_up"), got, expected, strict=True):
@@ -394,8 +395,7 @@ def test_fp8_block_gate_up_is_bitwise_the_triton_kernel(T, H, I, E, topk, skewed
 @pytest.mark.gpu
 def test_fp8_block_layer_with_the_warp_specialized_gate_up_is_bitwise_the_same(monkeypatch):
     """A forward and backward of the fp8_block layer through `mok.forward` / `mok.backward`
-    with the warp-specialized gate/up on (x quantized straight into the sorted layout): every
-    output and gradient bitwise the Triton kernel's run."""
+    with the warp-specialized gate/up on: every output and gradient bitwise the Triton kernel's run."""
     import mok
 
     inp = make_inputs(2048, 512, 384, 8, 4, 256, seed=8, device="cuda", signed_weights=True)
@@ -410,7 +410,7 @@ def test_fp8_block_layer_with_the_warp_specialized_gate_up_is_bitwise_the_same(m
         return (out, *mok.backward(config, workspace, schedule, ctx, d_out, *args))
 
     expected = step()
-    monkeypatch.setattr("mok.kernels.grouped_gemm.WARP_SPECIALIZED_FP8_BLOCK_GATE_UP", True)
+    monkeypatch.setattr("mok.kernels.grouped_gemm.WARP_SPECIALIZED_FP8_BLOCK_GATE_UP_MIN_HIDDEN", 0)
     assert gemm_config("gate_up", 384, 512, "fp8_block") == ws.fp8_block_tile_config()
     for name, got, want in zip(("out", *Gradients._fields), step(), expected, strict=True):
         assert (got is None and want is None) or torch.equal(got, want), name
@@ -465,7 +465,8 @@ def test_defaults_choose_the_schedule_by_reduction_on_hopper():
     assert dgrad_config("gate_up", 2048, 768, "fp8_block") == ws.fp8_block_tile_config()
     assert dgrad_config("gate_up", 7168, 2048, "fp8_block") == ws.fp8_block_tile_config()
     assert gemm_config("down", 2048, 768, "fp8_block") == ws.fp8_block_tile_config()
-    assert "WARP_SPECIALIZED" not in gemm_config("gate_up", 768, 2048, "fp8_block")  # not yet run on a GPU
+    assert "WARP_SPECIALIZED" not in gemm_config("gate_up", 768, 2048, "fp8_block")
+    assert gemm_config("gate_up", 2048, 7168, "fp8_block") == ws.fp8_block_tile_config()
     assert "WARP_SPECIALIZED" not in dgrad_config("down", 768, 2048, "fp8_block")
     for config in (wgrad_config("down", 2048, 768, allow_warp_specialized=False),
                    wgrad_config("gate_up", 768, 2048, "fp8_block", allow_warp_specialized=False),
