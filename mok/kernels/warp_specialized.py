@@ -8,6 +8,9 @@
                    product scaled by its block's row and column scales (`wgrad.py`'s fp8_block)
     fp8_block down and gate/up dgrad: the scatter GEMMs over e4m3 rows quantized in 1×128 blocks
                    and the weights' 128×128 blocks (`grouped_gemm.py`'s and `dgrad.py`'s fp8_block)
+    fp8_block gate/up: h[r] = SwiGLU(x[src(r) // topk] · Wg[e]ᵀ, x[…] · Wu[e]ᵀ), quantized in 1×128
+                   blocks (`grouped_gemm.gate_up_swiglu_fp8_block`); x's e4m3 token rows gathered
+                   by the producer (cp.async: Hopper's TMA cannot gather)
 
 Legend: r a row of the expert-sorted layout of `schedule.py`, src(r) = row_source[r]
 (−1: padding), e = tile_expert[r // BLOCK_M], H hidden, I intermediate size, E_l local experts.
@@ -54,8 +57,9 @@ Triton kernels stay the reference path (and the only one under `TRITON_INTERPRET
 GPUs other than Hopper, under expert parallelism and with main_grad).
 
 Caller contract: as for the Triton kernels (`grouped_gemm.down_scatter`, `wgrad.down_wgrad`,
-`wgrad.gate_up_wgrad`, `dgrad.gate_up_dgrad_scatter`, and their `*_fp8_block`); bf16, and
-fp8_block for the wgrads and the scatter GEMMs (cooperative only); BLOCK_M is the schedule's
+`wgrad.gate_up_wgrad`, `dgrad.gate_up_dgrad_scatter`, and their `*_fp8_block`, and
+`grouped_gemm.gate_up_swiglu_fp8_block`); bf16, and fp8_block for the wgrads, the scatter
+GEMMs and the forward's gate/up (cooperative only); BLOCK_M is the schedule's
 block_m. Worker partitions of one `warp_specialize` share one signature (Gluon's rule), so
 each kernel's producer takes its consumers' arguments.
 """
