@@ -31,13 +31,7 @@ import triton
 
 from mok.bench.presets import GPU_PRESETS, PRESETS
 from mok.fp8_block import fp8_block_quantize
-from mok.kernels.dgrad import (
-    dgrad_config,
-    down_dgrad_swiglu,
-    down_dgrad_swiglu_fp8_block,
-    gate_up_dgrad_scatter,
-    gate_up_dgrad_scatter_fp8_block,
-)
+from mok.kernels.dgrad import dgrad_config, down_dgrad_swiglu, gate_up_dgrad_scatter, gate_up_dgrad_scatter_fp8_block
 from mok.kernels.gather import gather_sorted_rows
 from mok.kernels.grouped_gemm import (
     down_scatter,
@@ -85,7 +79,6 @@ CONFIGS = {
     "gate_up_fp8": [gemm_config("gate_up", 0, 0, "fp8_block", allow_warp_specialized=False)],
     "down_fp8": [gemm_config("down", 0, 0, "fp8_block", allow_warp_specialized=False)],
     "gate_up_dgrad_fp8": [dgrad_config("gate_up", 0, 0, "fp8_block", allow_warp_specialized=False)],
-    "down_dgrad_fp8": [dgrad_config("down", 0, 0, "fp8_block", allow_warp_specialized=False)],
     "down_wgrad_fp8": [wgrad_config("down", 0, 0, "fp8_block", allow_warp_specialized=False)],
     "gate_up_wgrad_fp8": [wgrad_config("gate_up", 0, 0, "fp8_block", allow_warp_specialized=False)],
 }
@@ -109,7 +102,7 @@ CONFIGS_64 = {
 }
 # GEMM FLOPs per routed row, in units of H·I (gate/up GEMMs do two products).
 FLOPS_PER_ROUTE_HI = {"gate_up": 4, "gate_up_separate": 4, "down": 2, "down_dgrad": 2, "gate_up_dgrad": 4, "down_wgrad": 2,
-                      "gate_up_wgrad": 4, "gate_up_fp8": 4, "down_fp8": 2, "gate_up_dgrad_fp8": 4, "down_dgrad_fp8": 2,
+                      "gate_up_wgrad": 4, "gate_up_fp8": 4, "down_fp8": 2, "gate_up_dgrad_fp8": 4,
                       "down_wgrad_fp8": 2, "gate_up_wgrad_fp8": 4}
 
 
@@ -135,9 +128,6 @@ def _kernel_call(kind, cfg, inp, sched, topk, operands):
         "gate_up_dgrad_fp8": lambda: gate_up_dgrad_scatter_fp8_block(
             *operands["d_gate_q"], *operands["d_up_q"], *operands["w_gate_t_q"], *operands["w_up_t_q"], sched, routes,
             tile_config=cfg),
-        "down_dgrad_fp8": lambda: down_dgrad_swiglu_fp8_block(*operands["d_out_q"], inp.topk_weights,
-                                                              operands["gate_up"], *operands["w_down_t_q"], sched,
-                                                              tile_config=cfg),
         "down_wgrad_fp8": lambda: down_wgrad_fp8_block(*operands["dy_t"], *operands["h_t"], sched, tile_config=cfg),
         "gate_up_wgrad_fp8": lambda: gate_up_wgrad_fp8_block(*operands["gate_up_t"], *operands["x_t"], sched,
                                                              tile_config=cfg),
@@ -149,7 +139,7 @@ def _written(kind: str, out, num_rows: int) -> torch.Tensor:
     """The part of a kernel's (first) output that it writes: sorted-layout outputs only up to
     the schedule's rows, so configs can be compared with each other."""
     first = out[0] if isinstance(out, tuple) else out
-    return first[:num_rows] if kind in ("gate_up", "gate_up_separate", "gate_up_fp8", "down_dgrad", "down_dgrad_fp8") else first
+    return first[:num_rows] if kind in ("gate_up", "gate_up_separate", "gate_up_fp8", "down_dgrad") else first
 
 
 def main() -> None:
@@ -189,11 +179,9 @@ def main() -> None:
             quantized = {"dy_t": operands["dy_sorted"], "h_t": operands["h"], "x_t": operands["x_sorted"],
                          "gate_up_t": operands["gate_up"].flatten(1)}
             operands.update({name: quantize_fp8_block_sorted_t(a, sched) for name, a in quantized.items()})
-            rows = {"h_q": operands["h"], "d_gate_q": operands["gate_up"][:, 0], "d_up_q": operands["gate_up"][:, 1],
-                    "d_out_q": operands["d_out_sorted"]}
+            rows = {"h_q": operands["h"], "d_gate_q": operands["gate_up"][:, 0], "d_up_q": operands["gate_up"][:, 1]}
             operands.update({name: quantize_fp8_block_activations(a) for name, a in rows.items()})
-            w_down_q = fp8_block_quantize(inp.w_down)  # q, scale [E, H, I]; q_t, scale_t [E, I, H]
-            operands["w_down_q"], operands["w_down_t_q"] = w_down_q[:2], w_down_q[2:]
+            operands["w_down_q"] = fp8_block_quantize(inp.w_down)[:2]  # [E, H, I] and its scales
             operands["w_gate_t_q"], operands["w_up_t_q"] = (fp8_block_quantize(w)[2:] for w in (inp.w_gate, inp.w_up))
             operands["w_gate_q"], operands["w_up_q"] = (fp8_block_quantize(w)[:2] for w in (inp.w_gate, inp.w_up))
             operands["x_q"] = quantize_fp8_block_activations(inp.x)

@@ -42,7 +42,6 @@ WARP_SPECIALIZED = {
     "gate_up_wgrad": [COOPERATIVE, dict(COOPERATIVE, GROUP_M=8)],  # two outputs: cooperative only
     **{kind: _fp8_configs(FP8_GATE_UP if kind == "gate_up_wgrad_fp8" else FP8_DOWN)
        for kind in ("down_fp8", "gate_up_dgrad_fp8", "down_wgrad_fp8", "gate_up_wgrad_fp8")},
-    "down_dgrad_fp8": [FP8_DOWN, dict(FP8_DOWN, num_stages=4)],  # 128×256: two 128-column halves per consumer
     "gate_up_fp8": [FP8_DOWN, dict(FP8_DOWN, num_stages=4)],  # 128×256: a gate and an up tile per B slot
 }
 

@@ -72,7 +72,7 @@ import triton.language as tl
 from mok.fp8_block import FP8_BLOCK
 from mok.kernels import grouped_gemm, warp_specialized
 from mok.kernels.comm import PeerRows, signal_peers
-from mok.kernels.common import column_halves, interpreting, tile_coordinates, tma_descriptor
+from mok.kernels.common import column_halves, interpreting, round_to_bf16, tile_coordinates, tma_descriptor
 from mok.kernels.gather import check_sorted_rows
 from mok.kernels.grouped_gemm import (
     check_fp8_block_pair,
@@ -84,7 +84,7 @@ from mok.kernels.grouped_gemm import (
     sorted_rows_tile,
 )
 from mok.kernels.schedule import RoutingSchedule
-from mok.kernels.swiglu import swiglu_backward_tile
+from mok.kernels.swiglu import swiglu_backward
 
 # --------------------------------------------------------------------------- configs
 
@@ -126,11 +126,6 @@ COOPERATIVE_GATE_UP_DGRAD_MAX_INTER = 1024
 # output. Per kernel (record h200-20261201-fp8-wide-scalar-scales-sweep.log): qwen3-30b
 # 1.33–1.55 -> 0.83–0.95 ms, deepseek-v3-slice 5.17–5.18 -> 3.79–4.00. False keeps the Triton kernel.
 WARP_SPECIALIZED_FP8_BLOCK_GATE_UP_DGRAD = True
-# True runs the fp8_block down dgrad on Hopper in the cooperative warp-specialized kernel
-# (`warp_specialized.launch_down_dgrad_swiglu_fp8_block`: 128×256 tiles, the Triton kernel's
-# epilogue a quarter of each 128 columns at a time): d_gate_up bitwise the Triton kernel's, the
-# router-weight partials summed in another order within each 128 columns. Not yet measured: off.
-WARP_SPECIALIZED_FP8_BLOCK_DOWN_DGRAD = False
 
 
 def dgrad_config(
@@ -152,15 +147,11 @@ def dgrad_config(
     `allow_warp_specialized` is False (stores to other ranks). Under the interpreter, small
     tiles keep the CPU tests fast. The key never includes per-expert counts (they change every step).
     fp8_block: `_FP8_BLOCK_TILES`, the same for every shape until measured; on Hopper the gate/up
-    dgrad into local slots warp-specialized with `WARP_SPECIALIZED_FP8_BLOCK_GATE_UP_DGRAD`, the
-    down dgrad with `WARP_SPECIALIZED_FP8_BLOCK_DOWN_DGRAD`.
+    dgrad into local slots warp-specialized with `WARP_SPECIALIZED_FP8_BLOCK_GATE_UP_DGRAD`.
     """
-    warp_specialized_here = allow_warp_specialized and warp_specialized.available_here()
-    gate_up_warp_specialized = kind == "gate_up" and warp_specialized_here
+    gate_up_warp_specialized = kind == "gate_up" and allow_warp_specialized and warp_specialized.available_here()
     if precision == "fp8_block":
         if gate_up_warp_specialized and WARP_SPECIALIZED_FP8_BLOCK_GATE_UP_DGRAD:
-            return warp_specialized.fp8_block_tile_config()
-        if kind == "down" and warp_specialized_here and WARP_SPECIALIZED_FP8_BLOCK_DOWN_DGRAD:
             return warp_specialized.fp8_block_tile_config()
         return dict(BLOCK_M=routing_block_m(), **_FP8_BLOCK_TILES["interpreter" if interpreting() else kind])
     if interpreting():
@@ -194,6 +185,28 @@ def sorted_rows_times_weight(
             a, b = a.to(tl.float32), b.to(tl.float32)
         acc = tl.dot(a, b, acc)
     return acc
+
+
+@triton.jit
+def _down_dgrad_epilogue(
+    d_out_wd, w, row_valid, rows64, n0, gate_up_ptr, d_gate_up_ptr, inter, swiglu_limit, stride_gu_r, stride_dgu_r,
+    HAS_LIMIT: tl.constexpr, INTERPRETER: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """The down dgrad's epilogue on columns [n0, n0 + BLOCK_N) of an M tile: d_g, d_u from
+    w·a and the saved g, u, stored (exact zeros in padding rows); returns the router-weight
+    partials ⟨a, h⟩ over these columns (columns past I are zero on both sides)."""
+    n_offs = n0 + tl.arange(0, BLOCK_N)
+    out_mask = (n_offs < inter)[None, :]
+    gu_ptrs = gate_up_ptr + rows64[:, None] * stride_gu_r + n_offs[None, :]
+    gate = tl.load(gu_ptrs, mask=out_mask, other=0.0).to(tl.float32)
+    up = tl.load(gu_ptrs + inter, mask=out_mask, other=0.0).to(tl.float32)
+    d_gate, d_up, h = swiglu_backward(w[:, None] * d_out_wd, gate, up, swiglu_limit, HAS_LIMIT)
+    # Padding rows: exact zeros whatever the saved g, u hold there.
+    valid = row_valid[:, None]
+    dgu_ptrs = d_gate_up_ptr + rows64[:, None] * stride_dgu_r + n_offs[None, :]
+    tl.store(dgu_ptrs, round_to_bf16(tl.where(valid, d_gate, 0.0), INTERPRETER), mask=out_mask)
+    tl.store(dgu_ptrs + inter, round_to_bf16(tl.where(valid, d_up, 0.0), INTERPRETER), mask=out_mask)
+    return tl.sum(d_out_wd * h, axis=1)
 
 
 # --------------------------------------------------------------------------- kernels
@@ -249,10 +262,10 @@ def _down_dgrad_swiglu_kernel(
     for half in tl.static_range(2):
         quarters = column_halves(halves[half])
         for quarter in tl.static_range(2):
-            n_offs = n_tile * BLOCK_N + (2 * half + quarter) * (BLOCK_N // 4) + tl.arange(0, BLOCK_N // 4)
-            partial += swiglu_backward_tile(
-                quarters[quarter], w, row_valid, rows64, n_offs, gate_up_ptr, d_gate_up_ptr, inter, swiglu_limit,
-                stride_gu_r, stride_dgu_r, HAS_LIMIT, INTERPRETER,
+            partial += _down_dgrad_epilogue(
+                quarters[quarter], w, row_valid, rows64, n_tile * BLOCK_N + (2 * half + quarter) * (BLOCK_N // 4),
+                gate_up_ptr, d_gate_up_ptr, inter, swiglu_limit, stride_gu_r, stride_dgu_r,
+                HAS_LIMIT, INTERPRETER, BLOCK_N // 4,
             )
     if HAS_WEIGHTS:
         tl.store(route_partials_ptr + slot.to(tl.int64) * num_n_tiles + n_tile, partial, mask=row_valid)
@@ -389,43 +402,17 @@ def _launch_down_dgrad_swiglu(
     precision: str, d_out, d_out_scale, topk_weights, gate_up, w_down, w_down_scale,
     schedule: RoutingSchedule, hidden: int, inter: int, swiglu_limit: float | None, cfg: dict,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`_down_dgrad_swiglu_kernel` (or, fp8_block with a WARP_SPECIALIZED tile config,
-    `warp_specialized`'s), then the router-weight sum; the scales are None in bf16."""
-    warp_specialized_kernel = cfg.get("WARP_SPECIALIZED", False)
-    if warp_specialized_kernel and precision != "fp8_block":  # a bf16 one measured slower (BENCHMARKS.md)
-        raise ValueError("tile_config: the bf16 down dgrad runs the Triton kernel only, got WARP_SPECIALIZED")
+    """`_down_dgrad_swiglu_kernel`, then the router-weight sum; the scales are None in bf16."""
+    if cfg.get("WARP_SPECIALIZED", False):  # a warp-specialized down dgrad measured slower (BENCHMARKS.md)
+        raise ValueError("tile_config: the down dgrad runs the Triton kernel only, got WARP_SPECIALIZED")
     device = gate_up.device
-    # one partial per row and 128 columns in the warp-specialized kernel, as in the Triton one's fp8_block tiles
-    num_n_tiles = triton.cdiv(inter, FP8_BLOCK if warp_specialized_kernel else cfg["BLOCK_N"])
+    num_n_tiles = triton.cdiv(inter, cfg["BLOCK_N"])
     d_gate_up = torch.empty_like(gate_up)  # [capacity_rows, 2, I] bf16
     weighted = topk_weights is not None
     num_slots = topk_weights.numel() if weighted else 0
     # [T·topk, I / BLOCK_N] fp32: every slot a placed route points to is fully written.
     route_partials = torch.empty(num_slots, num_n_tiles, dtype=torch.float32, device=device)
-    if warp_specialized_kernel:
-        warp_specialized.launch_down_dgrad_swiglu_fp8_block(
-            d_out, d_out_scale, topk_weights, gate_up, w_down, w_down_scale, d_gate_up,
-            route_partials if weighted else None, schedule, swiglu_limit, cfg,
-        )
-    else:
-        _launch_down_dgrad_swiglu_kernel(precision, d_out, d_out_scale, topk_weights, gate_up, w_down, w_down_scale,
-                                         d_gate_up, route_partials, schedule, hidden, inter, swiglu_limit, cfg)
-    if not weighted:
-        return d_gate_up, None
-    d_topk_weights = torch.empty_like(topk_weights)  # [T, topk] fp32
-    block_s = 128
-    _sum_route_partials_kernel[(triton.cdiv(num_slots, block_s),)](
-        route_partials, d_topk_weights, num_slots, num_n_tiles, BLOCK_S=block_s, num_warps=4,
-    )
-    return d_gate_up, d_topk_weights
-
-
-def _launch_down_dgrad_swiglu_kernel(
-    precision: str, d_out, d_out_scale, topk_weights, gate_up, w_down, w_down_scale, d_gate_up, route_partials,
-    schedule: RoutingSchedule, hidden: int, inter: int, swiglu_limit: float | None, cfg: dict,
-) -> None:
-    weighted = topk_weights is not None
-    grid = (schedule.max_tiles * triton.cdiv(inter, cfg["BLOCK_N"]),)
+    grid = (schedule.max_tiles * num_n_tiles,)
     _down_dgrad_swiglu_kernel[grid](
         tma_descriptor(d_out, (cfg["BLOCK_M"], cfg["BLOCK_K"])), topk_weights if weighted else d_gate_up,
         gate_up, tma_descriptor(w_down, _weight_block(precision, cfg)), d_gate_up,
@@ -437,6 +424,14 @@ def _launch_down_dgrad_swiglu_kernel(
         PRECISION=precision, HAS_WEIGHTS=weighted, HAS_LIMIT=swiglu_limit is not None, INTERPRETER=interpreting(),
         **cfg,
     )
+    if not weighted:
+        return d_gate_up, None
+    d_topk_weights = torch.empty_like(topk_weights)  # [T, topk] fp32
+    block_s = 128
+    _sum_route_partials_kernel[(triton.cdiv(num_slots, block_s),)](
+        route_partials, d_topk_weights, num_slots, num_n_tiles, BLOCK_S=block_s, num_warps=4,
+    )
+    return d_gate_up, d_topk_weights
 
 
 def down_dgrad_swiglu(

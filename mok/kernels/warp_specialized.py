@@ -83,7 +83,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from mok.fp8_block import FP8_BLOCK
 from mok.kernels.common import (
-    column_halves,
     expert_tile_coordinates,
     interpreting,
     num_sms,
@@ -94,7 +93,7 @@ from mok.kernels.common import (
 from mok.kernels.gather import sorted_row_routes
 from mok.kernels.quant_fp8_block import quantize_row_blocks
 from mok.kernels.schedule import RoutingSchedule
-from mok.kernels.swiglu import swiglu_backward_tile, swiglu_forward
+from mok.kernels.swiglu import swiglu_forward
 
 # Ping-pong: one consumer's tile. A 128×128 fp32 accumulator is 128 registers per thread of
 # its warp group; 128×256 spilled (ptxas, sm_90a: 3.7 KB per thread). Six stages of 128×64 A
@@ -446,18 +445,6 @@ def _scatter_producer(a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, e
                       n_dim, reduce_dim, stride_y, CONSUMER: gl.constexpr, TWO_SEGMENTS: gl.constexpr,
                       B_K_MAJOR: gl.constexpr, COOPERATIVE: gl.constexpr, FP8: gl.constexpr, BLOCK_M: gl.constexpr,
                       BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
-    _load_scatter_tiles(a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, num_rows_ptr,
-                        n_dim, reduce_dim, TWO_SEGMENTS, B_K_MAJOR, COOPERATIVE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                        STAGES)
-
-
-@gluon.jit
-def _load_scatter_tiles(a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr,
-                        num_rows_ptr, n_dim, reduce_dim, TWO_SEGMENTS: gl.constexpr, B_K_MAJOR: gl.constexpr,
-                        COOPERATIVE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                        BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
-    """Producer: every tile's K steps of A (sorted rows) and B (the tile's expert's weight), of
-    one or two segments, for the program's tiles in order."""
     num_m_tiles = gl.cdiv(gl.load(num_rows_ptr), BLOCK_M)
     num_n_tiles = gl.cdiv(n_dim, BLOCK_N)
     step = 0
@@ -494,15 +481,22 @@ def _scatter_consumer(a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, e
             n0 = n_tile * BLOCK_N
             acc = gl.zeros((ROWS, MMA_N), gl.float32, mma_layout)
             acc_hi = acc  # fp8_block at BLOCK_N = 2 · MMA_N: columns [n0 + MMA_N, n0 + BLOCK_N)
-            if FP8:
-                expert = gl.load(tile_expert_ptr + m_tile)
-                acc, acc_hi = _scaled_segment(acc, acc_hi, tile_count * k_steps, k_blocks, a_bufs, b_bufs, ready,
-                                              empty, a_scale_ptr, b_scale_ptr, expert, n0, n_dim, first_row, m_dim,
-                                              CONSUMER, STAGES)
+            if FP8:  # each segment: rows' 1×128 scales [rows, K/128], the weight's [E_l, n_dim/128, K/128]
+                # the weight block of columns [n0, n0 + 128) and of the next 128, if any
+                weight_scales = (gl.load(tile_expert_ptr + m_tile).to(gl.int64) * gl.cdiv(n_dim, BLOCK_K)
+                                 + n0 // BLOCK_K) * k_blocks
+                hi_valid = n0 + MMA_N < n_dim
+                strides = (1, k_blocks, 1)
+                rows, rows_valid = _accumulator_rows(first_row, m_dim, ROWS, mma_layout)
+                acc, acc_hi = _scaled_mma_steps(acc, acc_hi, tile_count * k_steps, k_blocks, 0, a_bufs, b_bufs, ready,
+                                                empty, a_scale_ptr, b_scale_ptr + weight_scales,
+                                                b_scale_ptr + weight_scales + k_blocks, hi_valid, strides, rows,
+                                                rows_valid, CONSUMER, False, False, STAGES)
                 if TWO_SEGMENTS:
-                    acc, acc_hi = _scaled_segment(acc, acc_hi, tile_count * k_steps + k_blocks, k_blocks, a_bufs,
-                                                  b_bufs, ready, empty, a2_scale_ptr, b2_scale_ptr, expert, n0, n_dim,
-                                                  first_row, m_dim, CONSUMER, STAGES)
+                    acc, acc_hi = _scaled_mma_steps(acc, acc_hi, tile_count * k_steps + k_blocks, k_blocks, 0, a_bufs,
+                                                    b_bufs, ready, empty, a2_scale_ptr, b2_scale_ptr + weight_scales,
+                                                    b2_scale_ptr + weight_scales + k_blocks, hi_valid, strides, rows,
+                                                    rows_valid, CONSUMER, False, False, STAGES)
             else:
                 acc = _mma_steps(acc, tile_count * k_steps, k_steps, tile_count, a_bufs, b_bufs, ready, empty, turn,
                                  CONSUMER, True, B_K_MAJOR, COOPERATIVE, STAGES)
@@ -510,23 +504,6 @@ def _scatter_consumer(a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, e
             if MMA_N < BLOCK_N:
                 _scatter_store(acc_hi, y_ptr, row_source_ptr, first_row, n0 + MMA_N, n_dim, stride_y)
         tile_count += 1
-
-
-@gluon.jit
-def _scaled_segment(acc, acc_hi, first_step, k_blocks, a_bufs, b_bufs, ready, empty, a_scale_ptr, b_scale_ptr, expert,
-                    n0, n_dim, first_row, m_dim, CONSUMER: gl.constexpr, STAGES: gl.constexpr):
-    """Consumer, fp8_block: `_scaled_mma_steps` over one K segment of a tile of sorted rows from
-    first_row on (their 1×128 scales [m_dim, K/128] at a_scale_ptr) times the expert's weight
-    (K-major, its 128×128 block scales [E_l, n_dim/128, K/128] at b_scale_ptr): acc for columns
-    [n0, n0 + 128), acc_hi for the next 128 where they exist."""
-    ROWS: gl.constexpr = acc.shape[0]
-    MMA_N: gl.constexpr = acc.shape[1]
-    layout: gl.constexpr = acc.type.layout
-    weight_scales = (expert.to(gl.int64) * gl.cdiv(n_dim, MMA_N) + n0 // MMA_N) * k_blocks
-    rows, rows_valid = _accumulator_rows(first_row, m_dim, ROWS, layout)
-    return _scaled_mma_steps(acc, acc_hi, first_step, k_blocks, 0, a_bufs, b_bufs, ready, empty, a_scale_ptr,
-                             b_scale_ptr + weight_scales, b_scale_ptr + weight_scales + k_blocks, n0 + MMA_N < n_dim,
-                             (1, k_blocks, 1), rows, rows_valid, CONSUMER, False, False, STAGES)
 
 
 @gluon.jit
@@ -575,137 +552,6 @@ def _scatter_ws_kernel(
                              a2_scale_ptr, b_scale_ptr, b2_scale_ptr, row_source_ptr, tile_expert_ptr, num_rows_ptr,
                              m_dim, n_dim, reduce_dim, stride_y, 0, TWO_SEGMENTS, B_K_MAJOR, COOPERATIVE, FP8,
                              BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
-    ], [4, 1], [_CONSUMER_REGISTERS, _PRODUCER_REGISTERS])
-
-
-# --------------------------------------------------------------------------- fp8_block down dgrad
-
-
-@gluon.jit
-def _down_dgrad_producer(d_out_desc, w_down_desc, a_bufs, b_bufs, ready, empty, gate_up_ptr, d_gate_up_ptr,
-                         topk_weights_ptr, route_partials_ptr, d_out_scale_ptr, w_down_scale_ptr, row_source_ptr,
-                         tile_expert_ptr, num_rows_ptr, m_dim, hidden, inter, swiglu_limit, stride_gu_r, stride_dgu_r,
-                         CONSUMER: gl.constexpr, HAS_WEIGHTS: gl.constexpr, HAS_LIMIT: gl.constexpr,
-                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-                         STAGES: gl.constexpr):
-    _load_scatter_tiles(d_out_desc, d_out_desc, w_down_desc, w_down_desc, a_bufs, b_bufs, ready, empty,
-                        tile_expert_ptr, num_rows_ptr, inter, hidden, False, True, True, BLOCK_M, BLOCK_N, BLOCK_K,
-                        GROUP_M, STAGES)
-
-
-@gluon.jit
-def _down_dgrad_consumer(d_out_desc, w_down_desc, a_bufs, b_bufs, ready, empty, gate_up_ptr, d_gate_up_ptr,
-                         topk_weights_ptr, route_partials_ptr, d_out_scale_ptr, w_down_scale_ptr, row_source_ptr,
-                         tile_expert_ptr, num_rows_ptr, m_dim, hidden, inter, swiglu_limit, stride_gu_r, stride_dgu_r,
-                         CONSUMER: gl.constexpr, HAS_WEIGHTS: gl.constexpr, HAS_LIMIT: gl.constexpr,
-                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-                         STAGES: gl.constexpr):
-    ROWS: gl.constexpr = BLOCK_M // 2
-    HALF_N: gl.constexpr = BLOCK_N // 2
-    mma_layout: gl.constexpr = _mma_layout(HALF_N, True)
-    num_m_tiles = gl.cdiv(gl.load(num_rows_ptr), BLOCK_M)
-    num_n_tiles = gl.cdiv(inter, BLOCK_N)
-    k_blocks = gl.cdiv(hidden, BLOCK_K)
-    tile_count = 0
-    for tile in range(gl.program_id(0), num_m_tiles * num_n_tiles, gl.num_programs(0)):
-        m_tile, n_tile = tile_coordinates(tile, num_m_tiles, num_n_tiles, GROUP_M)
-        first_row = m_tile * BLOCK_M + CONSUMER * ROWS
-        n0 = n_tile * BLOCK_N
-        acc = gl.zeros((ROWS, HALF_N), gl.float32, mma_layout)
-        acc, acc_hi = _scaled_segment(acc, acc, tile_count * k_blocks, k_blocks, a_bufs, b_bufs, ready, empty,
-                                      d_out_scale_ptr, w_down_scale_ptr, gl.load(tile_expert_ptr + m_tile), n0, inter,
-                                      first_row, m_dim, CONSUMER, STAGES)
-        rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma_layout))
-        source = gl.load(row_source_ptr + rows)
-        row_valid = source >= 0
-        slot = gl.where(row_valid, source, 0).to(gl.int64)
-        if HAS_WEIGHTS:
-            w = gl.load(topk_weights_ptr + slot, mask=row_valid, other=0.0)
-        else:
-            w = gl.full((ROWS,), 1.0, gl.float32, gl.SliceLayout(1, mma_layout))
-        num_partials = gl.cdiv(inter, HALF_N)
-        rows64 = rows.to(gl.int64)
-        partial = _down_dgrad_epilogue(acc, w, row_valid, rows64, n0, gate_up_ptr, d_gate_up_ptr, inter, swiglu_limit,
-                                       stride_gu_r, stride_dgu_r, HAS_LIMIT)
-        if HAS_WEIGHTS:
-            gl.store(route_partials_ptr + slot * num_partials + n0 // HALF_N, partial, mask=row_valid)
-        if n0 + HALF_N < inter:
-            partial = _down_dgrad_epilogue(acc_hi, w, row_valid, rows64, n0 + HALF_N, gate_up_ptr, d_gate_up_ptr,
-                                           inter, swiglu_limit, stride_gu_r, stride_dgu_r, HAS_LIMIT)
-            if HAS_WEIGHTS:
-                gl.store(route_partials_ptr + slot * num_partials + n0 // HALF_N + 1, partial, mask=row_valid)
-        tile_count += 1
-
-
-@gluon.jit
-def _down_dgrad_epilogue(acc, w, row_valid, rows64, n0, gate_up_ptr, d_gate_up_ptr, inter, swiglu_limit, stride_gu_r,
-                         stride_dgu_r, HAS_LIMIT: gl.constexpr):
-    """`swiglu.swiglu_backward_tile` on an accumulator's columns [n0, n0 + 128) a quarter at a
-    time, as the Triton kernel takes its 128-column tile: whole, g, u, d_g and d_u would not
-    fit beside the other accumulator. Returns the rows' partials over the 128 columns, the
-    quarters' added in column order."""
-    QUARTER: gl.constexpr = acc.shape[1] // 4
-    args = (w, row_valid, rows64, gate_up_ptr, d_gate_up_ptr, inter, swiglu_limit, stride_gu_r, stride_dgu_r)
-    low, high = column_halves(acc)
-    first, second = column_halves(low)
-    partial = _down_dgrad_quarter(first, n0, *args, HAS_LIMIT)
-    partial += _down_dgrad_quarter(second, n0 + QUARTER, *args, HAS_LIMIT)
-    first, second = column_halves(high)
-    partial += _down_dgrad_quarter(first, n0 + 2 * QUARTER, *args, HAS_LIMIT)
-    partial += _down_dgrad_quarter(second, n0 + 3 * QUARTER, *args, HAS_LIMIT)
-    return gl.convert_layout(partial, w.type.layout)
-
-
-@gluon.jit
-def _down_dgrad_quarter(a, n0, w, row_valid, rows64, gate_up_ptr, d_gate_up_ptr, inter, swiglu_limit, stride_gu_r,
-                        stride_dgu_r, HAS_LIMIT: gl.constexpr):
-    rows: gl.constexpr = gl.SliceLayout(1, a.type.layout)
-    n_offs = n0 + gl.arange(0, a.shape[1], layout=gl.SliceLayout(0, a.type.layout))
-    return swiglu_backward_tile(a, gl.convert_layout(w, rows), gl.convert_layout(row_valid, rows),
-                                gl.convert_layout(rows64, rows), n_offs, gate_up_ptr, d_gate_up_ptr, inter,
-                                swiglu_limit, stride_gu_r, stride_dgu_r, HAS_LIMIT, False)
-
-
-@gluon.jit
-def _down_dgrad_ws_kernel(
-    # TMA descriptors: dOut's e4m3 rows in the sorted layout [capacity_rows, H], w_downᵀ's e4m3
-    # [E_l·I, H] (K-major)
-    d_out_desc, w_down_desc,
-    # g, u [capacity_rows, 2, I] bf16 (the forward's); out: d_g, d_u [capacity_rows, 2, I] bf16
-    gate_up_ptr, d_gate_up_ptr,
-    # [T·topk] fp32 router weights and out: route_partials [T·topk, I/128] fp32 (HAS_WEIGHTS)
-    topk_weights_ptr, route_partials_ptr,
-    # scales: dOut's [capacity_rows, H/128], w_downᵀ's [E_l, I/128, H/128]
-    d_out_scale_ptr, w_down_scale_ptr,
-    # schedule
-    row_source_ptr, tile_expert_ptr, num_rows_ptr,
-    # sizes (m_dim: capacity_rows), strides
-    m_dim, hidden, inter, swiglu_limit, stride_gu_r, stride_dgu_r,
-    # meta
-    HAS_WEIGHTS: gl.constexpr, HAS_LIMIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-):
-    """`dgrad._down_dgrad_swiglu_kernel`'s fp8_block product and epilogue, cooperative: each
-    consumer's 64×256 as two 128-column accumulators (`_scaled_segment`), each then through
-    the Triton kernel's epilogue (`swiglu.swiglu_backward_tile`), one router-weight partial per
-    row and 128 columns, as the Triton kernel's 128-column tiles write them."""
-    a_bufs, b_bufs, ready, empty, _ = _allocate_ring(d_out_desc, w_down_desc, True, STAGES, 1)
-    gl.warp_specialize([
-        (_down_dgrad_consumer, (d_out_desc, w_down_desc, a_bufs, b_bufs, ready, empty, gate_up_ptr, d_gate_up_ptr,
-                                topk_weights_ptr, route_partials_ptr, d_out_scale_ptr, w_down_scale_ptr,
-                                row_source_ptr, tile_expert_ptr, num_rows_ptr, m_dim, hidden, inter, swiglu_limit,
-                                stride_gu_r, stride_dgu_r, 0, HAS_WEIGHTS, HAS_LIMIT, BLOCK_M, BLOCK_N, BLOCK_K,
-                                GROUP_M, STAGES)),
-        (_down_dgrad_consumer, (d_out_desc, w_down_desc, a_bufs, b_bufs, ready, empty, gate_up_ptr, d_gate_up_ptr,
-                                topk_weights_ptr, route_partials_ptr, d_out_scale_ptr, w_down_scale_ptr,
-                                row_source_ptr, tile_expert_ptr, num_rows_ptr, m_dim, hidden, inter, swiglu_limit,
-                                stride_gu_r, stride_dgu_r, 1, HAS_WEIGHTS, HAS_LIMIT, BLOCK_M, BLOCK_N, BLOCK_K,
-                                GROUP_M, STAGES)),
-        (_down_dgrad_producer, (d_out_desc, w_down_desc, a_bufs, b_bufs, ready, empty, gate_up_ptr, d_gate_up_ptr,
-                                topk_weights_ptr, route_partials_ptr, d_out_scale_ptr, w_down_scale_ptr,
-                                row_source_ptr, tile_expert_ptr, num_rows_ptr, m_dim, hidden, inter, swiglu_limit,
-                                stride_gu_r, stride_dgu_r, 0, HAS_WEIGHTS, HAS_LIMIT, BLOCK_M, BLOCK_N, BLOCK_K,
-                                GROUP_M, STAGES)),
     ], [4, 1], [_CONSUMER_REGISTERS, _PRODUCER_REGISTERS])
 
 
@@ -1071,32 +917,6 @@ def launch_gate_up_dgrad_scatter(d_gate: torch.Tensor, d_up: torch.Tensor, w_gat
     e4m3 d_g, d_u and the weights' transposed copies [E_l, H, I]). The caller has checked the operands."""
     # bf16 weights read as [E_l·I, H]; the fp8 transposed copies as [E_l·H, I] (K-major)
     _launch_scatter(d_gate, d_up, w_gate, w_up, dx, schedule, cfg, scales is not None, scales)
-
-
-def launch_down_dgrad_swiglu_fp8_block(d_out_q: torch.Tensor, d_out_scale: torch.Tensor,
-                                       topk_weights: torch.Tensor | None, gate_up: torch.Tensor,
-                                       w_down_t_q: torch.Tensor, w_down_t_scale: torch.Tensor,
-                                       d_gate_up: torch.Tensor, route_partials: torch.Tensor | None,
-                                       schedule: RoutingSchedule, swiglu_limit: float | None, cfg: dict) -> None:
-    """`dgrad.down_dgrad_swiglu_fp8_block`'s kernel here: d_gate_up written for every row below
-    the schedule's num_rows and, with topk_weights, route_partials [T·topk, I/128] for every
-    slot a route points to. The caller has checked the operands and the outputs."""
-    _check_fp8_block_tile(cfg, schedule, "down dgrad")
-    _check_device(d_out_q.device)
-    inter, hidden = w_down_t_q.shape[1], w_down_t_q.shape[2]
-    block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    num_tiles = (schedule.capacity_rows // block_m) * triton.cdiv(inter, block_n)
-    _down_dgrad_ws_kernel[(min(num_tiles, num_sms(d_out_q.device)),)](
-        _descriptor(d_out_q, (block_m // 2, block_k)), _descriptor(w_down_t_q, (block_n, block_k)),
-        gate_up, d_gate_up,
-        d_gate_up if topk_weights is None else topk_weights, d_gate_up if route_partials is None else route_partials,
-        d_out_scale, w_down_t_scale,  # d_gate_up: unread stand-ins without weights
-        schedule.row_source, schedule.tile_expert, schedule.num_rows,
-        schedule.capacity_rows, hidden, inter, 0.0 if swiglu_limit is None else float(swiglu_limit),
-        gate_up.stride(0), d_gate_up.stride(0),
-        topk_weights is not None, swiglu_limit is not None, block_m, block_n, block_k, cfg.get("GROUP_M", 1),
-        cfg["num_stages"], num_warps=4,
-    )
 
 
 def launch_gate_up_swiglu_fp8_block(x_q: torch.Tensor, x_scale: torch.Tensor, w_gate_q: torch.Tensor,

@@ -16,13 +16,7 @@ import torch
 from mok.fp8_block import fp8_block_quantize
 from mok.kernels import warp_specialized as ws
 from mok.kernels import wgrad
-from mok.kernels.dgrad import (
-    dgrad_config,
-    down_dgrad_swiglu,
-    down_dgrad_swiglu_fp8_block,
-    gate_up_dgrad_scatter,
-    gate_up_dgrad_scatter_fp8_block,
-)
+from mok.kernels.dgrad import dgrad_config, down_dgrad_swiglu, gate_up_dgrad_scatter, gate_up_dgrad_scatter_fp8_block
 from mok.kernels.gather import gather_sorted_rows
 from mok.kernels.grouped_gemm import (
     down_scatter,
@@ -194,28 +188,6 @@ def test_fp8_block_gate_up_compiles_for_sm90a_without_spills():
     assert _ptxas_report("_gate_up_ws_kernel", signature, meta, aligned=("x_ptr", "hidden")) == (168, 8)
 
 
-def test_fp8_block_down_dgrad_compiles_for_sm90a_without_spills_in_the_k_loop():
-    """The fp8_block down dgrad (each consumer's 64×256 as two accumulators, then the Triton
-    kernel's SwiGLU-backward epilogue a quarter of 128 columns at a time): 168 registers per
-    thread at launch. The epilogue spills as the Triton kernel's does (ptxas, sm_90a: 2.4 KB,
-    in the SASS: the accumulators stored after the K loop and reloaded for the epilogue's
-    quarters; none in the K loop); this bounds it."""
-    cfg = ws.fp8_block_tile_config()
-    meta = dict(HAS_WEIGHTS=True, HAS_LIMIT=True, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-                BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], STAGES=cfg["num_stages"])
-    fp8 = torch.float8_e4m3fn
-    signature = {
-        "d_out_desc": _descriptor_type((cfg["BLOCK_M"] // 2, cfg["BLOCK_K"]), fp8),
-        "w_down_desc": _descriptor_type((cfg["BLOCK_N"], cfg["BLOCK_K"]), fp8), "gate_up_ptr": "*bf16",
-        "d_gate_up_ptr": "*bf16", "topk_weights_ptr": "*fp32", "route_partials_ptr": "*fp32",
-        "d_out_scale_ptr": "*fp32", "w_down_scale_ptr": "*fp32", "row_source_ptr": "*i32", "tile_expert_ptr": "*i32",
-        "num_rows_ptr": "*i32", "m_dim": "i32", "hidden": "i32", "inter": "i32", "swiglu_limit": "fp32",
-        "stride_gu_r": "i32", "stride_dgu_r": "i32", **{name: "constexpr" for name in meta},
-    }
-    registers, spilled = _ptxas_report("_down_dgrad_ws_kernel", signature, meta)
-    assert registers == 168 and spilled <= 2500, (registers, spilled)
-
-
 def test_defaults_choose_it_only_where_it_runs():
     """No Hopper GPU here (or the interpreter): the default tile configs keep the Triton kernels."""
     if ws.available_here():
@@ -246,7 +218,7 @@ def test_errors_name_the_tile_config(kernel_device):
     with pytest.raises(ValueError, match="tile_config: the gate/up wgrad .two outputs. needs COOPERATIVE"):
         gate_up_wgrad(d_gate_up, torch.randn_like(h), sched, tile_config=config)
     d_out_sorted = torch.randn(sched.capacity_rows, 64).bfloat16().to(kernel_device)
-    with pytest.raises(ValueError, match="tile_config: the bf16 down dgrad runs the Triton kernel only"):
+    with pytest.raises(ValueError, match="tile_config: the down dgrad runs the Triton kernel only"):
         down_dgrad_swiglu(d_out_sorted, inp.topk_weights, d_gate_up, inp.w_down, sched, tile_config=config)
     # fp8_block: a schedule of 128-row tiles (one scale block per K step)
     sched = build_routing_schedule(inp.topk_ids, 4, 128, flag)
@@ -266,10 +238,6 @@ def test_errors_name_the_tile_config(kernel_device):
     weight = fp8_block_quantize(inp.w_down)
     with pytest.raises(ValueError, match="tile_config: the fp8_block down GEMM needs COOPERATIVE"):
         down_scatter_fp8_block(*rows, *weight[:2], sched, 16, tile_config=dict(fp8_config, COOPERATIVE=False))
-    gate_up = torch.randn(sched.capacity_rows, 2, 128, device=kernel_device).bfloat16()
-    with pytest.raises(ValueError, match="tile_config: the fp8_block down dgrad needs BLOCK_K 128"):
-        down_dgrad_swiglu_fp8_block(*rows, inp.topk_weights, gate_up, *weight[2:], sched,
-                                    tile_config=dict(fp8_config, BLOCK_K=64))
     with pytest.raises(ValueError, match="tile_config: the fp8_block gate/up dgrad needs COOPERATIVE"):
         gate_up_dgrad_scatter_fp8_block(*rows, *rows, *weight[2:], *weight[2:], sched, 16,
                                         tile_config=dict(fp8_config, COOPERATIVE=False))
@@ -425,41 +393,9 @@ def test_fp8_block_gate_up_is_bitwise_the_triton_kernel(T, H, I, E, topk, skewed
 
 @hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("weighted, swiglu_limit", [(True, None), (True, 1.5), (False, None)])
-@pytest.mark.parametrize("T, H, I, E, topk, skewed", _FP8_CASES)
-def test_fp8_block_down_dgrad_is_the_triton_kernel(T, H, I, E, topk, skewed, weighted, swiglu_limit):
-    """The fp8_block down dgrad: d_gate_up bitwise the Triton kernel's on every row in use
-    (padding rows' exact zeros included); the router-weight gradient the same sums of the
-    same partials, each partial's 128 products added in another order."""
-    inp, sched = _inputs(T, H, I, E, topk, skewed, seed=9)
-    d_out = quantize_fp8_block_activations(torch.randn(sched.capacity_rows, H, device="cuda"))
-    gate_up = torch.randn(sched.capacity_rows, 2, I, device="cuda").bfloat16()
-    w_down_t = fp8_block_quantize(inp.w_down)[2:]  # [E, I, H] and its scales
-    weights = inp.topk_weights if weighted else None
-    run = lambda cfg: down_dgrad_swiglu_fp8_block(*d_out, weights, gate_up, *w_down_t, sched,  # noqa: E731
-                                                  swiglu_limit=swiglu_limit, tile_config=cfg)
-    (got, got_weights), (expected, expected_weights) = (
-        run(ws.fp8_block_tile_config()), run(dgrad_config("down", I, H, "fp8_block", allow_warp_specialized=False)))
-    rows = int(sched.num_rows.item())
-    params = f"{T=} {H=} {I=} {E=} {topk=} {skewed=} {weighted=} {swiglu_limit=}"
-    _check_bitwise(got[:rows], expected[:rows], params)
-    if weighted:  # fp32 sums of the same terms in another order: a few ulps of the largest
-        tolerance = 1e-5 * expected_weights.abs().max()
-        assert (got_weights - expected_weights).abs().max() <= tolerance, params
-        assert not torch.equal(expected_weights, torch.zeros_like(expected_weights)), params
-    else:
-        assert got_weights is None and expected_weights is None
-
-
-@hopper
-@pytest.mark.gpu
-@pytest.mark.parametrize("setting, value", [("grouped_gemm.WARP_SPECIALIZED_FP8_BLOCK_GATE_UP_MIN_HIDDEN", 0),
-                                            ("dgrad.WARP_SPECIALIZED_FP8_BLOCK_DOWN_DGRAD", True)])
-def test_fp8_block_layer_with_a_warp_specialized_kernel_is_the_same(monkeypatch, setting, value):
+def test_fp8_block_layer_with_the_warp_specialized_gate_up_is_bitwise_the_same(monkeypatch):
     """A forward and backward of the fp8_block layer through `mok.forward` / `mok.backward`
-    with the warp-specialized gate/up or down dgrad on (at this shape): every output and
-    gradient bitwise the Triton kernels' run, but the router weights' with the down dgrad
-    (its partials summed in another order: within a few ulps)."""
+    with the warp-specialized gate/up on: every output and gradient bitwise the Triton kernel's run."""
     import mok
 
     inp = make_inputs(2048, 512, 384, 8, 4, 256, seed=8, device="cuda", signed_weights=True)
@@ -474,14 +410,10 @@ def test_fp8_block_layer_with_a_warp_specialized_kernel_is_the_same(monkeypatch,
         return (out, *mok.backward(config, workspace, schedule, ctx, d_out, *args))
 
     expected = step()
-    monkeypatch.setattr(f"mok.kernels.{setting}", value)
-    assert (gemm_config("gate_up", 384, 512, "fp8_block") == ws.fp8_block_tile_config()
-            or dgrad_config("down", 384, 512, "fp8_block") == ws.fp8_block_tile_config())
+    monkeypatch.setattr("mok.kernels.grouped_gemm.WARP_SPECIALIZED_FP8_BLOCK_GATE_UP_MIN_HIDDEN", 0)
+    assert gemm_config("gate_up", 384, 512, "fp8_block") == ws.fp8_block_tile_config()
     for name, got, want in zip(("out", *Gradients._fields), step(), expected, strict=True):
-        if name == "d_topk_weights" and "DOWN_DGRAD" in setting:
-            assert (got - want).abs().max() <= 1e-5 * want.abs().max(), name
-        else:
-            assert (got is None and want is None) or torch.equal(got, want), name
+        assert (got is None and want is None) or torch.equal(got, want), name
 
 
 @hopper
