@@ -5,9 +5,9 @@
 #   lowp: the GPU tests of fp8_block and mxfp8 alone (every preset, ten steps, graphs, compile);
 #   ws: the warp-specialized kernels' GPU tests, then their sweep against the Triton kernels (WS_ARGS);
 #   groupm: the GROUP_M sweep of the Triton GEMMs (GROUPM_ARGS);
-#   fp8ws: the fp8_block warp-specialized kernels' GPU tests, then the gate/up GEMM's sweep.
+#   fp8ws: the fp8_block warp-specialized kernels' GPU tests, then their sweep (FP8WS_ARGS).
 #   ep and epbench need two GPUs (nvidia-h200-x2).
-#   env: STEP_TIMEOUT, TUNE_ARGS, WS_ARGS, GROUPM_ARGS, PROFILE_PRESETS, PROFILE_ARGS, BENCH_ARGS, EP_BENCH_ARGS, TRAIN_ARGS
+#   env: STEP_TIMEOUT, TUNE_ARGS, WS_ARGS, FP8WS_ARGS, GROUPM_ARGS, PROFILE_PRESETS, PROFILE_ARGS, BENCH_ARGS, EP_BENCH_ARGS, TRAIN_ARGS
 # Writes logs, JSON records and plots under $OUT (or ./bench_out).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -36,8 +36,9 @@ for step in $steps; do
         python3 -m pytest -q -x -p no:cacheprovider tests/kernels 2>&1 | tail -40 | tee "$OUT/sanitize.log" ;;
     fp8ws) timeout $T python3 -m pytest -q -p no:cacheprovider tests/kernels/test_warp_specialized.py -k "fp8" 2>&1 \
           | tail -15 | tee "$OUT/fp8ws-tests.log"
-        timeout $T python3 benchmarks/sweeps/warp_specialized.py --preset qwen3-30b --preset deepseek-v3-slice \
-          --kernel gate_up_fp8 --rounds 2 --out "$OUT/fp8ws-sweep.json" 2>&1 | tee "$OUT/fp8ws-sweep.log" ;;
+        timeout $T python3 benchmarks/sweeps/warp_specialized.py --out "$OUT/fp8ws-sweep.json" \
+          ${FP8WS_ARGS:---preset qwen3-30b --preset deepseek-v3-slice --kernel gate_up_fp8 --rounds 2} 2>&1 \
+          | tee "$OUT/fp8ws-sweep.log" ;;
     lowp) timeout $T python3 -m pytest -q -p no:cacheprovider tests/test_triton_backward.py tests/test_gpu_forward.py \
           -k "low_precision or mxfp8 or fp8_block or ten_steps" 2>&1 | tail -15 | tee "$OUT/lowp.log" ;;
     fp8) timeout $T python3 benchmarks/bench_fp8_gemm.py --out "$OUT/fp8-gemm.json" 2>&1 | tee "$OUT/fp8.log" ;;
