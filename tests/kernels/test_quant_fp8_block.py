@@ -58,6 +58,18 @@ def _tie_row(gen):
     return row * signs  # [128] fp32; |row| ≤ 448 except the saturating ones (scale stays 1 only if ≤ 448)
 
 
+def test_activations_over_a_wide_range_of_scales(kernel_device):
+    """Half a million values, each 1×128 block of its own magnitude (2^-40 … 2^40) and each
+    value up to 2^-20 of its block's largest: the quotient by the block's scale (a reciprocal
+    and one correction on the GPU) lands on every E4M3 step and tie, and in the subnormals."""
+    gen = torch.Generator().manual_seed(5)
+    block_scale = 2.0 ** torch.randint(-40, 41, (512, 8, 1), generator=gen).float()
+    x = torch.randn(512, 8, 128, generator=gen) * 2.0 ** -torch.randint(0, 21, (512, 8, 128), generator=gen).float()
+    x = (x * block_scale).reshape(512, 1024)
+    got = quantize_fp8_block_activations(x.to(kernel_device))
+    _assert_same(got, fp8_block_quantize_activations(x), f"{kernel_device=}")
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("M, K", [(70, 300), (1, 128), (33, 256)])
 def test_activations_random(kernel_device, dtype, M, K):
