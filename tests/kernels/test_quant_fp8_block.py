@@ -60,8 +60,8 @@ def _tie_row(gen):
 
 def test_activations_over_a_wide_range_of_scales(kernel_device):
     """Half a million values, each 1×128 block of its own magnitude (2^-40 … 2^40) and each
-    value up to 2^-20 of its block's largest: the quotient by the block's scale (a reciprocal
-    and one correction on the GPU) lands on every E4M3 step and tie, and in the subnormals."""
+    value down to 2^-20 of its block's largest: the quotients by the blocks' scales land on
+    E4M3 steps and ties across its whole range, the subnormals included."""
     gen = torch.Generator().manual_seed(5)
     block_scale = 2.0 ** torch.randint(-40, 41, (512, 8, 1), generator=gen).float()
     x = torch.randn(512, 8, 128, generator=gen) * 2.0 ** -torch.randint(0, 21, (512, 8, 128), generator=gen).float()
