@@ -20,9 +20,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import mok
-from mok.bench.__main__ import parse_variant
 from mok.bench.presets import GPU_PRESETS, PRESETS
-from mok.bench.runner import patched
+from mok.bench.runner import parse_variant, patched
 from mok.testing import make_inputs
 
 

@@ -17,11 +17,9 @@ the first rank prints the table and writes the record.
 from __future__ import annotations
 
 import argparse
-import ast
 import contextlib
 import dataclasses
 import datetime
-import importlib
 import os
 import shlex
 import site
@@ -214,7 +212,7 @@ def parse_settings(
             impls.append("torch-compile")
             if sonicmoe_available():
                 impls.append("sonicmoe")
-    variant = tuple(parse_variant(text, parser) for text in args.variant or ())
+    variant = tuple(runner.parse_variant(text, parser) for text in args.variant or ())
     if variant and ep > 1:
         parser.error("--variant: one GPU only (not under expert parallelism)")
     if variant and "mok-variant" not in impls:
@@ -241,26 +239,6 @@ def parse_settings(
         variant=variant,
     )
     return settings, args
-
-
-def parse_variant(text: str, parser: argparse.ArgumentParser) -> tuple[str, str, object]:
-    """(module, attribute, value) of a --variant MODULE.ATTR=VALUE: an existing attribute of
-    an importable mok module, and a Python literal."""
-    target, sep, literal = text.partition("=")
-    module_name, dot, attribute = target.strip().rpartition(".")
-    if not sep or not dot or not module_name.startswith("mok"):
-        parser.error(f"--variant: expected MODULE.ATTR=VALUE with a mok module, got {text!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError:
-        parser.error(f"--variant: no module {module_name!r} (in {text!r})")
-    if not hasattr(module, attribute):
-        parser.error(f"--variant: module {module_name} has no attribute {attribute!r}")
-    try:
-        value = ast.literal_eval(literal.strip())
-    except (ValueError, SyntaxError):
-        parser.error(f"--variant: expected a Python literal after '=', got {literal.strip()!r} (in {text!r})")
-    return module_name, attribute, value
 
 
 @contextlib.contextmanager

@@ -23,6 +23,8 @@ with TFLOPS per rank.
 
 from __future__ import annotations
 
+import argparse
+import ast
 import contextlib
 import dataclasses
 import functools
@@ -75,6 +77,26 @@ class Impl:
     extra: dict = field(default_factory=dict)
     peer_bytes: dict[str, int] | None = None  # pass -> bytes this rank sends other ranks (expert parallelism)
     patches: tuple[tuple[str, str, object], ...] = ()
+
+
+def parse_variant(text: str, parser: argparse.ArgumentParser) -> tuple[str, str, object]:
+    """(module, attribute, value) of a --variant MODULE.ATTR=VALUE: an existing attribute of
+    an importable mok module, and a Python literal."""
+    target, sep, literal = text.partition("=")
+    module_name, dot, attribute = target.strip().rpartition(".")
+    if not sep or not dot or not module_name.startswith("mok"):
+        parser.error(f"--variant: expected MODULE.ATTR=VALUE with a mok module, got {text!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        parser.error(f"--variant: no module {module_name!r} (in {text!r})")
+    if not hasattr(module, attribute):
+        parser.error(f"--variant: module {module_name} has no attribute {attribute!r}")
+    try:
+        value = ast.literal_eval(literal.strip())
+    except (ValueError, SyntaxError):
+        parser.error(f"--variant: expected a Python literal after '=', got {literal.strip()!r} (in {text!r})")
+    return module_name, attribute, value
 
 
 @contextlib.contextmanager
