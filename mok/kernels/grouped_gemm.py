@@ -406,9 +406,9 @@ def gemm_config(
     GEMM from `WARP_SPECIALIZED_FP8_BLOCK_GATE_UP_MIN_HIDDEN` on.
     """
     if precision == "fp8_block":
-        warp_specialized_here = allow_warp_specialized and warp_specialized.available_here()
-        if warp_specialized_here and ((kind == "down" and WARP_SPECIALIZED_FP8_BLOCK_DOWN)
-                                      or (kind == "gate_up" and reduce_dim >= WARP_SPECIALIZED_FP8_BLOCK_GATE_UP_MIN_HIDDEN)):
+        measured_faster = {"down": WARP_SPECIALIZED_FP8_BLOCK_DOWN,
+                           "gate_up": reduce_dim >= WARP_SPECIALIZED_FP8_BLOCK_GATE_UP_MIN_HIDDEN}[kind]
+        if measured_faster and allow_warp_specialized and warp_specialized.available_here():
             return warp_specialized.fp8_block_tile_config()
         return dict(_FP8_BLOCK_TILES["interpreter" if interpreting() else kind])
     if interpreting():

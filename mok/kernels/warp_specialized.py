@@ -568,6 +568,14 @@ def _gathered_rows(row_source_ptr, num_rows, first_row, topk, ROWS: gl.constexpr
 
 
 @gluon.jit
+def _gathered_row_offsets(row_source_ptr, num_rows, first_row, topk, hidden, ROWS: gl.constexpr):
+    """Producer: (byte offsets of x's token rows [T, H] e4m3 for the sorted rows [first_row,
+    first_row + ROWS), whether each has one), in `_GATHER_LAYOUT`'s rows, for `_copy_gathered_rows`."""
+    tokens, valid = _gathered_rows(row_source_ptr, num_rows, first_row, topk, ROWS, _GATHER_LAYOUT)
+    return gl.multiple_of(tokens.to(gl.int64) * hidden, 128), valid  # H: a multiple of 128 in fp8_block
+
+
+@gluon.jit
 def _copy_gathered_rows(x_ptr, row_offsets, rows_valid, k0, buf, BLOCK_K: gl.constexpr):
     """Producer: cp.async x's bytes [k0, k0 + BLOCK_K) of the rows at `row_offsets` (zeros where
     not rows_valid) into the A tile `buf`. Hopper's TMA cannot gather rows."""
@@ -596,11 +604,8 @@ def _gate_up_producer(x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, empt
         m_tile, n_tile = tile_coordinates(tile, num_m_tiles, num_n_tiles, GROUP_M)
         m0 = m_tile * BLOCK_M
         w_row = gl.load(tile_expert_ptr + m_tile) * inter + n_tile * HALF_N  # weights read as [E_l·I, H]
-        tokens, valid = _gathered_rows(row_source_ptr, num_rows, m0, topk, ROWS, _GATHER_LAYOUT)
-        tokens_2, valid_2 = _gathered_rows(row_source_ptr, num_rows, m0 + ROWS, topk, ROWS, _GATHER_LAYOUT)
-        # x: [T, H] e4m3 bytes
-        offsets = gl.multiple_of(tokens.to(gl.int64) * hidden, BLOCK_K)
-        offsets_2 = gl.multiple_of(tokens_2.to(gl.int64) * hidden, BLOCK_K)
+        offsets, valid = _gathered_row_offsets(row_source_ptr, num_rows, m0, topk, hidden, ROWS)
+        offsets_2, valid_2 = _gathered_row_offsets(row_source_ptr, num_rows, m0 + ROWS, topk, hidden, ROWS)
         for k0 in range(0, hidden, BLOCK_K):
             slot, bar = _claim_slot(step, ready, empty, 2 * w_gate_desc.block_type.nbytes, STAGES)
             _copy_gathered_rows(x_ptr, offsets, valid, k0, a_bufs.index(2 * slot), BLOCK_K)
