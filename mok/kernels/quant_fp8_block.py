@@ -143,19 +143,32 @@ def _to_fp32(x, INTERPRETER: tl.constexpr):
 
 
 @triton.jit
+def _divide_rn(x, d):
+    """RN(x / d) with d broadcast along a block: one division per block for r = RN(1 / d), then
+    per element q = RN(x · r), within an ulp of x / d, and one correction RN(q + RN(x − q·d) · r),
+    which is RN(x / d) (Markstein's theorem; x − q·d is exact in an fma) unless the quotient is
+    an fp32 subnormal, where either result quantizes to a zero byte of x's sign. A division per
+    element (`div.rn`: a reciprocal, Newton steps and a range check with a slow path) was most of
+    the transposing quantizer's ALU work, which bounds it below HBM's rate (BENCHMARKS.md)."""
+    r = tl.div_rn(1.0, d)
+    q = x * r
+    return tl.fma(tl.fma(q, -d, x), r, q)  # -d per block, not -q per element
+
+
+@triton.jit
 def _quantize_tile(x, amax_bits, INTERPRETER: tl.constexpr):
     """(fp32 tile, int32 |x|-bit amax broadcastable to it) -> (uint8 E4M3 tile, fp32 scale)."""
     non_finite = amax_bits >= _FP32_INF_BITS
     amax = tl.maximum(amax_bits.to(tl.float32, bitcast=True), _AMAX_FLOOR)
     scale = tl.div_rn(amax, _E4M3_MAX)
     scale = tl.where(non_finite, float("nan"), scale)
-    scaled = tl.div_rn(x, scale)
-    # Saturate like the reference's clamp; `where` keeps NaN a NaN.
-    scaled = tl.where(scaled > _E4M3_MAX, _E4M3_MAX, tl.where(scaled < -_E4M3_MAX, -_E4M3_MAX, scaled))
-    if INTERPRETER:
+    if INTERPRETER:  # its fma rounds twice (x·y + z in fp32), and its fp8 conversion is wrong
+        scaled = tl.div_rn(x, scale)
+        # Saturate like the reference's clamp; `where` keeps NaN a NaN.
+        scaled = tl.where(scaled > _E4M3_MAX, _E4M3_MAX, tl.where(scaled < -_E4M3_MAX, -_E4M3_MAX, scaled))
         q = _e4m3_rne_bytes(scaled)
-    else:
-        q = scaled.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+    else:  # cvt.rn.satfinite saturates to ±448 as the reference's clamp does
+        q = _divide_rn(x, scale).to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
     q = tl.where(non_finite, _E4M3_NAN_BYTE, q).to(tl.uint8)
     return q, scale
 
