@@ -152,7 +152,12 @@ def _divide_rn(x, d):
     the transposing quantizer's ALU work, which bounds it below HBM's rate (BENCHMARKS.md)."""
     r = tl.div_rn(1.0, d)
     q = x * r
-    return tl.fma(tl.fma(q, -d, x), r, q)  # -d per block, not -q per element
+    # x − q·d as −(q·d − x): an exact residual of zero is then −0, so that q + residual·r keeps
+    # a zero quotient's sign (x's, as RN(x / d) has for d > 0); fma(q, −d, x) gives +0, which
+    # turned −0 into +0. Negated as products by −1 (exact, signed zeros too; unary minus is
+    # 0 − x, which makes +0 of −0): the compiler folds them into the FMAs' operand modifiers.
+    residual = tl.fma(q, d, x * -1.0) * -1.0
+    return tl.fma(residual, r, q)
 
 
 @triton.jit
