@@ -171,8 +171,9 @@ def test_fp8_block_kernels_compile_for_sm90a_without_spills(kernel, wide):
 def test_fp8_block_gate_up_compiles_for_sm90a_without_spills():
     """The forward's fp8_block gate/up (x's rows gathered by cp.async, g and u as a consumer's two
     accumulators, the SwiGLU and h-quantizing epilogue on them): 168 registers per thread at
-    launch, nothing spilled but two pointers of a consumer (8 bytes, in the SASS: stored once
-    at the start, reloaded once per tile; none in the K loop). x and H aligned, as fp8_block's
+    launch, nothing spilled but 12 bytes (in the SASS: two pointers of consumer 0, stored once at
+    the start and reloaded once per tile, and one per-tile value of consumer 1, stored before
+    its K loop and reloaded in its epilogue; none in the K loops). x and H aligned, as fp8_block's
     H is a multiple of 128: 16-byte copies."""
     cfg = ws.fp8_block_tile_config()
     meta = dict(HAS_LIMIT=True, STORE_GATE_UP=True, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"],
@@ -185,7 +186,7 @@ def test_fp8_block_gate_up_compiles_for_sm90a_without_spills():
         "num_rows_ptr": "*i32", "topk": "i32", "hidden": "i32", "inter": "i32", "swiglu_limit": "fp32",
         **{name: "constexpr" for name in meta},
     }
-    assert _ptxas_report("_gate_up_ws_kernel", signature, meta, aligned=("x_ptr", "hidden")) == (168, 8)
+    assert _ptxas_report("_gate_up_ws_kernel", signature, meta, aligned=("x_ptr", "hidden")) == (168, 12)
 
 
 def test_defaults_choose_it_only_where_it_runs():
