@@ -107,7 +107,10 @@ def time_dgrad(name: str, inp, sched, topk: int, gate_up: torch.Tensor) -> list[
     I, routes, num_rows = gate_up.shape[2], T * topk, int(sched.num_rows)
     d_out = torch.randn_like(inp.x)  # [T, H] bf16
     _, d_out_sorted, _ = gather_sorted_rows(inp.x, d_out, inp.topk_weights, sched, topk)
-    d_out_pair = quantize_fp8_block_activations(d_out_sorted)
+    if dgrad.fp8_block_down_dgrad_gathers(H):  # token rows: the fp8_block down dgrad gathers them
+        d_out_pair = quantize_fp8_block_activations(d_out)
+    else:
+        d_out_pair = quantize_fp8_block_activations(d_out_sorted)
     w_down_t = fp8_block_quantize(inp.w_down)[2:]  # [E, I, H] e4m3, [E, I/128, H/128]
     w_gate_up_t = [x for w in (inp.w_gate, inp.w_up) for x in fp8_block_quantize(w)[2:]]  # [E, H, I] pairs
     d_gate_up, _ = dgrad.down_dgrad_swiglu(d_out_sorted, inp.topk_weights, gate_up, inp.w_down, sched)

@@ -36,6 +36,7 @@ from mok import reference
 from mok import ops
 from mok.config import MoKConfig
 from mok.kernels.common import interpreting
+from mok.kernels.dgrad import fp8_block_down_dgrad_gathers
 from mok.kernels.grouped_gemm import routing_block_m
 from mok.kernels.common import ERROR_BAD_EXPERT_ID, ERROR_CAPACITY_OVERFLOW, ERROR_PEER_TIMEOUT
 from mok.fp8_block import FP8_BLOCK, fp8_block_round
@@ -672,13 +673,16 @@ def _fp8_block_backward_routed(d_out, x, topk_weights, weights, main_grads, save
                                swiglu_limit):
     """`_expert_mlp_backward` with `_Fp8BlockWeight`s (routed experts only: the shared expert
     stays bf16). x and dOut are never copied in bf16: their sorted rows are gathered by the
-    quantizers themselves, dOut's in 1×128 blocks along H for the down dgrad, x's and w·dOut's
-    in blocks along the rows for the wgrads, each bitwise what quantizing `gather_sorted_rows`'
-    copies gives."""
+    quantizers themselves (dOut's in 1×128 blocks along H for the down dgrad, or, where the
+    down dgrad gathers them itself, quantized per token), x's and w·dOut's in blocks along the
+    rows for the wgrads, each bitwise what quantizing `gather_sorted_rows`' copies gives."""
     w_gate, w_up, w_down = weights
     main_gate, main_up, main_down = main_grads
     rows_in_use = routing[4]  # [1] int32: the schedule's num_rows; the quantizers skip the rest
-    d_out_pair = ops.quantize_fp8_block_gathered(d_out, routing, block_m, topk)  # [rows, H] e4m3, [rows, H/128] fp32
+    if fp8_block_down_dgrad_gathers(d_out.shape[1]):  # [T, H] e4m3, [T, H/128] fp32: the down dgrad gathers
+        d_out_pair = ops.quantize_fp8_block_activations(d_out)
+    else:  # [rows, H] e4m3, [rows, H/128] fp32
+        d_out_pair = ops.quantize_fp8_block_gathered(d_out, routing, block_m, topk)
     gate_up = saved.pop("gate_up")
     d_gate_up, d_topk_weights = ops.down_dgrad_swiglu_fp8_block(
         *d_out_pair, topk_weights, gate_up, w_down.q_t, w_down.scale_t, routing, block_m, swiglu_limit

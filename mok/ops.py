@@ -297,7 +297,8 @@ def down_dgrad_swiglu_fp8_block(
     block_m: int,
     swiglu_limit: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`down_dgrad_swiglu` on dOut sorted and quantized in 1×128 blocks and w_down's transposed
+    """`down_dgrad_swiglu` on dOut quantized in 1×128 blocks (its token rows, gathered by the
+    GEMM, or its sorted rows: `dgrad.fp8_block_down_dgrad_gathers`) and w_down's transposed
     fp8_block copy: d_gate_up [rows, 2, I] bf16, d_topk_weights [T, topk] fp32 (empty [0]
     without topk_weights)."""
     routing = routing_from_tensors(schedule_tensors, block_m)

@@ -33,8 +33,8 @@ Padding rows (src = −1) get exact zeros in d_gate_up: the wgrad kernels read i
 TMA without masks and rely on it. Rows past the schedule's
 `num_rows` are not written. dx_slots rows no route points to are not written.
 
-Every GEMM operand is read through a TMA descriptor: the sorted rows (d_out_sorted,
-d_gate_up) and the weights. A weight viewed as [E·K, N] lets the last K step of an
+Every GEMM operand is read through a TMA descriptor (but fp8_block's dOut, below): the
+sorted rows (d_out_sorted, d_gate_up) and the weights. A weight viewed as [E·K, N] lets the last K step of an
 expert read the next expert's first rows when K is not a multiple of BLOCK_K; the
 sorted operand is zero there (TMA fills past its last column), so they add nothing (for
 finite weights). A sorted operand with fewer rows than the schedule's capacity reads
@@ -50,9 +50,14 @@ weight, applied per 128-wide K step by the forward's main loop (`grouped_gemm.so
 
 Hopper's FP8 MMA needs both operands K-major in shared memory, so the B operand is the
 weight's transposed copy (`q_t`, `scale_t` of `mok.fp8_block_quantize`: w_downᵀ [E_l, I, H],
-w_gateᵀ and w_upᵀ [E_l, H, I]), read as [N, K] tiles. The sorted operands are quantized
-ahead of each GEMM: dOut's rows gathered straight from the token rows
-(`quantize_fp8_block_gathered`), d_gate_up[:, 0] and d_gate_up[:, 1] separately by
+w_gateᵀ and w_upᵀ [E_l, H, I]), read as [N, K] tiles. Up to
+`GATHERED_FP8_BLOCK_DOWN_DGRAD_MAX_HIDDEN`, dOut is quantized once per token
+(`quantize_fp8_block_activations` of the token rows) and the down dgrad gathers each sorted
+row's token row inside its loads (`gathered_rows_times_weight_fp8`: a route's row of the
+sorted copy would be the same bytes, so dOut costs a T-row quantization, not T·topk rows);
+above it, dOut's sorted rows are quantized straight from the token rows
+(`quantize_fp8_block_gathered`) and read through TMA. d_gate_up[:, 0] and d_gate_up[:, 1]
+are quantized separately by
 `quantize_fp8_block_activations` (strided views, no copy), so each scale tensor is a plain
 [rows, K/128]. Padding rows quantize to zeros and stay exact zeros. d_gate_up is still
 stored in bf16: the gate/up wgrad reduces over rows, so it needs its own quantization.
@@ -78,15 +83,19 @@ from mok.kernels.grouped_gemm import (
     check_fp8_block_pair,
     checked_tile_config,
     fp8_block_weight_shape,
+    load_weight_tile,
     routing_block_m,
     scatter_grid,
     scatter_rows_to_slots,
     sorted_rows_tile,
+    weight_block_scale,
 )
 from mok.kernels.schedule import RoutingSchedule
 from mok.kernels.swiglu import swiglu_backward
 
 # --------------------------------------------------------------------------- configs
+
+_SCALE_BLOCK = tl.constexpr(FP8_BLOCK)  # kernels read only constexpr globals
 
 # fp8_block tiles (BLOCK_M is the schedule's). BLOCK_K = 128 is the scale block (one
 # activation scale per row and one weight scale per K step); BLOCK_N must divide 128 for
@@ -126,6 +135,19 @@ COOPERATIVE_GATE_UP_DGRAD_MAX_INTER = 1024
 # output. Per kernel (record h200-20261201-fp8-wide-scalar-scales-sweep.log): qwen3-30b
 # 1.33–1.55 -> 0.83–0.95 ms, deepseek-v3-slice 5.17–5.18 -> 3.79–4.00. False keeps the Triton kernel.
 WARP_SPECIALIZED_FP8_BLOCK_GATE_UP_DGRAD = True
+# The fp8_block down dgrad gathers dOut's e4m3 token rows inside its loads (dOut quantized once
+# per token) up to this H, and reads a gathered quantized copy through TMA above it. H200,
+# profile per forward+backward (log h200-20261201-fp8-down-dgrad-gathered-profile.log):
+# qwen3-30b (H = 2048) quantizers 0.466 -> 0.254 ms, down dgrad 0.900 -> 0.975, all kernels
+# 6.94 -> 6.82; deepseek-v3-slice (H = 7168) quantizers 0.774 -> 0.379 but down dgrad
+# +0.37 ms (the cp.async gather of 56 K steps issued by the MMA warps), all 26.12 -> 26.30.
+GATHERED_FP8_BLOCK_DOWN_DGRAD_MAX_HIDDEN = 2048
+
+
+def fp8_block_down_dgrad_gathers(hidden: int) -> bool:
+    """Whether `down_dgrad_swiglu_fp8_block` takes dOut's token rows [T, H] (and gathers them)
+    rather than its sorted rows [capacity_rows, H], for this H."""
+    return hidden <= GATHERED_FP8_BLOCK_DOWN_DGRAD_MAX_HIDDEN
 
 
 def dgrad_config(
@@ -188,6 +210,28 @@ def sorted_rows_times_weight(
 
 
 @triton.jit
+def gathered_rows_times_weight_fp8(
+    a_ptr, a_scale_ptr, token, row_valid, w_desc, w_scale_ptr, expert, n0, reduce_dim, n_dim, stride_a_t, acc,
+    BLOCK_K: tl.constexpr,
+):
+    """acc + Σ_kb (a[token] · W[expert][n0 : n0+BLOCK_N]ᵀ) with the fp8_block scales applied per
+    K step: a's rows gathered by token from e4m3 token rows [T, reduce_dim] (scales [T,
+    reduce_dim/128]), W[expert] [n_dim, reduce_dim] (K-major) through `w_desc`. Rows not
+    `row_valid` (padding) read zeros with scale 0, so they add exactly nothing."""
+    k_offs = tl.arange(0, BLOCK_K)
+    token64 = token.to(tl.int64)
+    a_ptrs = a_ptr + token64[:, None] * stride_a_t + k_offs[None, :]
+    a_scale_ptrs = a_scale_ptr + token64 * (reduce_dim // _SCALE_BLOCK)
+    for k0 in range(0, reduce_dim, BLOCK_K):
+        a = tl.load(a_ptrs + k0, mask=row_valid[:, None], other=0.0)
+        b = load_weight_tile(w_desc, expert, n0, k0, n_dim)
+        a_scale = tl.load(a_scale_ptrs + k0 // _SCALE_BLOCK, mask=row_valid, other=0.0)  # [BLOCK_M] fp32
+        w_scale = weight_block_scale(w_scale_ptr, expert, n0, k0, n_dim, reduce_dim)
+        acc += tl.dot(a, b) * (a_scale[:, None] * w_scale)
+    return acc
+
+
+@triton.jit
 def _down_dgrad_epilogue(
     d_out_wd, w, row_valid, rows64, n0, gate_up_ptr, d_gate_up_ptr, inter, swiglu_limit, stride_gu_r, stride_dgu_r,
     HAS_LIMIT: tl.constexpr, INTERPRETER: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -214,19 +258,21 @@ def _down_dgrad_epilogue(
 
 @triton.jit
 def _down_dgrad_swiglu_kernel(
-    # pointers (d_out, w_down: bf16; fp8_block: e4m3, w_down as its transposed copy [E_l, I, H])
-    d_out_desc, topk_weights_ptr, gate_up_ptr, w_down_desc, d_gate_up_ptr, route_partials_ptr,
-    # fp8_block scales (unused in bf16): d_out [rows, H/128], w_downᵀ [E_l, I/128, H/128]
+    # pointers (d_out's sorted rows through a TMA descriptor, GATHER_D_OUT: its token rows [T, H];
+    # bf16: w_down [E_l, H, I]; fp8_block: e4m3, w_down as its transposed copy [E_l, I, H])
+    d_out, topk_weights_ptr, gate_up_ptr, w_down_desc, d_gate_up_ptr, route_partials_ptr,
+    # fp8_block scales (unused in bf16): d_out [rows or T, H/128], w_downᵀ [E_l, I/128, H/128]
     d_out_scale_ptr, w_down_scale_ptr,
     # schedule
     row_source_ptr, tile_expert_ptr, num_rows_ptr,
     # sizes
-    hidden, inter, max_m_tiles, swiglu_limit,
+    hidden, inter, max_m_tiles, swiglu_limit, topk,
     # strides
-    stride_gu_r, stride_dgu_r,
+    stride_gu_r, stride_dgu_r, stride_d_out_t,
     # meta
-    PRECISION: tl.constexpr, HAS_WEIGHTS: tl.constexpr, HAS_LIMIT: tl.constexpr, INTERPRETER: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PRECISION: tl.constexpr, GATHER_D_OUT: tl.constexpr, HAS_WEIGHTS: tl.constexpr, HAS_LIMIT: tl.constexpr,
+    INTERPRETER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     num_n_tiles = tl.cdiv(inter, BLOCK_N)
     m_tile, n_tile = tile_coordinates(tl.program_id(0), max_m_tiles, num_n_tiles, GROUP_M)
@@ -239,14 +285,19 @@ def _down_dgrad_swiglu_kernel(
     slot = tl.where(row_valid, source, 0)
     # a = dOut[t] · Wd[e] over H, unweighted.
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if PRECISION == "fp8_block":  # Wd[e]ᵀ is [I, H]: K-major, its rows the N dim
+    if GATHER_D_OUT:  # fp8_block; Wd[e]ᵀ is [I, H]: K-major, its rows the N dim
+        d_out_wd = gathered_rows_times_weight_fp8(
+            d_out, d_out_scale_ptr, slot // topk, row_valid, w_down_desc, w_down_scale_ptr, expert,
+            n_tile * BLOCK_N, hidden, inter, stride_d_out_t, acc, BLOCK_K,
+        )
+    elif PRECISION == "fp8_block":
         d_out_wd = sorted_rows_tile(
-            d_out_desc, d_out_scale_ptr, w_down_desc, w_down_scale_ptr, m_tile * BLOCK_M, expert, n_tile * BLOCK_N,
+            d_out, d_out_scale_ptr, w_down_desc, w_down_scale_ptr, m_tile * BLOCK_M, expert, n_tile * BLOCK_N,
             hidden, inter, acc, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRETER,
         )
     else:  # Wd[e] is [H, I], so its rows are the K dim
         d_out_wd = sorted_rows_times_weight(
-            d_out_desc, m_tile * BLOCK_M, w_down_desc, expert, n_tile * BLOCK_N, hidden, acc, BLOCK_K, INTERPRETER,
+            d_out, m_tile * BLOCK_M, w_down_desc, expert, n_tile * BLOCK_N, hidden, acc, BLOCK_K, INTERPRETER,
         )
     w = tl.full((BLOCK_M,), 1.0, tl.float32)
     if HAS_WEIGHTS:
@@ -413,16 +464,19 @@ def _launch_down_dgrad_swiglu(
     # [T·topk, I / BLOCK_N] fp32: every slot a placed route points to is fully written.
     route_partials = torch.empty(num_slots, num_n_tiles, dtype=torch.float32, device=device)
     grid = (schedule.max_tiles * num_n_tiles,)
+    gathered = precision == "fp8_block" and fp8_block_down_dgrad_gathers(hidden)  # token rows, gathered by the loads
     _down_dgrad_swiglu_kernel[grid](
-        tma_descriptor(d_out, (cfg["BLOCK_M"], cfg["BLOCK_K"])), topk_weights if weighted else d_gate_up,
+        d_out if gathered else tma_descriptor(d_out, (cfg["BLOCK_M"], cfg["BLOCK_K"])),
+        topk_weights if weighted else d_gate_up,
         gate_up, tma_descriptor(w_down, _weight_block(precision, cfg)), d_gate_up,
         route_partials if weighted else d_gate_up,  # unused without weights (HAS_WEIGHTS=False)
         *(d_gate_up if s is None else s for s in (d_out_scale, w_down_scale)),  # d_gate_up: an unread stand-in
         schedule.row_source, schedule.tile_expert, schedule.num_rows,
         hidden, inter, schedule.max_tiles, 0.0 if swiglu_limit is None else float(swiglu_limit),
-        gate_up.stride(0), d_gate_up.stride(0),
-        PRECISION=precision, HAS_WEIGHTS=weighted, HAS_LIMIT=swiglu_limit is not None, INTERPRETER=interpreting(),
-        **cfg,
+        topk_weights.shape[1] if weighted else 1,
+        gate_up.stride(0), d_gate_up.stride(0), d_out.stride(0),
+        PRECISION=precision, GATHER_D_OUT=gathered, HAS_WEIGHTS=weighted, HAS_LIMIT=swiglu_limit is not None,
+        INTERPRETER=interpreting(), **cfg,
     )
     if not weighted:
         return d_gate_up, None
@@ -462,9 +516,10 @@ def down_dgrad_swiglu(
 
 
 def down_dgrad_swiglu_fp8_block(
-    d_out_q: torch.Tensor,  # [capacity_rows, H] float8_e4m3fn, d_out_sorted in 1×128 blocks
-    d_out_scale: torch.Tensor,  # [capacity_rows, H/128] fp32
-    topk_weights: torch.Tensor | None,  # [T, topk] fp32; None: unweighted
+    d_out_q: torch.Tensor,  # float8_e4m3fn, dOut in 1×128 blocks: [T, H] token rows where
+    #                         `fp8_block_down_dgrad_gathers(H)`, else [capacity_rows, H] sorted rows
+    d_out_scale: torch.Tensor,  # [T or capacity_rows, H/128] fp32
+    topk_weights: torch.Tensor | None,  # [T, topk] fp32; None: unweighted, one route per token
     gate_up: torch.Tensor,  # [capacity_rows, 2, I] bf16, the forward's g, u
     w_down_t_q: torch.Tensor,  # [E_l, I, H] float8_e4m3fn, w_down's transposed copy
     w_down_t_scale: torch.Tensor,  # [E_l, I/128, H/128] fp32
@@ -473,19 +528,27 @@ def down_dgrad_swiglu_fp8_block(
     tile_config: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The fp8_block down dgrad: (d_gate_up [capacity_rows, 2, I] bf16, d_topk_weights
-    [T, topk] fp32 or None), as `down_dgrad_swiglu`. d_out_q, d_out_scale come from
-    `quantize_fp8_block_activations(d_out_sorted)`, the weight pair is `q_t, scale_t` of
+    [T, topk] fp32 or None), as `down_dgrad_swiglu`. Where `fp8_block_down_dgrad_gathers(H)`,
+    d_out_q, d_out_scale are `quantize_fp8_block_activations(d_out)` of the token rows and
+    each sorted row r reads token row_source[r] // topk inside the GEMM's loads (dOut is
+    quantized once per token, not once per route; a route's row is its token's, so the
+    products are bitwise those of the quantized sorted copy's rows). Elsewhere they are the
+    sorted rows, `quantize_fp8_block_gathered(d_out)`. The weight pair is `q_t, scale_t` of
     `mok.fp8_block_quantize(w_down)`. Rows past the schedule's `num_rows` are left unwritten."""
     _, inter, hidden = fp8_block_weight_shape("w_down_t_q", w_down_t_q, "[E_l, I, H]", schedule.num_local_experts)
     device = w_down_t_q.device
-    check_fp8_block_pair(
-        "d_out_q", d_out_q, "d_out_scale", d_out_scale, (schedule.capacity_rows, hidden), (1, FP8_BLOCK), device
-    )
+    _check_topk_weights(topk_weights, device)
+    if not fp8_block_down_dgrad_gathers(hidden):
+        rows = schedule.capacity_rows
+    elif topk_weights is not None:
+        rows = topk_weights.shape[0]  # T
+    else:  # one route per token: d_out_q's own T
+        rows = d_out_q.shape[0] if d_out_q.dim() else 0
+    check_fp8_block_pair("d_out_q", d_out_q, "d_out_scale", d_out_scale, (rows, hidden), (1, FP8_BLOCK), device)
     check_fp8_block_pair(
         "w_down_t_q", w_down_t_q, "w_down_t_scale", w_down_t_scale, tuple(w_down_t_q.shape),
         (FP8_BLOCK, FP8_BLOCK), device,
     )
-    _check_topk_weights(topk_weights, device)
     _check_bf16("gate_up", gate_up, (schedule.capacity_rows, 2, inter), device)
     cfg = _dgrad_tiles("down", inter, hidden, "fp8_block", tile_config, schedule)
     return _launch_down_dgrad_swiglu(

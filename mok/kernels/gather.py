@@ -31,7 +31,8 @@ product w·dOut. A program then copies 32 rows, one block: the schedule pads eve
 to a multiple of BLOCK_M (a multiple of 32), so the block is one expert's, padding zeros.
 
 fp8_block makes no such copy: its quantizers read the token rows through row_source
-themselves (`quant_fp8_block.quantize_fp8_block_gathered`), bitwise as if from these copies.
+themselves (`quant_fp8_block.quantize_fp8_block_gathered`), or its down dgrad gathers dOut's
+quantized token rows, bitwise as if from these copies.
 
 Two orders of the same copy. Row-major (`_gather_sorted_rows_kernel`): a program per block
 of sorted rows loads each row's token. Consecutive sorted rows belong to one expert and to

@@ -41,20 +41,25 @@ GATHER): the fp8_block backward's operands from the token rows themselves. Sorte
 reads token row_source[r] // topk (zeros for padding), optionally times its router weight
 with one bf16 rounding, exactly as `gather.gather_sorted_rows` copies it, so the bytes and
 scales are bitwise those of quantizing that bf16 copy, which is never written (on
-qwen3-30b, 1.6 GB of bf16 copies and three reads of them per backward).
+qwen3-30b, 1.6 GB of bf16 copies and three reads of them per backward). Where the down
+dgrad gathers dOut's rows itself (`dgrad.fp8_block_down_dgrad_gathers`), dOut is quantized
+per token instead, as a route's row is its token's.
 
 Exactness on each path:
 - amax on the integer bits of |x| (NaN wins; `tl.max` on floats may drop NaN on the GPU).
-- both divisions are `tl.div_rn` (correctly rounded; plain `/` lowers to an approximate
-  division on NVIDIA). The scale is ≥ 2^-126, a normal number, so no denormal flush can
-  touch it. (A subnormal *input* element divided by the 2^-126 floor is the one place a
-  flush-to-zero division would differ; the tests include such a block.)
-- fp32 -> E4M3: the GPU's cast is RNE with satfinite (and we clamp to ±448 first, as the
-  reference does). The interpreter of triton 3.6 does not round to nearest even (it rounds
-  half up, lets the carry corrupt the exponent, never saturates and truncates subnormals:
-  see `_convert_float` in triton/runtime/interpreter.py), so under it the bytes are built
-  from the fp32 bits by `_e4m3_rne_bytes`, selected by the constexpr INTERPRETER flag. The
-  same function mangles bf16 subnormals on the way up to fp32: `_to_fp32` widens by bits.
+- the scale is `tl.div_rn(amax, 448)` (correctly rounded; plain `/` lowers to an approximate
+  division on NVIDIA), ≥ 2^-126, a normal number, so no denormal flush can touch it. The
+  elements' x / scale is RN(x / scale) by `_divide_rn` (one reciprocal per block, Markstein's
+  correction per element) on the GPU and `tl.div_rn` under the interpreter. (A subnormal
+  *input* element divided by the 2^-126 floor is the one place a flush-to-zero division
+  would differ; the tests include such a block.)
+- fp32 -> E4M3: the GPU's cast is RNE with satfinite, which saturates to ±448 as the
+  reference's clamp does. The interpreter of triton 3.6 does not round to nearest even (it
+  rounds half up, lets the carry corrupt the exponent, never saturates and truncates
+  subnormals: see `_convert_float` in triton/runtime/interpreter.py), so under it the value
+  is clamped and the bytes are built from the fp32 bits by `_e4m3_rne_bytes`, selected by the
+  constexpr INTERPRETER flag. The same function mangles bf16 subnormals on the way up to
+  fp32: `_to_fp32` widens by bits.
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ from mok.kernels.dgrad import (
     gate_up_dgrad_scatter_fp8_block,
 )
 from mok.kernels.grouped_gemm import routing_block_m
-from mok.kernels.quant_fp8_block import quantize_fp8_block_activations
+from mok.kernels import dgrad
+from mok.kernels.quant_fp8_block import quantize_fp8_block_activations, quantize_fp8_block_gathered
 from mok.kernels.schedule import build_routing_schedule
 from mok.testing import assert_close_to_reference, make_inputs, make_topk_ids
 
@@ -186,11 +187,12 @@ def test_fp8_block_down_dgrad_swiglu(kernel_device, T, H, I, E, topk, limit, use
     the fp32 reference on the unquantized operands (SPEC's fp8_block bars)."""
     inp, sched, rows, slots, experts, pad = _fp8_block_case(kernel_device, T, H, I, E, topk, used_experts)
     ctx = f"{T=} {H=} {I=} {E=} {topk=} {limit=} {used_experts=}"
+    assert dgrad.fp8_block_down_dgrad_gathers(H), f"the test wants the gathering path {ctx}"
     slack = _FP8_ORDER_SLACK[kernel_device]
     gen = torch.Generator().manual_seed(1)
     gate_up = _sorted(rows, torch.randn(rows.numel(), 2, I, generator=gen) * 1.5, sched.capacity_rows)
     d_out = torch.randn(T, H, generator=gen).bfloat16().to(kernel_device)
-    d_out_q, d_out_scale = quantize_fp8_block_activations(_sorted_tokens(d_out, sched, topk))
+    d_out_q, d_out_scale = quantize_fp8_block_activations(d_out)  # token rows: the kernel gathers them
     _, _, w_down_t_q, w_down_t_scale = fp8_block_quantize(inp.w_down)  # [E, I, H], [E, I/128, H/128]
     d_gate_up, d_topk_weights = down_dgrad_swiglu_fp8_block(
         d_out_q, d_out_scale, inp.topk_weights, gate_up.to(kernel_device), w_down_t_q, w_down_t_scale, sched, limit
@@ -204,7 +206,7 @@ def test_fp8_block_down_dgrad_swiglu(kernel_device, T, H, I, E, topk, limit, use
     w = inp.topk_weights.cpu().view(-1)[slots]  # [n]
     g_c, u_c = (g, u) if limit is None else (g.clamp(max=limit), u.clamp(-limit, limit))
     h = torch.nn.functional.silu(g_c) * u_c  # [n, I]
-    d_out_deq = fp8_block_dequantize(d_out_q.cpu(), d_out_scale.cpu())[rows]  # [n, H] fp32
+    d_out_deq = fp8_block_dequantize(d_out_q.cpu(), d_out_scale.cpu())[tokens]  # [n, H] fp32
     w_down_deq = fp8_block_dequantize(w_down_t_q.cpu(), w_down_t_scale.cpu(), (128, 128))[experts]  # [n, I, H]
     operands = {
         "statement": (d_out_deq, w_down_deq),  # the kernel's quantized math
@@ -225,6 +227,31 @@ def test_fp8_block_down_dgrad_swiglu(kernel_device, T, H, I, E, topk, limit, use
                 assert_close_to_reference(
                     actual[name], expected[name], "fp8_block", name=name, context=ctx, check_cosine=True
                 )
+
+
+def test_fp8_block_down_dgrad_gathering_is_bitwise_the_sorted_copy(kernel_device, monkeypatch):
+    """The two ways the fp8_block down dgrad reads dOut (its token rows quantized per token and
+    gathered inside the loads, or its sorted rows quantized by the gathering quantizer and read
+    through TMA) give the same bits: a route's row is its token's, and the products and their
+    order are the same; a NaN in one token reaches its routes' rows in both."""
+    T, H, I, E, topk = 37, 256, 128, 4, 2
+    inp, sched, rows, slots, experts, pad = _fp8_block_case(kernel_device, T, H, I, E, topk, 3)
+    gen = torch.Generator().manual_seed(5)
+    gate_up = _sorted(rows, torch.randn(rows.numel(), 2, I, generator=gen), sched.capacity_rows).to(kernel_device)
+    d_out = torch.randn(T, H, generator=gen).bfloat16()
+    d_out[3, 200] = float("nan")
+    d_out = d_out.to(kernel_device)
+    w_down_t = fp8_block_quantize(inp.w_down)[2:]
+    outputs = {}
+    for gathers in (True, False):
+        monkeypatch.setattr(dgrad, "GATHERED_FP8_BLOCK_DOWN_DGRAD_MAX_HIDDEN", H if gathers else H - 1)
+        d_out_pair = quantize_fp8_block_activations(d_out) if gathers else quantize_fp8_block_gathered(d_out, sched, topk)
+        d_gate_up, d_topk_weights = down_dgrad_swiglu_fp8_block(*d_out_pair, inp.topk_weights, gate_up, *w_down_t, sched)
+        outputs[gathers] = (d_gate_up[:int(sched.num_rows)].cpu(), d_topk_weights.cpu())
+    nan_rows = rows[(slots // topk) == 3]
+    assert nan_rows.numel() == topk and outputs[True][0][nan_rows].isnan().any(), "the NaN token's rows"
+    for got, want, name in zip(outputs[True], outputs[False], ("d_gate_up", "d_topk_weights")):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name  # by bits: NaN equals NaN
 
 
 @pytest.mark.parametrize("T, H, I, E, topk, used_experts", [(37, 128, 256, 4, 2, 3), (19, 256, 128, 3, 1, 3)])
@@ -268,7 +295,7 @@ def test_fp8_block_dgrad_ops_and_run_twice(kernel_device):
     gen = torch.Generator().manual_seed(4)
     gate_up = torch.randn(sched.capacity_rows, 2, I, generator=gen).bfloat16().to(kernel_device)
     d_out = torch.randn(T, H, generator=gen).bfloat16().to(kernel_device)
-    d_out_pair = quantize_fp8_block_activations(_sorted_tokens(d_out, sched, topk))
+    d_out_pair = quantize_fp8_block_activations(d_out)
     w_down_t = fp8_block_quantize(inp.w_down)[2:]
     down_args = (*d_out_pair, inp.topk_weights, gate_up, *w_down_t, routing, block_m, 0.5)
     d_gate_up, d_topk_weights = ops.down_dgrad_swiglu_fp8_block(*down_args)
@@ -290,7 +317,7 @@ def test_fp8_block_dgrad_launchers_reject_mismatches(kernel_device):
     inp = make_inputs(T, H, I, E, topk, device=kernel_device)
     sched, *_ = _schedule(inp, E)
     rows = sched.capacity_rows
-    d_out_q, d_out_s = quantize_fp8_block_activations(torch.zeros(rows, H, dtype=torch.bfloat16, device=kernel_device))
+    d_out_q, d_out_s = quantize_fp8_block_activations(torch.zeros(T, H, dtype=torch.bfloat16, device=kernel_device))
     d_q, d_s = quantize_fp8_block_activations(torch.zeros(rows, I, dtype=torch.bfloat16, device=kernel_device))
     gate_up = torch.zeros(rows, 2, I, dtype=torch.bfloat16, device=kernel_device)
     wd_q, wd_s, wd_t_q, wd_t_s = fp8_block_quantize(inp.w_down)
@@ -303,11 +330,12 @@ def test_fp8_block_dgrad_launchers_reject_mismatches(kernel_device):
          r"^w_down_t_q: expected a 3-D \[E_l, I, H\] tensor with E_l = 4 .*, got shape \[3, 128, 256\]"),
         # w_down's own copy [E_l, H, I] reads as I = 256, H = 128: dOut's width no longer matches.
         (lambda: down(d_out_q, d_out_s, inp.topk_weights, gate_up, wd_q, wd_s),
-         rf"^d_out_q: expected a contiguous float8_e4m3fn tensor of shape \[{rows}, 128\]"),
+         rf"^d_out_q: expected a contiguous float8_e4m3fn tensor of shape \[{T}, 128\]"),
+        # token rows, one per token of the router weights
         (lambda: down(d_out_q[:-1], d_out_s, inp.topk_weights, gate_up, wd_t_q, wd_t_s),
-         rf"^d_out_q: expected a contiguous float8_e4m3fn tensor of shape \[{rows}, 256\]"),
+         rf"^d_out_q: expected a contiguous float8_e4m3fn tensor of shape \[{T}, 256\]"),
         (lambda: down(d_out_q, d_out_s[:, :1], inp.topk_weights, gate_up, wd_t_q, wd_t_s),
-         rf"^d_out_scale: expected a contiguous float32 tensor of shape \[{rows}, 2\]"),
+         rf"^d_out_scale: expected a contiguous float32 tensor of shape \[{T}, 2\]"),
         (lambda: down(d_out_q, d_out_s, inp.topk_weights, gate_up, wd_t_q, wd_t_s.double()),
          r"^w_down_t_scale: expected a contiguous float32 tensor of shape \[4, 1, 2\]"),
         (lambda: down(d_out_q, d_out_s, inp.topk_weights.double(), gate_up, wd_t_q, wd_t_s),
