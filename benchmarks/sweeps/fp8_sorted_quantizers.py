@@ -15,7 +15,7 @@ from mok.kernels.schedule import build_routing_schedule
 from mok.testing import make_inputs
 from mok.testing.timing import time_ms
 
-CONFIGS = [(64, 4), (128, 4), (128, 8), (256, 8), (64, 8)]  # (columns per program, warps)
+CONFIGS = [(64, 4), (32, 4), (32, 2), (64, 2), (128, 4), (128, 8), (256, 8), (64, 8)]  # (columns per program, warps)
 
 
 def main() -> None:

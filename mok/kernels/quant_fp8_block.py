@@ -105,8 +105,10 @@ _WEIGHT_BLOCK = FP8_BLOCK
 # Sorted-layout operands: one 128-row block × 64 columns per program at 4 warps (16 KiB of
 # bf16 in, 8 KiB of fp8 out: 128-byte rows on both sides, so loads and transposed stores
 # coalesce). 128 or 256 columns, or 8 warps, measured 10–80% slower on H200 (log
-# h200-20261130-sorted-t-sweep.log). Under the interpreter, whose cost is per program, 256
-# columns: 3× quicker on the CPU tests.
+# h200-20261130-sorted-t-sweep.log; again with the per-block reciprocal,
+# h200-20261201-sorted-t-sweep*.log: 32 columns at 2 warps is 11% faster for the gathered
+# operands of deepseek-v3-slice only, and slower elsewhere; not in the layer yet). Under the
+# interpreter, whose cost is per program, 256 columns: 3× quicker on the CPU tests.
 _SORTED_BLOCK_W = 64
 _SORTED_BLOCK_W_INTERPRETER = 256
 _SORTED_NUM_WARPS = 4
