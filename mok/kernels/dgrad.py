@@ -34,12 +34,12 @@ TMA without masks and rely on it. Rows past the schedule's
 `num_rows` are not written. dx_slots rows no route points to are not written.
 
 Every GEMM operand is read through a TMA descriptor (but fp8_block's dOut, below): the
-sorted rows (d_out_sorted, d_gate_up) and the weights. A weight viewed as [E·K, N] lets the last K step of an
-expert read the next expert's first rows when K is not a multiple of BLOCK_K; the
-sorted operand is zero there (TMA fills past its last column), so they add nothing (for
-finite weights). A sorted operand with fewer rows than the schedule's capacity reads
-zeros past its end: the shared expert's sorted layout is the token order itself, so it
-passes x and dOut as they are.
+sorted rows (d_out_sorted, d_gate_up) and the weights. A weight viewed as [E·K, N] lets
+the last K step of an expert read the next expert's first rows when K is not a multiple
+of BLOCK_K; the sorted operand is zero there (TMA fills past its last column), so they add
+nothing (for finite weights). A sorted operand with fewer rows than the schedule's capacity
+reads zeros past its end: the shared expert's sorted layout is the token order itself, so
+it passes x and dOut as they are.
 
 fp8_block (SPEC §2; the constexpr PRECISION, launchers `*_fp8_block`): the same kernels and
 epilogues on E4M3 operands with fp32 block scales, one per 1×128 block of a sorted row along
@@ -57,9 +57,8 @@ row's token row inside its loads (`gathered_rows_times_weight_fp8`: a route's ro
 sorted copy would be the same bytes, so dOut costs a T-row quantization, not T·topk rows);
 above it, dOut's sorted rows are quantized straight from the token rows
 (`quantize_fp8_block_gathered`) and read through TMA. d_gate_up[:, 0] and d_gate_up[:, 1]
-are quantized separately by
-`quantize_fp8_block_activations` (strided views, no copy), so each scale tensor is a plain
-[rows, K/128]. Padding rows quantize to zeros and stay exact zeros. d_gate_up is still
+are quantized separately by `quantize_fp8_block_activations` (strided views, no copy), so
+each scale tensor is a plain [rows, K/128]. Padding rows quantize to zeros and stay exact zeros. d_gate_up is still
 stored in bf16: the gate/up wgrad reduces over rows, so it needs its own quantization.
 
 Caller contract: the schedule was built with the same BLOCK_M as these kernels' tiles
