@@ -53,13 +53,14 @@ weight's transposed copy (`q_t`, `scale_t` of `mok.fp8_block_quantize`: w_down�
 w_gateᵀ and w_upᵀ [E_l, H, I]), read as [N, K] tiles. Up to
 `GATHERED_FP8_BLOCK_DOWN_DGRAD_MAX_HIDDEN`, dOut is quantized once per token
 (`quantize_fp8_block_activations` of the token rows) and the down dgrad gathers each sorted
-row's token row inside its loads (`gathered_rows_times_weight_fp8`: a route's row of the
+row's token row inside its loads (`grouped_gemm.gathered_rows_tile_fp8`: a route's row of the
 sorted copy would be the same bytes, so dOut costs a T-row quantization, not T·topk rows);
 above it, dOut's sorted rows are quantized straight from the token rows
 (`quantize_fp8_block_gathered`) and read through TMA. d_gate_up[:, 0] and d_gate_up[:, 1]
 are quantized separately by `quantize_fp8_block_activations` (strided views, no copy), so
-each scale tensor is a plain [rows, K/128]. Padding rows quantize to zeros and stay exact zeros. d_gate_up is still
-stored in bf16: the gate/up wgrad reduces over rows, so it needs its own quantization.
+each scale tensor is a plain [rows, K/128]. Padding rows quantize to zeros and stay exact
+zeros. d_gate_up is still stored in bf16: the gate/up wgrad reduces over rows, so it needs
+its own quantization.
 
 Caller contract: the schedule was built with the same BLOCK_M as these kernels' tiles
 (checked); `gate_up` holds the forward's pre-activations for every row below `num_rows`.
@@ -82,19 +83,16 @@ from mok.kernels.grouped_gemm import (
     check_fp8_block_pair,
     checked_tile_config,
     fp8_block_weight_shape,
-    load_weight_tile,
+    gathered_rows_tile_fp8,
     routing_block_m,
     scatter_grid,
     scatter_rows_to_slots,
     sorted_rows_tile,
-    weight_block_scale,
 )
 from mok.kernels.schedule import RoutingSchedule
 from mok.kernels.swiglu import swiglu_backward
 
 # --------------------------------------------------------------------------- configs
-
-_SCALE_BLOCK = tl.constexpr(FP8_BLOCK)  # kernels read only constexpr globals
 
 # fp8_block tiles (BLOCK_M is the schedule's). BLOCK_K = 128 is the scale block (one
 # activation scale per row and one weight scale per K step); BLOCK_N must divide 128 for
@@ -209,28 +207,6 @@ def sorted_rows_times_weight(
 
 
 @triton.jit
-def gathered_rows_times_weight_fp8(
-    a_ptr, a_scale_ptr, token, row_valid, w_desc, w_scale_ptr, expert, n0, reduce_dim, n_dim, stride_a_t, acc,
-    BLOCK_K: tl.constexpr,
-):
-    """acc + Σ_kb (a[token] · W[expert][n0 : n0+BLOCK_N]ᵀ) with the fp8_block scales applied per
-    K step: a's rows gathered by token from e4m3 token rows [T, reduce_dim] (scales [T,
-    reduce_dim/128]), W[expert] [n_dim, reduce_dim] (K-major) through `w_desc`. Rows not
-    `row_valid` (padding) read zeros with scale 0, so they add exactly nothing."""
-    k_offs = tl.arange(0, BLOCK_K)
-    token64 = token.to(tl.int64)
-    a_ptrs = a_ptr + token64[:, None] * stride_a_t + k_offs[None, :]
-    a_scale_ptrs = a_scale_ptr + token64 * (reduce_dim // _SCALE_BLOCK)
-    for k0 in range(0, reduce_dim, BLOCK_K):
-        a = tl.load(a_ptrs + k0, mask=row_valid[:, None], other=0.0)
-        b = load_weight_tile(w_desc, expert, n0, k0, n_dim)
-        a_scale = tl.load(a_scale_ptrs + k0 // _SCALE_BLOCK, mask=row_valid, other=0.0)  # [BLOCK_M] fp32
-        w_scale = weight_block_scale(w_scale_ptr, expert, n0, k0, n_dim, reduce_dim)
-        acc += tl.dot(a, b) * (a_scale[:, None] * w_scale)
-    return acc
-
-
-@triton.jit
 def _down_dgrad_epilogue(
     d_out_wd, w, row_valid, rows64, n0, gate_up_ptr, d_gate_up_ptr, inter, swiglu_limit, stride_gu_r, stride_dgu_r,
     HAS_LIMIT: tl.constexpr, INTERPRETER: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -285,7 +261,7 @@ def _down_dgrad_swiglu_kernel(
     # a = dOut[t] · Wd[e] over H, unweighted.
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if GATHER_D_OUT:  # fp8_block; Wd[e]ᵀ is [I, H]: K-major, its rows the N dim
-        d_out_wd = gathered_rows_times_weight_fp8(
+        d_out_wd = gathered_rows_tile_fp8(
             d_out, d_out_scale_ptr, slot // topk, row_valid, w_down_desc, w_down_scale_ptr, expert,
             n_tile * BLOCK_N, hidden, inter, stride_d_out_t, acc, BLOCK_K,
         )

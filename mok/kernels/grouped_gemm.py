@@ -223,6 +223,30 @@ def sorted_rows_tile(
 
 
 @triton.jit
+def gathered_rows_tile_fp8(
+    a_ptr, a_scale_ptr, token, row_valid, w_desc, w_scale_ptr, expert, n0, reduce_dim, n_dim, stride_a_t, acc,
+    BLOCK_K: tl.constexpr,
+):
+    """acc + Σ_kb (a[token] · W[expert][n0 : n0+BLOCK_N]ᵀ) with the fp8_block scales applied per
+    K step: a's rows gathered by token from e4m3 token rows [T, reduce_dim] (scales [T,
+    reduce_dim/128]), W[expert] [n_dim, reduce_dim] (K-major) through `w_desc`. Rows not
+    `row_valid` (padding) read zeros with scale 0, so they add exactly nothing. `sorted_rows_tile`
+    with a's rows gathered by index instead of through TMA: the fp8_block down dgrad's main loop
+    where it reads dOut's token rows (`dgrad.py`)."""
+    k_offs = tl.arange(0, BLOCK_K)
+    token64 = token.to(tl.int64)
+    a_ptrs = a_ptr + token64[:, None] * stride_a_t + k_offs[None, :]
+    a_scale_ptrs = a_scale_ptr + token64 * (reduce_dim // _SCALE_BLOCK)
+    for k0 in range(0, reduce_dim, BLOCK_K):
+        a = tl.load(a_ptrs + k0, mask=row_valid[:, None], other=0.0)
+        b = load_weight_tile(w_desc, expert, n0, k0, n_dim)
+        a_scale = tl.load(a_scale_ptrs + k0 // _SCALE_BLOCK, mask=row_valid, other=0.0)  # [BLOCK_M] fp32
+        w_scale = weight_block_scale(w_scale_ptr, expert, n0, k0, n_dim, reduce_dim)
+        acc += tl.dot(a, b) * (a_scale[:, None] * w_scale)
+    return acc
+
+
+@triton.jit
 def scatter_rows_to_slots(
     out_ptr, tile, row_source_ptr, rows, n_offs, n_dim, stride_out_s,
     out_peer_ptrs, return_route_ptr, capacity, num_out_rows,
