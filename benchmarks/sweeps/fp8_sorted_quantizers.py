@@ -1,6 +1,6 @@
 """The transposing fp8_block quantizers (`quant_fp8_block.quantize_fp8_block_gathered_t`,
 `quantize_fp8_block_sorted_t`) on the qwen3-30b and deepseek-v3-slice shapes: columns per
-program and warps, every config timed in both orders (the GPU's clock falls under sustained
+program and warps (for every operand, the gathered wide ones' own tile switched off), every config timed in both orders (the GPU's clock falls under sustained
 load), each output checked against the first config's over the columns the schedule uses.
 
     python benchmarks/sweeps/fp8_sorted_quantizers.py
@@ -35,6 +35,7 @@ def main() -> None:
             "d_gate_up sorted": lambda: quant_fp8_block.quantize_fp8_block_sorted_t(d_gate_up, sched),
         }
         first = {}
+        quant_fp8_block._GATHERED_NARROW_MIN_WIDTH = 1 << 30  # every operand on the swept tile
         for block_w, warps in CONFIGS + CONFIGS[::-1]:
             quant_fp8_block._SORTED_BLOCK_W, quant_fp8_block._SORTED_NUM_WARPS = block_w, warps
             for what, fn in calls.items():

@@ -30,9 +30,11 @@ x_sorted and dy_sorted in blocks of 32 rows (the wgrads reduce over rows), dy fr
 product w·dOut. A program then copies 32 rows, one block: the schedule pads every expert
 to a multiple of BLOCK_M (a multiple of 32), so the block is one expert's, padding zeros.
 
-fp8_block makes no such copy: its quantizers read the token rows through row_source
-themselves (`quant_fp8_block.quantize_fp8_block_gathered`), or its down dgrad gathers dOut's
-quantized token rows, bitwise as if from these copies.
+fp8_block makes no bf16 copy: its quantizers read the token rows through row_source
+themselves (`quant_fp8_block.quantize_fp8_block_gathered_t`), or quantize the token rows once
+and copy the e4m3 rows and their scales here as bf16 pairs
+(`quant_fp8_block.quantize_fp8_block_gathered`), or its down dgrad gathers dOut's quantized
+token rows; each bitwise as if from these copies.
 
 Two orders of the same copy. Row-major (`_gather_sorted_rows_kernel`): a program per block
 of sorted rows loads each row's token. Consecutive sorted rows belong to one expert and to

@@ -36,14 +36,15 @@ K step's W scales side by side, so the GEMM reads them as one contiguous vector.
 q_t past the schedule's `num_rows` are not written (no expert reads them); rows of the
 input past its end (an operand shorter than the capacity) read as zeros.
 
-Gathering (`quantize_fp8_block_gathered`, `quantize_fp8_block_gathered_t`, the constexpr
-GATHER): the fp8_block backward's operands from the token rows themselves. Sorted row r
-reads token row_source[r] // topk (zeros for padding), optionally times its router weight
-with one bf16 rounding, exactly as `gather.gather_sorted_rows` copies it, so the bytes and
-scales are bitwise those of quantizing that bf16 copy, which is never written (on
-qwen3-30b, 1.6 GB of bf16 copies and three reads of them per backward). Where the down
-dgrad gathers dOut's rows itself (`dgrad.fp8_block_down_dgrad_gathers`), dOut is quantized
-per token instead, as a route's row is its token's.
+Gathering: the fp8_block backward's operands from the token rows themselves. Blocks down the
+sorted rows (`quantize_fp8_block_gathered_t`, the constexpr GATHER): sorted row r reads token
+row_source[r] // topk (zeros for padding), optionally times its router weight with one bf16
+rounding, exactly as `gather.gather_sorted_rows` copies it, so the bytes and scales are
+bitwise those of quantizing that bf16 copy, which is never written (on qwen3-30b, 1.6 GB of
+bf16 copies and three reads of them per backward). Blocks along a row
+(`quantize_fp8_block_gathered`): a route's row is its token's, so the token rows are
+quantized once and the e4m3 rows and their scales copied into the sorted layout; where the
+down dgrad gathers dOut's rows itself (`dgrad.fp8_block_down_dgrad_gathers`), not even that.
 
 Exactness on each path:
 - amax on the integer bits of |x| (NaN wins; `tl.max` on floats may drop NaN on the GPU).
@@ -72,7 +73,7 @@ import triton.language as tl
 
 from mok.fp8_block import FP8_BLOCK
 from mok.kernels.common import interpreting, round_to_bf16
-from mok.kernels.gather import sorted_row_routes
+from mok.kernels.gather import gather_sorted_rows, sorted_row_routes
 from mok.kernels.schedule import RoutingSchedule
 from mok.kernels.swiglu import swiglu_forward
 from mok.mxfp8 import check_float_input
@@ -106,12 +107,16 @@ _WEIGHT_BLOCK = FP8_BLOCK
 # bf16 in, 8 KiB of fp8 out: 128-byte rows on both sides, so loads and transposed stores
 # coalesce). 128 or 256 columns, or 8 warps, measured 10–80% slower on H200 (log
 # h200-20261130-sorted-t-sweep.log; again with the per-block reciprocal,
-# h200-20261201-sorted-t-sweep*.log: 32 columns at 2 warps is 11% faster for the gathered
-# operands of deepseek-v3-slice only, and slower elsewhere; not in the layer yet). Under the
-# interpreter, whose cost is per program, 256 columns: 3× quicker on the CPU tests.
+# h200-20261201-sorted-t-sweep*.log). Operands gathered from token rows wider than 2048
+# (deepseek-v3-slice's x and w·dOut, H = 7168) take 32 columns at 2 warps: 11% faster there,
+# and slower at qwen3-30b's H = 2048 and on the sorted operands. Under the interpreter, whose
+# cost is per program, 256 columns: 3× quicker on the CPU tests.
 _SORTED_BLOCK_W = 64
-_SORTED_BLOCK_W_INTERPRETER = 256
 _SORTED_NUM_WARPS = 4
+_GATHERED_NARROW_MIN_WIDTH = 2049
+_GATHERED_NARROW_BLOCK_W = 32
+_GATHERED_NARROW_NUM_WARPS = 2
+_SORTED_BLOCK_W_INTERPRETER = 256
 
 
 # --------------------------------------------------------------------------- helpers
@@ -208,16 +213,14 @@ def quantize_row_blocks(x, INTERPRETER: tl.constexpr):
 @triton.jit
 def _quantize_act_1x128_kernel(
     # pointers
-    x_ptr, q_ptr, scale_ptr,  # [M, K] bf16/fp32 (GATHER: token rows [T, K]), [M, K] uint8 (e4m3 bytes),
-    #                           [M, ⌈K/128⌉] fp32
+    x_ptr, q_ptr, scale_ptr,  # [M, K] bf16/fp32, [M, K] uint8 (e4m3 bytes), [M, ⌈K/128⌉] fp32
     num_rows_ptr,  # [1] int32: rows in use (with HAS_NUM_ROWS)
-    row_source_ptr,  # [M] int32 (GATHER): row r holds token row_source[r] // topk, −1 zeros
     # sizes
-    M, K, num_k_blocks, topk,
+    M, K, num_k_blocks,
     # strides
     stride_x_m, stride_q_m,
     # meta
-    HAS_NUM_ROWS: tl.constexpr, GATHER: tl.constexpr, INTERPRETER: tl.constexpr,
+    HAS_NUM_ROWS: tl.constexpr, INTERPRETER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -231,12 +234,7 @@ def _quantize_act_1x128_kernel(
         row_ok = row_ok & (rows < num_rows)
     mask = row_ok[:, None] & (cols < K)[None, :]
     rows64 = rows.to(tl.int64)[:, None]
-    if GATHER:
-        _, tokens, valid = sorted_row_routes(rows, row_ok, row_source_ptr, topk)
-        x = tl.load(x_ptr + tokens.to(tl.int64)[:, None] * stride_x_m + cols[None, :],
-                    mask=valid[:, None] & mask, other=0.0)
-    else:
-        x = tl.load(x_ptr + rows64 * stride_x_m + cols[None, :], mask=mask, other=0.0)
+    x = tl.load(x_ptr + rows64 * stride_x_m + cols[None, :], mask=mask, other=0.0)
     x = _to_fp32(x, INTERPRETER)  # [BM, BK] fp32
     q, scale = quantize_row_blocks(x, INTERPRETER)  # [BM, BK] uint8, [BM, 1] fp32
     tl.store(q_ptr + rows64 * stride_q_m + cols[None, :], q, mask=mask)
@@ -361,26 +359,17 @@ def quantize_fp8_block_activations(
     ):
         raise ValueError(f"num_rows: expected a [1] int32 tensor on {x.device}, got {num_rows.dtype} "
                          f"{list(num_rows.shape)} on {num_rows.device}")
-    return _launch_quantize_act(x, x.shape[0], num_rows, None, 1)
-
-
-def _launch_quantize_act(
-    x: torch.Tensor, num_out_rows: int, num_rows: torch.Tensor | None, row_source: torch.Tensor | None, topk: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One launch of `_quantize_act_1x128_kernel`: (q [num_out_rows, K], scale [num_out_rows, ⌈K/128⌉]),
-    out row r from x's row r, or with `row_source` from token row_source[r] // topk."""
     K = x.shape[1]
     num_k_blocks = triton.cdiv(K, FP8_BLOCK)
-    q = torch.empty(num_out_rows, K, dtype=torch.uint8, device=x.device)  # [M, K] e4m3 bytes
-    scale = torch.empty(num_out_rows, num_k_blocks, dtype=torch.float32, device=x.device)  # [M, ⌈K/128⌉]
-    if num_out_rows > 0 and K > 0:
-        grid = (triton.cdiv(num_out_rows, _ACT_BLOCK_M), num_k_blocks)
+    q = torch.empty(x.shape[0], K, dtype=torch.uint8, device=x.device)  # [M, K] e4m3 bytes
+    scale = torch.empty(x.shape[0], num_k_blocks, dtype=torch.float32, device=x.device)  # [M, ⌈K/128⌉]
+    if x.shape[0] > 0 and K > 0:
+        grid = (triton.cdiv(x.shape[0], _ACT_BLOCK_M), num_k_blocks)
         _quantize_act_1x128_kernel[grid](
-            x, q, scale,
-            scale if num_rows is None else num_rows, scale if row_source is None else row_source,  # scale: unread
-            num_out_rows, K, num_k_blocks, topk,
+            x, q, scale, scale if num_rows is None else num_rows,  # scale: unread
+            x.shape[0], K, num_k_blocks,
             x.stride(0), q.stride(0),
-            HAS_NUM_ROWS=num_rows is not None, GATHER=row_source is not None, INTERPRETER=interpreting(),
+            HAS_NUM_ROWS=num_rows is not None, INTERPRETER=interpreting(),
             BLOCK_M=_ACT_BLOCK_M, BLOCK_K=FP8_BLOCK, num_warps=4,
         )
     return q.view(torch.float8_e4m3fn), scale
@@ -401,13 +390,20 @@ def quantize_fp8_block_gathered(
     schedule: RoutingSchedule,
     topk: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x's rows in the schedule's sorted layout (row r: token row_source[r] // topk, zeros for
-    padding), quantized in 1×128 blocks along K: (q [capacity_rows, K] float8_e4m3fn, scale
-    [capacity_rows, ⌈K/128⌉] fp32), bitwise `quantize_fp8_block_activations` of
-    `gather.gather_sorted_rows`' copy with num_rows, without the copy. Rows at or past the
-    schedule's num_rows are left unwritten."""
+    """x's rows in the schedule's sorted layout (row r: token row_source[r] // topk), quantized
+    in 1×128 blocks along K: (q [capacity_rows, K] float8_e4m3fn, scale [capacity_rows,
+    ⌈K/128⌉] fp32). A route's row is its token's, so the T token rows are quantized once and
+    their bytes and scales copied to the routes' rows (`gather.gather_sorted_rows`, on bf16
+    views): every route's row bitwise `quantize_fp8_block_activations` of the gathered bf16
+    copy, at the cost of T rows quantized instead of T·topk. Padding rows get zero bytes and
+    scale 0 (no GEMM output of theirs is read); rows at or past num_rows are left unwritten."""
     _check_token_rows("x", x, schedule, topk)
-    return _launch_quantize_act(x, schedule.capacity_rows, schedule.num_rows, schedule.row_source, topk)
+    if x.shape[1] % 2:
+        raise ValueError(f"x: expected an even number of columns (copied as bf16 pairs), got {x.shape[1]}")
+    q, scale = quantize_fp8_block_activations(x)  # [T, K] e4m3, [T, ⌈K/128⌉] fp32
+    q_sorted = gather_sorted_rows(q.view(torch.bfloat16), None, None, schedule, topk)[0]  # [capacity_rows, K/2]
+    scale_sorted = gather_sorted_rows(scale.view(torch.bfloat16), None, None, schedule, topk)[0]
+    return q_sorted.view(torch.float8_e4m3fn), scale_sorted.view(torch.float32)
 
 
 def quantize_fp8_block_weights(
@@ -452,7 +448,11 @@ def _launch_quantize_sorted_t(
     rows = schedule.capacity_rows
     q_t = torch.empty(width, rows, dtype=torch.uint8, device=device)  # [W, capacity_rows] e4m3 bytes
     scale_t = torch.empty(rows // scale_rows, width, dtype=torch.float32, device=device)  # [capacity_rows / S, W]
-    block_w = _SORTED_BLOCK_W_INTERPRETER if interpreting() else _SORTED_BLOCK_W
+    block_w, num_warps = _SORTED_BLOCK_W, _SORTED_NUM_WARPS
+    if interpreting():
+        block_w = _SORTED_BLOCK_W_INTERPRETER
+    elif gathered_topk is not None and width >= _GATHERED_NARROW_MIN_WIDTH:
+        block_w, num_warps = _GATHERED_NARROW_BLOCK_W, _GATHERED_NARROW_NUM_WARPS
     if rows > 0 and width > 0:
         grid = (rows // scale_rows, triton.cdiv(width, block_w))
         _quantize_sorted_t_kernel[grid](
@@ -463,7 +463,7 @@ def _launch_quantize_sorted_t(
             SWIGLU=swiglu, HAS_LIMIT=swiglu_limit is not None, GATHER=gathered_topk is not None,
             HAS_WEIGHTS=topk_weights is not None, INTERPRETER=interpreting(),
             TILE_M=schedule.block_m, SCALE_ROWS=scale_rows, BLOCK_R=FP8_BLOCK, BLOCK_W=block_w,
-            num_warps=_SORTED_NUM_WARPS,
+            num_warps=num_warps,
         )
     return q_t.view(torch.float8_e4m3fn), scale_t
 

@@ -258,7 +258,7 @@ def test_gathered_quantizers_are_bitwise_the_copy_quantized(kernel_device, T, H,
     """Token rows quantized straight into the sorted layout (no bf16 copy): dOut in 1×128 blocks
     along H, x and w·dOut (signed router weights) in blocks down the sorted rows, bit for bit
     the quantizers applied to `gather_sorted_rows`' copies; a NaN in one token reaches exactly
-    the blocks of its rows; an expert with no rows; padding rows quantize to zeros."""
+    the blocks of its rows; an expert with no rows; padding rows hold zeros (dOut's scale 0)."""
     gen = torch.Generator().manual_seed(T + H)
     sched, blocks, _ = _sorted_case(kernel_device, T, E, topk, used_experts, seed=T)
     ctx = f"{kernel_device=} {T=} {H=} {E=} {topk=} block_m={sched.block_m}"
@@ -274,7 +274,11 @@ def test_gathered_quantizers_are_bitwise_the_copy_quantized(kernel_device, T, H,
     got = quantize_fp8_block_gathered(d_out, sched, topk)
     want = quantize_fp8_block_activations(d_out_sorted, sched.num_rows)
     assert got[0].shape == (sched.capacity_rows, H) and got[1].shape == (sched.capacity_rows, H // 128), ctx
-    _assert_same([t[:num_rows] for t in got], [t[:num_rows] for t in want], f"dOut rows {ctx}")
+    routed = (sched.row_source[:num_rows] >= 0).nonzero().flatten()
+    _assert_same([t[routed] for t in got], [t[routed] for t in want], f"dOut rows {ctx}")
+    unrouted = (sched.row_source[:num_rows] < 0).nonzero().flatten()
+    assert unrouted.numel() > 0, ctx
+    assert torch.all(got[0][unrouted].float() == 0) and torch.all(got[1][unrouted] == 0), f"dOut padding {ctx}"
     for name, token_rows, weights, copy in (("x", x, None, x_sorted), ("w·dOut", d_out, w, dy_sorted)):
         q_t, scale_t = quantize_fp8_block_gathered_t(token_rows, sched, topk, weights)
         want_q, want_scale = quantize_fp8_block_sorted_t(copy, sched)
@@ -293,6 +297,8 @@ def test_gathered_quantizer_errors(kernel_device):
     x = torch.zeros(8, 128, dtype=torch.bfloat16, device=kernel_device)
     with pytest.raises(ValueError, match=r"^x: expected bf16 token rows \[T, W\]"):
         quantize_fp8_block_gathered(x.float(), sched, 2)
+    with pytest.raises(ValueError, match=r"^x: expected an even number of columns"):
+        quantize_fp8_block_gathered(x[:, :127], sched, 2)
     with pytest.raises(ValueError, match=r"^topk: expected at least 1, got 0"):
         quantize_fp8_block_gathered_t(x, sched, 0)
     with pytest.raises(ValueError, match=r"^topk_weights: expected a contiguous fp32 \[8, 2\] tensor"):
