@@ -713,12 +713,13 @@ def _gate_up_ws_kernel(
 
 
 @gluon.jit
-def _wgrad_tile(tile, expert_offsets_ptr, m_dim, n_dim, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr):
-    """(expert, m0, n0, first row, K steps) of an output tile, in `wgrad.expert_tile_coordinates`'s order."""
+def _wgrad_tile(tile, expert_offsets_ptr, expert_counts_ptr, m_dim, n_dim, TILE_M: gl.constexpr,
+                BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr):
+    """(expert, m0, n0, first row, K steps) of an output tile, in `wgrad.expert_tile_coordinates`'s
+    order; the steps cover the expert's routes, as the Triton kernel's (`wgrad.py`)."""
     expert, m0, n0 = expert_tile_coordinates(tile, m_dim, n_dim, TILE_M, BLOCK_N, GROUP_M)
     row_start = gl.load(expert_offsets_ptr + expert)
-    steps = (gl.load(expert_offsets_ptr + expert + 1) - row_start) // BLOCK_K
+    steps = gl.cdiv(gl.load(expert_counts_ptr + expert), BLOCK_K)
     return expert, m0, n0, row_start, steps
 
 
@@ -730,17 +731,17 @@ def _wgrad_tile_m(block_m, two_outputs):
 
 @gluon.jit
 def _wgrad_producer(a_desc, a2_desc, b_desc, b_scale_desc, a_bufs, b_bufs, b_scale_bufs, ready, empty, turn, out_ptr,
-                    out2_ptr, a_scale_ptr, expert_offsets_ptr, num_tiles, m_dim, n_dim, split_m, stride_out_e,
-                    stride_a_scale, CONSUMER: gl.constexpr, COOPERATIVE: gl.constexpr, TWO_OUTPUTS: gl.constexpr,
-                    FP8: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                    out2_ptr, a_scale_ptr, expert_offsets_ptr, expert_counts_ptr, num_tiles, m_dim, n_dim, split_m,
+                    stride_out_e, stride_a_scale, CONSUMER: gl.constexpr, COOPERATIVE: gl.constexpr,
+                    TWO_OUTPUTS: gl.constexpr, FP8: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                     GROUP_M: gl.constexpr, STAGES: gl.constexpr):
     TILE_M: gl.constexpr = _wgrad_tile_m(BLOCK_M, TWO_OUTPUTS)
     # consumer 1's A columns: the same as consumer 0's in a2 (two outputs), or the tile's second half
     A2_OFFSET: gl.constexpr = 0 if TWO_OUTPUTS else _consumer_rows(BLOCK_M, COOPERATIVE)
     step = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        expert, m0, n0, row_start, steps = _wgrad_tile(tile, expert_offsets_ptr, m_dim, n_dim, TILE_M, BLOCK_N,
-                                                       BLOCK_K, GROUP_M)
+        expert, m0, n0, row_start, steps = _wgrad_tile(tile, expert_offsets_ptr, expert_counts_ptr, m_dim, n_dim,
+                                                       TILE_M, BLOCK_N, BLOCK_K, GROUP_M)
         for k in range(steps):
             r0 = row_start + k * BLOCK_K
             if FP8:  # transposed copies [m_dim or n_dim, rows]: K-major tiles; B's column scales with them
@@ -756,9 +757,9 @@ def _wgrad_producer(a_desc, a2_desc, b_desc, b_scale_desc, a_bufs, b_bufs, b_sca
 
 @gluon.jit
 def _wgrad_consumer(a_desc, a2_desc, b_desc, b_scale_desc, a_bufs, b_bufs, b_scale_bufs, ready, empty, turn, out_ptr,
-                    out2_ptr, a_scale_ptr, expert_offsets_ptr, num_tiles, m_dim, n_dim, split_m, stride_out_e,
-                    stride_a_scale, CONSUMER: gl.constexpr, COOPERATIVE: gl.constexpr, TWO_OUTPUTS: gl.constexpr,
-                    FP8: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                    out2_ptr, a_scale_ptr, expert_offsets_ptr, expert_counts_ptr, num_tiles, m_dim, n_dim, split_m,
+                    stride_out_e, stride_a_scale, CONSUMER: gl.constexpr, COOPERATIVE: gl.constexpr,
+                    TWO_OUTPUTS: gl.constexpr, FP8: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                     GROUP_M: gl.constexpr, STAGES: gl.constexpr):
     TILE_M: gl.constexpr = _wgrad_tile_m(BLOCK_M, TWO_OUTPUTS)
     ROWS: gl.constexpr = _consumer_rows(BLOCK_M, COOPERATIVE)
@@ -768,8 +769,8 @@ def _wgrad_consumer(a_desc, a2_desc, b_desc, b_scale_desc, a_bufs, b_bufs, b_sca
     step = 0  # the ring's step count: every partition walks all of the program's tiles
     tile_count = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        expert, m0, n0, row_start, steps = _wgrad_tile(tile, expert_offsets_ptr, m_dim, n_dim, TILE_M, BLOCK_N,
-                                                       BLOCK_K, GROUP_M)
+        expert, m0, n0, row_start, steps = _wgrad_tile(tile, expert_offsets_ptr, expert_counts_ptr, m_dim, n_dim,
+                                                       TILE_M, BLOCK_N, BLOCK_K, GROUP_M)
         if TWO_OUTPUTS:  # consumer c's rows are out_c's (d_w_gate, d_w_up)
             out = out2_ptr if CONSUMER == 1 else out_ptr
             first_row = m0
@@ -821,7 +822,7 @@ def _wgrad_ws_kernel(
     # FP8: the scales of aᵀ, [rows / 128, m_dim] fp32
     a_scale_ptr,
     # schedule
-    expert_offsets_ptr,
+    expert_offsets_ptr, expert_counts_ptr,
     # sizes (num_tiles tiles over m_dim × n_dim per expert; rows from split_m on are out2's), strides
     num_tiles, m_dim, n_dim, split_m, stride_out_e, stride_a_scale,
     # meta
@@ -839,17 +840,17 @@ def _wgrad_ws_kernel(
         b_scale_bufs = b_bufs  # unread
     gl.warp_specialize([
         (_wgrad_consumer, (a_desc, a2_desc, b_desc, b_scale_desc, a_bufs, b_bufs, b_scale_bufs, ready, empty, turn,
-                           out_ptr, out2_ptr, a_scale_ptr, expert_offsets_ptr, num_tiles, m_dim, n_dim, split_m,
-                           stride_out_e, stride_a_scale, 0, COOPERATIVE, TWO_OUTPUTS, FP8, BLOCK_M, BLOCK_N,
-                           BLOCK_K, GROUP_M, STAGES)),
+                           out_ptr, out2_ptr, a_scale_ptr, expert_offsets_ptr, expert_counts_ptr, num_tiles, m_dim,
+                           n_dim, split_m, stride_out_e, stride_a_scale, 0, COOPERATIVE, TWO_OUTPUTS, FP8, BLOCK_M,
+                           BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
         (_wgrad_consumer, (a_desc, a2_desc, b_desc, b_scale_desc, a_bufs, b_bufs, b_scale_bufs, ready, empty, turn,
-                           out_ptr, out2_ptr, a_scale_ptr, expert_offsets_ptr, num_tiles, m_dim, n_dim, split_m,
-                           stride_out_e, stride_a_scale, 1, COOPERATIVE, TWO_OUTPUTS, FP8, BLOCK_M, BLOCK_N,
-                           BLOCK_K, GROUP_M, STAGES)),
+                           out_ptr, out2_ptr, a_scale_ptr, expert_offsets_ptr, expert_counts_ptr, num_tiles, m_dim,
+                           n_dim, split_m, stride_out_e, stride_a_scale, 1, COOPERATIVE, TWO_OUTPUTS, FP8, BLOCK_M,
+                           BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
         (_wgrad_producer, (a_desc, a2_desc, b_desc, b_scale_desc, a_bufs, b_bufs, b_scale_bufs, ready, empty, turn,
-                           out_ptr, out2_ptr, a_scale_ptr, expert_offsets_ptr, num_tiles, m_dim, n_dim, split_m,
-                           stride_out_e, stride_a_scale, 0, COOPERATIVE, TWO_OUTPUTS, FP8, BLOCK_M, BLOCK_N,
-                           BLOCK_K, GROUP_M, STAGES)),
+                           out_ptr, out2_ptr, a_scale_ptr, expert_offsets_ptr, expert_counts_ptr, num_tiles, m_dim,
+                           n_dim, split_m, stride_out_e, stride_a_scale, 0, COOPERATIVE, TWO_OUTPUTS, FP8, BLOCK_M,
+                           BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
     ], [4, 1], [_CONSUMER_REGISTERS, _PRODUCER_REGISTERS])
 
 
@@ -986,7 +987,7 @@ def launch_wgrad(a: torch.Tensor, a2: torch.Tensor | None, b: torch.Tensor, out:
         a_desc, _descriptor(a2, a_block) if two_outputs else a_desc, b_desc,
         _descriptor(b_scale, (1, block_n)) if fp8 else b_desc,
         out, out if out2 is None else out2, a_scale,
-        schedule.expert_offsets,
+        schedule.expert_offsets, schedule.expert_counts,
         num_tiles, m_dim, n_dim, split_m, out.stride(0), a_scale.stride(0),
         cooperative, two_outputs, fp8, block_m, block_n, block_k, cfg.get("GROUP_M", 1), cfg["num_stages"],
         num_warps=4,

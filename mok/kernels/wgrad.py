@@ -15,9 +15,11 @@ kernels at ~360 TFLOPS against 570–660 over sorted operands (BENCHMARKS.md).
 Padding rows hold zeros in the sorted operands (their producers write them so), and a
 sorted operand with fewer rows than the schedule's capacity reads zeros past its end
 (TMA), so padding adds exactly nothing without any mask. The K loop steps BLOCK_K rows
-at a time inside [expert_offsets[e], expert_offsets[e+1]), which the schedule pads to
-its BLOCK_M: BLOCK_K must divide BLOCK_M (checked), so no step reads another expert's
-rows.
+at a time over the expert's routes, [expert_offsets[e], expert_offsets[e] + expert_counts[e])
+rounded up to BLOCK_K (the schedule puts an expert's padding after its routes, so the steps
+past that would multiply zeros: up to BLOCK_M − BLOCK_K rows per expert skipped in bf16,
+none in fp8_block, whose steps are the 128-row scale blocks). BLOCK_K must divide BLOCK_M
+(checked), so no step reads another expert's rows.
 
 Grid: one program per (expert, M tile, N tile) of the output, expert outermost (or, with
 the tile-config flag PERSISTENT, one program per SM walking those tiles in that order); each
@@ -196,15 +198,15 @@ def store_weight_grad(ptrs, acc, mask, ACCUMULATE: tl.constexpr, OUT_BF16: tl.co
 @triton.jit
 def _wgrad_tile(
     a_desc, a2_desc, b_desc, out_ptr, out2_ptr, a_scale_ptr, a2_scale_ptr, b_scale_ptr,
-    expert_offsets_ptr, tile, m_dim, n_dim, split_m, stride_out_e, stride_out_m, stride_a_scale, stride_b_scale,
-    PRECISION: tl.constexpr, TWO_OUTPUTS: tl.constexpr, STACKED: tl.constexpr, ACCUMULATE: tl.constexpr,
+    expert_offsets_ptr, expert_counts_ptr, tile, m_dim, n_dim, split_m, stride_out_e, stride_out_m, stride_a_scale,
+    stride_b_scale, PRECISION: tl.constexpr, TWO_OUTPUTS: tl.constexpr, STACKED: tl.constexpr, ACCUMULATE: tl.constexpr,
     OUT_BF16: tl.constexpr, INTERPRETER: tl.constexpr, SCALE_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile of out (and out2): its expert's rows in ascending order."""
     expert, m0, n0 = expert_tile_coordinates(tile, m_dim, n_dim, BLOCK_M, BLOCK_N, GROUP_M)
     row_start = tl.load(expert_offsets_ptr + expert)
-    row_end = tl.load(expert_offsets_ptr + expert + 1)
+    row_end = row_start + tl.load(expert_counts_ptr + expert)  # the last step may run into the padding
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for r0 in range(row_start, row_end, BLOCK_K):
@@ -257,7 +259,7 @@ def _sorted_rows_wgrad_kernel(
     # fp8_block scales (unused in bf16): [capacity_rows / S, ·] fp32
     a_scale_ptr, a2_scale_ptr, b_scale_ptr,
     # schedule
-    expert_offsets_ptr,
+    expert_offsets_ptr, expert_counts_ptr,
     # sizes: out is [E_l, m_dim, n_dim] in num_tiles tiles (with STACKED, out's rows [0, split_m)
     # then out2's); num_programs: the grid
     m_dim, n_dim, split_m, num_tiles, num_programs,
@@ -277,14 +279,14 @@ def _sorted_rows_wgrad_kernel(
         # epilogue with the next tile's first loads
         for tile in tl.range(tl.program_id(0), num_tiles, num_programs, flatten=True):
             _wgrad_tile(a_desc, a2_desc, b_desc, out_ptr, out2_ptr, a_scale_ptr, a2_scale_ptr, b_scale_ptr,
-                        expert_offsets_ptr, tile, m_dim, n_dim, split_m, stride_out_e, stride_out_m,
-                        stride_a_scale, stride_b_scale, PRECISION, TWO_OUTPUTS, STACKED, ACCUMULATE, OUT_BF16,
-                        INTERPRETER, SCALE_ROWS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+                        expert_offsets_ptr, expert_counts_ptr, tile, m_dim, n_dim, split_m, stride_out_e,
+                        stride_out_m, stride_a_scale, stride_b_scale, PRECISION, TWO_OUTPUTS, STACKED, ACCUMULATE,
+                        OUT_BF16, INTERPRETER, SCALE_ROWS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     else:
         _wgrad_tile(a_desc, a2_desc, b_desc, out_ptr, out2_ptr, a_scale_ptr, a2_scale_ptr, b_scale_ptr,
-                    expert_offsets_ptr, tl.program_id(0), m_dim, n_dim, split_m, stride_out_e, stride_out_m,
-                    stride_a_scale, stride_b_scale, PRECISION, TWO_OUTPUTS, STACKED, ACCUMULATE, OUT_BF16,
-                    INTERPRETER, SCALE_ROWS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+                    expert_offsets_ptr, expert_counts_ptr, tl.program_id(0), m_dim, n_dim, split_m, stride_out_e,
+                    stride_out_m, stride_a_scale, stride_b_scale, PRECISION, TWO_OUTPUTS, STACKED, ACCUMULATE,
+                    OUT_BF16, INTERPRETER, SCALE_ROWS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
 
 
 # --------------------------------------------------------------------------- launchers
@@ -352,7 +354,7 @@ def _launch_wgrad(
         a_desc, a_desc if a2 is None else tma_descriptor(a2, a_block),
         tma_descriptor(b, b_block), out, out if out2 is None else out2,
         a_scale, a_scale if a2_scale is None else a2_scale, b_scale,
-        schedule.expert_offsets,
+        schedule.expert_offsets, schedule.expert_counts,
         m_dim, n_dim, split_m, num_tiles, programs,
         out.stride(0), out.stride(1), a_scale.stride(0), b_scale.stride(0),
         PRECISION=precision, TWO_OUTPUTS=out2 is not None and not cfg["STACKED"], ACCUMULATE=accumulate,

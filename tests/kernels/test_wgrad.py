@@ -5,6 +5,7 @@ be read), and in-place main_grad accumulation in fp32 and bf16."""
 import pytest
 import torch
 
+from mok.kernels import warp_specialized as ws
 from mok.kernels.common import num_sms
 from mok.kernels.grouped_gemm import routing_block_m
 from mok.kernels.quant_fp8_block import (
@@ -187,6 +188,38 @@ def test_wgrad_accumulates_into_main_grad(kernel_device, dtype):
         down_wgrad(dy_sorted, h, sched, main_grad=start["gate"])
     with pytest.raises(ValueError, match=r"^main_grad_gate, main_grad_up: expected both or neither"):
         gate_up_wgrad(d_gate_up, x_sorted, sched, main["gate"])
+
+
+@pytest.mark.parametrize("warp_specialized", [False, True])
+def test_wgrad_steps_stop_at_the_routes(kernel_device, warp_specialized):
+    """The K loop covers each expert's routes rounded up to BLOCK_K, not the padding rows past
+    that: NaN there changes no gradient, bit for bit (the Triton kernels at a BLOCK_K under the
+    schedule's M tile, and on Hopper the warp-specialized ones)."""
+    if warp_specialized and not ws.available_here():
+        pytest.skip("the warp-specialized kernels need a Hopper GPU")
+    T, H, I, E, topk = (37, 64, 48, 6, 2) if kernel_device == "cpu" else (301, 256, 384, 6, 2)
+    inp, sched, _, _, _, sorted_rows, d_out, _ = _setup(T, H, I, E, topk, kernel_device, seed=T + 6)
+    ctx = f"{T=} {H=} {I=} {E=} {topk=} {warp_specialized=}"
+    h, d_gate_up = sorted_rows(I), sorted_rows(2, I)
+    x_sorted, _, dy_sorted = gather_sorted_rows(inp.x, d_out, inp.topk_weights, sched, topk)
+    block_k = sched.block_m // 2
+    down_cfg = wgrad_config("down", H, I, allow_warp_specialized=warp_specialized)
+    gate_up_cfg = wgrad_config("gate_up", I, H, allow_warp_specialized=warp_specialized)
+    if not warp_specialized:
+        down_cfg, gate_up_cfg = dict(down_cfg, BLOCK_K=block_k), dict(gate_up_cfg, BLOCK_K=block_k)
+    assert down_cfg["BLOCK_K"] == gate_up_cfg["BLOCK_K"] == block_k, ctx
+    clean = (down_wgrad(dy_sorted, h, sched, tile_config=down_cfg),
+             *gate_up_wgrad(d_gate_up, x_sorted, sched, tile_config=gate_up_cfg))
+    offsets, counts = sched.expert_offsets.cpu(), sched.expert_counts.cpu()
+    skipped = torch.cat([torch.arange(int(offsets[e]) + -(-int(counts[e]) // block_k) * block_k, int(offsets[e + 1]))
+                         for e in range(E)])
+    assert skipped.numel() > 0, f"the test wants an expert with a whole step of padding {ctx}"
+    for operand in (h, d_gate_up, x_sorted, dy_sorted):
+        operand[skipped.to(kernel_device)] = float("nan")
+    poisoned = (down_wgrad(dy_sorted, h, sched, tile_config=down_cfg),
+                *gate_up_wgrad(d_gate_up, x_sorted, sched, tile_config=gate_up_cfg))
+    for name, got, want in zip(("d_w_down", "d_w_gate", "d_w_up"), poisoned, clean):
+        assert not want.isnan().any() and torch.equal(got, want), f"{name} {ctx}"
 
 
 def test_wgrad_rejects_a_k_step_that_crosses_experts(kernel_device):
