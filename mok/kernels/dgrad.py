@@ -56,7 +56,9 @@ w_gateᵀ and w_upᵀ [E_l, H, I]), read as [N, K] tiles. Up to
 row's token row inside its loads (`grouped_gemm.gathered_rows_tile_fp8`: a route's row of the
 sorted copy would be the same bytes, so dOut costs a T-row quantization, not T·topk rows);
 above it, dOut's sorted rows are quantized straight from the token rows
-(`quantize_fp8_block_gathered`) and read through TMA. d_gate_up[:, 0] and d_gate_up[:, 1]
+(`quantize_fp8_block_gathered`) and read through TMA; on Hopper that GEMM runs in
+`warp_specialized.py` into an fp32 product [capacity_rows, I], and `_down_dgrad_swiglu_kernel`
+runs only its epilogue on it (PRODUCT_GIVEN, `down_dgrad_swiglu_epilogue`). d_gate_up[:, 0] and d_gate_up[:, 1]
 are quantized separately by `quantize_fp8_block_activations` (strided views, no copy), so
 each scale tensor is a plain [rows, K/128]. Padding rows quantize to zeros and stay exact
 zeros. d_gate_up is still stored in bf16: the gate/up wgrad reduces over rows, so it needs
@@ -139,6 +141,13 @@ WARP_SPECIALIZED_FP8_BLOCK_GATE_UP_DGRAD = True
 # 6.94 -> 6.82; deepseek-v3-slice (H = 7168) quantizers 0.774 -> 0.379 but down dgrad
 # +0.37 ms (the cp.async gather of 56 K steps issued by the MMA warps), all 26.12 -> 26.30.
 GATHERED_FP8_BLOCK_DOWN_DGRAD_MAX_HIDDEN = 2048
+# Above that H, on Hopper, the fp8_block down dgrad runs as two launches: the cooperative
+# warp-specialized GEMM writes the product a = dOut · Wd[e] per sorted row in fp32
+# (`warp_specialized.launch_down_dgrad_product_fp8_block`), then `_down_dgrad_swiglu_kernel`
+# runs its epilogue on that product (`down_dgrad_swiglu_epilogue`). The Triton kernel's fused
+# GEMM ran ~695 TFLOPS on deepseek-v3-slice against ~1000 for the Gluon fp8 GEMMs; the product
+# costs a write and a read of [capacity_rows, I] fp32. False keeps the fused Triton kernel.
+WARP_SPECIALIZED_FP8_BLOCK_DOWN_DGRAD_PRODUCT = True
 
 
 def fp8_block_down_dgrad_gathers(hidden: int) -> bool:
@@ -166,11 +175,16 @@ def dgrad_config(
     `allow_warp_specialized` is False (stores to other ranks). Under the interpreter, small
     tiles keep the CPU tests fast. The key never includes per-expert counts (they change every step).
     fp8_block: `_FP8_BLOCK_TILES`, the same for every shape until measured; on Hopper the gate/up
-    dgrad into local slots warp-specialized with `WARP_SPECIALIZED_FP8_BLOCK_GATE_UP_DGRAD`.
+    dgrad into local slots warp-specialized with `WARP_SPECIALIZED_FP8_BLOCK_GATE_UP_DGRAD`, and
+    the down dgrad's GEMM over dOut's sorted rows with `WARP_SPECIALIZED_FP8_BLOCK_DOWN_DGRAD_PRODUCT`.
     """
-    gate_up_warp_specialized = kind == "gate_up" and allow_warp_specialized and warp_specialized.available_here()
+    on_hopper = allow_warp_specialized and warp_specialized.available_here()
+    gate_up_warp_specialized = kind == "gate_up" and on_hopper
     if precision == "fp8_block":
         if gate_up_warp_specialized and WARP_SPECIALIZED_FP8_BLOCK_GATE_UP_DGRAD:
+            return warp_specialized.fp8_block_tile_config()
+        down_product = kind == "down" and not fp8_block_down_dgrad_gathers(reduce_dim)
+        if down_product and on_hopper and WARP_SPECIALIZED_FP8_BLOCK_DOWN_DGRAD_PRODUCT:
             return warp_specialized.fp8_block_tile_config()
         return dict(BLOCK_M=routing_block_m(), **_FP8_BLOCK_TILES["interpreter" if interpreting() else kind])
     if interpreting():
@@ -233,8 +247,9 @@ def _down_dgrad_epilogue(
 
 @triton.jit
 def _down_dgrad_swiglu_kernel(
-    # pointers (d_out's sorted rows through a TMA descriptor, GATHER_D_OUT: its token rows [T, H];
-    # bf16: w_down [E_l, H, I]; fp8_block: e4m3, w_down as its transposed copy [E_l, I, H])
+    # pointers (d_out's sorted rows through a TMA descriptor, GATHER_D_OUT: its token rows [T, H],
+    # PRODUCT_GIVEN: the product a itself, fp32 [capacity_rows, I], w_down unread; bf16: w_down
+    # [E_l, H, I]; fp8_block: e4m3, w_down as its transposed copy [E_l, I, H])
     d_out, topk_weights_ptr, gate_up_ptr, w_down_desc, d_gate_up_ptr, route_partials_ptr,
     # fp8_block scales (unused in bf16): d_out [rows or T, H/128], w_downᵀ [E_l, I/128, H/128]
     d_out_scale_ptr, w_down_scale_ptr,
@@ -245,9 +260,9 @@ def _down_dgrad_swiglu_kernel(
     # strides
     stride_gu_r, stride_dgu_r, stride_d_out_t,
     # meta
-    PRECISION: tl.constexpr, GATHER_D_OUT: tl.constexpr, HAS_WEIGHTS: tl.constexpr, HAS_LIMIT: tl.constexpr,
-    INTERPRETER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    PRECISION: tl.constexpr, GATHER_D_OUT: tl.constexpr, PRODUCT_GIVEN: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, INTERPRETER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     num_n_tiles = tl.cdiv(inter, BLOCK_N)
     m_tile, n_tile = tile_coordinates(tl.program_id(0), max_m_tiles, num_n_tiles, GROUP_M)
@@ -260,7 +275,11 @@ def _down_dgrad_swiglu_kernel(
     slot = tl.where(row_valid, source, 0)
     # a = dOut[t] · Wd[e] over H, unweighted.
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if GATHER_D_OUT:  # fp8_block; Wd[e]ᵀ is [I, H]: K-major, its rows the N dim
+    if PRODUCT_GIVEN:  # columns past I read as zeros: h is zero there too (g = u = 0)
+        columns = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        d_out_wd = tl.load(d_out + rows.to(tl.int64)[:, None] * stride_d_out_t + columns[None, :],
+                           mask=(columns < inter)[None, :], other=0.0)
+    elif GATHER_D_OUT:  # fp8_block; Wd[e]ᵀ is [I, H]: K-major, its rows the N dim
         d_out_wd = gathered_rows_tile_fp8(
             d_out, d_out_scale_ptr, slot // topk, row_valid, w_down_desc, w_down_scale_ptr, expert,
             n_tile * BLOCK_N, hidden, inter, stride_d_out_t, acc, BLOCK_K,
@@ -427,10 +446,10 @@ def _weight_block(precision: str, cfg: dict) -> tuple[int, int]:
 def _launch_down_dgrad_swiglu(
     precision: str, d_out, d_out_scale, topk_weights, gate_up, w_down, w_down_scale,
     schedule: RoutingSchedule, hidden: int, inter: int, swiglu_limit: float | None, cfg: dict,
+    product_given: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`_down_dgrad_swiglu_kernel`, then the router-weight sum; the scales are None in bf16."""
-    if cfg.get("WARP_SPECIALIZED", False):  # a warp-specialized down dgrad measured slower (BENCHMARKS.md)
-        raise ValueError("tile_config: the down dgrad runs the Triton kernel only, got WARP_SPECIALIZED")
+    """`_down_dgrad_swiglu_kernel`, then the router-weight sum; the scales are None in bf16.
+    With `product_given`, d_out is the product a [capacity_rows, I] fp32 and the weight unread."""
     device = gate_up.device
     num_n_tiles = triton.cdiv(inter, cfg["BLOCK_N"])
     d_gate_up = torch.empty_like(gate_up)  # [capacity_rows, 2, I] bf16
@@ -439,18 +458,20 @@ def _launch_down_dgrad_swiglu(
     # [T·topk, I / BLOCK_N] fp32: every slot a placed route points to is fully written.
     route_partials = torch.empty(num_slots, num_n_tiles, dtype=torch.float32, device=device)
     grid = (schedule.max_tiles * num_n_tiles,)
-    gathered = precision == "fp8_block" and fp8_block_down_dgrad_gathers(hidden)  # token rows, gathered by the loads
+    # fp8_block's token rows are gathered by the loads
+    gathered = not product_given and precision == "fp8_block" and fp8_block_down_dgrad_gathers(hidden)
     _down_dgrad_swiglu_kernel[grid](
-        d_out if gathered else tma_descriptor(d_out, (cfg["BLOCK_M"], cfg["BLOCK_K"])),
+        d_out if gathered or product_given else tma_descriptor(d_out, (cfg["BLOCK_M"], cfg["BLOCK_K"])),
         topk_weights if weighted else d_gate_up,
-        gate_up, tma_descriptor(w_down, _weight_block(precision, cfg)), d_gate_up,
+        gate_up, d_out if product_given else tma_descriptor(w_down, _weight_block(precision, cfg)), d_gate_up,
         route_partials if weighted else d_gate_up,  # unused without weights (HAS_WEIGHTS=False)
         *(d_gate_up if s is None else s for s in (d_out_scale, w_down_scale)),  # d_gate_up: an unread stand-in
         schedule.row_source, schedule.tile_expert, schedule.num_rows,
         hidden, inter, schedule.max_tiles, 0.0 if swiglu_limit is None else float(swiglu_limit),
         topk_weights.shape[1] if weighted else 1,
         gate_up.stride(0), d_gate_up.stride(0), d_out.stride(0),
-        PRECISION=precision, GATHER_D_OUT=gathered, HAS_WEIGHTS=weighted, HAS_LIMIT=swiglu_limit is not None,
+        PRECISION=precision, GATHER_D_OUT=gathered, PRODUCT_GIVEN=product_given, HAS_WEIGHTS=weighted,
+        HAS_LIMIT=swiglu_limit is not None,
         INTERPRETER=interpreting(), **cfg,
     )
     if not weighted:
@@ -485,6 +506,8 @@ def down_dgrad_swiglu(
     _check_bf16("w_down", w_down, (schedule.num_local_experts, hidden, inter), device)
     _check_bf16("gate_up", gate_up, (schedule.capacity_rows, 2, inter), device)
     cfg = _dgrad_tiles("down", inter, hidden, "bf16", tile_config, schedule)
+    if cfg.get("WARP_SPECIALIZED", False):  # a warp-specialized bf16 down dgrad measured slower (BENCHMARKS.md)
+        raise ValueError("tile_config: the down dgrad runs the Triton kernel only, got WARP_SPECIALIZED")
     return _launch_down_dgrad_swiglu(
         "bf16", d_out_sorted, None, topk_weights, gate_up, w_down, None, schedule, hidden, inter, swiglu_limit, cfg
     )
@@ -509,7 +532,11 @@ def down_dgrad_swiglu_fp8_block(
     quantized once per token, not once per route; a route's row is its token's, so the
     products are bitwise those of the quantized sorted copy's rows). Elsewhere they are the
     sorted rows, `quantize_fp8_block_gathered(d_out)`. The weight pair is `q_t, scale_t` of
-    `mok.fp8_block_quantize(w_down)`. Rows past the schedule's `num_rows` are left unwritten."""
+    `mok.fp8_block_quantize(w_down)`. Rows past the schedule's `num_rows` are left unwritten.
+    A tile config with WARP_SPECIALIZED (the default on Hopper for the sorted rows, see
+    `WARP_SPECIALIZED_FP8_BLOCK_DOWN_DGRAD_PRODUCT`) runs the GEMM in `warp_specialized.py` into
+    an fp32 product, then `down_dgrad_swiglu_epilogue` on it: d_gate_up bitwise the fused
+    kernel's, d_topk_weights to fp32 rounding (its row sums reduce in another order)."""
     _, inter, hidden = fp8_block_weight_shape("w_down_t_q", w_down_t_q, "[E_l, I, H]", schedule.num_local_experts)
     device = w_down_t_q.device
     _check_topk_weights(topk_weights, device)
@@ -526,9 +553,45 @@ def down_dgrad_swiglu_fp8_block(
     )
     _check_bf16("gate_up", gate_up, (schedule.capacity_rows, 2, inter), device)
     cfg = _dgrad_tiles("down", inter, hidden, "fp8_block", tile_config, schedule)
+    if cfg.get("WARP_SPECIALIZED", False):
+        if fp8_block_down_dgrad_gathers(hidden):
+            raise ValueError(f"tile_config: the fp8_block down dgrad gathering dOut's token rows (H up to "
+                             f"{GATHERED_FP8_BLOCK_DOWN_DGRAD_MAX_HIDDEN}) runs the Triton kernel only, got "
+                             f"WARP_SPECIALIZED at H {hidden}")
+        product = torch.empty(schedule.capacity_rows, inter, dtype=torch.float32, device=device)
+        warp_specialized.launch_down_dgrad_product_fp8_block(
+            d_out_q, d_out_scale, w_down_t_q, w_down_t_scale, product, schedule, cfg
+        )
+        return down_dgrad_swiglu_epilogue(product, topk_weights, gate_up, schedule, swiglu_limit)
     return _launch_down_dgrad_swiglu(
         "fp8_block", d_out_q, d_out_scale, topk_weights, gate_up, w_down_t_q, w_down_t_scale,
         schedule, hidden, inter, swiglu_limit, cfg,
+    )
+
+
+def down_dgrad_swiglu_epilogue(
+    product: torch.Tensor,  # [capacity_rows, I] fp32, a[r] = dOut[src(r) // topk] · Wd[e], unweighted
+    topk_weights: torch.Tensor | None,  # [T, topk] fp32; None: unweighted
+    gate_up: torch.Tensor,  # [capacity_rows, 2, I] bf16, the forward's g, u
+    schedule: RoutingSchedule,
+    swiglu_limit: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The down dgrad's epilogue on a product computed elsewhere: (d_gate_up, d_topk_weights) as
+    `down_dgrad_swiglu` from a, in the fp8_block tiles (BLOCK_N 128: the router-weight partials
+    per 128 columns, as the fused kernel's). Only the rows of M tiles below `num_rows` are read."""
+    device = gate_up.device
+    inter = gate_up.shape[-1]
+    if product.dtype != torch.float32 or tuple(product.shape) != (schedule.capacity_rows, inter) or (
+        product.stride(1) != 1 or product.device != device
+    ):
+        raise ValueError(f"product: expected an fp32 tensor of shape {[schedule.capacity_rows, inter]} with unit "
+                         f"column stride on {device}, got {product.dtype} {list(product.shape)} on {product.device}")
+    _check_topk_weights(topk_weights, device)
+    _check_bf16("gate_up", gate_up, (schedule.capacity_rows, 2, inter), device)
+    cfg = dict(BLOCK_M=schedule.block_m, **_FP8_BLOCK_TILES["interpreter" if interpreting() else "down"])
+    return _launch_down_dgrad_swiglu(
+        "fp8_block", product, None, topk_weights, gate_up, None, None, schedule, 0, inter, swiglu_limit, cfg,
+        product_given=True,
     )
 
 

@@ -8,6 +8,8 @@
                    product scaled by its block's row and column scales (`wgrad.py`'s fp8_block)
     fp8_block down and gate/up dgrad: the scatter GEMMs over e4m3 rows quantized in 1×128 blocks
                    and the weights' 128×128 blocks (`grouped_gemm.py`'s and `dgrad.py`'s fp8_block)
+    fp8_block down dgrad's product: a[r] = dOut[r] · Wd[e] in fp32, stored at the sorted row r (the
+                   scatter kernel without the scatter); `dgrad.py` runs the SwiGLU backward on it
     fp8_block gate/up: h[r] = SwiGLU(x[src(r) // topk] · Wg[e]ᵀ, x[…] · Wu[e]ᵀ), quantized in 1×128
                    blocks (`grouped_gemm.gate_up_swiglu_fp8_block`); x's e4m3 token rows gathered
                    by the producer (cp.async: Hopper's TMA cannot gather)
@@ -442,9 +444,10 @@ def _load_segment(step, a_desc, b_desc, m0, expert, n0, n_dim, reduce_dim, a_buf
 @gluon.jit
 def _scatter_producer(a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, empty, turn, y_ptr, a_scale_ptr,
                       a2_scale_ptr, b_scale_ptr, b2_scale_ptr, row_source_ptr, tile_expert_ptr, num_rows_ptr, m_dim,
-                      n_dim, reduce_dim, stride_y, CONSUMER: gl.constexpr, TWO_SEGMENTS: gl.constexpr,
-                      B_K_MAJOR: gl.constexpr, COOPERATIVE: gl.constexpr, FP8: gl.constexpr, BLOCK_M: gl.constexpr,
-                      BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+                      n_dim, reduce_dim, stride_y, CONSUMER: gl.constexpr, SCATTER: gl.constexpr,
+                      TWO_SEGMENTS: gl.constexpr, B_K_MAJOR: gl.constexpr, COOPERATIVE: gl.constexpr,
+                      FP8: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                      GROUP_M: gl.constexpr, STAGES: gl.constexpr):
     num_m_tiles = gl.cdiv(gl.load(num_rows_ptr), BLOCK_M)
     num_n_tiles = gl.cdiv(n_dim, BLOCK_N)
     step = 0
@@ -462,9 +465,10 @@ def _scatter_producer(a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, e
 @gluon.jit
 def _scatter_consumer(a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, empty, turn, y_ptr, a_scale_ptr,
                       a2_scale_ptr, b_scale_ptr, b2_scale_ptr, row_source_ptr, tile_expert_ptr, num_rows_ptr, m_dim,
-                      n_dim, reduce_dim, stride_y, CONSUMER: gl.constexpr, TWO_SEGMENTS: gl.constexpr,
-                      B_K_MAJOR: gl.constexpr, COOPERATIVE: gl.constexpr, FP8: gl.constexpr, BLOCK_M: gl.constexpr,
-                      BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+                      n_dim, reduce_dim, stride_y, CONSUMER: gl.constexpr, SCATTER: gl.constexpr,
+                      TWO_SEGMENTS: gl.constexpr, B_K_MAJOR: gl.constexpr, COOPERATIVE: gl.constexpr,
+                      FP8: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                      GROUP_M: gl.constexpr, STAGES: gl.constexpr):
     ROWS: gl.constexpr = _consumer_rows(BLOCK_M, COOPERATIVE)
     TURNS: gl.constexpr = _takes_turns(COOPERATIVE)
     MMA_N: gl.constexpr = _mma_n(BLOCK_N, FP8)
@@ -500,24 +504,30 @@ def _scatter_consumer(a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, e
             else:
                 acc = _mma_steps(acc, tile_count * k_steps, k_steps, tile_count, a_bufs, b_bufs, ready, empty, turn,
                                  CONSUMER, True, B_K_MAJOR, COOPERATIVE, STAGES)
-            _scatter_store(acc, y_ptr, row_source_ptr, first_row, n0, n_dim, stride_y)
+            _scatter_store(acc, y_ptr, row_source_ptr, first_row, n0, m_dim, n_dim, stride_y, SCATTER)
             if MMA_N < BLOCK_N:
-                _scatter_store(acc_hi, y_ptr, row_source_ptr, first_row, n0 + MMA_N, n_dim, stride_y)
+                _scatter_store(acc_hi, y_ptr, row_source_ptr, first_row, n0 + MMA_N, m_dim, n_dim, stride_y, SCATTER)
         tile_count += 1
 
 
 @gluon.jit
-def _scatter_store(acc, y_ptr, row_source_ptr, first_row, n0, n_dim, stride_y):
-    """y[row_source[r], n0 : n0 + acc's columns] = acc's rows r from first_row on, in bf16 (padding rows not stored)."""
+def _scatter_store(acc, y_ptr, row_source_ptr, first_row, n0, m_dim, n_dim, stride_y, SCATTER: gl.constexpr):
+    """y[row_source[r], n0 : n0 + acc's columns] = acc's rows r from first_row on (padding rows
+    not stored), or without SCATTER y[r, …] for r below m_dim; in y's dtype."""
     ROWS: gl.constexpr = acc.shape[0]
     COLUMNS: gl.constexpr = acc.shape[1]
-    y = gl.convert_layout(acc.to(gl.bfloat16), _STORE_LAYOUT)
+    y = gl.convert_layout(acc.to(y_ptr.dtype.element_ty), _STORE_LAYOUT)
     rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, _STORE_LAYOUT))
     cols = n0 + gl.arange(0, COLUMNS, layout=gl.SliceLayout(0, _STORE_LAYOUT))
-    source = gl.load(row_source_ptr + rows)
-    slot = gl.where(source >= 0, source, 0).to(gl.int64)
-    mask = (source >= 0)[:, None] & (cols < n_dim)[None, :]
-    gl.store(y_ptr + slot[:, None] * stride_y + cols[None, :], y, mask=mask)
+    if SCATTER:
+        source = gl.load(row_source_ptr + rows)
+        out_rows = gl.where(source >= 0, source, 0).to(gl.int64)
+        rows_valid = source >= 0
+    else:
+        out_rows = rows.to(gl.int64)
+        rows_valid = rows < m_dim
+    mask = rows_valid[:, None] & (cols < n_dim)[None, :]
+    gl.store(y_ptr + out_rows[:, None] * stride_y + cols[None, :], y, mask=mask)
 
 
 @gluon.jit
@@ -532,25 +542,27 @@ def _scatter_ws_kernel(
     # sizes (m_dim: capacity_rows; K per segment), strides
     m_dim, n_dim, reduce_dim, stride_y,
     # meta
-    TWO_SEGMENTS: gl.constexpr, B_K_MAJOR: gl.constexpr, COOPERATIVE: gl.constexpr, FP8: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+    SCATTER: gl.constexpr, TWO_SEGMENTS: gl.constexpr, B_K_MAJOR: gl.constexpr, COOPERATIVE: gl.constexpr,
+    FP8: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+    STAGES: gl.constexpr,
 ):
-    """down: a = h, b = w_down as [E_l·H, I] (K-major); gate/up dgrad (TWO_SEGMENTS): a, a2 = d_g,
+    """down: a = h, b = w_down as [E_l·H, I] (K-major); fp8_block down dgrad's product (not
+    SCATTER, y fp32): a = dOut's sorted rows, b = w_downᵀ as [E_l·I, H]; gate/up dgrad (TWO_SEGMENTS): a, a2 = d_g,
     d_u, b, b2 = w_gate, w_up as [E_l·I, H], or (FP8, cooperative) their transposed copies as
     [E_l·H, I] (K-major, as FP8 wgmma needs)."""
     a_bufs, b_bufs, ready, empty, turn = _allocate_ring(a_desc, b_desc, COOPERATIVE, STAGES, 1)
     gl.warp_specialize([
         (_scatter_consumer, (a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, empty, turn, y_ptr, a_scale_ptr,
                              a2_scale_ptr, b_scale_ptr, b2_scale_ptr, row_source_ptr, tile_expert_ptr, num_rows_ptr,
-                             m_dim, n_dim, reduce_dim, stride_y, 0, TWO_SEGMENTS, B_K_MAJOR, COOPERATIVE, FP8,
+                             m_dim, n_dim, reduce_dim, stride_y, 0, SCATTER, TWO_SEGMENTS, B_K_MAJOR, COOPERATIVE, FP8,
                              BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
         (_scatter_consumer, (a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, empty, turn, y_ptr, a_scale_ptr,
                              a2_scale_ptr, b_scale_ptr, b2_scale_ptr, row_source_ptr, tile_expert_ptr, num_rows_ptr,
-                             m_dim, n_dim, reduce_dim, stride_y, 1, TWO_SEGMENTS, B_K_MAJOR, COOPERATIVE, FP8,
+                             m_dim, n_dim, reduce_dim, stride_y, 1, SCATTER, TWO_SEGMENTS, B_K_MAJOR, COOPERATIVE, FP8,
                              BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
         (_scatter_producer, (a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, empty, turn, y_ptr, a_scale_ptr,
                              a2_scale_ptr, b_scale_ptr, b2_scale_ptr, row_source_ptr, tile_expert_ptr, num_rows_ptr,
-                             m_dim, n_dim, reduce_dim, stride_y, 0, TWO_SEGMENTS, B_K_MAJOR, COOPERATIVE, FP8,
+                             m_dim, n_dim, reduce_dim, stride_y, 0, SCATTER, TWO_SEGMENTS, B_K_MAJOR, COOPERATIVE, FP8,
                              BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
     ], [4, 1], [_CONSUMER_REGISTERS, _PRODUCER_REGISTERS])
 
@@ -881,11 +893,12 @@ def _check_fp8_block_tile(cfg: dict, schedule: RoutingSchedule, what: str) -> No
 
 
 def _launch_scatter(a, a2, b, b2, y, schedule: RoutingSchedule, cfg: dict, b_k_major: bool,
-                    scales: tuple[torch.Tensor, ...] | None) -> None:
-    """`scales` (fp8_block): A's and B's, or with a2 A's, A2's, B's and B2's."""
+                    scales: tuple[torch.Tensor, ...] | None, what: str, scatter: bool = True) -> None:
+    """`scales` (fp8_block): A's and B's, or with a2 A's, A2's, B's and B2's. Without `scatter`
+    row r of the product goes to y's row r."""
     cooperative, two_segments, fp8 = cfg.get("COOPERATIVE", False), a2 is not None, scales is not None
     if fp8:
-        _check_fp8_block_tile(cfg, schedule, "gate/up dgrad" if two_segments else "down GEMM")
+        _check_fp8_block_tile(cfg, schedule, what)
         a_scale, a2_scale, b_scale, b2_scale = scales if two_segments else (scales[0], scales[0], scales[1], scales[1])
     else:
         a_scale = a2_scale = b_scale = b2_scale = y  # unread
@@ -901,7 +914,7 @@ def _launch_scatter(a, a2, b, b2, y, schedule: RoutingSchedule, cfg: dict, b_k_m
         a_scale, a2_scale, b_scale, b2_scale,
         schedule.row_source, schedule.tile_expert, schedule.num_rows,
         a.shape[0], n_dim, a.shape[1], y.stride(0),
-        two_segments, b_k_major, cooperative, fp8, block_m, block_n, block_k, cfg.get("GROUP_M", 1),
+        scatter, two_segments, b_k_major, cooperative, fp8, block_m, block_n, block_k, cfg.get("GROUP_M", 1),
         cfg["num_stages"], num_warps=4,
     )
 
@@ -911,7 +924,18 @@ def launch_down_scatter(h: torch.Tensor, w_down: torch.Tensor, y: torch.Tensor, 
     """y[row_source[r]] = h[r] · w_down[e]ᵀ (`grouped_gemm.down_scatter`'s local case); with
     `scales` (h's, w_down's) the fp8_block one (`grouped_gemm.down_scatter_fp8_block`: h, w_down
     e4m3). The caller has checked the operands."""
-    _launch_scatter(h, None, w_down, None, y, schedule, cfg, True, scales)  # w_down read as [E_l·H, I]
+    _launch_scatter(h, None, w_down, None, y, schedule, cfg, True, scales, "down GEMM")  # w_down read as [E_l·H, I]
+
+
+def launch_down_dgrad_product_fp8_block(d_out_q: torch.Tensor, d_out_scale: torch.Tensor, w_down_t_q: torch.Tensor,
+                                        w_down_t_scale: torch.Tensor, product: torch.Tensor,
+                                        schedule: RoutingSchedule, cfg: dict) -> None:
+    """product[r] = dOut[r] · w_down[e] for the sorted rows r of every M tile below the schedule's
+    num_rows, fp32 (`dgrad.down_dgrad_swiglu_fp8_block`'s GEMM, before its epilogue): d_out_q
+    the sorted rows [capacity_rows, H] e4m3, w_down_t_q the transposed copy [E_l, I, H] (read as
+    [E_l·I, H], K-major), product [capacity_rows, I]. The caller has checked the operands."""
+    _launch_scatter(d_out_q, None, w_down_t_q, None, product, schedule, cfg, True, (d_out_scale, w_down_t_scale),
+                    "down dgrad", scatter=False)
 
 
 def launch_gate_up_dgrad_scatter(d_gate: torch.Tensor, d_up: torch.Tensor, w_gate: torch.Tensor,
@@ -922,7 +946,7 @@ def launch_gate_up_dgrad_scatter(d_gate: torch.Tensor, d_up: torch.Tensor, w_gat
     (d_g's, d_u's, w_gate's, w_up's) the fp8_block one (`dgrad.gate_up_dgrad_scatter_fp8_block`:
     e4m3 d_g, d_u and the weights' transposed copies [E_l, H, I]). The caller has checked the operands."""
     # bf16 weights read as [E_l·I, H]; the fp8 transposed copies as [E_l·H, I] (K-major)
-    _launch_scatter(d_gate, d_up, w_gate, w_up, dx, schedule, cfg, scales is not None, scales)
+    _launch_scatter(d_gate, d_up, w_gate, w_up, dx, schedule, cfg, scales is not None, scales, "gate/up dgrad")
 
 
 def launch_gate_up_swiglu_fp8_block(x_q: torch.Tensor, x_scale: torch.Tensor, w_gate_q: torch.Tensor,

@@ -11,12 +11,13 @@ from mok.fp8_block import fp8_block_dequantize, fp8_block_quantize
 from mok.kernels.dgrad import (
     dgrad_config,
     down_dgrad_swiglu,
+    down_dgrad_swiglu_epilogue,
     down_dgrad_swiglu_fp8_block,
     gate_up_dgrad_scatter,
     gate_up_dgrad_scatter_fp8_block,
 )
 from mok.kernels.grouped_gemm import routing_block_m
-from mok.kernels import dgrad
+from mok.kernels import dgrad, warp_specialized
 from mok.kernels.quant_fp8_block import quantize_fp8_block_activations, quantize_fp8_block_gathered
 from mok.kernels.schedule import build_routing_schedule
 from mok.testing import assert_close_to_reference, make_inputs, make_topk_ids
@@ -178,15 +179,18 @@ def _fp8_block_case(kernel_device, T, H, I, E, topk, used_experts):
     return inp, *_schedule(inp, E)
 
 
+@pytest.mark.parametrize("path", ["fused", "product given"])
 @pytest.mark.parametrize(
     "T, H, I, E, topk, limit, used_experts",
     [(37, 256, 128, 4, 2, None, 3), (19, 128, 256, 3, 1, 0.5, 3)],
 )
-def test_fp8_block_down_dgrad_swiglu(kernel_device, T, H, I, E, topk, limit, used_experts):
+def test_fp8_block_down_dgrad_swiglu(kernel_device, T, H, I, E, topk, limit, used_experts, path):
     """Against the same quantized math in torch (fp32 accumulation-order tolerance) and against
-    the fp32 reference on the unquantized operands (SPEC's fp8_block bars)."""
+    the fp32 reference on the unquantized operands (SPEC's fp8_block bars). "product given": the
+    epilogue alone (`down_dgrad_swiglu_epilogue`) on that math's product, NaN in every row no
+    route uses."""
     inp, sched, rows, slots, experts, pad = _fp8_block_case(kernel_device, T, H, I, E, topk, used_experts)
-    ctx = f"{T=} {H=} {I=} {E=} {topk=} {limit=} {used_experts=}"
+    ctx = f"{T=} {H=} {I=} {E=} {topk=} {limit=} {used_experts=} {path=}"
     assert dgrad.fp8_block_down_dgrad_gathers(H), f"the test wants the gathering path {ctx}"
     slack = _FP8_ORDER_SLACK[kernel_device]
     gen = torch.Generator().manual_seed(1)
@@ -194,20 +198,28 @@ def test_fp8_block_down_dgrad_swiglu(kernel_device, T, H, I, E, topk, limit, use
     d_out = torch.randn(T, H, generator=gen).bfloat16().to(kernel_device)
     d_out_q, d_out_scale = quantize_fp8_block_activations(d_out)  # token rows: the kernel gathers them
     _, _, w_down_t_q, w_down_t_scale = fp8_block_quantize(inp.w_down)  # [E, I, H], [E, I/128, H/128]
-    d_gate_up, d_topk_weights = down_dgrad_swiglu_fp8_block(
-        d_out_q, d_out_scale, inp.topk_weights, gate_up.to(kernel_device), w_down_t_q, w_down_t_scale, sched, limit
-    )
+    tokens = slots // topk
+    d_out_deq = fp8_block_dequantize(d_out_q.cpu(), d_out_scale.cpu())[tokens]  # [n, H] fp32
+    w_down_deq = fp8_block_dequantize(w_down_t_q.cpu(), w_down_t_scale.cpu(), (128, 128))[experts]  # [n, I, H]
+    if path == "fused":
+        d_gate_up, d_topk_weights = down_dgrad_swiglu_fp8_block(
+            d_out_q, d_out_scale, inp.topk_weights, gate_up.to(kernel_device), w_down_t_q, w_down_t_scale, sched,
+            limit,
+        )
+    else:
+        product = torch.full((sched.capacity_rows, I), float("nan"))
+        product[rows] = torch.einsum("nh,nih->ni", d_out_deq, w_down_deq)
+        d_gate_up, d_topk_weights = down_dgrad_swiglu_epilogue(
+            product.to(kernel_device), inp.topk_weights, gate_up.to(kernel_device), sched, limit
+        )
     assert d_gate_up.dtype == torch.bfloat16 and d_gate_up.shape == (sched.capacity_rows, 2, I), ctx
     assert pad.numel() > 0, f"the test wants padding rows {ctx}"
     assert torch.equal(d_gate_up[pad].cpu(), torch.zeros(pad.numel(), 2, I, dtype=torch.bfloat16)), ctx
 
     g, u = gate_up[rows].float().unbind(1)  # [n, I] each
-    tokens = slots // topk
     w = inp.topk_weights.cpu().view(-1)[slots]  # [n]
     g_c, u_c = (g, u) if limit is None else (g.clamp(max=limit), u.clamp(-limit, limit))
     h = torch.nn.functional.silu(g_c) * u_c  # [n, I]
-    d_out_deq = fp8_block_dequantize(d_out_q.cpu(), d_out_scale.cpu())[tokens]  # [n, H] fp32
-    w_down_deq = fp8_block_dequantize(w_down_t_q.cpu(), w_down_t_scale.cpu(), (128, 128))[experts]  # [n, I, H]
     operands = {
         "statement": (d_out_deq, w_down_deq),  # the kernel's quantized math
         "reference": (d_out.cpu().float()[tokens], inp.w_down.cpu().float()[experts].mT),  # unquantized
@@ -233,7 +245,9 @@ def test_fp8_block_down_dgrad_gathering_is_bitwise_the_sorted_copy(kernel_device
     """The two ways the fp8_block down dgrad reads dOut (its token rows quantized per token and
     gathered inside the loads, or its sorted rows quantized by the gathering quantizer and read
     through TMA) give the same bits: a route's row is its token's, and the products and their
-    order are the same; a NaN in one token reaches its routes' rows in both."""
+    order are the same; a NaN in one token reaches its routes' rows in both. On Hopper the sorted
+    rows' default, the warp-specialized GEMM into an fp32 product and the epilogue on it, gives
+    d_gate_up's bits too, and d_topk_weights to fp32 rounding (its row sums reduce in another order)."""
     T, H, I, E, topk = 37, 256, 128, 4, 2
     inp, sched, rows, slots, experts, pad = _fp8_block_case(kernel_device, T, H, I, E, topk, 3)
     gen = torch.Generator().manual_seed(5)
@@ -242,16 +256,29 @@ def test_fp8_block_down_dgrad_gathering_is_bitwise_the_sorted_copy(kernel_device
     d_out[3, 200] = float("nan")
     d_out = d_out.to(kernel_device)
     w_down_t = fp8_block_quantize(inp.w_down)[2:]
+    triton_tiles = dgrad_config("down", I, H, "fp8_block", allow_warp_specialized=False)
+    runs = {"gathered": (True, triton_tiles), "sorted": (False, triton_tiles)}
+    if warp_specialized.available_here():
+        runs["sorted, warp-specialized product"] = (False, warp_specialized.fp8_block_tile_config())
     outputs = {}
-    for gathers in (True, False):
+    for run, (gathers, tiles) in runs.items():
         monkeypatch.setattr(dgrad, "GATHERED_FP8_BLOCK_DOWN_DGRAD_MAX_HIDDEN", H if gathers else H - 1)
         d_out_pair = quantize_fp8_block_activations(d_out) if gathers else quantize_fp8_block_gathered(d_out, sched, topk)
-        d_gate_up, d_topk_weights = down_dgrad_swiglu_fp8_block(*d_out_pair, inp.topk_weights, gate_up, *w_down_t, sched)
-        outputs[gathers] = (d_gate_up[:int(sched.num_rows)].cpu(), d_topk_weights.cpu())
+        d_gate_up, d_topk_weights = down_dgrad_swiglu_fp8_block(*d_out_pair, inp.topk_weights, gate_up, *w_down_t,
+                                                                sched, tile_config=tiles)
+        outputs[run] = (d_gate_up[:int(sched.num_rows)].cpu(), d_topk_weights.cpu())
     nan_rows = rows[(slots // topk) == 3]
-    assert nan_rows.numel() == topk and outputs[True][0][nan_rows].isnan().any(), "the NaN token's rows"
-    for got, want, name in zip(outputs[True], outputs[False], ("d_gate_up", "d_topk_weights")):
-        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name  # by bits: NaN equals NaN
+    assert nan_rows.numel() == topk and outputs["gathered"][0][nan_rows].isnan().any(), "the NaN token's rows"
+    for run, (d_gate_up, d_topk_weights) in outputs.items():
+        want_d_gate_up, want_d_topk_weights = outputs["gathered"]
+        bits = lambda t: t.view(torch.uint8)  # noqa: E731  by bits: NaN equals NaN
+        assert torch.equal(bits(d_gate_up), bits(want_d_gate_up)), f"d_gate_up {run}"
+        if run == "sorted":
+            assert torch.equal(bits(d_topk_weights), bits(want_d_topk_weights)), f"d_topk_weights {run}"
+        else:
+            scale = want_d_topk_weights.nan_to_num(0.0).abs().max().item()  # fp32 sums of 128 products, reordered
+            torch.testing.assert_close(d_topk_weights, want_d_topk_weights, rtol=2.0**-16, atol=2.0**-16 * scale,
+                                       equal_nan=True, msg=lambda m: f"d_topk_weights {run}: {m}")  # noqa: B023
 
 
 @pytest.mark.parametrize("T, H, I, E, topk, used_experts", [(37, 128, 256, 4, 2, 3), (19, 256, 128, 3, 1, 3)])

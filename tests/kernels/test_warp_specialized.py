@@ -16,7 +16,14 @@ import torch
 from mok.fp8_block import fp8_block_quantize
 from mok.kernels import warp_specialized as ws
 from mok.kernels import wgrad
-from mok.kernels.dgrad import dgrad_config, down_dgrad_swiglu, gate_up_dgrad_scatter, gate_up_dgrad_scatter_fp8_block
+from mok.kernels import dgrad
+from mok.kernels.dgrad import (
+    dgrad_config,
+    down_dgrad_swiglu,
+    down_dgrad_swiglu_fp8_block,
+    gate_up_dgrad_scatter,
+    gate_up_dgrad_scatter_fp8_block,
+)
 from mok.kernels.gather import gather_sorted_rows
 from mok.kernels.grouped_gemm import (
     down_scatter,
@@ -28,6 +35,7 @@ from mok.kernels.grouped_gemm import (
 )
 from mok.kernels.quant_fp8_block import (
     quantize_fp8_block_activations,
+    quantize_fp8_block_gathered,
     quantize_fp8_block_sorted_t,
     quantize_fp8_block_swiglu_sorted_t,
 )
@@ -92,10 +100,10 @@ def _descriptor_type(block_shape, dtype: torch.dtype = torch.bfloat16) -> str:
     return f"tensordesc<{name}[{block_shape[0]},{block_shape[1]}],{ws._shared_layout(block_shape, dtype)!r}>"
 
 
-def _scatter_signature(a_block, b_block, dtype: torch.dtype, meta: dict) -> dict:
+def _scatter_signature(a_block, b_block, dtype: torch.dtype, meta: dict, y_type: str = "*bf16") -> dict:
     return {
         "a_desc": _descriptor_type(a_block, dtype), "a2_desc": _descriptor_type(a_block, dtype),
-        "b_desc": _descriptor_type(b_block, dtype), "b2_desc": _descriptor_type(b_block, dtype), "y_ptr": "*bf16",
+        "b_desc": _descriptor_type(b_block, dtype), "b2_desc": _descriptor_type(b_block, dtype), "y_ptr": y_type,
         "a_scale_ptr": "*fp32", "a2_scale_ptr": "*fp32", "b_scale_ptr": "*fp32", "b2_scale_ptr": "*fp32",
         "row_source_ptr": "*i32", "tile_expert_ptr": "*i32", "num_rows_ptr": "*i32", "m_dim": "i32", "n_dim": "i32",
         "reduce_dim": "i32", "stride_y": "i32", **{name: "constexpr" for name in meta},
@@ -125,7 +133,8 @@ def test_kernels_compile_for_sm90a_without_spills(cooperative, two_operands):
     rows = ws._consumer_rows(block_m, cooperative)
     meta = dict(COOPERATIVE=cooperative, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=cfg["num_stages"])
     b_block = (block_k, block_n) if two_operands else (block_n, block_k)
-    scatter_meta = dict(meta, TWO_SEGMENTS=two_operands, B_K_MAJOR=not two_operands, FP8=False, GROUP_M=8)
+    scatter_meta = dict(meta, SCATTER=True, TWO_SEGMENTS=two_operands, B_K_MAJOR=not two_operands, FP8=False,
+                        GROUP_M=8)
     wgrad_meta = dict(meta, TWO_OUTPUTS=two_operands, FP8=False, GROUP_M=8)
     report = {
         "scatter GEMM": _ptxas_report("_scatter_ws_kernel", _scatter_signature((rows, block_k), b_block,
@@ -144,11 +153,12 @@ def _fp8_tile(cfg: dict, wide: bool) -> dict:
 
 
 @pytest.mark.parametrize("wide", [False, True])
-@pytest.mark.parametrize("kernel", ["wgrad", "down", "gate/up dgrad"])
+@pytest.mark.parametrize("kernel", ["wgrad", "down", "down dgrad product", "gate/up dgrad"])
 def test_fp8_block_kernels_compile_for_sm90a_without_spills(kernel, wide):
     """The fp8_block tiles (each consumer's accumulator, two of them in the wide tile, and its
     step's fresh product, both K-major e4m3 operands) fit in the wgrads and in the scatter GEMMs
-    (the gate/up dgrad's two K segments): 168 registers per thread at launch, nothing spilled but,
+    (the gate/up dgrad's two K segments; the down dgrad's product, stored in fp32 to its own
+    rows): 168 registers per thread at launch, nothing spilled but,
     in the wide gate/up dgrad, a few per-tile values (56 bytes, in the SASS: stored before the
     first segment's K loop, reloaded between the segments and after the second; none in the
     loops)."""
@@ -161,9 +171,10 @@ def test_fp8_block_kernels_compile_for_sm90a_without_spills(kernel, wide):
         meta = dict(meta, TWO_OUTPUTS=False)
         report = _ptxas_report("_wgrad_ws_kernel", _wgrad_signature(a_block, b_block, torch.float8_e4m3fn, meta), meta)
     else:
-        meta = dict(meta, TWO_SEGMENTS=kernel != "down", B_K_MAJOR=True)
-        report = _ptxas_report("_scatter_ws_kernel", _scatter_signature(a_block, b_block, torch.float8_e4m3fn, meta),
-                               meta)
+        product = kernel == "down dgrad product"
+        meta = dict(meta, SCATTER=not product, TWO_SEGMENTS=kernel == "gate/up dgrad", B_K_MAJOR=True)
+        signature = _scatter_signature(a_block, b_block, torch.float8_e4m3fn, meta, "*fp32" if product else "*bf16")
+        report = _ptxas_report("_scatter_ws_kernel", signature, meta)
     registers, spilled = report
     allowed_spill = 56 if wide and kernel == "gate/up dgrad" else 0
     assert registers == 168 and spilled <= allowed_spill, f"{kernel}, {wide=}: (registers, spilled bytes) {report}"
@@ -201,10 +212,10 @@ def test_defaults_choose_it_only_where_it_runs():
         assert "WARP_SPECIALIZED" not in config
 
 
-def test_errors_name_the_tile_config(kernel_device):
+def test_errors_name_the_tile_config(kernel_device, monkeypatch):
     """An explicit WARP_SPECIALIZED config is refused, naming it, where the kernels cannot run
-    (not a Hopper GPU, or the interpreter), with main_grad, and ping-pong for the gate/up wgrad
-    and the fp8_block GEMMs."""
+    (not a Hopper GPU, or the interpreter), with main_grad, and ping-pong for the gate/up wgrad,
+    the fp8_block GEMMs, and for the fp8_block down dgrad that gathers dOut's token rows."""
     inp = make_inputs(8, 64, 64, 4, 2, seed=0, device=kernel_device)
     flag = torch.zeros(1, dtype=torch.int32, device=kernel_device)
     sched = build_routing_schedule(inp.topk_ids, 4, routing_block_m(), flag)
@@ -243,6 +254,15 @@ def test_errors_name_the_tile_config(kernel_device):
     with pytest.raises(ValueError, match="tile_config: the fp8_block gate/up dgrad needs COOPERATIVE"):
         gate_up_dgrad_scatter_fp8_block(*rows, *rows, *weight[2:], *weight[2:], sched, 16,
                                         tile_config=dict(fp8_config, COOPERATIVE=False))
+    gate_up = torch.randn(sched.capacity_rows, 2, 128, device=kernel_device).bfloat16()
+    token_rows = quantize_fp8_block_activations(torch.randn(8, 128, device=kernel_device))
+    with pytest.raises(ValueError, match=r"tile_config: the fp8_block down dgrad gathering dOut's token rows \(H up "
+                                         r"to 2048\) runs the Triton kernel only, got WARP_SPECIALIZED at H 128"):
+        down_dgrad_swiglu_fp8_block(*token_rows, inp.topk_weights, gate_up, *weight[2:], sched, tile_config=fp8_config)
+    monkeypatch.setattr(dgrad, "GATHERED_FP8_BLOCK_DOWN_DGRAD_MAX_HIDDEN", 0)  # dOut's sorted rows
+    with pytest.raises(ValueError, match="tile_config: the fp8_block down dgrad needs COOPERATIVE"):
+        down_dgrad_swiglu_fp8_block(*rows, inp.topk_weights, gate_up, *weight[2:], sched,
+                                    tile_config=dict(fp8_config, COOPERATIVE=False))
     with pytest.raises(ValueError, match="tile_config: the fp8_block gate/up GEMM needs BLOCK_N 256"):
         gate_up_swiglu_fp8_block(*quantize_fp8_block_activations(inp.x), *weight[:2], *weight[:2], sched, 2,
                                  tile_config=dict(fp8_config, BLOCK_N=128))
@@ -370,6 +390,32 @@ def test_fp8_block_scatter_gemms_are_bitwise_the_triton_kernel(T, H, I, E, topk,
     for kind, (run, triton_config) in runs.items():
         params = f"{kind} {T=} {H=} {I=} {E=} {topk=} {skewed=} {wide=}"
         _check_bitwise(run(_fp8_tile(ws.fp8_block_tile_config(), wide)), run(triton_config), params)
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("swiglu_limit", [None, 1.5])
+@pytest.mark.parametrize("T, H, I, E, topk, skewed", _FP8_CASES)
+def test_fp8_block_down_dgrad_product_is_the_triton_kernel(T, H, I, E, topk, skewed, swiglu_limit, monkeypatch):
+    """The fp8_block down dgrad over dOut's sorted rows as the warp-specialized GEMM into an fp32
+    product and the epilogue on it: d_gate_up bitwise the fused Triton kernel's on every row in use
+    (padding rows' zeros included), d_topk_weights to fp32 rounding (row sums in another order)."""
+    monkeypatch.setattr(dgrad, "GATHERED_FP8_BLOCK_DOWN_DGRAD_MAX_HIDDEN", 0)  # every H reads the sorted rows
+    inp, sched = _inputs(T, H, I, E, topk, skewed, seed=8)
+    gate_up = torch.randn(sched.capacity_rows, 2, I, device="cuda").bfloat16()
+    d_out = quantize_fp8_block_gathered(torch.randn_like(inp.x), sched, topk)
+    w_down_t = fp8_block_quantize(inp.w_down)[2:]
+    run = lambda cfg: down_dgrad_swiglu_fp8_block(*d_out, inp.topk_weights, gate_up, *w_down_t, sched,  # noqa: E731
+                                                  swiglu_limit, tile_config=cfg)
+    assert dgrad_config("down", I, H, "fp8_block").get("WARP_SPECIALIZED"), "the default on Hopper"
+    got = run(ws.fp8_block_tile_config())
+    expected = run(dgrad_config("down", I, H, "fp8_block", allow_warp_specialized=False))
+    rows = int(sched.num_rows.item())
+    params = f"{T=} {H=} {I=} {E=} {topk=} {skewed=} {swiglu_limit=}"
+    _check_bitwise(got[0][:rows], expected[0][:rows], f"d_gate_up {params}")
+    scale = expected[1].abs().max().item()
+    torch.testing.assert_close(got[1], expected[1], rtol=2.0**-16, atol=2.0**-16 * scale,
+                               msg=lambda m: f"d_topk_weights {params}: {m}")
 
 
 @hopper
