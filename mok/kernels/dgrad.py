@@ -56,9 +56,10 @@ w_gateᵀ and w_upᵀ [E_l, H, I]), read as [N, K] tiles. Up to
 row's token row inside its loads (`grouped_gemm.gathered_rows_tile_fp8`: a route's row of the
 sorted copy would be the same bytes, so dOut costs a T-row quantization, not T·topk rows);
 above it, dOut's sorted rows are quantized straight from the token rows
-(`quantize_fp8_block_gathered`) and read through TMA; on Hopper that GEMM runs in
-`warp_specialized.py` into an fp32 product [capacity_rows, I], and `_down_dgrad_swiglu_kernel`
-runs only its epilogue on it (PRODUCT_GIVEN, `down_dgrad_swiglu_epilogue`). d_gate_up[:, 0] and d_gate_up[:, 1]
+(`quantize_fp8_block_gathered`) and read through TMA. On Hopper the GEMM runs in
+`warp_specialized.py` into an fp32 product [capacity_rows, I], gathering the token rows at
+every H, and `_down_dgrad_swiglu_kernel` runs only its epilogue on it (PRODUCT_GIVEN,
+`down_dgrad_swiglu_epilogue`). d_gate_up[:, 0] and d_gate_up[:, 1]
 are quantized separately by `quantize_fp8_block_activations` (strided views, no copy), so
 each scale tensor is a plain [rows, K/128]. Padding rows quantize to zeros and stay exact
 zeros. d_gate_up is still stored in bf16: the gate/up wgrad reduces over rows, so it needs
@@ -134,25 +135,32 @@ COOPERATIVE_GATE_UP_DGRAD_MAX_INTER = 1024
 # output. Per kernel (record h200-20261201-fp8-wide-scalar-scales-sweep.log): qwen3-30b
 # 1.33–1.55 -> 0.83–0.95 ms, deepseek-v3-slice 5.17–5.18 -> 3.79–4.00. False keeps the Triton kernel.
 WARP_SPECIALIZED_FP8_BLOCK_GATE_UP_DGRAD = True
-# The fp8_block down dgrad gathers dOut's e4m3 token rows inside its loads (dOut quantized once
-# per token) up to this H, and reads a gathered quantized copy through TMA above it. H200,
-# profile per forward+backward (log h200-20261201-fp8-down-dgrad-gathered-profile.log):
+# The fused Triton fp8_block down dgrad gathers dOut's e4m3 token rows inside its loads (dOut
+# quantized once per token) up to this H, and reads a gathered quantized copy through TMA above
+# it. H200, profile per forward+backward (log h200-20261201-fp8-down-dgrad-gathered-profile.log):
 # qwen3-30b (H = 2048) quantizers 0.466 -> 0.254 ms, down dgrad 0.900 -> 0.975, all kernels
 # 6.94 -> 6.82; deepseek-v3-slice (H = 7168) quantizers 0.774 -> 0.379 but down dgrad
 # +0.37 ms (the cp.async gather of 56 K steps issued by the MMA warps), all 26.12 -> 26.30.
 GATHERED_FP8_BLOCK_DOWN_DGRAD_MAX_HIDDEN = 2048
-# Above that H, on Hopper, the fp8_block down dgrad runs as two launches: the cooperative
-# warp-specialized GEMM writes the product a = dOut · Wd[e] per sorted row in fp32
-# (`warp_specialized.launch_down_dgrad_product_fp8_block`), then `_down_dgrad_swiglu_kernel`
-# runs its epilogue on that product (`down_dgrad_swiglu_epilogue`). The Triton kernel's fused
-# GEMM ran ~695 TFLOPS on deepseek-v3-slice against ~1000 for the Gluon fp8 GEMMs; the product
-# costs a write and a read of [capacity_rows, I] fp32. False keeps the fused Triton kernel.
+# On Hopper the fp8_block down dgrad runs as two launches: the cooperative warp-specialized
+# GEMM writes the product a = dOut · Wd[e] per sorted row in fp32
+# (`warp_specialized.launch_down_dgrad_product_fp8_block`), then `_down_dgrad_swiglu_kernel` runs
+# its epilogue on that product (`down_dgrad_swiglu_epilogue`); the product costs a write and a
+# read of [capacity_rows, I] fp32. Its producer warp group gathers dOut's token rows at every H.
+# H200 (BENCHMARKS.md): over the sorted rows, deepseek-v3-slice's fused GEMM ran ~695 TFLOPS
+# against ~1000 here, forward+backward 27.4 -> 26.8 ms (record v13); gathering, its GEMM as fast
+# as over the sorted copy and that copy gone (profile h200-20261201-fp8-down-dgrad-gathered-
+# product-profile.log: all kernels 25.68 -> 25.51 ms), and qwen3-30b's down dgrad 0.975 -> 0.886
+# ms. False keeps the fused Triton kernel.
 WARP_SPECIALIZED_FP8_BLOCK_DOWN_DGRAD_PRODUCT = True
 
 
 def fp8_block_down_dgrad_gathers(hidden: int) -> bool:
     """Whether `down_dgrad_swiglu_fp8_block` takes dOut's token rows [T, H] (and gathers them)
-    rather than its sorted rows [capacity_rows, H], for this H."""
+    rather than its sorted rows [capacity_rows, H], for this H: always where the
+    warp-specialized product runs (Hopper), else up to `GATHERED_FP8_BLOCK_DOWN_DGRAD_MAX_HIDDEN`."""
+    if WARP_SPECIALIZED_FP8_BLOCK_DOWN_DGRAD_PRODUCT and warp_specialized.available_here():
+        return True
     return hidden <= GATHERED_FP8_BLOCK_DOWN_DGRAD_MAX_HIDDEN
 
 
@@ -183,8 +191,7 @@ def dgrad_config(
     if precision == "fp8_block":
         if gate_up_warp_specialized and WARP_SPECIALIZED_FP8_BLOCK_GATE_UP_DGRAD:
             return warp_specialized.fp8_block_tile_config()
-        down_product = kind == "down" and not fp8_block_down_dgrad_gathers(reduce_dim)
-        if down_product and on_hopper and WARP_SPECIALIZED_FP8_BLOCK_DOWN_DGRAD_PRODUCT:
+        if kind == "down" and on_hopper and WARP_SPECIALIZED_FP8_BLOCK_DOWN_DGRAD_PRODUCT:
             return warp_specialized.fp8_block_tile_config()
         return dict(BLOCK_M=routing_block_m(), **_FP8_BLOCK_TILES["interpreter" if interpreting() else kind])
     if interpreting():
@@ -533,9 +540,10 @@ def down_dgrad_swiglu_fp8_block(
     products are bitwise those of the quantized sorted copy's rows). Elsewhere they are the
     sorted rows, `quantize_fp8_block_gathered(d_out)`. The weight pair is `q_t, scale_t` of
     `mok.fp8_block_quantize(w_down)`. Rows past the schedule's `num_rows` are left unwritten.
-    A tile config with WARP_SPECIALIZED (the default on Hopper for the sorted rows, see
+    A tile config with WARP_SPECIALIZED (the default on Hopper, see
     `WARP_SPECIALIZED_FP8_BLOCK_DOWN_DGRAD_PRODUCT`) runs the GEMM in `warp_specialized.py` into
-    an fp32 product, then `down_dgrad_swiglu_epilogue` on it: d_gate_up bitwise the fused
+    an fp32 product (gathering the token rows in its producer, or reading the sorted rows
+    through TMA), then `down_dgrad_swiglu_epilogue` on it: d_gate_up bitwise the fused
     kernel's, d_topk_weights to fp32 rounding (its row sums reduce in another order)."""
     _, inter, hidden = fp8_block_weight_shape("w_down_t_q", w_down_t_q, "[E_l, I, H]", schedule.num_local_experts)
     device = w_down_t_q.device
@@ -554,13 +562,10 @@ def down_dgrad_swiglu_fp8_block(
     _check_bf16("gate_up", gate_up, (schedule.capacity_rows, 2, inter), device)
     cfg = _dgrad_tiles("down", inter, hidden, "fp8_block", tile_config, schedule)
     if cfg.get("WARP_SPECIALIZED", False):
-        if fp8_block_down_dgrad_gathers(hidden):
-            raise ValueError(f"tile_config: the fp8_block down dgrad gathering dOut's token rows (H up to "
-                             f"{GATHERED_FP8_BLOCK_DOWN_DGRAD_MAX_HIDDEN}) runs the Triton kernel only, got "
-                             f"WARP_SPECIALIZED at H {hidden}")
         product = torch.empty(schedule.capacity_rows, inter, dtype=torch.float32, device=device)
+        topk = (1 if topk_weights is None else topk_weights.shape[1]) if fp8_block_down_dgrad_gathers(hidden) else None
         warp_specialized.launch_down_dgrad_product_fp8_block(
-            d_out_q, d_out_scale, w_down_t_q, w_down_t_scale, product, schedule, cfg
+            d_out_q, d_out_scale, w_down_t_q, w_down_t_scale, product, schedule, cfg, topk
         )
         return down_dgrad_swiglu_epilogue(product, topk_weights, gate_up, schedule, swiglu_limit)
     return _launch_down_dgrad_swiglu(

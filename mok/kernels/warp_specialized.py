@@ -602,20 +602,25 @@ def _copy_gathered_rows(x_ptr, row_offsets, rows_valid, k0, buf, BLOCK_K: gl.con
 def _gate_up_producer(x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, empty, h_ptr, h_scale_ptr, gate_up_ptr,
                       x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr, row_source_ptr, tile_expert_ptr, num_rows_ptr,
                       topk, hidden, inter, swiglu_limit, CONSUMER: gl.constexpr, HAS_LIMIT: gl.constexpr,
-                      STORE_GATE_UP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
-                      GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+                      STORE_GATE_UP: gl.constexpr, PRODUCT: gl.constexpr, BLOCK_M: gl.constexpr,
+                      BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
     """Each step: the two A halves gathered from x's token rows (every producer thread's
-    cp.async copies arrive on the slot's `ready` once landed), the gate and up tiles by TMA."""
+    cp.async copies arrive on the slot's `ready` once landed), the gate and up tiles by TMA
+    (PRODUCT: w_downᵀ's tiles of the tile's two column halves)."""
     HALF_N: gl.constexpr = w_gate_desc.block_type.shape[0]
+    TILE_N: gl.constexpr = 2 * HALF_N if PRODUCT else HALF_N
     ROWS: gl.constexpr = BLOCK_M // 2
     num_rows = gl.load(num_rows_ptr)
     num_m_tiles = gl.cdiv(num_rows, BLOCK_M)
-    num_n_tiles = gl.cdiv(inter, HALF_N)
+    num_n_tiles = gl.cdiv(inter, TILE_N)
     step = 0
     for tile in range(gl.program_id(0), num_m_tiles * num_n_tiles, gl.num_programs(0)):
         m_tile, n_tile = tile_coordinates(tile, num_m_tiles, num_n_tiles, GROUP_M)
         m0 = m_tile * BLOCK_M
-        w_row = gl.load(tile_expert_ptr + m_tile) * inter + n_tile * HALF_N  # weights read as [E_l·I, H]
+        w_row = gl.load(tile_expert_ptr + m_tile) * inter + n_tile * TILE_N  # weights read as [E_l·I, H]
+        # PRODUCT: past I (the last tile of an odd I / 128) the second half reads the next expert's
+        # rows, or zeros past the last: its columns are not stored
+        w_hi_row = w_row + HALF_N if PRODUCT else w_row
         offsets, valid = _gathered_row_offsets(row_source_ptr, num_rows, m0, topk, hidden, ROWS)
         offsets_2, valid_2 = _gathered_row_offsets(row_source_ptr, num_rows, m0 + ROWS, topk, hidden, ROWS)
         for k0 in range(0, hidden, BLOCK_K):
@@ -625,7 +630,7 @@ def _gate_up_producer(x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, empt
             async_copy.mbarrier_arrive(bar, increment_count=False)
             b = b_bufs.index(slot)  # the gate tile in its first HALF_N rows, the up tile in the rest
             tma.async_copy_global_to_shared(w_gate_desc, [w_row, k0], bar, b.slice(0, HALF_N))
-            tma.async_copy_global_to_shared(w_up_desc, [w_row, k0], bar, b.slice(HALF_N, HALF_N))
+            tma.async_copy_global_to_shared(w_up_desc, [w_hi_row, k0], bar, b.slice(HALF_N, HALF_N))
             step += 1
 
 
@@ -633,28 +638,39 @@ def _gate_up_producer(x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, empt
 def _gate_up_consumer(x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, empty, h_ptr, h_scale_ptr, gate_up_ptr,
                       x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr, row_source_ptr, tile_expert_ptr, num_rows_ptr,
                       topk, hidden, inter, swiglu_limit, CONSUMER: gl.constexpr, HAS_LIMIT: gl.constexpr,
-                      STORE_GATE_UP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
-                      GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+                      STORE_GATE_UP: gl.constexpr, PRODUCT: gl.constexpr, BLOCK_M: gl.constexpr,
+                      BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
     HALF_N: gl.constexpr = w_gate_desc.block_type.shape[0]
+    HALVES: gl.constexpr = 2 if PRODUCT else 1  # the weight's 128-column blocks per tile
     ROWS: gl.constexpr = BLOCK_M // 2
     mma_layout: gl.constexpr = _mma_layout(HALF_N, True)
     num_rows = gl.load(num_rows_ptr)
     num_m_tiles = gl.cdiv(num_rows, BLOCK_M)
-    num_n_tiles = gl.cdiv(inter, HALF_N)
+    n_blocks = gl.cdiv(inter, HALF_N)
+    num_n_tiles = gl.cdiv(n_blocks, HALVES)
     k_blocks = gl.cdiv(hidden, BLOCK_K)
     tile_count = 0
     for tile in range(gl.program_id(0), num_m_tiles * num_n_tiles, gl.num_programs(0)):
         m_tile, n_tile = tile_coordinates(tile, num_m_tiles, num_n_tiles, GROUP_M)
         first_row = m_tile * BLOCK_M + CONSUMER * ROWS
-        # both weights' scales [E_l, I/128, H/128]: the block row of columns [n0, n0 + 128)
-        weight_scales = (gl.load(tile_expert_ptr + m_tile).to(gl.int64) * num_n_tiles + n_tile) * k_blocks
+        # the weights' scales [E_l, I/128, H/128]: the block row of columns [n0, n0 + 128), n0 the
+        # first column of the accumulator; PRODUCT: acc_hi's the next one, if I has it
+        n_block = n_tile * HALVES
+        weight_scales = (gl.load(tile_expert_ptr + m_tile).to(gl.int64) * n_blocks + n_block) * k_blocks
+        hi_scales = weight_scales + k_blocks if PRODUCT else weight_scales
+        hi_valid = n_block + 1 < n_blocks if PRODUCT else True
         tokens, valid = _gathered_rows(row_source_ptr, num_rows, first_row, topk, ROWS, mma_layout)
         gate = gl.zeros((ROWS, HALF_N), gl.float32, mma_layout)
         gate, up = _scaled_mma_steps(gate, gate, tile_count * k_blocks, k_blocks, 0, a_bufs, b_bufs, ready, empty,
-                                     x_scale_ptr, w_gate_scale_ptr + weight_scales, w_up_scale_ptr + weight_scales,
-                                     True, (1, k_blocks, 1), tokens, valid, CONSUMER, False, True, STAGES)
-        _gate_up_epilogue(gate, up, h_ptr, h_scale_ptr, gate_up_ptr, first_row, n_tile, inter, swiglu_limit,
-                          HAS_LIMIT, STORE_GATE_UP)
+                                     x_scale_ptr, w_gate_scale_ptr + weight_scales, w_up_scale_ptr + hi_scales,
+                                     hi_valid, (1, k_blocks, 1), tokens, valid, CONSUMER, False, True, STAGES)
+        if PRODUCT:  # h_ptr: the fp32 product [capacity_rows, I]
+            n0 = n_block * HALF_N
+            _scatter_store(gate, h_ptr, row_source_ptr, first_row, n0, num_rows, inter, inter, False)
+            _scatter_store(up, h_ptr, row_source_ptr, first_row, n0 + HALF_N, num_rows, inter, inter, False)
+        else:
+            _gate_up_epilogue(gate, up, h_ptr, h_scale_ptr, gate_up_ptr, first_row, n_tile, inter, swiglu_limit,
+                              HAS_LIMIT, STORE_GATE_UP)
         tile_count += 1
 
 
@@ -694,13 +710,16 @@ def _gate_up_ws_kernel(
     # sizes
     topk, hidden, inter, swiglu_limit,
     # meta
-    HAS_LIMIT: gl.constexpr, STORE_GATE_UP: gl.constexpr, BLOCK_M: gl.constexpr,
+    HAS_LIMIT: gl.constexpr, STORE_GATE_UP: gl.constexpr, PRODUCT: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
 ):
     """h = SwiGLU(x·Wgᵀ, x·Wuᵀ) of each sorted row, cooperative: a tile is 128 rows × 128
     columns of h, its A tiles gathered from x's token rows by the producer warp group, its B
     slot the gate tile over the up tile, so a consumer's two 128-column accumulators
-    (`_scaled_mma_steps`) are its rows' g and u."""
+    (`_scaled_mma_steps`) are its rows' g and u. PRODUCT: the fp8_block down dgrad's product
+    a[r] = dOut[src(r) // topk] · Wd[e] instead (x_ptr dOut's token rows, w_gate_desc and
+    w_up_desc both w_downᵀ [E_l·I, H], h_ptr the fp32 product [capacity_rows, I]): a tile is 128
+    rows × 256 columns, the B slot w_downᵀ's two 128-row tiles, stored as computed."""
     A_TILE: gl.constexpr = [BLOCK_M // 2, BLOCK_K]
     a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [2 * STAGES] + A_TILE, _fp8_shared_layout(A_TILE))
     b_bufs = _allocate_b_tiles(w_gate_desc, STAGES, 2)
@@ -709,15 +728,15 @@ def _gate_up_ws_kernel(
         (_gate_up_consumer, (x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, empty, h_ptr, h_scale_ptr,
                              gate_up_ptr, x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr, row_source_ptr,
                              tile_expert_ptr, num_rows_ptr, topk, hidden, inter, swiglu_limit, 0, HAS_LIMIT,
-                             STORE_GATE_UP, BLOCK_M, BLOCK_K, GROUP_M, STAGES)),
+                             STORE_GATE_UP, PRODUCT, BLOCK_M, BLOCK_K, GROUP_M, STAGES)),
         (_gate_up_consumer, (x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, empty, h_ptr, h_scale_ptr,
                              gate_up_ptr, x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr, row_source_ptr,
                              tile_expert_ptr, num_rows_ptr, topk, hidden, inter, swiglu_limit, 1, HAS_LIMIT,
-                             STORE_GATE_UP, BLOCK_M, BLOCK_K, GROUP_M, STAGES)),
+                             STORE_GATE_UP, PRODUCT, BLOCK_M, BLOCK_K, GROUP_M, STAGES)),
         (_gate_up_producer, (x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, empty, h_ptr, h_scale_ptr,
                              gate_up_ptr, x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr, row_source_ptr,
                              tile_expert_ptr, num_rows_ptr, topk, hidden, inter, swiglu_limit, 0, HAS_LIMIT,
-                             STORE_GATE_UP, BLOCK_M, BLOCK_K, GROUP_M, STAGES)),
+                             STORE_GATE_UP, PRODUCT, BLOCK_M, BLOCK_K, GROUP_M, STAGES)),
     ], [4, _GATHER_THREADS // 32], [_CONSUMER_REGISTERS, _PRODUCER_REGISTERS])
 
 
@@ -929,13 +948,19 @@ def launch_down_scatter(h: torch.Tensor, w_down: torch.Tensor, y: torch.Tensor, 
 
 def launch_down_dgrad_product_fp8_block(d_out_q: torch.Tensor, d_out_scale: torch.Tensor, w_down_t_q: torch.Tensor,
                                         w_down_t_scale: torch.Tensor, product: torch.Tensor,
-                                        schedule: RoutingSchedule, cfg: dict) -> None:
+                                        schedule: RoutingSchedule, cfg: dict, topk: int | None = None) -> None:
     """product[r] = dOut[r] · w_down[e] for the sorted rows r of every M tile below the schedule's
     num_rows, fp32 (`dgrad.down_dgrad_swiglu_fp8_block`'s GEMM, before its epilogue): d_out_q
-    the sorted rows [capacity_rows, H] e4m3, w_down_t_q the transposed copy [E_l, I, H] (read as
-    [E_l·I, H], K-major), product [capacity_rows, I]. The caller has checked the operands."""
-    _launch_scatter(d_out_q, None, w_down_t_q, None, product, schedule, cfg, True, (d_out_scale, w_down_t_scale),
-                    "down dgrad", scatter=False)
+    the sorted rows [capacity_rows, H] e4m3 read through TMA, or with `topk` the token rows
+    [T, H] gathered by the producer (row r reads token row_source[r] // topk); w_down_t_q the
+    transposed copy [E_l, I, H] (read as [E_l·I, H], K-major), product [capacity_rows, I]. The
+    caller has checked the operands."""
+    if topk is None:
+        _launch_scatter(d_out_q, None, w_down_t_q, None, product, schedule, cfg, True, (d_out_scale, w_down_t_scale),
+                        "down dgrad", scatter=False)
+        return
+    _launch_gathered(d_out_q, d_out_scale, (w_down_t_q, w_down_t_scale), (w_down_t_q, w_down_t_scale), product, None,
+                     None, schedule, topk, None, cfg, "down dgrad")
 
 
 def launch_gate_up_dgrad_scatter(d_gate: torch.Tensor, d_up: torch.Tensor, w_gate: torch.Tensor,
@@ -958,21 +983,33 @@ def launch_gate_up_swiglu_fp8_block(x_q: torch.Tensor, x_scale: torch.Tensor, w_
     e4m3 and [T, H/128], `quantize_fp8_block_activations`), h_q (uint8 bytes), h_scale and,
     unless None, gate_up written for every row below the schedule's num_rows. The caller has
     checked the operands and the outputs."""
-    _check_fp8_block_tile(cfg, schedule, "gate/up GEMM")
+    _launch_gathered(x_q, x_scale, (w_gate_q, w_gate_scale), (w_up_q, w_up_scale), h_q, h_scale, gate_up, schedule,
+                     topk, swiglu_limit, cfg, "gate/up GEMM")
+
+
+def _launch_gathered(x_q, x_scale, w_gate: tuple[torch.Tensor, torch.Tensor], w_up: tuple[torch.Tensor, torch.Tensor],
+                     out, h_scale, gate_up, schedule: RoutingSchedule, topk: int, swiglu_limit: float | None,
+                     cfg: dict, what: str) -> None:
+    """`_gate_up_ws_kernel`: the gate/up GEMM (out = h_q), or for the "down dgrad" its product
+    (out fp32, w_gate and w_up both w_downᵀ's pair, h_scale and gate_up None)."""
+    _check_fp8_block_tile(cfg, schedule, what)
     if cfg["BLOCK_N"] != 2 * FP8_BLOCK:
-        raise ValueError(f"tile_config: the fp8_block gate/up GEMM needs BLOCK_N {2 * FP8_BLOCK} (a gate and an up "
-                         f"tile of {FP8_BLOCK} columns), got {cfg['BLOCK_N']}")
+        raise ValueError(f"tile_config: the fp8_block {what} gathering token rows needs BLOCK_N {2 * FP8_BLOCK} (two "
+                         f"tiles of {FP8_BLOCK} columns), got {cfg['BLOCK_N']}")
     _check_device(x_q.device)
-    hidden, inter = x_q.shape[1], w_gate_q.shape[1]
+    product = what == "down dgrad"
+    hidden, inter = x_q.shape[1], w_gate[0].shape[1]
     half = (FP8_BLOCK, cfg["BLOCK_K"])
-    num_tiles = (schedule.capacity_rows // cfg["BLOCK_M"]) * (inter // FP8_BLOCK)
+    tile_n = cfg["BLOCK_N"] if product else FP8_BLOCK  # the gate/up's tile: 128 columns of h
+    num_tiles = (schedule.capacity_rows // cfg["BLOCK_M"]) * triton.cdiv(inter, tile_n)
     _gate_up_ws_kernel[(min(num_tiles, num_sms(x_q.device)),)](
-        x_q, _descriptor(w_gate_q, half), _descriptor(w_up_q, half),
-        h_q, h_scale, h_scale if gate_up is None else gate_up,  # h_scale: unread
-        x_scale, w_gate_scale, w_up_scale,
+        x_q, _descriptor(w_gate[0], half), _descriptor(w_up[0], half),
+        out, out if h_scale is None else h_scale, out if gate_up is None else gate_up,  # out: an unread stand-in
+        x_scale, w_gate[1], w_up[1],
         schedule.row_source, schedule.tile_expert, schedule.num_rows,
         topk, hidden, inter, 0.0 if swiglu_limit is None else float(swiglu_limit),
-        swiglu_limit is not None, gate_up is not None, cfg["BLOCK_M"], cfg["BLOCK_K"], cfg.get("GROUP_M", 1), cfg["num_stages"], num_warps=4,
+        swiglu_limit is not None, gate_up is not None, product, cfg["BLOCK_M"], cfg["BLOCK_K"], cfg.get("GROUP_M", 1),
+        cfg["num_stages"], num_warps=4,
     )
 
 

@@ -245,8 +245,8 @@ def test_fp8_block_down_dgrad_gathering_is_bitwise_the_sorted_copy(kernel_device
     """The two ways the fp8_block down dgrad reads dOut (its token rows quantized per token and
     gathered inside the loads, or its sorted rows quantized by the gathering quantizer and read
     through TMA) give the same bits: a route's row is its token's, and the products and their
-    order are the same; a NaN in one token reaches its routes' rows in both. On Hopper the sorted
-    rows' default, the warp-specialized GEMM into an fp32 product and the epilogue on it, gives
+    order are the same; a NaN in one token reaches its routes' rows in both. On Hopper the default
+    either way, the warp-specialized GEMM into an fp32 product and the epilogue on it, gives
     d_gate_up's bits too, and d_topk_weights to fp32 rounding (its row sums reduce in another order)."""
     T, H, I, E, topk = 37, 256, 128, 4, 2
     inp, sched, rows, slots, experts, pad = _fp8_block_case(kernel_device, T, H, I, E, topk, 3)
@@ -259,8 +259,10 @@ def test_fp8_block_down_dgrad_gathering_is_bitwise_the_sorted_copy(kernel_device
     triton_tiles = dgrad_config("down", I, H, "fp8_block", allow_warp_specialized=False)
     runs = {"gathered": (True, triton_tiles), "sorted": (False, triton_tiles)}
     if warp_specialized.available_here():
-        runs["sorted, warp-specialized product"] = (False, warp_specialized.fp8_block_tile_config())
+        for gathers, name in ((True, "gathered"), (False, "sorted")):
+            runs[f"{name}, warp-specialized product"] = (gathers, warp_specialized.fp8_block_tile_config())
     outputs = {}
+    monkeypatch.setattr(dgrad, "WARP_SPECIALIZED_FP8_BLOCK_DOWN_DGRAD_PRODUCT", False)  # H alone picks the rows
     for run, (gathers, tiles) in runs.items():
         monkeypatch.setattr(dgrad, "GATHERED_FP8_BLOCK_DOWN_DGRAD_MAX_HIDDEN", H if gathers else H - 1)
         d_out_pair = quantize_fp8_block_activations(d_out) if gathers else quantize_fp8_block_gathered(d_out, sched, topk)
@@ -351,7 +353,7 @@ def test_fp8_block_dgrad_launchers_reject_mismatches(kernel_device):
     _, _, wg_t_q, wg_t_s = fp8_block_quantize(inp.w_gate)
     down = lambda *args, **kw: down_dgrad_swiglu_fp8_block(*args, sched, **kw)  # noqa: E731
     gate_up_dgrad = lambda *args, **kw: gate_up_dgrad_scatter_fp8_block(*args, sched, T * topk, **kw)  # noqa: E731
-    bad_tiles = {**dgrad_config("down", I, H, "fp8_block"), "BLOCK_N": 256}
+    bad_tiles = {**dgrad_config("down", I, H, "fp8_block", allow_warp_specialized=False), "BLOCK_N": 256}
     cases = [
         (lambda: down(d_out_q, d_out_s, inp.topk_weights, gate_up, wd_t_q[:3], wd_t_s[:3]),
          r"^w_down_t_q: expected a 3-D \[E_l, I, H\] tensor with E_l = 4 .*, got shape \[3, 128, 256\]"),

@@ -180,25 +180,30 @@ def test_fp8_block_kernels_compile_for_sm90a_without_spills(kernel, wide):
     assert registers == 168 and spilled <= allowed_spill, f"{kernel}, {wide=}: (registers, spilled bytes) {report}"
 
 
-def test_fp8_block_gate_up_compiles_for_sm90a_without_spills():
+@pytest.mark.parametrize("product", [False, True])
+def test_fp8_block_gate_up_compiles_for_sm90a_without_spills(product):
     """The forward's fp8_block gate/up (x's rows gathered by cp.async, g and u as a consumer's two
     accumulators, the SwiGLU and h-quantizing epilogue on them): 168 registers per thread at
     launch, nothing spilled but 12 bytes (in the SASS: two pointers of consumer 0, stored once at
     the start and reloaded once per tile, and one per-tile value of consumer 1, stored before
     its K loop and reloaded in its epilogue; none in the K loops). x and H aligned, as fp8_block's
-    H is a multiple of 128: 16-byte copies."""
+    H is a multiple of 128: 16-byte copies. With PRODUCT, the down dgrad's product over dOut's
+    gathered token rows (both accumulators stored in fp32): no more than that."""
     cfg = ws.fp8_block_tile_config()
-    meta = dict(HAS_LIMIT=True, STORE_GATE_UP=True, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"],
-                GROUP_M=cfg["GROUP_M"], STAGES=cfg["num_stages"])
+    meta = dict(HAS_LIMIT=not product, STORE_GATE_UP=not product, PRODUCT=product, BLOCK_M=cfg["BLOCK_M"],
+                BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], STAGES=cfg["num_stages"])
     fp8, half = torch.float8_e4m3fn, (cfg["BLOCK_N"] // 2, cfg["BLOCK_K"])
     signature = {
         "x_ptr": "*u8", "w_gate_desc": _descriptor_type(half, fp8), "w_up_desc": _descriptor_type(half, fp8),
-        "h_ptr": "*u8", "h_scale_ptr": "*fp32", "gate_up_ptr": "*bf16", "x_scale_ptr": "*fp32",
+        "h_ptr": "*fp32" if product else "*u8", "h_scale_ptr": "*fp32", "gate_up_ptr": "*bf16", "x_scale_ptr": "*fp32",
         "w_gate_scale_ptr": "*fp32", "w_up_scale_ptr": "*fp32", "row_source_ptr": "*i32", "tile_expert_ptr": "*i32",
         "num_rows_ptr": "*i32", "topk": "i32", "hidden": "i32", "inter": "i32", "swiglu_limit": "fp32",
         **{name: "constexpr" for name in meta},
     }
-    assert _ptxas_report("_gate_up_ws_kernel", signature, meta, aligned=("x_ptr", "hidden")) == (168, 12)
+    registers, spilled = _ptxas_report("_gate_up_ws_kernel", signature, meta, aligned=("x_ptr", "hidden"))
+    assert registers == 168 and spilled <= 12, f"{product=}: (registers, spilled bytes) {(registers, spilled)}"
+    if not product:
+        assert spilled == 12, "the gate/up's count above changed: update the docstring"
 
 
 def test_defaults_choose_it_only_where_it_runs():
@@ -208,14 +213,15 @@ def test_defaults_choose_it_only_where_it_runs():
     for config in (gemm_config("down", 2048, 768), gemm_config("down", 7168, 2048), wgrad_config("down", 2048, 768),
                    wgrad_config("gate_up", 768, 2048), dgrad_config("gate_up", 2048, 768),
                    gemm_config("down", 2048, 768, "fp8_block"), dgrad_config("gate_up", 2048, 768, "fp8_block"),
+                   dgrad_config("down", 768, 7168, "fp8_block"),
                    wgrad_config("down", 2048, 768, "fp8_block"), wgrad_config("gate_up", 768, 2048, "fp8_block")):
         assert "WARP_SPECIALIZED" not in config
 
 
 def test_errors_name_the_tile_config(kernel_device, monkeypatch):
     """An explicit WARP_SPECIALIZED config is refused, naming it, where the kernels cannot run
-    (not a Hopper GPU, or the interpreter), with main_grad, and ping-pong for the gate/up wgrad,
-    the fp8_block GEMMs, and for the fp8_block down dgrad that gathers dOut's token rows."""
+    (not a Hopper GPU, or the interpreter), with main_grad, and ping-pong for the gate/up wgrad
+    and the fp8_block GEMMs."""
     inp = make_inputs(8, 64, 64, 4, 2, seed=0, device=kernel_device)
     flag = torch.zeros(1, dtype=torch.int32, device=kernel_device)
     sched = build_routing_schedule(inp.topk_ids, 4, routing_block_m(), flag)
@@ -256,14 +262,17 @@ def test_errors_name_the_tile_config(kernel_device, monkeypatch):
                                         tile_config=dict(fp8_config, COOPERATIVE=False))
     gate_up = torch.randn(sched.capacity_rows, 2, 128, device=kernel_device).bfloat16()
     token_rows = quantize_fp8_block_activations(torch.randn(8, 128, device=kernel_device))
-    with pytest.raises(ValueError, match=r"tile_config: the fp8_block down dgrad gathering dOut's token rows \(H up "
-                                         r"to 2048\) runs the Triton kernel only, got WARP_SPECIALIZED at H 128"):
-        down_dgrad_swiglu_fp8_block(*token_rows, inp.topk_weights, gate_up, *weight[2:], sched, tile_config=fp8_config)
+    with pytest.raises(ValueError, match="tile_config: the fp8_block down dgrad gathering token rows needs "
+                                         "BLOCK_N 256"):
+        down_dgrad_swiglu_fp8_block(*token_rows, inp.topk_weights, gate_up, *weight[2:], sched,
+                                    tile_config=dict(fp8_config, BLOCK_N=128))
+    monkeypatch.setattr(dgrad, "WARP_SPECIALIZED_FP8_BLOCK_DOWN_DGRAD_PRODUCT", False)  # H alone picks the rows
     monkeypatch.setattr(dgrad, "GATHERED_FP8_BLOCK_DOWN_DGRAD_MAX_HIDDEN", 0)  # dOut's sorted rows
     with pytest.raises(ValueError, match="tile_config: the fp8_block down dgrad needs COOPERATIVE"):
         down_dgrad_swiglu_fp8_block(*rows, inp.topk_weights, gate_up, *weight[2:], sched,
                                     tile_config=dict(fp8_config, COOPERATIVE=False))
-    with pytest.raises(ValueError, match="tile_config: the fp8_block gate/up GEMM needs BLOCK_N 256"):
+    with pytest.raises(ValueError, match="tile_config: the fp8_block gate/up GEMM gathering token rows needs BLOCK_N "
+                                         "256"):
         gate_up_swiglu_fp8_block(*quantize_fp8_block_activations(inp.x), *weight[:2], *weight[:2], sched, 2,
                                  tile_config=dict(fp8_config, BLOCK_N=128))
 
@@ -394,24 +403,30 @@ def test_fp8_block_scatter_gemms_are_bitwise_the_triton_kernel(T, H, I, E, topk,
 
 @hopper
 @pytest.mark.gpu
+@pytest.mark.parametrize("gathers", [False, True])
 @pytest.mark.parametrize("swiglu_limit", [None, 1.5])
 @pytest.mark.parametrize("T, H, I, E, topk, skewed", _FP8_CASES)
-def test_fp8_block_down_dgrad_product_is_the_triton_kernel(T, H, I, E, topk, skewed, swiglu_limit, monkeypatch):
-    """The fp8_block down dgrad over dOut's sorted rows as the warp-specialized GEMM into an fp32
-    product and the epilogue on it: d_gate_up bitwise the fused Triton kernel's on every row in use
-    (padding rows' zeros included), d_topk_weights to fp32 rounding (row sums in another order)."""
-    monkeypatch.setattr(dgrad, "GATHERED_FP8_BLOCK_DOWN_DGRAD_MAX_HIDDEN", 0)  # every H reads the sorted rows
+def test_fp8_block_down_dgrad_product_is_the_triton_kernel(T, H, I, E, topk, skewed, swiglu_limit, gathers,
+                                                           monkeypatch):
+    """The fp8_block down dgrad as the warp-specialized GEMM into an fp32 product (dOut's sorted
+    rows through TMA, or its token rows gathered by the producer) and the epilogue on it:
+    d_gate_up bitwise the fused Triton kernel's on every row in use (padding rows' zeros
+    included), d_topk_weights to fp32 rounding (row sums in another order)."""
+    assert dgrad_config("down", I, H, "fp8_block").get("WARP_SPECIALIZED"), "the default on Hopper"
+    monkeypatch.setattr(dgrad, "WARP_SPECIALIZED_FP8_BLOCK_DOWN_DGRAD_PRODUCT", False)  # H alone picks the rows
+    monkeypatch.setattr(dgrad, "GATHERED_FP8_BLOCK_DOWN_DGRAD_MAX_HIDDEN", 1 << 20 if gathers else 0)
     inp, sched = _inputs(T, H, I, E, topk, skewed, seed=8)
     gate_up = torch.randn(sched.capacity_rows, 2, I, device="cuda").bfloat16()
-    d_out = quantize_fp8_block_gathered(torch.randn_like(inp.x), sched, topk)
+    d_out_rows = torch.randn_like(inp.x)
+    d_out = quantize_fp8_block_activations(d_out_rows) if gathers else quantize_fp8_block_gathered(d_out_rows, sched,
+                                                                                                    topk)
     w_down_t = fp8_block_quantize(inp.w_down)[2:]
     run = lambda cfg: down_dgrad_swiglu_fp8_block(*d_out, inp.topk_weights, gate_up, *w_down_t, sched,  # noqa: E731
                                                   swiglu_limit, tile_config=cfg)
-    assert dgrad_config("down", I, H, "fp8_block").get("WARP_SPECIALIZED"), "the default on Hopper"
     got = run(ws.fp8_block_tile_config())
     expected = run(dgrad_config("down", I, H, "fp8_block", allow_warp_specialized=False))
     rows = int(sched.num_rows.item())
-    params = f"{T=} {H=} {I=} {E=} {topk=} {skewed=} {swiglu_limit=}"
+    params = f"{T=} {H=} {I=} {E=} {topk=} {skewed=} {swiglu_limit=} {gathers=}"
     _check_bitwise(got[0][:rows], expected[0][:rows], f"d_gate_up {params}")
     scale = expected[1].abs().max().item()
     torch.testing.assert_close(got[1], expected[1], rtol=2.0**-16, atol=2.0**-16 * scale,
@@ -496,7 +511,8 @@ def test_fp8_block_wgrads_are_bitwise_the_triton_kernel(T, H, I, E, topk, skewed
 @pytest.mark.gpu
 def test_defaults_choose_the_schedule_by_reduction_on_hopper():
     """Ping-pong for short reductions, cooperative for the long down wgrad, the gate/up GEMMs
-    of the backward, and every fp8_block GEMM but the forward's gate/up and the down dgrad; the
+    of the backward, and every fp8_block GEMM but the forward's gate/up at small H (the down
+    dgrad's GEMM at any H, into its product, dOut's token rows gathered); the
     Triton kernels for the long down GEMM, with main_grad and for peer stores
     (`allow_warp_specialized=False`)."""
     assert gemm_config("down", 2048, 768) == ws.tile_config(cooperative=False)
@@ -515,7 +531,9 @@ def test_defaults_choose_the_schedule_by_reduction_on_hopper():
     assert gemm_config("down", 2048, 768, "fp8_block") == ws.fp8_block_tile_config()
     assert "WARP_SPECIALIZED" not in gemm_config("gate_up", 768, 2048, "fp8_block")
     assert gemm_config("gate_up", 2048, 7168, "fp8_block") == ws.fp8_block_tile_config()
-    assert "WARP_SPECIALIZED" not in dgrad_config("down", 768, 2048, "fp8_block")
+    for hidden in (2048, 7168):
+        assert dgrad_config("down", 768, hidden, "fp8_block") == ws.fp8_block_tile_config()
+        assert dgrad.fp8_block_down_dgrad_gathers(hidden)
     for config in (wgrad_config("down", 2048, 768, allow_warp_specialized=False),
                    wgrad_config("gate_up", 768, 2048, "fp8_block", allow_warp_specialized=False),
                    wgrad_config("gate_up", 768, 2048, allow_warp_specialized=False),
