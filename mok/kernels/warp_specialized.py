@@ -8,11 +8,12 @@
                    product scaled by its block's row and column scales (`wgrad.py`'s fp8_block)
     fp8_block down and gate/up dgrad: the scatter GEMMs over e4m3 rows quantized in 1×128 blocks
                    and the weights' 128×128 blocks (`grouped_gemm.py`'s and `dgrad.py`'s fp8_block)
-    fp8_block down dgrad's product: a[r] = dOut[r] · Wd[e] in fp32, stored at the sorted row r (the
-                   scatter kernel without the scatter); `dgrad.py` runs the SwiGLU backward on it
     fp8_block gate/up: h[r] = SwiGLU(x[src(r) // topk] · Wg[e]ᵀ, x[…] · Wu[e]ᵀ), quantized in 1×128
                    blocks (`grouped_gemm.gate_up_swiglu_fp8_block`); x's e4m3 token rows gathered
                    by the producer (cp.async: Hopper's TMA cannot gather)
+    fp8_block down dgrad's product: a[r] = dOut[src(r) // topk] · Wd[e] in fp32, stored at the sorted
+                   row r (the gate/up's kernel, dOut's token rows gathered; over its sorted rows,
+                   the scatter kernel without the scatter); `dgrad.py` runs the SwiGLU backward on it
 
 Legend: r a row of the expert-sorted layout of `schedule.py`, src(r) = row_source[r]
 (−1: padding), e = tile_expert[r // BLOCK_M], H hidden, I intermediate size, E_l local experts.
@@ -567,7 +568,7 @@ def _scatter_ws_kernel(
     ], [4, 1], [_CONSUMER_REGISTERS, _PRODUCER_REGISTERS])
 
 
-# --------------------------------------------------------------------------- fp8_block gate/up (forward)
+# --------------------------------------------------------------------------- fp8_block, token rows gathered
 
 
 @gluon.jit
@@ -599,11 +600,11 @@ def _copy_gathered_rows(x_ptr, row_offsets, rows_valid, k0, buf, BLOCK_K: gl.con
 
 
 @gluon.jit
-def _gate_up_producer(x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, empty, h_ptr, h_scale_ptr, gate_up_ptr,
-                      x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr, row_source_ptr, tile_expert_ptr, num_rows_ptr,
-                      topk, hidden, inter, swiglu_limit, CONSUMER: gl.constexpr, HAS_LIMIT: gl.constexpr,
-                      STORE_GATE_UP: gl.constexpr, PRODUCT: gl.constexpr, BLOCK_M: gl.constexpr,
-                      BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+def _gathered_producer(x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, empty, h_ptr, h_scale_ptr, gate_up_ptr,
+                       x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr, row_source_ptr, tile_expert_ptr, num_rows_ptr,
+                       topk, hidden, inter, swiglu_limit, CONSUMER: gl.constexpr, HAS_LIMIT: gl.constexpr,
+                       STORE_GATE_UP: gl.constexpr, PRODUCT: gl.constexpr, BLOCK_M: gl.constexpr,
+                       BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
     """Each step: the two A halves gathered from x's token rows (every producer thread's
     cp.async copies arrive on the slot's `ready` once landed), the gate and up tiles by TMA
     (PRODUCT: w_downᵀ's tiles of the tile's two column halves)."""
@@ -635,11 +636,11 @@ def _gate_up_producer(x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, empt
 
 
 @gluon.jit
-def _gate_up_consumer(x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, empty, h_ptr, h_scale_ptr, gate_up_ptr,
-                      x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr, row_source_ptr, tile_expert_ptr, num_rows_ptr,
-                      topk, hidden, inter, swiglu_limit, CONSUMER: gl.constexpr, HAS_LIMIT: gl.constexpr,
-                      STORE_GATE_UP: gl.constexpr, PRODUCT: gl.constexpr, BLOCK_M: gl.constexpr,
-                      BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+def _gathered_consumer(x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, empty, h_ptr, h_scale_ptr, gate_up_ptr,
+                       x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr, row_source_ptr, tile_expert_ptr, num_rows_ptr,
+                       topk, hidden, inter, swiglu_limit, CONSUMER: gl.constexpr, HAS_LIMIT: gl.constexpr,
+                       STORE_GATE_UP: gl.constexpr, PRODUCT: gl.constexpr, BLOCK_M: gl.constexpr,
+                       BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
     HALF_N: gl.constexpr = w_gate_desc.block_type.shape[0]
     HALVES: gl.constexpr = 2 if PRODUCT else 1  # the weight's 128-column blocks per tile
     ROWS: gl.constexpr = BLOCK_M // 2
@@ -697,7 +698,7 @@ def _gate_up_epilogue(gate, up, h_ptr, h_scale_ptr, gate_up_ptr, first_row, n_ti
 
 
 @gluon.jit
-def _gate_up_ws_kernel(
+def _gathered_ws_kernel(
     # x's e4m3 token rows [T, H] (bytes); TMA descriptors of the weights' e4m3 [E_l·I, H]
     x_ptr, w_gate_desc, w_up_desc,
     # outputs: h_q [capacity_rows, I] e4m3 bytes, h_scale [capacity_rows, I/128] fp32, g, u
@@ -725,18 +726,18 @@ def _gate_up_ws_kernel(
     b_bufs = _allocate_b_tiles(w_gate_desc, STAGES, 2)
     ready, empty, _ = _allocate_barriers(2, _GATHER_THREADS, STAGES)
     gl.warp_specialize([
-        (_gate_up_consumer, (x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, empty, h_ptr, h_scale_ptr,
-                             gate_up_ptr, x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr, row_source_ptr,
-                             tile_expert_ptr, num_rows_ptr, topk, hidden, inter, swiglu_limit, 0, HAS_LIMIT,
-                             STORE_GATE_UP, PRODUCT, BLOCK_M, BLOCK_K, GROUP_M, STAGES)),
-        (_gate_up_consumer, (x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, empty, h_ptr, h_scale_ptr,
-                             gate_up_ptr, x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr, row_source_ptr,
-                             tile_expert_ptr, num_rows_ptr, topk, hidden, inter, swiglu_limit, 1, HAS_LIMIT,
-                             STORE_GATE_UP, PRODUCT, BLOCK_M, BLOCK_K, GROUP_M, STAGES)),
-        (_gate_up_producer, (x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, empty, h_ptr, h_scale_ptr,
-                             gate_up_ptr, x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr, row_source_ptr,
-                             tile_expert_ptr, num_rows_ptr, topk, hidden, inter, swiglu_limit, 0, HAS_LIMIT,
-                             STORE_GATE_UP, PRODUCT, BLOCK_M, BLOCK_K, GROUP_M, STAGES)),
+        (_gathered_consumer, (x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, empty, h_ptr, h_scale_ptr,
+                              gate_up_ptr, x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr, row_source_ptr,
+                              tile_expert_ptr, num_rows_ptr, topk, hidden, inter, swiglu_limit, 0, HAS_LIMIT,
+                              STORE_GATE_UP, PRODUCT, BLOCK_M, BLOCK_K, GROUP_M, STAGES)),
+        (_gathered_consumer, (x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, empty, h_ptr, h_scale_ptr,
+                              gate_up_ptr, x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr, row_source_ptr,
+                              tile_expert_ptr, num_rows_ptr, topk, hidden, inter, swiglu_limit, 1, HAS_LIMIT,
+                              STORE_GATE_UP, PRODUCT, BLOCK_M, BLOCK_K, GROUP_M, STAGES)),
+        (_gathered_producer, (x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, empty, h_ptr, h_scale_ptr,
+                              gate_up_ptr, x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr, row_source_ptr,
+                              tile_expert_ptr, num_rows_ptr, topk, hidden, inter, swiglu_limit, 0, HAS_LIMIT,
+                              STORE_GATE_UP, PRODUCT, BLOCK_M, BLOCK_K, GROUP_M, STAGES)),
     ], [4, _GATHER_THREADS // 32], [_CONSUMER_REGISTERS, _PRODUCER_REGISTERS])
 
 
@@ -990,7 +991,7 @@ def launch_gate_up_swiglu_fp8_block(x_q: torch.Tensor, x_scale: torch.Tensor, w_
 def _launch_gathered(x_q, x_scale, w_gate: tuple[torch.Tensor, torch.Tensor], w_up: tuple[torch.Tensor, torch.Tensor],
                      out, h_scale, gate_up, schedule: RoutingSchedule, topk: int, swiglu_limit: float | None,
                      cfg: dict, what: str) -> None:
-    """`_gate_up_ws_kernel`: the gate/up GEMM (out = h_q), or for the "down dgrad" its product
+    """`_gathered_ws_kernel`: the gate/up GEMM (out = h_q), or for the "down dgrad" its product
     (out fp32, w_gate and w_up both w_downᵀ's pair, h_scale and gate_up None)."""
     _check_fp8_block_tile(cfg, schedule, what)
     if cfg["BLOCK_N"] != 2 * FP8_BLOCK:
@@ -1002,7 +1003,7 @@ def _launch_gathered(x_q, x_scale, w_gate: tuple[torch.Tensor, torch.Tensor], w_
     half = (FP8_BLOCK, cfg["BLOCK_K"])
     tile_n = cfg["BLOCK_N"] if product else FP8_BLOCK  # the gate/up's tile: 128 columns of h
     num_tiles = (schedule.capacity_rows // cfg["BLOCK_M"]) * triton.cdiv(inter, tile_n)
-    _gate_up_ws_kernel[(min(num_tiles, num_sms(x_q.device)),)](
+    _gathered_ws_kernel[(min(num_tiles, num_sms(x_q.device)),)](
         x_q, _descriptor(w_gate[0], half), _descriptor(w_up[0], half),
         out, out if h_scale is None else h_scale, out if gate_up is None else gate_up,  # out: an unread stand-in
         x_scale, w_gate[1], w_up[1],

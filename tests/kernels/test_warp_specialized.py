@@ -200,7 +200,7 @@ def test_fp8_block_gate_up_compiles_for_sm90a_without_spills(product):
         "num_rows_ptr": "*i32", "topk": "i32", "hidden": "i32", "inter": "i32", "swiglu_limit": "fp32",
         **{name: "constexpr" for name in meta},
     }
-    registers, spilled = _ptxas_report("_gate_up_ws_kernel", signature, meta, aligned=("x_ptr", "hidden"))
+    registers, spilled = _ptxas_report("_gathered_ws_kernel", signature, meta, aligned=("x_ptr", "hidden"))
     assert registers == 168 and spilled <= 12, f"{product=}: (registers, spilled bytes) {(registers, spilled)}"
     if not product:
         assert spilled == 12, "the gate/up's count above changed: update the docstring"
