@@ -453,10 +453,11 @@ def _weight_block(precision: str, cfg: dict) -> tuple[int, int]:
 def _launch_down_dgrad_swiglu(
     precision: str, d_out, d_out_scale, topk_weights, gate_up, w_down, w_down_scale,
     schedule: RoutingSchedule, hidden: int, inter: int, swiglu_limit: float | None, cfg: dict,
-    product_given: bool = False,
+    gathered: bool = False, product_given: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`_down_dgrad_swiglu_kernel`, then the router-weight sum; the scales are None in bf16.
-    With `product_given`, d_out is the product a [capacity_rows, I] fp32 and the weight unread."""
+    `gathered` (fp8_block): d_out is dOut's token rows, gathered by the loads. With
+    `product_given`, d_out is the product a [capacity_rows, I] fp32 and the weight unread."""
     device = gate_up.device
     num_n_tiles = triton.cdiv(inter, cfg["BLOCK_N"])
     d_gate_up = torch.empty_like(gate_up)  # [capacity_rows, 2, I] bf16
@@ -465,8 +466,6 @@ def _launch_down_dgrad_swiglu(
     # [T·topk, I / BLOCK_N] fp32: every slot a placed route points to is fully written.
     route_partials = torch.empty(num_slots, num_n_tiles, dtype=torch.float32, device=device)
     grid = (schedule.max_tiles * num_n_tiles,)
-    # fp8_block's token rows are gathered by the loads
-    gathered = not product_given and precision == "fp8_block" and fp8_block_down_dgrad_gathers(hidden)
     _down_dgrad_swiglu_kernel[grid](
         d_out if gathered or product_given else tma_descriptor(d_out, (cfg["BLOCK_M"], cfg["BLOCK_K"])),
         topk_weights if weighted else d_gate_up,
@@ -548,7 +547,8 @@ def down_dgrad_swiglu_fp8_block(
     _, inter, hidden = fp8_block_weight_shape("w_down_t_q", w_down_t_q, "[E_l, I, H]", schedule.num_local_experts)
     device = w_down_t_q.device
     _check_topk_weights(topk_weights, device)
-    if not fp8_block_down_dgrad_gathers(hidden):
+    gathers = fp8_block_down_dgrad_gathers(hidden)
+    if not gathers:
         rows = schedule.capacity_rows
     elif topk_weights is not None:
         rows = topk_weights.shape[0]  # T
@@ -563,14 +563,14 @@ def down_dgrad_swiglu_fp8_block(
     cfg = _dgrad_tiles("down", inter, hidden, "fp8_block", tile_config, schedule)
     if cfg.get("WARP_SPECIALIZED", False):
         product = torch.empty(schedule.capacity_rows, inter, dtype=torch.float32, device=device)
-        topk = (1 if topk_weights is None else topk_weights.shape[1]) if fp8_block_down_dgrad_gathers(hidden) else None
+        topk = 1 if topk_weights is None else topk_weights.shape[1]
         warp_specialized.launch_down_dgrad_product_fp8_block(
-            d_out_q, d_out_scale, w_down_t_q, w_down_t_scale, product, schedule, cfg, topk
+            d_out_q, d_out_scale, w_down_t_q, w_down_t_scale, product, schedule, cfg, topk if gathers else None
         )
-        return down_dgrad_swiglu_epilogue(product, topk_weights, gate_up, schedule, swiglu_limit)
+        return _launch_down_dgrad_epilogue(product, topk_weights, gate_up, schedule, swiglu_limit)
     return _launch_down_dgrad_swiglu(
         "fp8_block", d_out_q, d_out_scale, topk_weights, gate_up, w_down_t_q, w_down_t_scale,
-        schedule, hidden, inter, swiglu_limit, cfg,
+        schedule, hidden, inter, swiglu_limit, cfg, gathered=gathers,
     )
 
 
@@ -593,10 +593,17 @@ def down_dgrad_swiglu_epilogue(
                          f"column stride on {device}, got {product.dtype} {list(product.shape)} on {product.device}")
     _check_topk_weights(topk_weights, device)
     _check_bf16("gate_up", gate_up, (schedule.capacity_rows, 2, inter), device)
+    return _launch_down_dgrad_epilogue(product, topk_weights, gate_up, schedule, swiglu_limit)
+
+
+def _launch_down_dgrad_epilogue(
+    product, topk_weights, gate_up, schedule: RoutingSchedule, swiglu_limit: float | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`down_dgrad_swiglu_epilogue` on checked operands."""
     cfg = dict(BLOCK_M=schedule.block_m, **_FP8_BLOCK_TILES["interpreter" if interpreting() else "down"])
     return _launch_down_dgrad_swiglu(
-        "fp8_block", product, None, topk_weights, gate_up, None, None, schedule, 0, inter, swiglu_limit, cfg,
-        product_given=True,
+        "fp8_block", product, None, topk_weights, gate_up, None, None, schedule, 0, gate_up.shape[-1], swiglu_limit,
+        cfg, product_given=True,
     )
 
 

@@ -960,8 +960,9 @@ def launch_down_dgrad_product_fp8_block(d_out_q: torch.Tensor, d_out_scale: torc
         _launch_scatter(d_out_q, None, w_down_t_q, None, product, schedule, cfg, True, (d_out_scale, w_down_t_scale),
                         "down dgrad", scatter=False)
         return
-    _launch_gathered(d_out_q, d_out_scale, (w_down_t_q, w_down_t_scale), (w_down_t_q, w_down_t_scale), product, None,
-                     None, schedule, topk, None, cfg, "down dgrad")
+    w_down_t = (w_down_t_q, w_down_t_scale)
+    _launch_gathered(d_out_q, d_out_scale, w_down_t, w_down_t, product, None, None, schedule, topk, None, cfg,
+                     product=True)
 
 
 def launch_gate_up_dgrad_scatter(d_gate: torch.Tensor, d_up: torch.Tensor, w_gate: torch.Tensor,
@@ -985,20 +986,20 @@ def launch_gate_up_swiglu_fp8_block(x_q: torch.Tensor, x_scale: torch.Tensor, w_
     unless None, gate_up written for every row below the schedule's num_rows. The caller has
     checked the operands and the outputs."""
     _launch_gathered(x_q, x_scale, (w_gate_q, w_gate_scale), (w_up_q, w_up_scale), h_q, h_scale, gate_up, schedule,
-                     topk, swiglu_limit, cfg, "gate/up GEMM")
+                     topk, swiglu_limit, cfg, product=False)
 
 
 def _launch_gathered(x_q, x_scale, w_gate: tuple[torch.Tensor, torch.Tensor], w_up: tuple[torch.Tensor, torch.Tensor],
                      out, h_scale, gate_up, schedule: RoutingSchedule, topk: int, swiglu_limit: float | None,
-                     cfg: dict, what: str) -> None:
-    """`_gathered_ws_kernel`: the gate/up GEMM (out = h_q), or for the "down dgrad" its product
-    (out fp32, w_gate and w_up both w_downᵀ's pair, h_scale and gate_up None)."""
+                     cfg: dict, product: bool) -> None:
+    """`_gathered_ws_kernel`: the gate/up GEMM (out = h_q), or with `product` the down dgrad's
+    product (out fp32, w_gate and w_up both w_downᵀ's pair, h_scale and gate_up None)."""
+    what = "down dgrad" if product else "gate/up GEMM"
     _check_fp8_block_tile(cfg, schedule, what)
     if cfg["BLOCK_N"] != 2 * FP8_BLOCK:
         raise ValueError(f"tile_config: the fp8_block {what} gathering token rows needs BLOCK_N {2 * FP8_BLOCK} (two "
                          f"tiles of {FP8_BLOCK} columns), got {cfg['BLOCK_N']}")
     _check_device(x_q.device)
-    product = what == "down dgrad"
     hidden, inter = x_q.shape[1], w_gate[0].shape[1]
     half = (FP8_BLOCK, cfg["BLOCK_K"])
     tile_n = cfg["BLOCK_N"] if product else FP8_BLOCK  # the gate/up's tile: 128 columns of h
