@@ -159,9 +159,15 @@ def fp8_block_down_dgrad_gathers(hidden: int) -> bool:
     """Whether `down_dgrad_swiglu_fp8_block` takes dOut's token rows [T, H] (and gathers them)
     rather than its sorted rows [capacity_rows, H], for this H: always where the
     warp-specialized product runs (Hopper), else up to `GATHERED_FP8_BLOCK_DOWN_DGRAD_MAX_HIDDEN`."""
-    if WARP_SPECIALIZED_FP8_BLOCK_DOWN_DGRAD_PRODUCT and warp_specialized.available_here():
-        return True
-    return hidden <= GATHERED_FP8_BLOCK_DOWN_DGRAD_MAX_HIDDEN
+    return _fp8_block_warp_specialized("down") or hidden <= GATHERED_FP8_BLOCK_DOWN_DGRAD_MAX_HIDDEN
+
+
+def _fp8_block_warp_specialized(kind: str, allow_warp_specialized: bool = True) -> bool:
+    """Whether the fp8_block dgrad `kind` runs warp-specialized by default here: on Hopper, where
+    its flag says it measured faster."""
+    measured_faster = {"gate_up": WARP_SPECIALIZED_FP8_BLOCK_GATE_UP_DGRAD,
+                       "down": WARP_SPECIALIZED_FP8_BLOCK_DOWN_DGRAD_PRODUCT}[kind]
+    return measured_faster and allow_warp_specialized and warp_specialized.available_here()
 
 
 def dgrad_config(
@@ -184,18 +190,15 @@ def dgrad_config(
     tiles keep the CPU tests fast. The key never includes per-expert counts (they change every step).
     fp8_block: `_FP8_BLOCK_TILES`, the same for every shape until measured; on Hopper the gate/up
     dgrad into local slots warp-specialized with `WARP_SPECIALIZED_FP8_BLOCK_GATE_UP_DGRAD`, and
-    the down dgrad's GEMM over dOut's sorted rows with `WARP_SPECIALIZED_FP8_BLOCK_DOWN_DGRAD_PRODUCT`.
+    the down dgrad's GEMM (into an fp32 product) with `WARP_SPECIALIZED_FP8_BLOCK_DOWN_DGRAD_PRODUCT`.
     """
-    on_hopper = allow_warp_specialized and warp_specialized.available_here()
-    gate_up_warp_specialized = kind == "gate_up" and on_hopper
     if precision == "fp8_block":
-        if gate_up_warp_specialized and WARP_SPECIALIZED_FP8_BLOCK_GATE_UP_DGRAD:
-            return warp_specialized.fp8_block_tile_config()
-        if kind == "down" and on_hopper and WARP_SPECIALIZED_FP8_BLOCK_DOWN_DGRAD_PRODUCT:
+        if _fp8_block_warp_specialized(kind, allow_warp_specialized):
             return warp_specialized.fp8_block_tile_config()
         return dict(BLOCK_M=routing_block_m(), **_FP8_BLOCK_TILES["interpreter" if interpreting() else kind])
     if interpreting():
         return dict(BLOCK_M=routing_block_m(), BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1)
+    gate_up_warp_specialized = kind == "gate_up" and allow_warp_specialized and warp_specialized.available_here()
     if gate_up_warp_specialized and reduce_dim <= COOPERATIVE_GATE_UP_DGRAD_MAX_INTER:
         return warp_specialized.tile_config(cooperative=True)
     cfg = dict(BLOCK_M=routing_block_m(), BLOCK_N=256, BLOCK_K=64, GROUP_M=grouped_gemm.GEMM_GROUP_M, num_warps=8,
