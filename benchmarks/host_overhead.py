@@ -17,9 +17,9 @@ import time
 import torch
 
 import mok
-from mok.bench.presets import GPU_PRESETS, PRESETS
-from mok.testing import make_inputs
+from mok.bench.presets import GPU_PRESETS
 from mok.testing.timing import back_to_back_ms, percentile
+from profile_layer import layer_step  # benchmarks/, the script's own folder
 
 _SLEEP_CYCLES = int(2e9)  # about a second of GPU time at H200's clocks: longer than the enqueued steps
 
@@ -31,17 +31,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--cprofile", action="store_true", help="list the host's hot spots over ten steps")
     args = parser.parse_args()
-    p = PRESETS[args.preset]
-    inp = make_inputs(p.num_tokens, p.hidden_size, p.intermediate_size, p.num_experts, p.topk,
-                      p.shared_intermediate_size, seed=0, device="cuda")
-    leaves = [t.requires_grad_() for t in (inp.x, inp.topk_weights, *[w for w in inp.weights if w is not None])]
-    d_out = torch.randn_like(inp.x)
-    config = mok.MoKConfig(precision=args.precision)
-
-    def step():
-        out = mok.moe(inp.x, inp.topk_ids, inp.topk_weights, *inp.weights, config=config)
-        torch.autograd.grad(out, leaves, d_out)
-
+    step = layer_step(args.preset, args.precision, backward=True)
     for _ in range(5):
         step()
     torch.cuda.synchronize()

@@ -15,6 +15,7 @@ kernel that spills is the first suspect when it runs slower than its FLOPs or by
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -39,19 +40,25 @@ def main() -> None:
         profile_layer(args)
 
 
-def profile_layer(args: argparse.Namespace) -> None:
-    p = PRESETS[args.preset]
+def layer_step(preset: str, precision: str, backward: bool) -> Callable[[], None]:
+    """One mok layer call (and its backward) on a preset's inputs, seeded, on the GPU."""
+    p = PRESETS[preset]
     inp = make_inputs(p.num_tokens, p.hidden_size, p.intermediate_size, p.num_experts, p.topk,
                       p.shared_intermediate_size, seed=0, device="cuda")
     leaves = [t.requires_grad_() for t in (inp.x, inp.topk_weights, *[w for w in inp.weights if w is not None])]
     d_out = torch.randn_like(inp.x)
-    config = mok.MoKConfig(precision=args.precision)
+    config = mok.MoKConfig(precision=precision)
 
     def step():
         out = mok.moe(inp.x, inp.topk_ids, inp.topk_weights, *inp.weights, config=config)
-        if args.backward:
+        if backward:
             torch.autograd.grad(out, leaves, d_out)
 
+    return step
+
+
+def profile_layer(args: argparse.Namespace) -> None:
+    step = layer_step(args.preset, args.precision, args.backward)
     for _ in range(3):
         step()
     torch.cuda.synchronize()
