@@ -72,7 +72,7 @@ import triton
 import triton.language as tl
 
 from mok.fp8_block import FP8_BLOCK
-from mok.kernels.common import interpreting, round_to_bf16, tile_coordinates
+from mok.kernels.common import interpreting, round_to_bf16
 from mok.kernels.gather import gather_sorted_rows, sorted_row_routes
 from mok.kernels.schedule import RoutingSchedule
 from mok.kernels.swiglu import swiglu_forward
@@ -111,10 +111,12 @@ _WEIGHT_BLOCK = FP8_BLOCK
 # (deepseek-v3-slice's x and w·dOut, H = 7168) take 32 columns at 2 warps: 11% faster there,
 # and slower at qwen3-30b's H = 2048 and on the sorted operands. Under the interpreter, whose
 # cost is per program, 256 columns: 3× quicker on the CPU tests.
-_SORTED_TILE = dict(BLOCK_W=64, STEPS=1, STAGES=1, GROUP_ROWS=1 << 30, num_warps=4)
+_SORTED_BLOCK_W = 64
+_SORTED_NUM_WARPS = 4
 _GATHERED_NARROW_MIN_WIDTH = 2049
-_GATHERED_NARROW_TILE = dict(BLOCK_W=32, STEPS=1, STAGES=1, GROUP_ROWS=1 << 30, num_warps=2)
-_SORTED_TILE_INTERPRETER = dict(BLOCK_W=256, STEPS=1, STAGES=1, GROUP_ROWS=1 << 30, num_warps=4)
+_GATHERED_NARROW_BLOCK_W = 32
+_GATHERED_NARROW_NUM_WARPS = 2
+_SORTED_BLOCK_W_INTERPRETER = 256
 
 
 # --------------------------------------------------------------------------- helpers
@@ -274,40 +276,6 @@ def _quantize_weight_128x128_kernel(
 
 
 @triton.jit
-def _quantize_sorted_t_columns(
-    block, a_ptr, q_t_ptr, scale_t_ptr, row0, rows, in_expert, row_ok, row_offsets, weights,
-    width, capacity_rows, swiglu_limit,
-    SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_WEIGHTS: tl.constexpr, INTERPRETER: tl.constexpr,
-    SCALE_ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
-):
-    """Columns block·BLOCK_W... of one 128-row block: loaded (rows at a_ptr + row_offsets, where
-    row_ok), quantized down each column, stored transposed with their scales."""
-    cols = block * BLOCK_W + tl.arange(0, BLOCK_W)
-    col_ok = cols < width
-    load_mask = row_ok[:, None] & col_ok[None, :]
-    ptrs = a_ptr + row_offsets[:, None] + cols[None, :]
-    a = tl.load(ptrs, mask=load_mask, other=0.0)
-    if HAS_WEIGHTS:  # as gather.py's dy_sorted: one bf16 rounding of the fp32 product
-        a = round_to_bf16(weights[:, None] * a.to(tl.float32), INTERPRETER)
-    a = _to_fp32(a, INTERPRETER)  # [BLOCK_R, BLOCK_W] fp32
-    if SWIGLU:  # h = swiglu(g, u) from the forward's pre-activations; masked entries give h = 0
-        up = _to_fp32(tl.load(ptrs + width, mask=load_mask, other=0.0), INTERPRETER)
-        a = swiglu_forward(a, up, swiglu_limit, HAS_LIMIT)
-    # Each row of the transposed tile is one column block: the activations' rule applies as is.
-    q, scale = quantize_row_blocks(tl.trans(a), INTERPRETER)  # [BLOCK_W, BLOCK_R] uint8, [BLOCK_W, 1] fp32
-    q_ptrs = q_t_ptr + cols.to(tl.int64)[:, None] * capacity_rows + rows[None, :]
-    if SCALE_ROWS == BLOCK_R:
-        # Whole blocks (the GPU's schedule pads experts to 128 rows): no block crosses an
-        # expert's end, and a mask that is constant along the rows lets the bytes go out as
-        # 16-byte vectors (a per-row mask made them single-byte stores).
-        tl.store(q_ptrs, q, mask=col_ok[:, None])
-    else:
-        tl.store(q_ptrs, q, mask=col_ok[:, None] & in_expert[None, :])
-    scale_slot = (row0 // SCALE_ROWS).to(tl.int64)
-    tl.store(scale_t_ptr + scale_slot * width + cols, tl.reshape(scale, (BLOCK_W,)), mask=col_ok)
-
-
-@triton.jit
 def _quantize_sorted_t_kernel(
     # pointers
     a_ptr, q_t_ptr, scale_t_ptr,  # a [R, W] bf16/fp32 (SWIGLU: g, u [R, 2, W] bf16; GATHER: token rows
@@ -324,16 +292,11 @@ def _quantize_sorted_t_kernel(
     SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, GATHER: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
     INTERPRETER: tl.constexpr,
     TILE_M: tl.constexpr,  # the schedule's block_m (tile_expert has one entry per TILE_M rows)
-    SCALE_ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,  # S, 128, columns per block
-    STEPS: tl.constexpr, STAGES: tl.constexpr,  # column blocks per program, walked with STAGES loads ahead
-    GROUP_ROWS: tl.constexpr,  # row blocks per sweep over the column groups (launch order)
+    SCALE_ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,  # S, 128, columns per program
 ):
-    """Program p owns, in `tile_coordinates`' order over (row slot, column group), the 128-row
-    block that starts at row slot·S of its expert, if one does, and the column group's STEPS
-    blocks of BLOCK_W columns."""
-    num_groups = tl.cdiv(tl.cdiv(width, BLOCK_W), STEPS)
-    slot, group = tile_coordinates(tl.program_id(0), capacity_rows // SCALE_ROWS, num_groups, GROUP_ROWS)
-    row0 = slot * SCALE_ROWS
+    """One column block of 128 rows per program: program (p, c) owns the block that starts at
+    row p·S of its expert, if one does, and columns c·BLOCK_W... of it."""
+    row0 = tl.program_id(0) * SCALE_ROWS
     if row0 >= tl.load(num_rows_ptr):
         return
     expert = tl.load(tile_expert_ptr + row0 // TILE_M)
@@ -342,25 +305,35 @@ def _quantize_sorted_t_kernel(
         return
     rows = row0 + tl.arange(0, BLOCK_R)
     in_expert = rows < tl.load(expert_offsets_ptr + expert + 1)  # past it: the next expert's rows
-    weights = in_expert  # unread without HAS_WEIGHTS
+    cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    col_ok = cols < width
     if GATHER:  # the sorted rows of gather.py's copies, read from the token rows
-        route, tokens, row_ok = sorted_row_routes(rows, in_expert, row_source_ptr, topk)
-        row_offsets = tokens.to(tl.int64) * stride_a_r
-        if HAS_WEIGHTS:
-            weights = tl.load(topk_weights_ptr + route, mask=row_ok, other=0.0)
+        slot, tokens, valid = sorted_row_routes(rows, in_expert, row_source_ptr, topk)
+        load_mask = valid[:, None] & col_ok[None, :]
+        a = tl.load(a_ptr + tokens.to(tl.int64)[:, None] * stride_a_r + cols[None, :], mask=load_mask, other=0.0)
+        if HAS_WEIGHTS:  # as gather.py's dy_sorted: one bf16 rounding of the fp32 product
+            w = tl.load(topk_weights_ptr + slot, mask=valid, other=0.0)
+            a = round_to_bf16(w[:, None] * a.to(tl.float32), INTERPRETER)
     else:
-        row_ok = in_expert & (rows < num_a_rows)
-        row_offsets = rows.to(tl.int64) * stride_a_r
-    if STEPS == 1:  # straight-line: a loop keeps far more registers live (ptxas, sm_90a: 238 against 127)
-        _quantize_sorted_t_columns(group, a_ptr, q_t_ptr, scale_t_ptr, row0, rows, in_expert, row_ok, row_offsets,
-                                   weights, width, capacity_rows, swiglu_limit, SWIGLU, HAS_LIMIT, HAS_WEIGHTS,
-                                   INTERPRETER, SCALE_ROWS, BLOCK_R, BLOCK_W)
+        load_mask = (in_expert & (rows < num_a_rows))[:, None] & col_ok[None, :]
+        ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_a_r + cols[None, :]
+        a = tl.load(ptrs, mask=load_mask, other=0.0)
+    a = _to_fp32(a, INTERPRETER)  # [BLOCK_R, BLOCK_W] fp32
+    if SWIGLU:  # h = swiglu(g, u) from the forward's pre-activations; masked entries give h = 0
+        up = _to_fp32(tl.load(ptrs + width, mask=load_mask, other=0.0), INTERPRETER)
+        a = swiglu_forward(a, up, swiglu_limit, HAS_LIMIT)
+    # Each row of the transposed tile is one column block: the activations' rule applies as is.
+    q, scale = quantize_row_blocks(tl.trans(a), INTERPRETER)  # [BLOCK_W, BLOCK_R] uint8, [BLOCK_W, 1] fp32
+    q_ptrs = q_t_ptr + cols.to(tl.int64)[:, None] * capacity_rows + rows[None, :]
+    if SCALE_ROWS == BLOCK_R:
+        # Whole blocks (the GPU's schedule pads experts to 128 rows): no block crosses an
+        # expert's end, and a mask that is constant along the rows lets the bytes go out as
+        # 16-byte vectors (a per-row mask made them single-byte stores).
+        tl.store(q_ptrs, q, mask=col_ok[:, None])
     else:
-        first = group * STEPS
-        for block in tl.range(first, tl.minimum(first + STEPS, tl.cdiv(width, BLOCK_W)), num_stages=STAGES):
-            _quantize_sorted_t_columns(block, a_ptr, q_t_ptr, scale_t_ptr, row0, rows, in_expert, row_ok,
-                                       row_offsets, weights, width, capacity_rows, swiglu_limit, SWIGLU, HAS_LIMIT,
-                                       HAS_WEIGHTS, INTERPRETER, SCALE_ROWS, BLOCK_R, BLOCK_W)
+        tl.store(q_ptrs, q, mask=col_ok[:, None] & in_expert[None, :])
+    slot = (row0 // SCALE_ROWS).to(tl.int64)
+    tl.store(scale_t_ptr + slot * width + cols, tl.reshape(scale, (BLOCK_W,)), mask=col_ok)
 
 
 # --------------------------------------------------------------------------- launchers
@@ -475,13 +448,13 @@ def _launch_quantize_sorted_t(
     rows = schedule.capacity_rows
     q_t = torch.empty(width, rows, dtype=torch.uint8, device=device)  # [W, capacity_rows] e4m3 bytes
     scale_t = torch.empty(rows // scale_rows, width, dtype=torch.float32, device=device)  # [capacity_rows / S, W]
-    tile = _SORTED_TILE
+    block_w, num_warps = _SORTED_BLOCK_W, _SORTED_NUM_WARPS
     if interpreting():
-        tile = _SORTED_TILE_INTERPRETER
+        block_w = _SORTED_BLOCK_W_INTERPRETER
     elif gathered_topk is not None and width >= _GATHERED_NARROW_MIN_WIDTH:
-        tile = _GATHERED_NARROW_TILE
+        block_w, num_warps = _GATHERED_NARROW_BLOCK_W, _GATHERED_NARROW_NUM_WARPS
     if rows > 0 and width > 0:
-        grid = (rows // scale_rows * triton.cdiv(triton.cdiv(width, tile["BLOCK_W"]), tile["STEPS"]),)
+        grid = (rows // scale_rows, triton.cdiv(width, block_w))
         _quantize_sorted_t_kernel[grid](
             a, q_t, scale_t, scale_t if topk_weights is None else topk_weights,  # scale_t: unread
             schedule.tile_expert, schedule.expert_offsets, schedule.num_rows, schedule.row_source,
@@ -489,7 +462,8 @@ def _launch_quantize_sorted_t(
             a.stride(0),
             SWIGLU=swiglu, HAS_LIMIT=swiglu_limit is not None, GATHER=gathered_topk is not None,
             HAS_WEIGHTS=topk_weights is not None, INTERPRETER=interpreting(),
-            TILE_M=schedule.block_m, SCALE_ROWS=scale_rows, BLOCK_R=FP8_BLOCK, **tile,
+            TILE_M=schedule.block_m, SCALE_ROWS=scale_rows, BLOCK_R=FP8_BLOCK, BLOCK_W=block_w,
+            num_warps=num_warps,
         )
     return q_t.view(torch.float8_e4m3fn), scale_t
 

@@ -14,7 +14,6 @@ import torch
 
 from mok.fp8_block import fp8_block_quantize, fp8_block_quantize_activations
 from mok.kernels.grouped_gemm import routing_block_m
-from mok.kernels import quant_fp8_block
 from mok.kernels.gather import gather_sorted_rows
 from mok.kernels.quant_fp8_block import (
     quantize_fp8_block_activations,
@@ -235,37 +234,6 @@ def test_swiglu_sorted_t_quantizes_h(kernel_device, limit):
         excess = (h_deq[r0:r1] - block).abs() - torch.maximum(2.0**-4 * block.abs(), 2.0**-10 * scale) - 2.0**-18 * amax
         assert excess.max() <= 0, f"rows [{r0}, {r1}) off by more than E4M3 rounding {ctx}"
     assert padding.numel() > 0 and torch.all(q_t.cpu()[:, padding].float() == 0), ctx
-
-
-@pytest.mark.parametrize("tile", [
-    dict(BLOCK_W=64, STEPS=3, STAGES=2, GROUP_ROWS=1),  # a loop over column blocks, the last group short
-    dict(BLOCK_W=32, STEPS=1, STAGES=1, GROUP_ROWS=2),  # two row blocks per sweep over the columns
-])
-def test_sorted_t_tiles_agree(kernel_device, monkeypatch, tile):
-    """The transposing quantizers' tile configs (columns per block, blocks per program, launch
-    order) change which program writes what, never a byte: every operand kind against the
-    default tile, over the schedule's rows."""
-    T, H, E, topk = 150, 448, 4, 2  # H: 7 blocks of 64 columns, 14 of 32
-    sched, blocks, rows = _sorted_case(kernel_device, T, E, topk, 3, seed=5)
-    ctx = f"{kernel_device=} {tile=} block_m={sched.block_m}"
-    gen = torch.Generator().manual_seed(6)
-    x = torch.randn(T, H, generator=gen).bfloat16().to(kernel_device)
-    w = torch.randn(T, topk, generator=gen).to(kernel_device)
-    a = rows(H).bfloat16().to(kernel_device)
-    gate_up = rows(2, H).bfloat16().to(kernel_device)
-    calls = {
-        "sorted": lambda: quantize_fp8_block_sorted_t(a, sched),
-        "gathered, weighted": lambda: quantize_fp8_block_gathered_t(x, sched, topk, w),
-        "swiglu": lambda: quantize_fp8_block_swiglu_sorted_t(gate_up, sched, 0.7),
-    }
-    want = {name: call() for name, call in calls.items()}
-    for name in ("_SORTED_TILE", "_SORTED_TILE_INTERPRETER", "_GATHERED_NARROW_TILE"):
-        monkeypatch.setattr(quant_fp8_block, name, dict(tile, num_warps=4))
-    num_rows, slots = int(sched.num_rows), [slot for _, _, slot in blocks]
-    for name, call in calls.items():
-        (q_t, scale_t), (want_q, want_scale) = call(), want[name]
-        _assert_same([q_t[:, :num_rows].contiguous(), scale_t[slots]],
-                     [want_q[:, :num_rows].contiguous(), want_scale[slots]], f"{name} {ctx}")
 
 
 def test_sorted_t_launcher_errors(kernel_device):
