@@ -43,3 +43,24 @@ def test_warp_specialized_sweep_brackets_each_kernel_with_its_triton_configs():
         assert kind in sweep.tune_gemm.FLOPS_PER_ROUTE_HI, kind
         assert candidates == candidates[::-1], kind  # the same list forwards and reversed
         assert not candidates[0].get("WARP_SPECIALIZED") and any(c.get("WARP_SPECIALIZED") for c in candidates), kind
+
+
+def test_arithmetic_cost_diagnostic_names_its_variants_and_refuses_others(monkeypatch):
+    """Each family's `full` is the kernel as is (nothing patched) and every other variant
+    replaces the helper with one of the same signature; an unknown family or variant stops
+    with the usage."""
+    import inspect
+
+    from mok.kernels import quant_fp8_block, warp_specialized
+
+    sweep = _sweep("fp8_arithmetic_cost")
+    for variants, helper in ((sweep.WGRAD, warp_specialized._add_scaled),
+                             (sweep.QUANTIZER, quant_fp8_block._quantize_tile)):
+        assert variants["full"] is None
+        wanted = list(inspect.signature(helper.fn).parameters)
+        for name, patch in variants.items():
+            assert patch is None or list(inspect.signature(patch.fn).parameters) == wanted, name
+    for argv in (["x", "wgrad", "fast"], ["x", "matmul", "full"], ["x"]):
+        monkeypatch.setattr(sys, "argv", argv)
+        with pytest.raises(SystemExit, match="usage: fp8_arithmetic_cost.py"):
+            sweep.main()

@@ -1,7 +1,9 @@
 """The transposing fp8_block quantizers (`quant_fp8_block.quantize_fp8_block_gathered_t`,
-`quantize_fp8_block_sorted_t`) on the qwen3-30b and deepseek-v3-slice shapes: columns per
-program and warps (for every operand, the gathered wide ones' own tile switched off), every config timed in both orders (the GPU's clock falls under sustained
-load), each output checked against the first config's over the columns the schedule uses.
+`quantize_fp8_block_sorted_t`, `quantize_fp8_block_swiglu_sorted_t`) on the qwen3-30b and
+deepseek-v3-slice shapes: columns per program and warps (for every operand, the gathered wide
+ones' own tile switched off), every config timed in both orders (the GPU's clock falls under
+sustained load), each output checked against the first config's over the columns the schedule
+uses. GB/s counts each sorted row's bf16 read once (h: g and u) and its e4m3 bytes written.
 
     python benchmarks/sweeps/fp8_sorted_quantizers.py
 """
@@ -16,33 +18,47 @@ from mok.testing import make_inputs
 from mok.testing.timing import time_ms
 
 CONFIGS = [(64, 4), (32, 4), (32, 2), (64, 2), (128, 4), (128, 8), (256, 8), (64, 8)]  # (columns per program, warps)
+SHAPES = ("qwen3-30b", "deepseek-v3-slice")
+
+
+def quantizer_calls(name: str) -> tuple[int, dict]:
+    """(rows the schedule uses, {operand: (no-argument call, bytes per sorted row)}) on a preset's shapes."""
+    p = PRESETS[name]
+    inp = make_inputs(p.num_tokens, p.hidden_size, p.intermediate_size, p.num_experts, p.topk, seed=0, device="cuda")
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    sched = build_routing_schedule(inp.topk_ids, p.num_experts, routing_block_m(), flag)
+    d_out = torch.randn_like(inp.x)
+    gate_up = torch.randn(sched.capacity_rows, 2, p.intermediate_size, device="cuda").bfloat16()
+    calls = {
+        "x gathered": (lambda: quant_fp8_block.quantize_fp8_block_gathered_t(inp.x, sched, p.topk), 3 * p.hidden_size),
+        "w·dOut gathered": (lambda: quant_fp8_block.quantize_fp8_block_gathered_t(d_out, sched, p.topk,
+                                                                                 inp.topk_weights), 3 * p.hidden_size),
+        "d_gate_up sorted": (lambda: quant_fp8_block.quantize_fp8_block_sorted_t(gate_up.flatten(1), sched),
+                             6 * p.intermediate_size),
+        "h from g, u": (lambda: quant_fp8_block.quantize_fp8_block_swiglu_sorted_t(gate_up, sched),
+                        5 * p.intermediate_size),
+    }
+    return int(sched.num_rows), calls  # a host sync outside the timed calls
+
+
+def time_call(call, rows: int, row_bytes: int) -> str:
+    """'<ms> ms <GB/s> GB/s' of one quantizer call."""
+    ms = time_ms(call, warmup=3, reps=20)["median"]
+    return f"{ms:.3f} ms {rows * row_bytes / ms / 1e6:5.0f} GB/s"
 
 
 def main() -> None:
-    for name in ("qwen3-30b", "deepseek-v3-slice"):
-        p = PRESETS[name]
-        inp = make_inputs(p.num_tokens, p.hidden_size, p.intermediate_size, p.num_experts, p.topk, seed=0,
-                          device="cuda")
-        flag = torch.zeros(1, dtype=torch.int32, device="cuda")
-        sched = build_routing_schedule(inp.topk_ids, p.num_experts, routing_block_m(), flag)
-        num_rows = int(sched.num_rows)  # a host sync outside the timed calls
-        d_out = torch.randn_like(inp.x)
-        d_gate_up = torch.randn(sched.capacity_rows, 2 * p.intermediate_size, device="cuda").bfloat16()
-        calls = {
-            "x gathered": lambda: quant_fp8_block.quantize_fp8_block_gathered_t(inp.x, sched, p.topk),
-            "w·dOut gathered": lambda: quant_fp8_block.quantize_fp8_block_gathered_t(
-                d_out, sched, p.topk, inp.topk_weights),
-            "d_gate_up sorted": lambda: quant_fp8_block.quantize_fp8_block_sorted_t(d_gate_up, sched),
-        }
+    for name in SHAPES:
+        rows, calls = quantizer_calls(name)
         first = {}
         quant_fp8_block._GATHERED_NARROW_MIN_WIDTH = 1 << 30  # every operand on the swept tile
         for block_w, warps in CONFIGS + CONFIGS[::-1]:
             quant_fp8_block._SORTED_BLOCK_W, quant_fp8_block._SORTED_NUM_WARPS = block_w, warps
-            for what, fn in calls.items():
-                q_t = fn()[0].view(torch.uint8)[:, :num_rows]
+            for what, (call, row_bytes) in calls.items():
+                q_t = call()[0].view(torch.uint8)[:, :rows]
                 same = torch.equal(q_t, first.setdefault(what, q_t))
-                ms = time_ms(fn, warmup=3, reps=20)["median"]
-                print(f"{name:18s} {what:16s} BLOCK_W={block_w:3d} warps={warps} {ms:.3f} ms same={same}", flush=True)
+                print(f"{name:18s} {what:16s} BLOCK_W={block_w:3d} warps={warps} {time_call(call, rows, row_bytes)} "
+                      f"same={same}", flush=True)
 
 
 if __name__ == "__main__":

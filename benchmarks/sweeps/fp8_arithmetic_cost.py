@@ -1,0 +1,87 @@
+"""What the fp8_block kernels' per-element arithmetic costs: one kernel family timed with part
+of that arithmetic cut out (the outputs are then wrong; timing only). One variant per process:
+the JIT keys its cache by source, so a patched helper must be in place before the first compile.
+
+    python benchmarks/sweeps/fp8_arithmetic_cost.py wgrad VARIANT [tune_gemm.py's options]
+        the warp-specialized fp8 wgrads' per-step scaling (`warp_specialized._add_scaled`):
+        full  acc + P · (sa[m] · sb[n])   the kernel as is
+        col   acc + P · sb[n]              the column scales' loads kept, the outer product cut
+        row   acc + P · sa[m]              as the scatter GEMMs (one scale per row)
+        none  acc + P
+    python benchmarks/sweeps/fp8_arithmetic_cost.py quantizer VARIANT
+        the transposing quantizers (`quant_fp8_block._quantize_tile`) on the qwen3-30b and
+        deepseek-v3-slice shapes:
+        full  the kernel as is
+        copy  each element only converted to e4m3 (loads, amax, transpose and stores kept)
+"""
+
+import pathlib
+import sys
+
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+
+sys.path[:0] = [str(pathlib.Path(__file__).parents[1]), str(pathlib.Path(__file__).parent)]
+import fp8_sorted_quantizers  # noqa: E402
+import tune_gemm  # noqa: E402
+
+from mok.kernels import quant_fp8_block, warp_specialized  # noqa: E402
+
+
+@gluon.jit
+def _column_scaled(acc, product, a_scale, b_scale):
+    return acc + product * b_scale
+
+
+@gluon.jit
+def _row_scaled(acc, product, a_scale, b_scale):
+    return acc + product * a_scale[:, None]
+
+
+@gluon.jit
+def _unscaled(acc, product, a_scale, b_scale):
+    return acc + product
+
+
+@triton.jit
+def _converted_only(x, amax_bits, INTERPRETER: tl.constexpr):
+    q = x.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+    return q, amax_bits.to(tl.float32, bitcast=True)
+
+
+WGRAD = {"full": None, "col": _column_scaled, "row": _row_scaled, "none": _unscaled}
+QUANTIZER = {"full": None, "copy": _converted_only}
+
+
+def _time_quantizers(variant: str) -> None:
+    for name in fp8_sorted_quantizers.SHAPES:
+        rows, calls = fp8_sorted_quantizers.quantizer_calls(name)
+        for what, (call, row_bytes) in calls.items():
+            print(f"{variant:5s} {name:18s} {what:16s} {fp8_sorted_quantizers.time_call(call, rows, row_bytes)}",
+                  flush=True)
+
+
+def main() -> None:
+    family, variant = sys.argv[1:3] if len(sys.argv) >= 3 else ("", "")
+    variants = {"wgrad": WGRAD, "quantizer": QUANTIZER}.get(family)
+    if variants is None or variant not in variants:
+        raise SystemExit(f"usage: fp8_arithmetic_cost.py wgrad {{{','.join(WGRAD)}}} [tune_gemm options] | "
+                         f"quantizer {{{','.join(QUANTIZER)}}}; got {sys.argv[1:3]}")
+    del sys.argv[1:3]
+    if family == "quantizer":
+        if variants[variant] is not None:
+            quant_fp8_block._quantize_tile = variants[variant]
+        _time_quantizers(variant)
+        return
+    if variants[variant] is not None:
+        warp_specialized._add_scaled = variants[variant]
+    tile = {"down_wgrad_fp8": warp_specialized.fp8_block_tile_config(stacked=False),
+            "gate_up_wgrad_fp8": warp_specialized.fp8_block_tile_config(stacked=True)}
+    tune_gemm.CONFIGS = {kind: [cfg, cfg] for kind, cfg in tile.items()}  # each timed twice
+    print(f"== {variant}", flush=True)
+    tune_gemm.main()
+
+
+if __name__ == "__main__":
+    main()
