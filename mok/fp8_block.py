@@ -2,11 +2,14 @@
 
     per block b:  amax_b  = max |x| over the block's valid elements
                   scale_b = max(amax_b, 448 · 2^-126) / 448          fp32, correctly rounded
-                  q[i]    = e4m3_rne_saturate(x[i] / scale_b)       fp32 division, correctly rounded
+                  q[i]    = e4m3_rne_saturate(x[i] · (1 / scale_b))  fp32, each op correctly rounded
 
 This is the DeepSeek-V3 training recipe Hopper runs fast: elements FP8 E4M3
 (`torch.float8_e4m3fn`, max ±448), scales plain fp32 (not powers of two), applied per
-128-wide K step of an fp32-accumulating GEMM. Two block shapes:
+128-wide K step of an fp32-accumulating GEMM. The elements are multiplied by the scale's
+reciprocal, one per block, as DeepGEMM's and Transformer Engine's quantizers do: x · (1/s)
+lies within an fp32 ulp of x / s, far below E4M3's step, and costs a kernel one multiply per
+element where an exactly rounded quotient costs four operations. Two block shapes:
 
     activations / activation gradients   1 × 128   one scale per row per 128 columns of K
     weights                            128 × 128   one scale per 128×128 tile
@@ -29,7 +32,8 @@ Rules at the edges (chosen here; SPEC §4 only asks that none be silently wrong)
   path (no denormal flush can change it) and dequantization `q · scale` of a zero block is 0.
   A floor of 1.0 would work for zero blocks but would round tiny non-zero blocks to 0. (Blocks
   with amax < 448 · 2^-126 keep only E4M3's subnormal resolution relative to 2^-126: coarse,
-  but never turned into 0 while representable, and far below any real tensor's range.)
+  but never turned into 0 while representable, and far below any real tensor's range.) The
+  floor also keeps the reciprocal finite (at most 2^126).
 - **NaN / ±Inf.** A block whose amax is NaN or ±Inf gets scale NaN and every one of its
   elements becomes the E4M3 NaN byte 0x7F (as in `mok.mxfp8`): dequantization gives NaN for
   the whole block whether the consumer reads the scale, the elements, or both (an FP8 MMA that
@@ -41,9 +45,9 @@ Rules at the edges (chosen here; SPEC §4 only asks that none be silently wrong)
 
 Bit-exactness: the Triton kernels in `mok.kernels.quant_fp8_block` reproduce these bytes. So
 amax is taken on the integer bits of |x| (exact, and NaN's bits win over Inf's and over every
-finite value), the scale is one correctly rounded fp32 division of a normal number by 448, and
-each element one correctly rounded fp32 division followed by the saturating RNE cast
-`mok.mxfp8.e4m3_rne_saturate`. All ops are elementwise or reductions on the tensor's device:
+finite value), the scale is one correctly rounded fp32 division of a normal number by 448, its
+reciprocal one correctly rounded fp32 division, and each element one fp32 product (exact-rounded,
+subnormal inputs kept) followed by the saturating RNE cast `mok.mxfp8.e4m3_rne_saturate`. All ops are elementwise or reductions on the tensor's device:
 no `.item()`, no host sync, CPU and CUDA alike. Deterministic.
 """
 
@@ -94,7 +98,8 @@ def _quantize_blocks(t: torch.Tensor, block_r: int, block_c: int) -> tuple[torch
     scale = amax.clamp(min=_AMAX_FLOOR) / E4M3_MAX  # [..., Rb, Cb] fp32, ≥ 2^-126
     scale = torch.where(non_finite, torch.full_like(scale, float("nan")), scale)
 
-    scaled = x / scale[..., :, None, :, None]  # [..., Rb, br, Cb, bc] fp32, |·| ≤ 448 (+1 ulp)
+    inverse = 1.0 / scale  # [..., Rb, Cb] fp32, ≤ 2^126
+    scaled = x * inverse[..., :, None, :, None]  # [..., Rb, br, Cb, bc] fp32, |·| ≤ 448 (+2 ulp)
     q_bytes = e4m3_rne_saturate(scaled).view(torch.uint8)
     # NaN/Inf block: every element the NaN byte (Inf has no E4M3 encoding).
     q_bytes = torch.where(non_finite[..., :, None, :, None], E4M3_NAN_BYTE, q_bytes).to(torch.uint8)
@@ -126,7 +131,7 @@ def fp8_block_quantize(
     """
     check_float_input("w", w, (2, 3), "2-D [N, K] or 3-D [E, N, K]")
     q, scale = _quantize_blocks(w, FP8_BLOCK, FP8_BLOCK)  # [..., N, K], [..., ⌈N/128⌉, ⌈K/128⌉]
-    # Same blocks, same amax, same per-element divisions: the transpose's quantization is the
+    # Same blocks, same amax, same per-element products: the transpose's quantization is the
     # transpose of this one, bit for bit.
     q_t = q.view(torch.uint8).mT.contiguous().view(torch.float8_e4m3fn)  # [..., K, N]
     scale_t = scale.mT.contiguous()  # [..., ⌈K/128⌉, ⌈N/128⌉]

@@ -3,8 +3,9 @@
 Scales are checked against amax computed in fp64 on a plain per-block loop of slices and
 divided by 448 in fp64 (then rounded once to fp32: exact for a quotient of fp32 values, as
 fp64 holds > 2·24+2 bits). Elements are checked against the nearest value of a decode table
-of all 256 E4M3 bytes (ties to the even byte) of the fp32 quotient, not against torch's
-float8 cast.
+of all 256 E4M3 bytes (ties to the even byte) of the fp32 product of the element and the
+scale's fp32 reciprocal (taken the same way in fp64; the fp64 product of two fp32 values is
+exact, so one rounding to fp32 follows), not against torch's float8 cast.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def _bytes(q: torch.Tensor) -> torch.Tensor:
 
 
 def _check_against_independent(t: torch.Tensor, q, scale, br, bc, ctx):
-    """Per block: scale == fp32(amax/448 in fp64) (floored at 2^-126); bytes == nearest E4M3 of x/scale."""
+    """Per block: scale == fp32(amax/448 in fp64) (floored at 2^-126); bytes == nearest E4M3 of
+    x · fp32(1/scale)."""
     x = t.double()
     R, C = x.shape
     for i in range(0, R, br):
@@ -52,10 +54,11 @@ def _check_against_independent(t: torch.Tensor, q, scale, br, bc, ctx):
             amax = max(blk.abs().max().item(), 448.0 * 2.0**-126)
             s = scale[i // br, j // bc].item()
             assert s == torch.tensor(amax / 448.0).float().item(), f"{ctx} block ({i},{j}): scale {s}, amax {amax}"
-            # The rule divides in fp32 and then rounds to E4M3: round the fp64 quotient to fp32
-            # first (one rounding of the exact quotient, as above). Rounding the exact quotient
-            # straight to E4M3 would differ where the fp32 quotient lands on a tie.
-            want = _ref_e4m3_bytes((blk / s).float().double())
+            # The rule multiplies in fp32 and then rounds to E4M3: round the exact fp64 product to
+            # fp32 first. Rounding it straight to E4M3 would differ where the fp32 product lands
+            # on a tie.
+            inverse = torch.tensor(1.0 / s).float().double()
+            want = _ref_e4m3_bytes((blk * inverse).float().double())
             got = _bytes(q)[i : i + br, j : j + bc]
             assert torch.equal(got, want), f"{ctx} block ({i},{j}): {(got != want).sum()} bytes differ"
 

@@ -49,11 +49,10 @@ down dgrad gathers dOut's rows itself (`dgrad.fp8_block_down_dgrad_gathers`), no
 Exactness on each path:
 - amax on the integer bits of |x| (NaN wins; `tl.max` on floats may drop NaN on the GPU).
 - the scale is `tl.div_rn(amax, 448)` (correctly rounded; plain `/` lowers to an approximate
-  division on NVIDIA), ≥ 2^-126, a normal number, so no denormal flush can touch it. The
-  elements' x / scale is RN(x / scale) by `_divide_rn` (one reciprocal per block, Markstein's
-  correction per element) on the GPU and `tl.div_rn` under the interpreter. (A subnormal
-  *input* element divided by the 2^-126 floor is the one place a flush-to-zero division
-  would differ; the tests include such a block.)
+  division on NVIDIA), ≥ 2^-126, a normal number, so no denormal flush can touch it, and its
+  reciprocal `tl.div_rn(1, scale)`, once per block. Each element is one fp32 multiply, which
+  keeps subnormal inputs (a subnormal element times the 2^126 reciprocal of the floor scale is
+  where a flush to zero would differ; the tests include such a block).
 - fp32 -> E4M3: the GPU's cast is RNE with satfinite, which saturates to ±448 as the
   reference's clamp does. The interpreter of triton 3.6 does not round to nearest even (it
   rounds half up, lets the carry corrupt the exponent, never saturates and truncates
@@ -155,46 +154,19 @@ def _to_fp32(x, INTERPRETER: tl.constexpr):
 
 
 @triton.jit
-def _divide_rn(x, d):
-    """RN(x / d) for a block's positive scale d (at least 2^-126, or NaN) broadcast along it, and
-    its values |x| ≤ 448·d: one division per block, a product and two FMAs per element. A
-    division per element (`div.rn`: reciprocal, Newton steps, a range check with a slow path)
-    was most of the quantizers' ALU work, which held them under HBM's rate (BENCHMARKS.md).
-
-    Both sides are first scaled by 2^-e, e = d's exponent (exact: d' = d·2^-e lies in [1, 2),
-    and x' = x·2^-e is exact unless subnormal, where the quotient is far under E4M3's least
-    step). Then r = RN(1 / d'), q = RN(x'·r) is within an ulp of x'/d', and RN(q + (x' − q·d')·r),
-    the residual exact in an fma, is RN(x'/d') = RN(x / d) (Markstein's theorem). Unscaled, a
-    residual under the normal range rounds, and the result can miss by an ulp; checked against
-    exact rational arithmetic on 120,000 pairs of the quantizers' range, scaled: no miss."""
-    exponent = (d.to(tl.int32, bitcast=True) >> 23) & 0xFF
-    power = ((254 - exponent) << 23).to(tl.float32, bitcast=True)  # 2^-e: d ≥ 2^-126, so no overflow
-    d = d * power
-    x = x * power
-    r = tl.div_rn(1.0, d)
-    q = x * r
-    # x − q·d as −(q·d − x): an exact residual of zero is then −0, so that q + residual·r keeps
-    # a zero quotient's sign (x's, as RN(x / d) has for d > 0); fma(q, −d, x) gives +0, which
-    # turned −0 into +0. Negated as products by −1 (exact, signed zeros too; unary minus is
-    # 0 − x, which makes +0 of −0): the compiler folds them into the FMAs' operand modifiers.
-    residual = tl.fma(q, d, x * -1.0) * -1.0
-    return tl.fma(residual, r, q)
-
-
-@triton.jit
 def _quantize_tile(x, amax_bits, INTERPRETER: tl.constexpr):
     """(fp32 tile, int32 |x|-bit amax broadcastable to it) -> (uint8 E4M3 tile, fp32 scale)."""
     non_finite = amax_bits >= _FP32_INF_BITS
     amax = tl.maximum(amax_bits.to(tl.float32, bitcast=True), _AMAX_FLOOR)
     scale = tl.div_rn(amax, _E4M3_MAX)
     scale = tl.where(non_finite, float("nan"), scale)
-    if INTERPRETER:  # its fma rounds twice (x·y + z in fp32), and its fp8 conversion is wrong
-        scaled = tl.div_rn(x, scale)
+    scaled = x * tl.div_rn(1.0, scale)
+    if INTERPRETER:  # its fp8 conversion is wrong
         # Saturate like the reference's clamp; `where` keeps NaN a NaN.
         scaled = tl.where(scaled > _E4M3_MAX, _E4M3_MAX, tl.where(scaled < -_E4M3_MAX, -_E4M3_MAX, scaled))
         q = _e4m3_rne_bytes(scaled)
     else:  # cvt.rn.satfinite saturates to ±448 as the reference's clamp does
-        q = _divide_rn(x, scale).to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+        q = scaled.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
     q = tl.where(non_finite, _E4M3_NAN_BYTE, q).to(tl.uint8)
     return q, scale
 
