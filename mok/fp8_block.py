@@ -26,10 +26,11 @@ of wᵀ is the transpose of a block of w with the same amax, so `q_t == q.mT` an
 
 Rules at the edges (chosen here; SPEC §4 only asks that none be silently wrong):
 - **Zero and tiny blocks.** The scale is floored at 2^-126, fp32's smallest *normal*: an
-  all-zero block gets scale 2^-126 (and q = +0/-0 as the input's signs), never 0 (0 would give
-  0/0 = NaN). One floor serves both zero blocks and blocks whose amax/448 would be an fp32
-  subnormal or 0: the scale stays a normal number, so the division is exact-rounded on every
-  path (no denormal flush can change it) and dequantization `q · scale` of a zero block is 0.
+  all-zero block gets scale 2^-126 (and q = +0/-0 as the input's signs), never 0 (whose
+  reciprocal, ∞, would give 0 · ∞ = NaN). One floor serves both zero blocks and blocks whose
+  amax/448 would be an fp32 subnormal or 0: the scale stays a normal number, so its reciprocal
+  is exact-rounded on every path (no denormal flush can change it) and dequantization
+  `q · scale` of a zero block is 0.
   A floor of 1.0 would work for zero blocks but would round tiny non-zero blocks to 0. (Blocks
   with amax < 448 · 2^-126 keep only E4M3's subnormal resolution relative to 2^-126: coarse,
   but never turned into 0 while representable, and far below any real tensor's range.) The

@@ -1,6 +1,6 @@
 """FP8 block quantization kernels (SPEC §2 `fp8_block`), bit-exact with `mok.fp8_block`.
 
-    scale_b = max(amax_b, 448 · 2^-126) / 448,    q[i] = e4m3_rne_saturate(x[i] / scale_b)
+    scale_b = max(amax_b, 448 · 2^-126) / 448,    q[i] = e4m3_rne_saturate(x[i] · (1 / scale_b))
 
 with amax over a 1×128 block (activations, `quantize_fp8_block_activations`) or a 128×128
 block (weights, `quantize_fp8_block_weights`, both orientations from one read). NaN/Inf
