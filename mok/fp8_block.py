@@ -8,7 +8,7 @@ This is the DeepSeek-V3 training recipe Hopper runs fast: elements FP8 E4M3
 (`torch.float8_e4m3fn`, max ±448), scales plain fp32 (not powers of two), applied per
 128-wide K step of an fp32-accumulating GEMM. The elements are multiplied by the scale's
 reciprocal, one per block, as DeepGEMM's and Transformer Engine's quantizers do: x · (1/s)
-lies within an fp32 ulp of x / s, far below E4M3's step, and costs a kernel one multiply per
+lies within two fp32 ulps of x / s, far below E4M3's step, and costs a kernel one multiply per
 element where an exactly rounded quotient costs four operations. Two block shapes:
 
     activations / activation gradients   1 × 128   one scale per row per 128 columns of K
@@ -47,8 +47,9 @@ Rules at the edges (chosen here; SPEC §4 only asks that none be silently wrong)
 Bit-exactness: the Triton kernels in `mok.kernels.quant_fp8_block` reproduce these bytes. So
 amax is taken on the integer bits of |x| (exact, and NaN's bits win over Inf's and over every
 finite value), the scale is one correctly rounded fp32 division of a normal number by 448, its
-reciprocal one correctly rounded fp32 division, and each element one fp32 product (exact-rounded,
-subnormal inputs kept) followed by the saturating RNE cast `mok.mxfp8.e4m3_rne_saturate`. All ops are elementwise or reductions on the tensor's device:
+reciprocal one correctly rounded fp32 division, and each element one correctly rounded fp32
+product (subnormal inputs kept) followed by the saturating RNE cast
+`mok.mxfp8.e4m3_rne_saturate`. All ops are elementwise or reductions on the tensor's device:
 no `.item()`, no host sync, CPU and CUDA alike. Deterministic.
 """
 
