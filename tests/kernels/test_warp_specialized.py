@@ -185,9 +185,10 @@ def test_fp8_block_gate_up_compiles_for_sm90a_without_spills(product):
     """The forward's fp8_block gate/up (x's rows gathered by cp.async, g and u as a consumer's two
     accumulators, the SwiGLU and h-quantizing epilogue on them): 168 registers per thread at
     launch, nothing spilled but 8 bytes (in the SASS: two values of consumer 0, stored once at
-    the start and reloaded once per tile, before its K loop; none in the K loops). x and H aligned, as fp8_block's
-    H is a multiple of 128: 16-byte copies. With PRODUCT, the down dgrad's product over dOut's
-    gathered token rows (both accumulators stored in fp32): no more than that."""
+    the start and reloaded once per tile, before its K loop; none in the K loops). x and H
+    aligned, as fp8_block's H is a multiple of 128: 16-byte copies. With PRODUCT, the down
+    dgrad's product over dOut's gathered token rows (both accumulators stored in fp32): no more
+    than that."""
     cfg = ws.fp8_block_tile_config()
     meta = dict(HAS_LIMIT=not product, STORE_GATE_UP=not product, PRODUCT=product, BLOCK_M=cfg["BLOCK_M"],
                 BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], STAGES=cfg["num_stages"])
