@@ -1,7 +1,8 @@
 """The transposing fp8_block quantizers (`quant_fp8_block.quantize_fp8_block_gathered_t`,
 `quantize_fp8_block_sorted_t`, `quantize_fp8_block_swiglu_sorted_t`) on the qwen3-30b and
-deepseek-v3-slice shapes: columns per program and warps (for every operand, the gathered wide
-ones' own tile switched off), every config timed in both orders (the GPU's clock falls under
+deepseek-v3-slice shapes: the Triton kernel's columns per program and warps (for every operand,
+the gathered wide ones' own tile switched off) and the Gluon kernel's rows per thread and warps,
+every config timed in both orders (the GPU's clock falls under
 sustained load), each output checked against the first config's over the columns the schedule
 uses. GB/s counts each sorted row's bf16 read once (h: g and u) and its e4m3 bytes written.
 
@@ -17,7 +18,9 @@ from mok.kernels.schedule import build_routing_schedule
 from mok.testing import make_inputs
 from mok.testing.timing import time_ms
 
-CONFIGS = [(64, 4), (32, 4), (32, 2), (64, 2), (128, 4), (128, 8), (256, 8), (64, 8)]  # (columns per program, warps)
+# ("triton", columns per program, warps) or ("gluon", rows per thread, warps)
+CONFIGS = [("triton", 64, 4), ("triton", 32, 2), ("gluon", 16, 4), ("gluon", 8, 4), ("gluon", 16, 2), ("gluon", 8, 8),
+           ("gluon", 4, 4)]
 SHAPES = ("qwen3-30b", "deepseek-v3-slice")
 
 
@@ -52,13 +55,17 @@ def main() -> None:
         rows, calls = quantizer_calls(name)
         first = {}
         quant_fp8_block._GATHERED_NARROW_MIN_WIDTH = 1 << 30  # every operand on the swept tile
-        for block_w, warps in CONFIGS + CONFIGS[::-1]:
-            quant_fp8_block._SORTED_BLOCK_W, quant_fp8_block._SORTED_NUM_WARPS = block_w, warps
+        for kernel, size, warps in CONFIGS + CONFIGS[::-1]:
+            quant_fp8_block._SORTED_GLUON = kernel == "gluon"
+            if kernel == "gluon":
+                quant_fp8_block._SORTED_GLUON_ROWS_PER_THREAD, quant_fp8_block._SORTED_GLUON_NUM_WARPS = size, warps
+            else:
+                quant_fp8_block._SORTED_BLOCK_W, quant_fp8_block._SORTED_NUM_WARPS = size, warps
+            config = f"{kernel} {'rows/thread' if kernel == 'gluon' else 'BLOCK_W'}={size:3d} warps={warps}"
             for what, (call, row_bytes) in calls.items():
                 q_t = call()[0].view(torch.uint8)[:, :rows]
                 same = torch.equal(q_t, first.setdefault(what, q_t))
-                print(f"{name:18s} {what:16s} BLOCK_W={block_w:3d} warps={warps} {time_call(call, rows, row_bytes)} "
-                      f"same={same}", flush=True)
+                print(f"{name:18s} {what:16s} {config} {time_call(call, rows, row_bytes)} same={same}", flush=True)
 
 
 if __name__ == "__main__":

@@ -69,6 +69,8 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
 
 from mok.fp8_block import FP8_BLOCK
 from mok.kernels.common import interpreting, round_to_bf16
@@ -94,6 +96,7 @@ _AMAX_FLOOR = tl.constexpr(448.0 * 2.0**-126)  # / 448 == 2^-126, the zero-block
 _FP32_ABS_MASK = tl.constexpr(0x7FFFFFFF)
 _FP32_INF_BITS = tl.constexpr(0x7F800000)
 _E4M3_NAN_BYTE = tl.constexpr(0x7F)
+_BLOCK = tl.constexpr(FP8_BLOCK)
 
 # Tile configs. Untuned: the quantizers are memory bound and read each element once.
 # Activations: 32 rows × one 128-wide K block per program (32 scales, 4 KiB of fp8 out);
@@ -116,6 +119,11 @@ _GATHERED_NARROW_MIN_WIDTH = 2049
 _GATHERED_NARROW_BLOCK_W = 32
 _GATHERED_NARROW_NUM_WARPS = 2
 _SORTED_BLOCK_W_INTERPRETER = 256
+# On an NVIDIA GPU the Gluon kernel instead (`_sorted_t_layouts`): 16 rows × 8 columns per
+# thread, 4 warps, 128 columns per program.
+_SORTED_GLUON = True
+_SORTED_GLUON_ROWS_PER_THREAD = 16
+_SORTED_GLUON_NUM_WARPS = 4
 
 
 # --------------------------------------------------------------------------- helpers
@@ -154,21 +162,33 @@ def _to_fp32(x, INTERPRETER: tl.constexpr):
 
 
 @triton.jit
-def _quantize_tile(x, amax_bits, INTERPRETER: tl.constexpr):
-    """(fp32 tile, int32 |x|-bit amax broadcastable to it) -> (uint8 E4M3 tile, fp32 scale)."""
-    non_finite = amax_bits >= _FP32_INF_BITS
+def _block_scales(amax_bits):
+    """(scale, its reciprocal) of blocks with these int32 |x|-bit amaxes; NaN for a NaN/Inf
+    block, so that each of its elements times the reciprocal is NaN too."""
     amax = tl.maximum(amax_bits.to(tl.float32, bitcast=True), _AMAX_FLOOR)
     scale = tl.div_rn(amax, _E4M3_MAX)
-    scale = tl.where(non_finite, float("nan"), scale)
-    scaled = x * tl.div_rn(1.0, scale)
+    scale = tl.where(amax_bits >= _FP32_INF_BITS, float("nan"), scale)
+    return scale, tl.div_rn(1.0, scale)
+
+
+@triton.jit
+def _quantize_elements(x, reciprocal, INTERPRETER: tl.constexpr):
+    """fp32 tile times its blocks' reciprocal scales (broadcastable) -> uint8 E4M3 tile; a
+    NaN product (a NaN/Inf block's) gives the NaN byte 0x7F."""
+    scaled = x * reciprocal
     if INTERPRETER:  # its fp8 conversion is wrong
         # Saturate like the reference's clamp; `where` keeps NaN a NaN.
         scaled = tl.where(scaled > _E4M3_MAX, _E4M3_MAX, tl.where(scaled < -_E4M3_MAX, -_E4M3_MAX, scaled))
-        q = _e4m3_rne_bytes(scaled)
-    else:  # cvt.rn.satfinite saturates to ±448 as the reference's clamp does
-        q = scaled.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
-    q = tl.where(non_finite, _E4M3_NAN_BYTE, q).to(tl.uint8)
-    return q, scale
+        return _e4m3_rne_bytes(scaled)
+    # cvt.rn.satfinite saturates to ±448 as the reference's clamp does, and turns NaN into 0x7F
+    return scaled.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+
+
+@triton.jit
+def _quantize_tile(x, amax_bits, INTERPRETER: tl.constexpr):
+    """(fp32 tile, int32 |x|-bit amax broadcastable to it) -> (uint8 E4M3 tile, fp32 scale)."""
+    scale, reciprocal = _block_scales(amax_bits)
+    return _quantize_elements(x, reciprocal, INTERPRETER), scale
 
 
 @triton.jit
@@ -248,6 +268,69 @@ def _quantize_weight_128x128_kernel(
 
 
 @triton.jit
+def _sorted_block(tile_expert_ptr, expert_offsets_ptr, num_rows_ptr,
+                  TILE_M: tl.constexpr, SCALE_ROWS: tl.constexpr, BLOCK_R: tl.constexpr):
+    """(row0, the end of its expert's rows, whether this program owns a block): program (p, c)
+    owns the block that starts at row p·S of its expert, if one does."""
+    row0 = tl.program_id(0) * SCALE_ROWS
+    expert = tl.load(tile_expert_ptr + row0 // TILE_M)
+    expert_start = tl.load(expert_offsets_ptr + expert)
+    owns = (row0 < tl.load(num_rows_ptr)) & ((row0 - expert_start) % BLOCK_R == 0)  # else: inside another's block
+    return row0, tl.load(expert_offsets_ptr + expert + 1), owns
+
+
+@triton.jit
+def _row_sources(rows, in_expert, num_a_rows, row_source_ptr, topk_weights_ptr, topk,
+                 GATHER: tl.constexpr, HAS_WEIGHTS: tl.constexpr):
+    """(row of a, whether it is read, router weight) of each sorted row in `rows`: the row
+    itself, or with GATHER the token row of gather.py's copy (none for padding) and, with
+    HAS_WEIGHTS, its route's weight (else the weight is not meant to be read)."""
+    sources, valid = rows, in_expert & (rows < num_a_rows)
+    weight = valid.to(tl.float32)
+    if GATHER:
+        slot, sources, valid = sorted_row_routes(rows, in_expert, row_source_ptr, topk)
+        if HAS_WEIGHTS:
+            weight = tl.load(topk_weights_ptr + slot, mask=valid, other=0.0)
+    return sources, valid, weight
+
+
+@triton.jit
+def _load_sorted_tile(a_ptr, sources, valid, weight, cols, col_ok, width, swiglu_limit, stride_a_r,
+                      SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+                      INTERPRETER: tl.constexpr):
+    """The fp32 operand tile [rows, cols] of `_quantize_sorted_t_kernel` from `_row_sources`' rows
+    of a, in the layout of `sources[:, None] + cols[None, :]`; zeros where a row or column is
+    not read."""
+    mask = valid[:, None] & col_ok[None, :]
+    ptrs = a_ptr + sources.to(tl.int64)[:, None] * stride_a_r + cols[None, :]
+    a = tl.load(ptrs, mask=mask, other=0.0)
+    if HAS_WEIGHTS:  # as gather.py's dy_sorted: one bf16 rounding of the fp32 product
+        a = round_to_bf16(weight[:, None] * a.to(tl.float32), INTERPRETER)
+    a = _to_fp32(a, INTERPRETER)
+    if SWIGLU:  # h = swiglu(g, u) from the forward's pre-activations; masked entries give h = 0
+        up = _to_fp32(tl.load(ptrs + width, mask=mask, other=0.0), INTERPRETER)
+        a = swiglu_forward(a, up, swiglu_limit, HAS_LIMIT)
+    return a
+
+
+@triton.jit
+def _store_sorted_t(q_t_ptr, scale_t_ptr, q, rows, in_expert, cols, col_ok, scale, scale_cols, row0, width,
+                    capacity_rows, SCALE_ROWS: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Stores one column block's bytes q [cols, rows] into q_t (`rows`, `cols` in the slices of
+    q's layout) and its scales [scale_cols] into scale_t's row for row0."""
+    q_ptrs = q_t_ptr + cols.to(tl.int64)[:, None] * capacity_rows + rows[None, :]
+    if SCALE_ROWS == BLOCK_R:
+        # Whole blocks (the GPU's schedule pads experts to 128 rows): no block crosses an
+        # expert's end, and a mask that is constant along the rows lets the bytes go out as
+        # 16-byte vectors (a per-row mask made them single-byte stores).
+        tl.store(q_ptrs, q, mask=col_ok[:, None])
+    else:
+        tl.store(q_ptrs, q, mask=col_ok[:, None] & in_expert[None, :])
+    slot = (row0 // SCALE_ROWS).to(tl.int64)
+    tl.store(scale_t_ptr + slot * width + scale_cols, scale, mask=scale_cols < width)
+
+
+@triton.jit
 def _quantize_sorted_t_kernel(
     # pointers
     a_ptr, q_t_ptr, scale_t_ptr,  # a [R, W] bf16/fp32 (SWIGLU: g, u [R, 2, W] bf16; GATHER: token rows
@@ -266,46 +349,94 @@ def _quantize_sorted_t_kernel(
     TILE_M: tl.constexpr,  # the schedule's block_m (tile_expert has one entry per TILE_M rows)
     SCALE_ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,  # S, 128, columns per program
 ):
-    """One column block of 128 rows per program: program (p, c) owns the block that starts at
-    row p·S of its expert, if one does, and columns c·BLOCK_W... of it."""
-    row0 = tl.program_id(0) * SCALE_ROWS
-    if row0 >= tl.load(num_rows_ptr):
-        return
-    expert = tl.load(tile_expert_ptr + row0 // TILE_M)
-    expert_start = tl.load(expert_offsets_ptr + expert)
-    if (row0 - expert_start) % BLOCK_R != 0:  # inside another program's block
+    """One column block of 128 rows per program (`_sorted_block`), columns c·BLOCK_W... of it."""
+    row0, expert_end, owns = _sorted_block(tile_expert_ptr, expert_offsets_ptr, num_rows_ptr, TILE_M, SCALE_ROWS,
+                                           BLOCK_R)
+    if not owns:
         return
     rows = row0 + tl.arange(0, BLOCK_R)
-    in_expert = rows < tl.load(expert_offsets_ptr + expert + 1)  # past it: the next expert's rows
+    in_expert = rows < expert_end  # past it: the next expert's rows
     cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
     col_ok = cols < width
-    if GATHER:  # the sorted rows of gather.py's copies, read from the token rows
-        slot, tokens, valid = sorted_row_routes(rows, in_expert, row_source_ptr, topk)
-        load_mask = valid[:, None] & col_ok[None, :]
-        a = tl.load(a_ptr + tokens.to(tl.int64)[:, None] * stride_a_r + cols[None, :], mask=load_mask, other=0.0)
-        if HAS_WEIGHTS:  # as gather.py's dy_sorted: one bf16 rounding of the fp32 product
-            w = tl.load(topk_weights_ptr + slot, mask=valid, other=0.0)
-            a = round_to_bf16(w[:, None] * a.to(tl.float32), INTERPRETER)
-    else:
-        load_mask = (in_expert & (rows < num_a_rows))[:, None] & col_ok[None, :]
-        ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_a_r + cols[None, :]
-        a = tl.load(ptrs, mask=load_mask, other=0.0)
-    a = _to_fp32(a, INTERPRETER)  # [BLOCK_R, BLOCK_W] fp32
-    if SWIGLU:  # h = swiglu(g, u) from the forward's pre-activations; masked entries give h = 0
-        up = _to_fp32(tl.load(ptrs + width, mask=load_mask, other=0.0), INTERPRETER)
-        a = swiglu_forward(a, up, swiglu_limit, HAS_LIMIT)
+    sources, valid, weight = _row_sources(rows, in_expert, num_a_rows, row_source_ptr, topk_weights_ptr, topk, GATHER,
+                                          HAS_WEIGHTS)
+    a = _load_sorted_tile(a_ptr, sources, valid, weight, cols, col_ok, width, swiglu_limit, stride_a_r, SWIGLU,
+                          HAS_LIMIT, HAS_WEIGHTS, INTERPRETER)  # [BLOCK_R, BLOCK_W] fp32
     # Each row of the transposed tile is one column block: the activations' rule applies as is.
     q, scale = quantize_row_blocks(tl.trans(a), INTERPRETER)  # [BLOCK_W, BLOCK_R] uint8, [BLOCK_W, 1] fp32
-    q_ptrs = q_t_ptr + cols.to(tl.int64)[:, None] * capacity_rows + rows[None, :]
-    if SCALE_ROWS == BLOCK_R:
-        # Whole blocks (the GPU's schedule pads experts to 128 rows): no block crosses an
-        # expert's end, and a mask that is constant along the rows lets the bytes go out as
-        # 16-byte vectors (a per-row mask made them single-byte stores).
-        tl.store(q_ptrs, q, mask=col_ok[:, None])
-    else:
-        tl.store(q_ptrs, q, mask=col_ok[:, None] & in_expert[None, :])
-    slot = (row0 // SCALE_ROWS).to(tl.int64)
-    tl.store(scale_t_ptr + slot * width + cols, tl.reshape(scale, (BLOCK_W,)), mask=col_ok)
+    _store_sorted_t(q_t_ptr, scale_t_ptr, q, rows, in_expert, cols, col_ok, tl.reshape(scale, (BLOCK_W,)), cols, row0,
+                    width, capacity_rows, SCALE_ROWS, BLOCK_R)
+
+
+@gluon.constexpr_function
+def _sorted_t_layouts(rows_per_thread, num_warps):
+    """(load, store) layouts of the Gluon transposing quantizer's [128 rows, BLOCK_W] tile and
+    of its transpose [BLOCK_W, 128]: each thread holds the same rows_per_thread × 8 elements in
+    both, 8 columns contiguous in the first (16-byte loads of bf16 rows), its rows contiguous in
+    the second (rows_per_thread-byte stores of e4m3 down a column), so the transpose moves no
+    data. A warp's lanes span all 128 rows (the amax down a column stays within the warp) and
+    32 · 8 · rows_per_thread / 128 columns; its warps sit side by side along the columns."""
+    row_lanes = FP8_BLOCK // rows_per_thread
+    col_lanes = 32 // row_lanes
+    row_bits = [1 << i for i in range(rows_per_thread.bit_length() - 1)]
+    col_bits = [1, 2, 4]
+    lane_rows = [rows_per_thread << i for i in range(row_lanes.bit_length() - 1)]
+    lane_cols = [8 << i for i in range(col_lanes.bit_length() - 1)]
+    warp_cols = [8 * col_lanes << i for i in range(num_warps.bit_length() - 1)]
+    block_w = 8 * col_lanes * num_warps
+    load = gl.DistributedLinearLayout(
+        reg_bases=[[0, c] for c in col_bits] + [[r, 0] for r in row_bits],
+        lane_bases=[[0, c] for c in lane_cols] + [[r, 0] for r in lane_rows],
+        warp_bases=[[0, c] for c in warp_cols], block_bases=[], shape=[FP8_BLOCK, block_w])
+    store = gl.DistributedLinearLayout(
+        reg_bases=[[0, r] for r in row_bits] + [[c, 0] for c in col_bits],
+        lane_bases=[[c, 0] for c in lane_cols] + [[0, r] for r in lane_rows],
+        warp_bases=[[c, 0] for c in warp_cols], block_bases=[], shape=[block_w, FP8_BLOCK])
+    return load, store
+
+
+@gluon.jit
+def _quantize_sorted_t_gluon_kernel(
+    a_ptr, q_t_ptr, scale_t_ptr, topk_weights_ptr,  # as `_quantize_sorted_t_kernel`'s
+    tile_expert_ptr, expert_offsets_ptr, num_rows_ptr, row_source_ptr,
+    num_a_rows, width, capacity_rows, swiglu_limit, topk,
+    stride_a_r,
+    SWIGLU: gl.constexpr, HAS_LIMIT: gl.constexpr, GATHER: gl.constexpr, HAS_WEIGHTS: gl.constexpr,
+    TILE_M: gl.constexpr, ROWS_PER_THREAD: gl.constexpr,
+):
+    """`_quantize_sorted_t_kernel` on the GPU with the layouts of `_sorted_t_layouts`: the same
+    device functions, so the same bytes, without the shared-memory round trip that Triton's own
+    layouts need to turn column-contiguous loads into row-contiguous byte stores."""
+    LOAD: gl.constexpr = _sorted_t_layouts(ROWS_PER_THREAD, gl.num_warps())[0]
+    STORE: gl.constexpr = _sorted_t_layouts(ROWS_PER_THREAD, gl.num_warps())[1]
+    SPREAD: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    BLOCK_W: gl.constexpr = LOAD.shape[1]
+    row0, expert_end, owns = _sorted_block(tile_expert_ptr, expert_offsets_ptr, num_rows_ptr, TILE_M, _BLOCK,
+                                           _BLOCK)
+    if not owns:
+        return
+    col0 = gl.program_id(1) * BLOCK_W
+    # Each row's source (a division by topk where gathering) and each column's scale once, in
+    # a layout that spreads the vector over the threads: in the tile's, every thread would
+    # compute them for each of its rows and columns.
+    rows = row0 + gl.arange(0, _BLOCK, layout=SPREAD)
+    sources, valid, weight = _row_sources(rows, rows < expert_end, num_a_rows, row_source_ptr, topk_weights_ptr, topk,
+                                          GATHER, HAS_WEIGHTS)
+    cols = col0 + gl.arange(0, BLOCK_W, layout=gl.SliceLayout(0, LOAD))
+    a = _load_sorted_tile(a_ptr, gl.convert_layout(sources, gl.SliceLayout(1, LOAD)),
+                          gl.convert_layout(valid, gl.SliceLayout(1, LOAD)),
+                          gl.convert_layout(weight, gl.SliceLayout(1, LOAD)), cols, cols < width, width, swiglu_limit,
+                          stride_a_r, SWIGLU, HAS_LIMIT, HAS_WEIGHTS, False)  # [128, BLOCK_W] fp32
+    a_t = gl.convert_layout(gl.permute(a, (1, 0)), STORE, assert_trivial=True)  # [BLOCK_W, 128]
+    amax_bits = gl.max(a_t.to(gl.int32, bitcast=True) & _FP32_ABS_MASK, axis=1)  # [BLOCK_W] int32
+    scale_cols = col0 + gl.arange(0, BLOCK_W, layout=SPREAD)
+    scale, reciprocal = _block_scales(gl.convert_layout(amax_bits, SPREAD))
+    reciprocal = gl.convert_layout(reciprocal, gl.SliceLayout(1, STORE))
+    q = _quantize_elements(a_t, reciprocal[:, None], False)  # [BLOCK_W, 128] uint8
+    rows_t = row0 + gl.arange(0, _BLOCK, layout=gl.SliceLayout(0, STORE))
+    cols_t = col0 + gl.arange(0, BLOCK_W, layout=gl.SliceLayout(1, STORE))
+    _store_sorted_t(q_t_ptr, scale_t_ptr, q, rows_t, rows_t < expert_end, cols_t, cols_t < width, scale, scale_cols,
+                    row0, width, capacity_rows, _BLOCK, _BLOCK)
 
 
 # --------------------------------------------------------------------------- launchers
@@ -413,31 +544,47 @@ def _launch_quantize_sorted_t(
     a: torch.Tensor, width: int, schedule: RoutingSchedule, swiglu: bool, swiglu_limit: float | None,
     gathered_topk: int | None = None, topk_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One launch of `_quantize_sorted_t_kernel` over a [R, W] (swiglu: g, u [R, 2, W]), or with
-    `gathered_topk` over token rows a [T, W] gathered into the sorted layout (times topk_weights)."""
+    """One launch of `_quantize_sorted_t_kernel` (or on an NVIDIA GPU its Gluon twin) over a
+    [R, W] (swiglu: g, u [R, 2, W]), or with `gathered_topk` over token rows a [T, W] gathered
+    into the sorted layout (times topk_weights)."""
     device = a.device
     scale_rows = sorted_scale_rows(schedule.block_m)
     rows = schedule.capacity_rows
     q_t = torch.empty(width, rows, dtype=torch.uint8, device=device)  # [W, capacity_rows] e4m3 bytes
     scale_t = torch.empty(rows // scale_rows, width, dtype=torch.float32, device=device)  # [capacity_rows / S, W]
+    if rows == 0 or width == 0:
+        return q_t.view(torch.float8_e4m3fn), scale_t
+    args = (
+        a, q_t, scale_t, scale_t if topk_weights is None else topk_weights,  # scale_t: unread
+        schedule.tile_expert, schedule.expert_offsets, schedule.num_rows, schedule.row_source,
+        a.shape[0], width, rows, 0.0 if swiglu_limit is None else float(swiglu_limit), gathered_topk or 1,
+        a.stride(0),
+    )
+    flags = dict(SWIGLU=swiglu, HAS_LIMIT=swiglu_limit is not None, GATHER=gathered_topk is not None,
+                 HAS_WEIGHTS=topk_weights is not None, TILE_M=schedule.block_m)
+    if _SORTED_GLUON and device.type == "cuda" and not interpreting() and scale_rows == FP8_BLOCK:
+        rows_per_thread, num_warps = _SORTED_GLUON_ROWS_PER_THREAD, _SORTED_GLUON_NUM_WARPS
+        grid = (rows // FP8_BLOCK, triton.cdiv(width, sorted_t_gluon_block_w(rows_per_thread, num_warps)))
+        _quantize_sorted_t_gluon_kernel[grid](*args, **flags, ROWS_PER_THREAD=rows_per_thread, num_warps=num_warps)
+        return q_t.view(torch.float8_e4m3fn), scale_t
     block_w, num_warps = _SORTED_BLOCK_W, _SORTED_NUM_WARPS
     if interpreting():
         block_w = _SORTED_BLOCK_W_INTERPRETER
     elif gathered_topk is not None and width >= _GATHERED_NARROW_MIN_WIDTH:
         block_w, num_warps = _GATHERED_NARROW_BLOCK_W, _GATHERED_NARROW_NUM_WARPS
-    if rows > 0 and width > 0:
-        grid = (rows // scale_rows, triton.cdiv(width, block_w))
-        _quantize_sorted_t_kernel[grid](
-            a, q_t, scale_t, scale_t if topk_weights is None else topk_weights,  # scale_t: unread
-            schedule.tile_expert, schedule.expert_offsets, schedule.num_rows, schedule.row_source,
-            a.shape[0], width, rows, 0.0 if swiglu_limit is None else float(swiglu_limit), gathered_topk or 1,
-            a.stride(0),
-            SWIGLU=swiglu, HAS_LIMIT=swiglu_limit is not None, GATHER=gathered_topk is not None,
-            HAS_WEIGHTS=topk_weights is not None, INTERPRETER=interpreting(),
-            TILE_M=schedule.block_m, SCALE_ROWS=scale_rows, BLOCK_R=FP8_BLOCK, BLOCK_W=block_w,
-            num_warps=num_warps,
-        )
+    grid = (rows // scale_rows, triton.cdiv(width, block_w))
+    _quantize_sorted_t_kernel[grid](*args, **flags, INTERPRETER=interpreting(), SCALE_ROWS=scale_rows,
+                                    BLOCK_R=FP8_BLOCK, BLOCK_W=block_w, num_warps=num_warps)
     return q_t.view(torch.float8_e4m3fn), scale_t
+
+
+def sorted_t_gluon_block_w(rows_per_thread: int, num_warps: int) -> int:
+    """Columns per program of the Gluon transposing quantizer (`_sorted_t_layouts`): a warp
+    spans 128 rows, rows_per_thread per lane, and 8 columns per lane."""
+    if rows_per_thread not in (4, 8, 16, 32) or num_warps not in (1, 2, 4, 8):
+        raise ValueError(f"rows_per_thread, num_warps: expected one of 4, 8, 16, 32 and of 1, 2, 4, 8, "
+                         f"got {rows_per_thread}, {num_warps}")
+    return 8 * (32 // (FP8_BLOCK // rows_per_thread)) * num_warps
 
 
 def _check_sorted_operand(name: str, a: torch.Tensor, dims: int, layout: str, schedule: RoutingSchedule) -> None:

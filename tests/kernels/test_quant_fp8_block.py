@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from mok.fp8_block import fp8_block_quantize, fp8_block_quantize_activations
+from mok.kernels import quant_fp8_block as qf
+from mok.kernels.common import interpreting
 from mok.kernels.grouped_gemm import routing_block_m
 from mok.kernels.gather import gather_sorted_rows
 from mok.kernels.quant_fp8_block import (
@@ -27,6 +29,7 @@ from mok.kernels.quant_fp8_block import (
 from mok.kernels.schedule import build_routing_schedule
 from mok.testing import make_topk_ids
 from mok.testing.fp8 import dequantize_sorted_t, sorted_column_blocks
+from mok.testing.sm90 import gluon_ptxas_report
 
 
 def _assert_same(got, want, ctx):
@@ -303,3 +306,73 @@ def test_gathered_quantizer_errors(kernel_device):
         quantize_fp8_block_gathered_t(x, sched, 0)
     with pytest.raises(ValueError, match=r"^topk_weights: expected a contiguous fp32 \[8, 2\] tensor"):
         quantize_fp8_block_gathered_t(x, sched, 2, torch.zeros(8, 3, device=kernel_device))
+
+
+# --------------------------------------------------------------------------- the Gluon transposing quantizer
+
+
+_GLUON_VARIANTS = {  # name: (a's element type, flags)
+    "sorted bf16": ("bf16", dict(SWIGLU=False, HAS_LIMIT=False, GATHER=False, HAS_WEIGHTS=False)),
+    "sorted fp32": ("fp32", dict(SWIGLU=False, HAS_LIMIT=False, GATHER=False, HAS_WEIGHTS=False)),
+    "h from g, u": ("bf16", dict(SWIGLU=True, HAS_LIMIT=True, GATHER=False, HAS_WEIGHTS=False)),
+    "x gathered": ("bf16", dict(SWIGLU=False, HAS_LIMIT=False, GATHER=True, HAS_WEIGHTS=False)),
+    "w·dOut gathered": ("bf16", dict(SWIGLU=False, HAS_LIMIT=False, GATHER=True, HAS_WEIGHTS=True)),
+}
+
+
+@pytest.mark.parametrize("variant", list(_GLUON_VARIANTS))
+def test_sorted_t_gluon_compiles_for_sm90a_without_spills(variant):
+    """Any machine: the Gluon kernel compiles for Hopper (its layout change from the loads' to
+    the stores' is asserted to move no data), spills nothing, and keeps 3 programs of 4 warps
+    resident per SM (≤ 168 registers)."""
+    element, flags = _GLUON_VARIANTS[variant]
+    kernel = qf._quantize_sorted_t_gluon_kernel
+    constants = dict(flags, TILE_M=128, ROWS_PER_THREAD=qf._SORTED_GLUON_ROWS_PER_THREAD)
+    pointer_types = {"a_ptr": f"*{element}", "q_t_ptr": "*u8", "scale_t_ptr": "*fp32", "topk_weights_ptr": "*fp32"}
+    signature = {name: "constexpr" if name in constants else pointer_types.get(name, "*i32") if name.endswith("_ptr")
+                 else "fp32" if name == "swiglu_limit" else "i32" for name in kernel.arg_names}
+    aligned = tuple(name for name in signature if name.endswith("_ptr")) + ("width", "capacity_rows", "stride_a_r")
+    registers, spilled = gluon_ptxas_report("mok.kernels.quant_fp8_block", "_quantize_sorted_t_gluon_kernel",
+                                            signature, constants, aligned, num_warps=qf._SORTED_GLUON_NUM_WARPS)
+    assert spilled == 0 and registers <= 168, f"{variant}: {registers} registers, {spilled} bytes spilled"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or interpreting(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rows_per_thread, num_warps", [(16, 4), (8, 4), (16, 2)])
+def test_sorted_t_gluon_is_bitwise_the_triton_kernel(monkeypatch, rows_per_thread, num_warps):
+    """The Gluon kernel against the Triton one on every operand kind: widths that are no multiple
+    of a program's columns, NaN and Inf blocks, an expert with no rows, an fp32 operand shorter
+    than the capacity, signed router weights, the swiglu limit."""
+    T, E, topk, W, I = 700, 9, 4, 328, 200
+    sched, blocks, rows = _sorted_case("cuda", T, E, topk, E - 1, seed=5)  # the last expert gets no rows
+    ctx = f"{T=} {E=} {topk=} {W=} {I=} {rows_per_thread=} {num_warps=}"
+    gen = torch.Generator().manual_seed(6)
+    a = rows(W, scale=torch.logspace(-3, 3, W))
+    a[blocks[1][0] + 5, 9], a[blocks[2][0], 300] = float("nan"), float("-inf")
+    gate_up = rows(2, I, scale=1.5).bfloat16()
+    gate_up[(sched.row_source.cpu() < 0).nonzero().flatten()] = 0  # padding rows, as the forward stores them
+    x = (torch.randn(T, W, generator=gen) * torch.logspace(-2, 2, W)).bfloat16().cuda()
+    d_out = x.flip(0).contiguous()
+    weights = torch.randn(T, topk, generator=gen).cuda()
+    short = blocks[-1][1] - 3
+    calls = {
+        "sorted bf16": lambda: qf.quantize_fp8_block_sorted_t(a.bfloat16().cuda(), sched),
+        "sorted fp32, short": lambda: qf.quantize_fp8_block_sorted_t(a[:short].cuda(), sched),
+        "h from g, u": lambda: qf.quantize_fp8_block_swiglu_sorted_t(gate_up.cuda(), sched, 0.7),
+        "x gathered": lambda: qf.quantize_fp8_block_gathered_t(x, sched, topk),
+        "w·dOut gathered": lambda: qf.quantize_fp8_block_gathered_t(d_out, sched, topk, weights),
+    }
+    num_rows, slots = int(sched.num_rows), [slot for _, _, slot in blocks]
+    for name, call in calls.items():
+        monkeypatch.setattr(qf, "_SORTED_GLUON", False)
+        want_q, want_scale = call()
+        monkeypatch.setattr(qf, "_SORTED_GLUON", True)
+        monkeypatch.setattr(qf, "_SORTED_GLUON_ROWS_PER_THREAD", rows_per_thread)
+        monkeypatch.setattr(qf, "_SORTED_GLUON_NUM_WARPS", num_warps)
+        monkeypatch.setattr(qf, "_quantize_sorted_t_kernel", None)  # the Triton kernel must not run
+        got_q, got_scale = call()
+        monkeypatch.undo()
+        _assert_same([got_q[:, :num_rows].contiguous(), got_scale[slots]],
+                     [want_q[:, :num_rows].contiguous(), want_scale[slots]], f"{name} {ctx}")
+        if name == "sorted bf16":
+            assert want_scale[slots].isnan().sum() == 2, f"the NaN and -Inf blocks {ctx}"

@@ -3,13 +3,6 @@ output on a Hopper GPU (odd sizes, empty experts, one tile per program and many,
 consumer warp groups take turns), compiled for sm_90a on any machine (no spills), and clear
 errors where they cannot run."""
 
-import json
-import os
-import re
-import subprocess
-import sys
-import tempfile
-
 import pytest
 import torch
 
@@ -49,50 +42,15 @@ from mok.kernels.wgrad import (
 )
 from mok.reference import Gradients
 from mok.testing import make_inputs
+from mok.testing.sm90 import gluon_ptxas_report
 
 _WS_CONFIG = ws.tile_config(cooperative=False)
 
 hopper = pytest.mark.skipif(not ws.available_here(), reason="needs a Hopper GPU")
 
 
-# Compiles one kernel of `mok.kernels.warp_specialized` for sm_90a and writes its PTX. It runs in a
-# fresh process: kernels run under the interpreter earlier in a test session leave Triton's
-# language module patched in ways that break a later Gluon compile in the same process.
-_COMPILE_FOR_SM90A = """
-import json, sys
-from triton import compile
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource
-from mok.kernels import warp_specialized
-name, signature, constants, aligned, ptx_path = json.loads(sys.argv[1])
-attrs = {(list(signature).index(arg),): [["tt.divisibility", 16]] for arg in aligned}
-source = GluonASTSource(getattr(warp_specialized, name), signature, constants, attrs)
-with open(ptx_path, "w") as f:
-    f.write(compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"])
-"""
-
-
 def _ptxas_report(kernel_name: str, signature: dict, constants: dict, aligned: tuple[str, ...] = ()) -> tuple[int, int]:
-    """(registers per thread, spilled bytes) of a kernel compiled for sm_90a, without a GPU,
-    whose wgmma ptxas did not serialize; `aligned` names the arguments compiled as multiples of
-    16 (as a launch specializes them when they are)."""
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx = os.path.join(tmp, "kernel.ptx")
-        argument = json.dumps([kernel_name, signature, constants, list(aligned), ptx])
-        compiled = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90A, argument], capture_output=True, text=True,
-                                  env=env)
-        assert compiled.returncode == 0, f"compiling {kernel_name} failed:\n{compiled.stderr[-3000:]}"
-        # The ptxas Triton itself uses (TRITON_PTXAS_PATH may name a newer one): the PTX's ISA version follows it.
-        ptxas = get_ptxas(90).path
-        result = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", os.devnull], capture_output=True, text=True)
-    assert result.returncode == 0, f"{ptxas} failed:\n{result.stderr}"
-    report = result.stderr
-    # C7514: ptxas serializes the kernel's wgmma (a register of one read while it runs)
-    assert "C7514" not in report, f"{kernel_name}: {report}"
-    return int(re.search(r"Used (\d+) registers", report)[1]), int(re.search(r"(\d+) bytes spill stores", report)[1])
+    return gluon_ptxas_report("mok.kernels.warp_specialized", kernel_name, signature, constants, aligned)
 
 
 def _descriptor_type(block_shape, dtype: torch.dtype = torch.bfloat16) -> str:
