@@ -120,10 +120,12 @@ _GATHERED_NARROW_BLOCK_W = 32
 _GATHERED_NARROW_NUM_WARPS = 2
 _SORTED_BLOCK_W_INTERPRETER = 256
 # On an NVIDIA GPU the Gluon kernel instead (`_sorted_t_layouts`): 16 rows × 8 columns per
-# thread, 4 warps, 128 columns per program.
+# thread, 2 warps, 64 columns per program. Against 4 warps 3% faster over the four operands
+# of qwen3-30b and deepseek-v3-slice; 8 or 4 rows per thread 5–40% slower (H200,
+# h200-20261202-gluon-sorted-t-sweep.log).
 _SORTED_GLUON = True
 _SORTED_GLUON_ROWS_PER_THREAD = 16
-_SORTED_GLUON_NUM_WARPS = 4
+_SORTED_GLUON_NUM_WARPS = 2
 
 
 # --------------------------------------------------------------------------- helpers
@@ -254,14 +256,18 @@ def _quantize_weight_128x128_kernel(
     )
     w = _to_fp32(w, INTERPRETER)  # [BLOCK(n), BLOCK(k)] fp32
     amax_bits = tl.max(tl.max(w.to(tl.int32, bitcast=True) & _FP32_ABS_MASK, axis=1), axis=0)  # scalar int32
-    q, scale = _quantize_tile(w, amax_bits, INTERPRETER)  # [BLOCK, BLOCK] uint8, scalar fp32
+    scale, reciprocal = _block_scales(amax_bits)  # scalar fp32
+    q = _quantize_elements(w, reciprocal, INTERPRETER)  # [BLOCK(n), BLOCK(k)] uint8
 
     nk = N.to(tl.int64) * K
     tl.store(q_ptr + e * nk + n_offs.to(tl.int64)[:, None] * K + k_offs[None, :], q, mask=mask)
-    # The transpose's block is this block transposed: same amax, same bytes. Transposing the
-    # tile in registers keeps the q_t store contiguous along its last dim (N).
+    # The transpose's block is this block transposed: same amax, same bytes, converted again
+    # from the transposed fp32 tile, which keeps the q_t store contiguous along its last dim
+    # (N). Transposing the converted bytes instead stored 0xC0 for every byte of fp32 weights
+    # (H200, triton 3.6: the uint8 layout change after the cast went wrong).
+    q_t = _quantize_elements(tl.trans(w), reciprocal, INTERPRETER)  # [BLOCK(k), BLOCK(n)] uint8
     mask_t = (k_offs < K)[:, None] & (n_offs < N)[None, :]
-    tl.store(q_t_ptr + e * nk + k_offs.to(tl.int64)[:, None] * N + n_offs[None, :], tl.trans(q), mask=mask_t)
+    tl.store(q_t_ptr + e * nk + k_offs.to(tl.int64)[:, None] * N + n_offs[None, :], q_t, mask=mask_t)
     num_blocks = num_n_blocks * num_k_blocks
     tl.store(scale_ptr + e * num_blocks + nb * num_k_blocks + kb, scale)
     tl.store(scale_t_ptr + e * num_blocks + kb * num_n_blocks + nb, scale)
