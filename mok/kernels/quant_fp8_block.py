@@ -60,6 +60,17 @@ Exactness on each path:
   is clamped and the bytes are built from the fp32 bits by `_e4m3_rne_bytes`, selected by the
   constexpr INTERPRETER flag. The same function mangles bf16 subnormals on the way up to
   fp32: `_to_fp32` widens by bits.
+- NaN/Inf blocks: the scale is NaN, so are its reciprocal and every product, and both casts
+  give NaN the byte 0x7F.
+
+On an NVIDIA GPU the transposing quantizers run as a Gluon kernel
+(`_quantize_sorted_t_gluon_kernel`, the same device functions, so the same bytes: tested
+bitwise against the Triton kernel on the GPU). Triton lays a tile out for its loads (8
+columns per thread) and again for the transposed stores (rows per thread), and moves the
+e4m3 bytes between the two through shared memory one byte at a time; there each thread holds
+16 rows × 8 columns in both, so the transpose moves no data, and each column's scale and each
+row's route are computed once rather than by every thread that holds them. The Triton kernel
+stays the interpreter's path.
 """
 
 from __future__ import annotations
@@ -121,8 +132,8 @@ _GATHERED_NARROW_NUM_WARPS = 2
 _SORTED_BLOCK_W_INTERPRETER = 256
 # On an NVIDIA GPU the Gluon kernel instead (`_sorted_t_layouts`): 16 rows × 8 columns per
 # thread, 2 warps, 64 columns per program. Against 4 warps 3% faster over the four operands
-# of qwen3-30b and deepseek-v3-slice; 8 or 4 rows per thread 5–40% slower (H200,
-# h200-20261202-gluon-sorted-t-sweep.log).
+# of qwen3-30b and deepseek-v3-slice; 8 rows per thread up to 13% slower, 4 rows 30–50%
+# (H200, h200-20261202-gluon-sorted-t-sweep.log).
 _SORTED_GLUON = True
 _SORTED_GLUON_ROWS_PER_THREAD = 16
 _SORTED_GLUON_NUM_WARPS = 2
@@ -256,18 +267,18 @@ def _quantize_weight_128x128_kernel(
     )
     w = _to_fp32(w, INTERPRETER)  # [BLOCK(n), BLOCK(k)] fp32
     amax_bits = tl.max(tl.max(w.to(tl.int32, bitcast=True) & _FP32_ABS_MASK, axis=1), axis=0)  # scalar int32
-    scale, reciprocal = _block_scales(amax_bits)  # scalar fp32
-    q = _quantize_elements(w, reciprocal, INTERPRETER)  # [BLOCK(n), BLOCK(k)] uint8
+    q, scale = _quantize_tile(w, amax_bits, INTERPRETER)  # [BLOCK(n), BLOCK(k)] uint8, scalar fp32
+    # A no-op select (a NaN/Inf block's bytes are already 0x7F) that keeps the transposed store
+    # right: without it, transposing the cast's bytes stored wrong bytes for fp32 weights on
+    # H200 (triton 3.6), also when the transposed tile was cast on its own.
+    q = tl.where(amax_bits >= _FP32_INF_BITS, _E4M3_NAN_BYTE, q).to(tl.uint8)
 
     nk = N.to(tl.int64) * K
     tl.store(q_ptr + e * nk + n_offs.to(tl.int64)[:, None] * K + k_offs[None, :], q, mask=mask)
-    # The transpose's block is this block transposed: same amax, same bytes, converted again
-    # from the transposed fp32 tile, which keeps the q_t store contiguous along its last dim
-    # (N). Transposing the converted bytes instead stored 0xC0 for every byte of fp32 weights
-    # (H200, triton 3.6: the uint8 layout change after the cast went wrong).
-    q_t = _quantize_elements(tl.trans(w), reciprocal, INTERPRETER)  # [BLOCK(k), BLOCK(n)] uint8
+    # The transpose's block is this block transposed: same amax, same bytes. Transposing the
+    # tile in registers keeps the q_t store contiguous along its last dim (N).
     mask_t = (k_offs < K)[:, None] & (n_offs < N)[None, :]
-    tl.store(q_t_ptr + e * nk + k_offs.to(tl.int64)[:, None] * N + n_offs[None, :], q_t, mask=mask_t)
+    tl.store(q_t_ptr + e * nk + k_offs.to(tl.int64)[:, None] * N + n_offs[None, :], tl.trans(q), mask=mask_t)
     num_blocks = num_n_blocks * num_k_blocks
     tl.store(scale_ptr + e * num_blocks + nb * num_k_blocks + kb, scale)
     tl.store(scale_t_ptr + e * num_blocks + kb * num_n_blocks + nb, scale)
