@@ -392,7 +392,8 @@ def _sorted_t_layouts(rows_per_thread, num_warps):
     both, 8 columns contiguous in the first (16-byte loads of bf16 rows), its rows contiguous in
     the second (rows_per_thread-byte stores of e4m3 down a column), so the transpose moves no
     data. A warp's lanes span all 128 rows (the amax down a column stays within the warp) and
-    32 · 8 · rows_per_thread / 128 columns; its warps sit side by side along the columns."""
+    2 · rows_per_thread columns; its warps sit side by side along the columns."""
+    block_w = sorted_t_gluon_block_w(rows_per_thread, num_warps)
     row_lanes = FP8_BLOCK // rows_per_thread
     col_lanes = 32 // row_lanes
     row_bits = [1 << i for i in range(rows_per_thread.bit_length() - 1)]
@@ -400,7 +401,6 @@ def _sorted_t_layouts(rows_per_thread, num_warps):
     lane_rows = [rows_per_thread << i for i in range(row_lanes.bit_length() - 1)]
     lane_cols = [8 << i for i in range(col_lanes.bit_length() - 1)]
     warp_cols = [8 * col_lanes << i for i in range(num_warps.bit_length() - 1)]
-    block_w = 8 * col_lanes * num_warps
     load = gl.DistributedLinearLayout(
         reg_bases=[[0, c] for c in col_bits] + [[r, 0] for r in row_bits],
         lane_bases=[[0, c] for c in lane_cols] + [[r, 0] for r in lane_rows],
@@ -595,6 +595,7 @@ def _launch_quantize_sorted_t(
     return q_t.view(torch.float8_e4m3fn), scale_t
 
 
+@gluon.constexpr_function
 def sorted_t_gluon_block_w(rows_per_thread: int, num_warps: int) -> int:
     """Columns per program of the Gluon transposing quantizer (`_sorted_t_layouts`): a warp
     spans 128 rows, rows_per_thread per lane, and 8 columns per lane."""
