@@ -55,7 +55,7 @@ def test_arithmetic_cost_diagnostic_names_its_variants_and_refuses_others(monkey
 
     sweep = _sweep("fp8_arithmetic_cost")
     for variants, helper in ((sweep.WGRAD, warp_specialized._add_scaled),
-                             (sweep.QUANTIZER, quant_fp8_block._quantize_tile)):
+                             (sweep.QUANTIZER, quant_fp8_block._quantize_elements)):
         assert variants["full"] is None
         wanted = list(inspect.signature(helper.fn).parameters)
         for name, patch in variants.items():

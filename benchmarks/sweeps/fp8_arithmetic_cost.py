@@ -9,10 +9,10 @@ the JIT keys its cache by source, so a patched helper must be in place before th
         row   acc + P · sa[m]              as the scatter GEMMs (one scale per row)
         none  acc + P
     python benchmarks/sweeps/fp8_arithmetic_cost.py quantizer VARIANT
-        the transposing quantizers (`quant_fp8_block._quantize_tile`) on the qwen3-30b and
-        deepseek-v3-slice shapes:
+        the transposing quantizers' per-element rule (`quant_fp8_block._quantize_elements`, in
+        the Gluon kernel on the GPU) on the qwen3-30b and deepseek-v3-slice shapes:
         full  the kernel as is
-        copy  each element only converted to e4m3 (loads, amax, transpose and stores kept)
+        copy  each element only converted to e4m3 (loads, amax, scales, transpose and stores kept)
 """
 
 import pathlib
@@ -45,9 +45,8 @@ def _unscaled(acc, product, a_scale, b_scale):
 
 
 @triton.jit
-def _converted_only(x, amax_bits, INTERPRETER: tl.constexpr):
-    q = x.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
-    return q, amax_bits.to(tl.float32, bitcast=True)
+def _converted_only(x, reciprocal, INTERPRETER: tl.constexpr):
+    return x.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
 
 
 WGRAD = {"full": None, "col": _column_scaled, "row": _row_scaled, "none": _unscaled}
@@ -71,7 +70,7 @@ def main() -> None:
     del sys.argv[1:3]
     if family == "quantizer":
         if variants[variant] is not None:
-            quant_fp8_block._quantize_tile = variants[variant]
+            quant_fp8_block._quantize_elements = variants[variant]
         _time_quantizers(variant)
         return
     if variants[variant] is not None:

@@ -393,7 +393,7 @@ def _sorted_t_layouts(rows_per_thread, num_warps):
     the second (rows_per_thread-byte stores of e4m3 down a column), so the transpose moves no
     data. A warp's lanes span all 128 rows (the amax down a column stays within the warp) and
     2 · rows_per_thread columns; its warps sit side by side along the columns."""
-    block_w = sorted_t_gluon_block_w(rows_per_thread, num_warps)
+    block_w = _sorted_t_gluon_block_w(rows_per_thread, num_warps)
     row_lanes = FP8_BLOCK // rows_per_thread
     col_lanes = 32 // row_lanes
     row_bits = [1 << i for i in range(rows_per_thread.bit_length() - 1)]
@@ -581,7 +581,7 @@ def _launch_quantize_sorted_t(
                  HAS_WEIGHTS=topk_weights is not None, TILE_M=schedule.block_m)
     if _SORTED_GLUON and device.type == "cuda" and not interpreting() and scale_rows == FP8_BLOCK:
         rows_per_thread, num_warps = _SORTED_GLUON_ROWS_PER_THREAD, _SORTED_GLUON_NUM_WARPS
-        grid = (rows // FP8_BLOCK, triton.cdiv(width, sorted_t_gluon_block_w(rows_per_thread, num_warps)))
+        grid = (rows // FP8_BLOCK, triton.cdiv(width, _sorted_t_gluon_block_w(rows_per_thread, num_warps)))
         _quantize_sorted_t_gluon_kernel[grid](*args, **flags, ROWS_PER_THREAD=rows_per_thread, num_warps=num_warps)
         return q_t.view(torch.float8_e4m3fn), scale_t
     block_w, num_warps = _SORTED_BLOCK_W, _SORTED_NUM_WARPS
@@ -596,7 +596,7 @@ def _launch_quantize_sorted_t(
 
 
 @gluon.constexpr_function
-def sorted_t_gluon_block_w(rows_per_thread: int, num_warps: int) -> int:
+def _sorted_t_gluon_block_w(rows_per_thread: int, num_warps: int) -> int:
     """Columns per program of the Gluon transposing quantizer (`_sorted_t_layouts`): a warp
     spans 128 rows, rows_per_thread per lane, and 8 columns per lane."""
     if rows_per_thread not in (4, 8, 16, 32) or num_warps not in (1, 2, 4, 8):
