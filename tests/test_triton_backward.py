@@ -44,6 +44,40 @@ def test_triton_backward_matches_reference(kernel_device, case):
                 assert torch.equal(w.grad[e], torch.zeros_like(w.grad[e])), f"expert {e} {ctx}"
 
 
+@pytest.mark.parametrize("limit", [None, 0.5])
+@pytest.mark.parametrize("precision", ["bf16", "fp8_block", "mxfp8"])
+def test_nan_token_propagates_as_in_the_reference(kernel_device, precision, limit):
+    """SPEC §4: a NaN in one token's x makes that token's output NaN, as in the reference, in
+    every precision and through the SwiGLU clamp (a clamp that drops NaN gives a finite output);
+    the other tokens stay finite and within the bar. bf16: every gradient NaN exactly where the
+    reference's is (the low-precision modes spread a NaN over its quantization block)."""
+    T, H, I, E, topk, nan_token = 40, 128, 128, 4, 2, 5
+    ctx = f"{precision=} {limit=}"
+    inp = make_inputs(T, H, I, E, topk, seed=11, device=kernel_device, signed_weights=True)
+    x = inp.x.clone()
+    x[nan_token, 17] = float("nan")
+    d_out = torch.randn(T, H, generator=torch.Generator().manual_seed(12)).bfloat16().to(kernel_device)
+    routed = inp.weights[:3]  # w_gate, w_up, w_down; no shared expert
+    leaves = [t.detach().clone().requires_grad_() for t in (x, inp.topk_weights, *routed)]
+    config = mok.MoKConfig(backend="triton", strict=True, precision=precision)
+    out = mok.moe(leaves[0], inp.topk_ids, leaves[1], *leaves[2:], config=config, swiglu_limit=limit)
+    ref = reference.moe_forward(x, inp.topk_ids, inp.topk_weights, *routed, swiglu_limit=limit)
+    assert ref[nan_token].isnan().all(), f"the reference's NaN token {ctx}"
+    assert out[nan_token].isnan().all(), f"the NaN token's output: {out[nan_token].isnan().sum()} of {H} NaN {ctx}"
+    others = torch.arange(T, device=kernel_device) != nan_token
+    assert torch.isfinite(out[others]).all(), f"other tokens {ctx}"
+    bar = "bf16" if precision == "bf16" else "fp8_block"
+    assert_close_to_reference(out[others], ref[others], bar, name="out", context=ctx)
+    if precision != "bf16":
+        return
+    grads = torch.autograd.grad(out, leaves, d_out)
+    ref_grads = reference.moe_backward(d_out, x, inp.topk_ids, inp.topk_weights, *routed, swiglu_limit=limit)
+    for name, g, r in zip(ref_grads._fields, grads, ref_grads[:5], strict=False):
+        assert r.isnan().any() or name == "d_x", f"{name}: the reference has no NaN {ctx}"
+        assert torch.equal(g.isnan().cpu(), r.isnan().cpu()), (
+            f"{name}: {int(g.isnan().sum())} NaN against the reference's {int(r.isnan().sum())} {ctx}")
+
+
 def test_down_wgrad_goes_last_where_its_operands_are_smaller_than_its_gradient():
     """The backward's order rule (sizes only: meta tensors of the presets' shapes)."""
     def operands(rows, hidden, inter):  # [w·dOut sorted, h]

@@ -3,7 +3,10 @@
     h = silu(min(g, L)) · clamp(u, −L, L)        (the clamp only with a swiglu_limit L)
 
 The backward helper zeroes the gradient where a clamp was active (g > L, |u| > L), as
-`mok.reference.swiglu_backward` defines.
+`mok.reference.swiglu_backward` defines. The clamps keep NaN a NaN, as torch's clamp does:
+a plain `tl.minimum` lowers to PTX `min.f32`, which returns the other operand, so a NaN
+pre-activation would come out as ±L (and a NaN token as a finite output) on the GPU, while
+the interpreter's NumPy kept it.
 """
 
 import triton
@@ -11,11 +14,18 @@ import triton.language as tl
 
 
 @triton.jit
+def _clamp(gate, up, limit):
+    """(min(g, L), clamp(u, −L, L)), NaN kept."""
+    gate = tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
+    up = tl.minimum(tl.maximum(up, -limit, propagate_nan=tl.PropagateNan.ALL), limit, propagate_nan=tl.PropagateNan.ALL)
+    return gate, up
+
+
+@triton.jit
 def swiglu_forward(gate, up, limit, HAS_LIMIT: tl.constexpr):
     """h from fp32 g, u."""
     if HAS_LIMIT:
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up, -limit), limit)
+        gate, up = _clamp(gate, up, limit)
     return gate * tl.sigmoid(gate) * up
 
 
@@ -25,8 +35,7 @@ def swiglu_backward(d_h, gate, up, limit, HAS_LIMIT: tl.constexpr):
     gate_c = gate
     up_c = up
     if HAS_LIMIT:
-        gate_c = tl.minimum(gate, limit)
-        up_c = tl.minimum(tl.maximum(up, -limit), limit)
+        gate_c, up_c = _clamp(gate, up, limit)
     sig = tl.sigmoid(gate_c)
     silu = gate_c * sig
     d_up = d_h * silu
