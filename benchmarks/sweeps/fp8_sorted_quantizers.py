@@ -51,10 +51,10 @@ def time_call(call, rows: int, row_bytes: int) -> str:
 
 
 def main() -> None:
+    quant_fp8_block._GATHERED_NARROW_MIN_WIDTH = 1 << 30  # every operand on the swept tile
     for name in SHAPES:
         rows, calls = quantizer_calls(name)
         first = {}
-        quant_fp8_block._GATHERED_NARROW_MIN_WIDTH = 1 << 30  # every operand on the swept tile
         for kernel, size, warps in CONFIGS + CONFIGS[::-1]:
             quant_fp8_block._SORTED_GLUON = kernel == "gluon"
             if kernel == "gluon":
