@@ -390,14 +390,15 @@ COOPERATIVE_DOWN = False
 # kernel's output. Per kernel (record h200-20261201-fp8-wide-scalar-scales-sweep.log): qwen3-30b
 # 0.78–0.88 -> 0.46–0.53 ms, deepseek-v3-slice 2.40–2.84 -> 1.70–1.92. False keeps the Triton kernel.
 WARP_SPECIALIZED_FP8_BLOCK_DOWN = True
-# The fp8_block gate/up GEMM runs on Hopper in the cooperative warp-specialized kernel
+# On Hopper the fp8_block gate/up GEMM runs in the cooperative warp-specialized kernel
 # (`warp_specialized.launch_gate_up_swiglu_fp8_block`: 128 rows × 128 columns of h per tile,
 # x's rows gathered by cp.async, the gate tile over the up tile in each B slot, the Triton
-# kernel's epilogue functions, bitwise its output) from this hidden size on, where the K loop
-# is long. H200, ms, Triton -> warp-specialized (records h200-20261201-fp8ws-gate-up-gather-
-# sweep.log, -mixtral-sweep.log): deepseek-v3-slice (H 7168) 5.20–5.21 -> 4.57–4.70,
-# mixtral-8x7b (H 4096) 5.50–5.55 -> 5.74–5.76, qwen3-30b (H 2048) 1.42 -> 1.43–1.44.
-WARP_SPECIALIZED_FP8_BLOCK_GATE_UP_MIN_HIDDEN = 6144
+# kernel's epilogue functions, bitwise its output). Since its epilogue stores rows of 16-byte
+# runs it is the faster at every H. H200, ms, Triton -> warp-specialized (3 stages; record
+# h200-20261202-gate-up-epilogue-stores-sweep.log): qwen3-30b 1.26–1.44 -> 0.97–1.06,
+# deepseek-v3-slice 4.88–4.97 -> 4.07–4.60, mixtral-8x7b 4.86–5.19 -> 4.27–4.46. False keeps
+# the Triton kernel.
+WARP_SPECIALIZED_FP8_BLOCK_GATE_UP = True
 # Row tiles per column sweep (`tile_coordinates`) of the bf16 Triton grouped GEMMs: the forward's
 # gate/up and down, and both dgrads (`dgrad.dgrad_config`). A weight tile comes from HBM once per
 # group and then from L2 while the group's tiles are in flight. 16 (mixtral-8x7b's experts hold
@@ -427,11 +428,10 @@ def gemm_config(
     `PING_PONG_DOWN_MAX_INTER`, and cooperative above it with `COOPERATIVE_DOWN`.
     fp8_block: `_FP8_BLOCK_TILES`, the same for every shape until measured; on Hopper the down
     GEMM into local slots warp-specialized with `WARP_SPECIALIZED_FP8_BLOCK_DOWN`, the gate/up
-    GEMM from `WARP_SPECIALIZED_FP8_BLOCK_GATE_UP_MIN_HIDDEN` on.
+    GEMM with `WARP_SPECIALIZED_FP8_BLOCK_GATE_UP`.
     """
     if precision == "fp8_block":
-        measured_faster = {"down": WARP_SPECIALIZED_FP8_BLOCK_DOWN,
-                           "gate_up": reduce_dim >= WARP_SPECIALIZED_FP8_BLOCK_GATE_UP_MIN_HIDDEN}[kind]
+        measured_faster = {"down": WARP_SPECIALIZED_FP8_BLOCK_DOWN, "gate_up": WARP_SPECIALIZED_FP8_BLOCK_GATE_UP}[kind]
         if measured_faster and allow_warp_specialized and warp_specialized.available_here():
             return warp_specialized.fp8_block_tile_config()
         return dict(_FP8_BLOCK_TILES["interpreter" if interpreting() else kind])

@@ -142,11 +142,11 @@ def test_fp8_block_kernels_compile_for_sm90a_without_spills(kernel, wide):
 def test_fp8_block_gate_up_compiles_for_sm90a_without_spills(product):
     """The forward's fp8_block gate/up (x's rows gathered by cp.async, g and u as a consumer's two
     accumulators, the SwiGLU and h-quantizing epilogue on them): 168 registers per thread at
-    launch, nothing spilled but 8 bytes (in the SASS: two values of consumer 0, stored once at
+    launch, nothing spilled but 12 bytes (in the SASS: three values of consumer 0, stored once at
     the start and reloaded once per tile, before its K loop; none in the K loops). x and H
     aligned, as fp8_block's H is a multiple of 128: 16-byte copies. With PRODUCT, the down
-    dgrad's product over dOut's gathered token rows (both accumulators stored in fp32): no more
-    than that."""
+    dgrad's product over dOut's gathered token rows (both accumulators stored in fp32, without
+    the h epilogue): no more than 8 bytes."""
     cfg = ws.fp8_block_tile_config()
     meta = dict(HAS_LIMIT=not product, STORE_GATE_UP=not product, PRODUCT=product, BLOCK_M=cfg["BLOCK_M"],
                 BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], STAGES=cfg["num_stages"])
@@ -159,9 +159,10 @@ def test_fp8_block_gate_up_compiles_for_sm90a_without_spills(product):
         **{name: "constexpr" for name in meta},
     }
     registers, spilled = _ptxas_report("_gathered_ws_kernel", signature, meta, aligned=("x_ptr", "hidden"))
-    assert registers == 168 and spilled <= 8, f"{product=}: (registers, spilled bytes) {(registers, spilled)}"
+    report = f"{product=}: (registers, spilled bytes) {(registers, spilled)}"
+    assert registers == 168 and spilled <= (8 if product else 12), report
     if not product:
-        assert spilled == 8, "the gate/up's count above changed: update the docstring"
+        assert spilled == 12, "the gate/up's count above changed: update the docstring"
 
 
 def test_defaults_choose_it_only_where_it_runs():
@@ -430,8 +431,10 @@ def test_fp8_block_layer_with_the_warp_specialized_gate_up_is_bitwise_the_same(m
         out, ctx = mok.forward(config, workspace, schedule, *args)
         return (out, *mok.backward(config, workspace, schedule, ctx, d_out, *args))
 
+    monkeypatch.setattr("mok.kernels.grouped_gemm.WARP_SPECIALIZED_FP8_BLOCK_GATE_UP", False)
+    assert "WARP_SPECIALIZED" not in gemm_config("gate_up", 384, 512, "fp8_block")
     expected = step()
-    monkeypatch.setattr("mok.kernels.grouped_gemm.WARP_SPECIALIZED_FP8_BLOCK_GATE_UP_MIN_HIDDEN", 0)
+    monkeypatch.setattr("mok.kernels.grouped_gemm.WARP_SPECIALIZED_FP8_BLOCK_GATE_UP", True)
     assert gemm_config("gate_up", 384, 512, "fp8_block") == ws.fp8_block_tile_config()
     for name, got, want in zip(("out", *Gradients._fields), step(), expected, strict=True):
         assert (got is None and want is None) or torch.equal(got, want), name
@@ -469,8 +472,8 @@ def test_fp8_block_wgrads_are_bitwise_the_triton_kernel(T, H, I, E, topk, skewed
 @pytest.mark.gpu
 def test_defaults_choose_the_schedule_by_reduction_on_hopper():
     """Ping-pong for short reductions, cooperative for the long down wgrad, the gate/up GEMMs
-    of the backward, and every fp8_block GEMM but the forward's gate/up at small H (the down
-    dgrad's GEMM at any H, into its product, dOut's token rows gathered); the
+    of the backward, and every fp8_block GEMM (the down dgrad's GEMM into its product, dOut's
+    token rows gathered); the
     Triton kernels for the long down GEMM, with main_grad and for peer stores
     (`allow_warp_specialized=False`)."""
     assert gemm_config("down", 2048, 768) == ws.tile_config(cooperative=False)
@@ -487,8 +490,8 @@ def test_defaults_choose_the_schedule_by_reduction_on_hopper():
     assert dgrad_config("gate_up", 2048, 768, "fp8_block") == ws.fp8_block_tile_config()
     assert dgrad_config("gate_up", 7168, 2048, "fp8_block") == ws.fp8_block_tile_config()
     assert gemm_config("down", 2048, 768, "fp8_block") == ws.fp8_block_tile_config()
-    assert "WARP_SPECIALIZED" not in gemm_config("gate_up", 768, 2048, "fp8_block")
-    assert gemm_config("gate_up", 2048, 7168, "fp8_block") == ws.fp8_block_tile_config()
+    for hidden in (2048, 7168):
+        assert gemm_config("gate_up", 768, hidden, "fp8_block") == ws.fp8_block_tile_config()
     for hidden in (2048, 7168):
         assert dgrad_config("down", 768, hidden, "fp8_block") == ws.fp8_block_tile_config()
         assert dgrad.fp8_block_down_dgrad_gathers(hidden)
