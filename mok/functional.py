@@ -308,13 +308,18 @@ def build_schedule(
 @dataclass(eq=False)
 class ForwardContext:
     """What forward leaves for backward. `saved` maps names to tensors; the reference
-    backend recomputes everything and saves nothing. Not frozen: a backward with
-    `release_context=True` empties `saved` and sets `released`."""
+    backend recomputes everything and saves nothing. `routed_weights`: in mxfp8 and
+    fp8_block on the triton backend, the routed weights' quantized copies the forward's GEMMs
+    read, which the backward's read too (as autograd's saved tensors would): without them a
+    step captured in a CUDA graph, or traced by torch.compile, where no copy is cached,
+    quantized every weight twice. Not frozen: a backward with `release_context=True` empties
+    `saved` and `routed_weights` and sets `released`."""
 
     backend: str
     precision: str
     saved: dict[str, torch.Tensor] = field(default_factory=dict)
     released: bool = False  # a backward with release_context=True consumed `saved`
+    routed_weights: tuple = ()  # (w_gate, w_up, w_down) as `_triton_routed_weights` gives them, or ()
 
 
 def _fp8_round(t: torch.Tensor, precision: str, is_weight: bool) -> torch.Tensor:
@@ -567,7 +572,8 @@ def _forward_checked(config, workspace, schedule, x, topk_weights, shared, route
         out, saved = _triton_forward(schedule, x, topk_weights, shared, routed, swiglu_limit, needs_backward)
         if config.strict:
             check_errors(workspace)
-        return out, ForwardContext(schedule.backend, config.precision, saved)
+        copies = routed if needs_backward and config.precision != "bf16" else ()
+        return out, ForwardContext(schedule.backend, config.precision, saved, routed_weights=copies)
     out = _reference_call(
         reference.moe_forward, config, workspace, schedule, x, topk_weights, *shared, *routed, swiglu_limit,
     )
@@ -823,7 +829,11 @@ def backward(
     `release_context=True` frees the context's activations as soon as the backward has read
     them (h after the down weight gradient, g,u after the down dgrad), so the weight
     gradients never sit next to them; the context then serves no second backward (`moe`
-    releases it unless autograd keeps the graph, `retain_graph=True`)."""
+    releases it unless autograd keeps the graph, `retain_graph=True`).
+
+    In mxfp8 and fp8_block the backward's GEMMs read the routed weights' quantized copies that
+    the forward made and left in the context, as autograd's saved tensors would be read: the
+    weights given here are checked, not quantized again."""
     _check_call(config, workspace, schedule, x, topk_weights, ws_gate, ws_up, ws_down, w_gate, w_up, w_down)
     main_grads = _check_main_grads(main_grads, dict(zip(_ROUTED + _SHARED, (w_gate, w_up, w_down, ws_gate, ws_up, ws_down))))
     if not isinstance(context, ForwardContext) or context.precision != config.precision:
@@ -838,7 +848,9 @@ def backward(
         raise ValueError(f"context: expected a context of the triton backend (the schedule's), got {context.backend!r}")
     context.released = release_context
     if schedule.backend == "triton":
-        routed = _triton_routed_weights(config.precision, (w_gate, w_up, w_down))
+        routed = context.routed_weights or _triton_routed_weights(config.precision, (w_gate, w_up, w_down))
+        if release_context:
+            context.routed_weights = ()
         saved = context.saved if release_context else dict(context.saved)  # taken from as the backward reads
         return _triton_backward(
             schedule, saved, d_out, x, topk_weights, (ws_gate, ws_up, ws_down), routed, swiglu_limit, main_grads

@@ -467,3 +467,45 @@ def test_low_precision_layer_run_twice_and_weight_cache(kernel_device, monkeypat
     want = quantize(inp.w_down, True, True) if precision == "mxfp8" else quantize(inp.w_down)
     for got, expected in zip(copies[2], want):
         assert torch.equal(_bits(got), _bits(expected)), ctx
+
+
+@pytest.mark.parametrize("precision", ["fp8_block", "mxfp8"])
+def test_backward_reads_the_forwards_weight_copies(kernel_device, monkeypatch, precision):
+    """Where no copy is cached between forward and backward (a step captured in a CUDA graph or
+    traced by torch.compile quantizes on every call; here the cache is emptied in between), the
+    backward reads the copies the forward made: each routed weight quantized once per step, and
+    the gradients bitwise those of a step that found them cached. A backward with
+    release_context=True drops them with the activations."""
+    T, H, I, E, topk = 19, 128, 128, 5, 2
+    inp = OddCase(T, H, I, E, topk, routing="few experts").inputs(seed=10, device=kernel_device)
+    ctx = f"{precision} {T=} {H=} {I=} {E=} {topk=}"
+    d_out = torch.randn(T, H, generator=torch.Generator().manual_seed(10)).bfloat16().to(kernel_device)
+    quantized = []
+    quantize = getattr(ops, _WEIGHT_COPY_OP[precision])
+    routed = (inp.w_gate, inp.w_up, inp.w_down)
+
+    def recording(t, *args):  # mxfp8_round also rounds activations: record the weights only
+        if any(t is w for w in routed):
+            quantized.append(t)
+        return quantize(t, *args)
+
+    monkeypatch.setattr(ops, _WEIGHT_COPY_OP[precision], recording)
+    config = mok.MoKConfig(precision=precision, backend="triton")
+    ws = mok.get_workspace(config, None, device=inp.x.device, num_local_tokens=T, hidden_size=H, topk=topk)
+    sched = mok.build_schedule(ws, config, inp.topk_ids, num_local_experts=E, has_shared_expert=False)
+    args = (inp.x, inp.topk_weights, None, None, None, inp.w_gate, inp.w_up, inp.w_down)
+
+    def step(cached: bool):
+        functional._WEIGHT_COPY_CACHE.clear()
+        quantized.clear()
+        _, context = mok.forward(config, ws, sched, *args)
+        assert [id(w) for w in quantized] == [id(w) for w in routed], ctx
+        if not cached:
+            functional._WEIGHT_COPY_CACHE.clear()
+        grads = mok.backward(config, ws, sched, context, d_out, *args, release_context=True)
+        assert [id(w) for w in quantized] == [id(w) for w in routed], f"the backward quantized again {ctx}"
+        assert context.released and context.routed_weights == (), ctx
+        return grads
+
+    for name, a, b in zip(reference.Gradients._fields, step(cached=True), step(cached=False), strict=True):
+        assert (a is None and b is None) or torch.equal(a, b), f"{name} {ctx}"
