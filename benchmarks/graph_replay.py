@@ -12,7 +12,7 @@ import torch
 import mok
 from mok.bench.presets import PRESETS
 from mok.testing import make_inputs
-from mok.testing.timing import times_ms
+from mok.testing.timing import capture_cuda_graph, times_ms
 
 p = PRESETS[sys.argv[1] if len(sys.argv) > 1 else "qwen3-30b"]
 inp = make_inputs(p.num_tokens, p.hidden_size, p.intermediate_size, p.num_experts, p.topk,
@@ -26,15 +26,7 @@ for precision in ("bf16", "fp8_block"):
         out = mok.moe(inp.x, inp.topk_ids, inp.topk_weights, *inp.weights, config=config)
         return torch.autograd.grad(out, leaves, d_out, allow_unused=True)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = fn()
+    graph, captured = capture_cuda_graph(fn, warmup=3)
     graph.replay()
     eager = fn()
     same = all(a is None or torch.equal(a, b) for a, b in zip(captured, eager))

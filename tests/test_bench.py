@@ -14,7 +14,7 @@ from mok.bench import report, runner
 from mok.bench.baselines import torch_moe
 from mok.reference import Gradients
 from mok.testing import TOLERANCES, cosine_similarity, make_inputs, make_topk_ids, relative_error
-from mok.testing.timing import PeakMemory, back_to_back_ms, percentile, time_ms
+from mok.testing.timing import PeakMemory, back_to_back_ms, capture_cuda_graph, percentile, time_ms
 
 FAST = ["--reps", "1", "--warmup", "0"]
 CUSTOM = ["--tokens", "37", "--hidden", "64", "--intermediate", "32", "--experts", "4", "--topk", "2"]
@@ -264,6 +264,8 @@ def test_timing_helpers_on_cpu():
     with PeakMemory("cpu") as mem:
         pass
     assert mem.peak_gb is None and mem.delta_gb is None
+    with pytest.raises(ValueError, match="warmup"):  # checked before any CUDA call
+        capture_cuda_graph(lambda: None, warmup=-1)
 
 
 def test_gpu_slug():

@@ -9,6 +9,7 @@ import mok
 from mok import reference
 from mok.bench.presets import PRESETS
 from mok.testing import assert_close_to_reference, make_inputs
+from mok.testing.timing import capture_cuda_graph
 
 pytestmark = pytest.mark.gpu
 
@@ -53,14 +54,7 @@ def test_cuda_graph_replay_equals_eager():
     layer, inp = _layer_and_inputs()
     with torch.no_grad():
         eager = layer(inp.x, inp.topk_ids, inp.topk_weights)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            layer(inp.x, inp.topk_ids, inp.topk_weights)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_out = layer(inp.x, inp.topk_ids, inp.topk_weights)
+        graph, static_out = capture_cuda_graph(lambda: layer(inp.x, inp.topk_ids, inp.topk_weights))
         # New routing and tokens in the same buffers: the replay must follow them.
         fresh = make_inputs(2048, 1024, 512, 32, 4, seed=5, device="cuda")
         inp.x.copy_(fresh.x)

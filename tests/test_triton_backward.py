@@ -11,6 +11,7 @@ import torch
 import mok
 from mok import functional, ops, reference
 from mok.testing import ODD_CASES, TOLERANCES, OddCase, assert_close_to_reference, make_inputs
+from mok.testing.timing import capture_cuda_graph
 
 
 def _leaves(inp):
@@ -274,14 +275,7 @@ def test_gpu_backward_no_host_sync_and_cuda_graph(precision):
         step()
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    graph, captured = capture_cuda_graph(step)
     graph.replay()
     torch.cuda.synchronize()
     for name, a, b in zip(eager._fields, eager, captured):
@@ -423,41 +417,60 @@ def _bits(t):
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
+class _RecordedLayer:
+    """A small low-precision layer through the functional API (19 tokens, H = I = 128, 5
+    experts, topk 2, no shared expert) whose routed weights' quantizations are recorded in
+    `quantized` (`quantize` the op itself)."""
+
+    def __init__(self, kernel_device, monkeypatch, precision, seed):
+        T, H, I, E, topk = 19, 128, 128, 5, 2
+        self.inp = inp = OddCase(T, H, I, E, topk, routing="few experts").inputs(seed=seed, device=kernel_device)
+        self.ctx = f"{precision} {T=} {H=} {I=} {E=} {topk=}"
+        self.d_out = torch.randn(T, H, generator=torch.Generator().manual_seed(seed)).bfloat16().to(kernel_device)
+        self.routed = (inp.w_gate, inp.w_up, inp.w_down)
+        self.quantized = []
+        self.quantize = quantize = getattr(ops, _WEIGHT_COPY_OP[precision])
+
+        def recording(t, *args):  # mxfp8_round also rounds activations: record the weights only
+            if any(t is w for w in self.routed):
+                self.quantized.append(t)
+            return quantize(t, *args)
+
+        monkeypatch.setattr(ops, _WEIGHT_COPY_OP[precision], recording)
+        self.config = mok.MoKConfig(precision=precision, backend="triton")
+        self.ws = mok.get_workspace(self.config, None, device=inp.x.device, num_local_tokens=T, hidden_size=H,
+                                    topk=topk)
+        self.sched = mok.build_schedule(self.ws, self.config, inp.topk_ids, num_local_experts=E,
+                                        has_shared_expert=False)
+        self.args = (inp.x, inp.topk_weights, None, None, None, inp.w_gate, inp.w_up, inp.w_down)
+
+    def forward(self):
+        return mok.forward(self.config, self.ws, self.sched, *self.args)
+
+    def backward(self, context, **kwargs):
+        return mok.backward(self.config, self.ws, self.sched, context, self.d_out, *self.args, **kwargs)
+
+
 @pytest.mark.parametrize("precision", ["fp8_block", "mxfp8"])
 def test_low_precision_layer_run_twice_and_weight_cache(kernel_device, monkeypatch, precision):
     """Through the functional API, twice: bitwise run to run, within the bars against the
     reference, each routed weight quantized once per version (forward, backward and the second
     step share the copies); an in-place update (an optimizer step) then makes only that weight
     quantize again."""
-    T, H, I, E, topk = 19, 128, 128, 5, 2
-    inp = OddCase(T, H, I, E, topk, routing="few experts").inputs(seed=9, device=kernel_device)
-    ctx = f"{T=} {H=} {I=} {E=} {topk=}"
-    d_out = torch.randn(T, H, generator=torch.Generator().manual_seed(9)).bfloat16().to(kernel_device)
-    quantized = []
-    quantize = getattr(ops, _WEIGHT_COPY_OP[precision])
-    routed = (inp.w_gate, inp.w_up, inp.w_down)
-
-    def recording(t, *args):  # mxfp8_round also rounds activations: record the weights only
-        if any(t is w for w in routed):
-            quantized.append(t)
-        return quantize(t, *args)
-
-    monkeypatch.setattr(ops, _WEIGHT_COPY_OP[precision], recording)
-    config = mok.MoKConfig(precision=precision, backend="triton")
-    ws = mok.get_workspace(config, None, device=inp.x.device, num_local_tokens=T, hidden_size=H, topk=topk)
-    sched = mok.build_schedule(ws, config, inp.topk_ids, num_local_experts=E, has_shared_expert=False)
-    args = (inp.x, inp.topk_weights, None, None, None, inp.w_gate, inp.w_up, inp.w_down)
+    layer = _RecordedLayer(kernel_device, monkeypatch, precision, seed=9)
+    inp, ctx, d_out, quantized, quantize, routed = (layer.inp, layer.ctx, layer.d_out, layer.quantized,
+                                                    layer.quantize, layer.routed)
 
     def step():
-        out, saved = mok.forward(config, ws, sched, *args)
-        return out, mok.backward(config, ws, sched, saved, d_out, *args)
+        out, context = layer.forward()
+        return out, layer.backward(context)
 
     (out, grads), (out_again, grads_again) = step(), step()
     assert torch.equal(out, out_again), f"out: run twice differs {ctx}"
     for name, a, b in zip(grads._fields, grads, grads_again):
         assert (a is None and b is None) or torch.equal(a, b), f"{name}: run twice differs {ctx}"
     assert [id(w) for w in quantized] == [id(inp.w_gate), id(inp.w_up), id(inp.w_down)], ctx
-    mok.check_errors(ws)
+    mok.check_errors(layer.ws)
     _assert_low_precision_within_bars(precision, out, grads, inp, d_out, ctx)
 
     with torch.no_grad():
@@ -476,33 +489,17 @@ def test_backward_reads_the_forwards_weight_copies(kernel_device, monkeypatch, p
     backward reads the copies the forward made: each routed weight quantized once per step, and
     the gradients bitwise those of a step that found them cached. A backward with
     release_context=True drops them with the activations."""
-    T, H, I, E, topk = 19, 128, 128, 5, 2
-    inp = OddCase(T, H, I, E, topk, routing="few experts").inputs(seed=10, device=kernel_device)
-    ctx = f"{precision} {T=} {H=} {I=} {E=} {topk=}"
-    d_out = torch.randn(T, H, generator=torch.Generator().manual_seed(10)).bfloat16().to(kernel_device)
-    quantized = []
-    quantize = getattr(ops, _WEIGHT_COPY_OP[precision])
-    routed = (inp.w_gate, inp.w_up, inp.w_down)
-
-    def recording(t, *args):  # mxfp8_round also rounds activations: record the weights only
-        if any(t is w for w in routed):
-            quantized.append(t)
-        return quantize(t, *args)
-
-    monkeypatch.setattr(ops, _WEIGHT_COPY_OP[precision], recording)
-    config = mok.MoKConfig(precision=precision, backend="triton")
-    ws = mok.get_workspace(config, None, device=inp.x.device, num_local_tokens=T, hidden_size=H, topk=topk)
-    sched = mok.build_schedule(ws, config, inp.topk_ids, num_local_experts=E, has_shared_expert=False)
-    args = (inp.x, inp.topk_weights, None, None, None, inp.w_gate, inp.w_up, inp.w_down)
+    layer = _RecordedLayer(kernel_device, monkeypatch, precision, seed=10)
+    quantized, routed, ctx = layer.quantized, layer.routed, layer.ctx
 
     def step(cached: bool):
         functional._WEIGHT_COPY_CACHE.clear()
         quantized.clear()
-        _, context = mok.forward(config, ws, sched, *args)
+        _, context = layer.forward()
         assert [id(w) for w in quantized] == [id(w) for w in routed], ctx
         if not cached:
             functional._WEIGHT_COPY_CACHE.clear()
-        grads = mok.backward(config, ws, sched, context, d_out, *args, release_context=True)
+        grads = layer.backward(context, release_context=True)
         assert [id(w) for w in quantized] == [id(w) for w in routed], f"the backward quantized again {ctx}"
         assert context.released and context.routed_weights == (), ctx
         return grads

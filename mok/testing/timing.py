@@ -10,6 +10,9 @@ inside the timed loop: launches queue ahead, as in training); elsewhere it uses
 `back_to_back_ms(fn, reps=, device=)` is the mean time per call of `reps` calls queued
 back to back between one pair of events (no event between calls).
 
+`capture_cuda_graph(fn, warmup=)` captures one call of `fn` in a CUDA graph, after `warmup`
+calls on a side stream, as capture wants; it returns the graph and the call's (static) result.
+
 `PeakMemory(device)` is a context manager that reports the CUDA caching allocator's peak
 inside the block (`torch.cuda.max_memory_allocated` after `reset_peak_memory_stats`),
 both absolute and relative to what was allocated on entry. On CPU it reports None.
@@ -23,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["time_ms", "times_ms", "summarize_ms", "back_to_back_ms", "percentile", "PeakMemory"]
+__all__ = ["time_ms", "times_ms", "summarize_ms", "back_to_back_ms", "capture_cuda_graph", "percentile", "PeakMemory"]
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -127,6 +130,24 @@ def back_to_back_ms(fn: Callable[[], object], *, reps: int = 50, device: torch.d
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / reps
+
+
+def capture_cuda_graph(fn: Callable[[], object], *, warmup: int = 1) -> tuple[torch.cuda.CUDAGraph, object]:
+    """(graph, result): `fn` run `warmup` times on a side stream (kernels compiled, the
+    allocator's blocks made, away from the capturing stream's history), then once under capture.
+    `result` is that captured call's return value: its tensors hold each replay's output."""
+    if warmup < 0:
+        raise ValueError(f"warmup: expected >= 0, got {warmup}")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = fn()
+    return graph, result
 
 
 class PeakMemory:
