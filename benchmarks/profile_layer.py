@@ -40,8 +40,10 @@ def main() -> None:
         profile_layer(args)
 
 
-def layer_step(preset: str, precision: str, backward: bool) -> Callable[[], None]:
-    """One mok layer call (and its backward) on a preset's inputs, seeded, on the GPU."""
+def layer_step(preset: str, precision: str, backward: bool) -> Callable[[], object]:
+    """One mok layer call (and its backward) on a preset's inputs, seeded, on the GPU; the
+    step returns the output, or with `backward` the gradients of x, the router weights and
+    every weight."""
     p = PRESETS[preset]
     inp = make_inputs(p.num_tokens, p.hidden_size, p.intermediate_size, p.num_experts, p.topk,
                       p.shared_intermediate_size, seed=0, device="cuda")
@@ -51,8 +53,7 @@ def layer_step(preset: str, precision: str, backward: bool) -> Callable[[], None
 
     def step():
         out = mok.moe(inp.x, inp.topk_ids, inp.topk_weights, *inp.weights, config=config)
-        if backward:
-            torch.autograd.grad(out, leaves, d_out)
+        return torch.autograd.grad(out, leaves, d_out) if backward else out
 
     return step
 
