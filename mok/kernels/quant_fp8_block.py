@@ -69,8 +69,9 @@ bitwise against the Triton kernel on the GPU). Triton lays a tile out for its lo
 columns per thread) and again for the transposed stores (rows per thread), and moves the
 e4m3 bytes between the two through shared memory one byte at a time; there each thread holds
 16 rows × 8 columns in both, so the transpose moves no data, and each column's scale and each
-row's route are computed once rather than by every thread that holds them. The Triton kernel
-stays the interpreter's path.
+row's route are computed once rather than by every thread that holds them. The weights'
+quantizer runs the same way (`_quantize_weight_128x128_gluon_kernel`, 16 rows × 8 columns of
+a 128×128 block per thread). The Triton kernels stay the interpreter's path.
 """
 
 from __future__ import annotations
@@ -116,6 +117,13 @@ _ACT_BLOCK_M = 32
 # Weights: one 128×128 block per program (the scale's granularity; the transposed store
 # needs the whole block's amax first).
 _WEIGHT_BLOCK = FP8_BLOCK
+# On an NVIDIA GPU the Gluon kernel instead: one block per program at 16 rows × 8 columns per
+# thread and 4 warps (`_sorted_t_layouts`' shape for 128 columns). H200, the three routed
+# weights (log h200-20261202-weight-quantizers-gluon.log): qwen3-30b 1.10 -> 0.84 ms (2.2 ->
+# 2.9 TB/s), deepseek-v3-slice 2.47 -> 1.96, mixtral-8x7b 2.45 -> 2.00; bitwise the Triton kernel.
+_WEIGHTS_GLUON = True
+_WEIGHT_ROWS_PER_THREAD = tl.constexpr(16)
+_WEIGHT_GLUON_NUM_WARPS = 4
 # Sorted-layout operands: one 128-row block × 64 columns per program at 4 warps (16 KiB of
 # bf16 in, 8 KiB of fp8 out: 128-byte rows on both sides, so loads and transposed stores
 # coalesce). 128 or 256 columns, or 8 warps, measured 10–80% slower on H200 (log
@@ -456,6 +464,44 @@ def _quantize_sorted_t_gluon_kernel(
                     row0, width, capacity_rows, _BLOCK, _BLOCK)
 
 
+@gluon.jit
+def _quantize_weight_128x128_gluon_kernel(
+    w_ptr, q_ptr, scale_ptr, q_t_ptr, scale_t_ptr,  # as `_quantize_weight_128x128_kernel`'s
+    N, K, num_n_blocks, num_k_blocks,
+    stride_w_e, stride_w_n,
+):
+    """`_quantize_weight_128x128_kernel` on the GPU, one 128×128 block per program, in the
+    layouts of `_sorted_t_layouts` at 16 rows per thread and 4 warps: each thread holds the
+    same 16 × 8 elements of the block and of its transpose, so q goes out in 8-byte runs of its
+    rows and q_t in 16-byte runs of its rows, without Triton's byte-wise round trip through
+    shared memory for the transpose. The same device functions, so the same bytes."""
+    LOAD: gl.constexpr = _sorted_t_layouts(_WEIGHT_ROWS_PER_THREAD, gl.num_warps())[0]  # [128 (N), 128 (K)]
+    STORE: gl.constexpr = _sorted_t_layouts(_WEIGHT_ROWS_PER_THREAD, gl.num_warps())[1]  # [128 (K), 128 (N)]
+    nb, kb, e = gl.program_id(0), gl.program_id(1), gl.program_id(2).to(gl.int64)
+    n_offs = nb * _BLOCK + gl.arange(0, _BLOCK, layout=gl.SliceLayout(1, LOAD))
+    k_offs = kb * _BLOCK + gl.arange(0, _BLOCK, layout=gl.SliceLayout(0, LOAD))
+    mask = (n_offs < N)[:, None] & (k_offs < K)[None, :]
+    w = gl.load(w_ptr + e * stride_w_e + n_offs.to(gl.int64)[:, None] * stride_w_n + k_offs[None, :], mask=mask,
+                other=0.0).to(gl.float32)
+    amax_bits = gl.max(gl.max(w.to(gl.int32, bitcast=True) & _FP32_ABS_MASK, axis=1), axis=0)  # scalar int32
+    scale, reciprocal = _block_scales(amax_bits)
+    q = _quantize_elements(w, reciprocal, False)  # [128 (N), 128 (K)] uint8
+    nk = N.to(gl.int64) * K
+    gl.store(q_ptr + e * nk + n_offs.to(gl.int64)[:, None] * K + k_offs[None, :], q, mask=mask)
+    # The transpose's bytes are cast again from the transposed fp32 tile, as the transposing
+    # quantizer does: permuting the cast's packed bytes instead stored wrong bytes for whole
+    # blocks on H200 (triton 3.6; ragged blocks came out right).
+    w_t = gl.convert_layout(gl.permute(w, (1, 0)), STORE, assert_trivial=True)  # [128 (K), 128 (N)]
+    q_t = _quantize_elements(w_t, reciprocal, False)
+    k_rows = kb * _BLOCK + gl.arange(0, _BLOCK, layout=gl.SliceLayout(1, STORE))
+    n_cols = nb * _BLOCK + gl.arange(0, _BLOCK, layout=gl.SliceLayout(0, STORE))
+    gl.store(q_t_ptr + e * nk + k_rows.to(gl.int64)[:, None] * N + n_cols[None, :], q_t,
+             mask=(k_rows < K)[:, None] & (n_cols < N)[None, :])
+    num_blocks = num_n_blocks * num_k_blocks
+    gl.store(scale_ptr + e * num_blocks + nb * num_k_blocks + kb, scale)
+    gl.store(scale_t_ptr + e * num_blocks + kb * num_n_blocks + nb, scale)
+
+
 # --------------------------------------------------------------------------- launchers
 
 
@@ -539,13 +585,13 @@ def quantize_fp8_block_weights(
     q_t = torch.empty(E, K, N, dtype=torch.uint8, device=w.device)  # [E, K, N] e4m3 bytes
     scale = torch.empty(E, nb, kb, dtype=torch.float32, device=w.device)  # [E, ⌈N/128⌉, ⌈K/128⌉]
     scale_t = torch.empty(E, kb, nb, dtype=torch.float32, device=w.device)  # [E, ⌈K/128⌉, ⌈N/128⌉]
+    args = (w3, q, scale, q_t, scale_t, N, K, nb, kb, w3.stride(0), w3.stride(1))
     if E > 0 and N > 0 and K > 0:
-        _quantize_weight_128x128_kernel[(nb, kb, E)](
-            w3, q, scale, q_t, scale_t,
-            N, K, nb, kb,
-            w3.stride(0), w3.stride(1),
-            INTERPRETER=interpreting(), BLOCK=_WEIGHT_BLOCK, num_warps=8,
-        )
+        if _WEIGHTS_GLUON and w.device.type == "cuda" and not interpreting():
+            _quantize_weight_128x128_gluon_kernel[(nb, kb, E)](*args, num_warps=_WEIGHT_GLUON_NUM_WARPS)
+        else:
+            _quantize_weight_128x128_kernel[(nb, kb, E)](*args, INTERPRETER=interpreting(), BLOCK=_WEIGHT_BLOCK,
+                                                         num_warps=8)
     outs = (q.view(torch.float8_e4m3fn), scale, q_t.view(torch.float8_e4m3fn), scale_t)
     return tuple(t.squeeze(0) for t in outs) if squeeze else outs
 

@@ -337,6 +337,20 @@ def test_sorted_t_gluon_compiles_for_sm90a_without_spills(variant):
     assert spilled == 0 and registers <= 168, f"{variant}: {registers} registers, {spilled} bytes spilled"
 
 
+@pytest.mark.parametrize("element", ["bf16", "fp32"])
+def test_weights_gluon_compiles_for_sm90a_without_spills(element):
+    """Any machine: the Gluon weight quantizer compiles for Hopper (its transpose is asserted to
+    move no data) and spills nothing (ptxas, sm_90a: 254 registers for bf16, 201 for fp32). On a
+    GPU, `test_weights_random` and `test_weight_edge_cases` check its bytes against the reference."""
+    kernel = qf._quantize_weight_128x128_gluon_kernel
+    pointer_types = {"w_ptr": f"*{element}", "q_ptr": "*u8", "q_t_ptr": "*u8"}
+    signature = {name: pointer_types.get(name, "*fp32") if name.endswith("_ptr") else "i32" for name in kernel.arg_names}
+    aligned = tuple(name for name in signature if name.endswith("_ptr")) + ("N", "K", "stride_w_e", "stride_w_n")
+    registers, spilled = gluon_ptxas_report("mok.kernels.quant_fp8_block", "_quantize_weight_128x128_gluon_kernel",
+                                            signature, {}, aligned, num_warps=qf._WEIGHT_GLUON_NUM_WARPS)
+    assert spilled == 0, f"{element}: {registers} registers, {spilled} bytes spilled"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or interpreting(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("rows_per_thread, num_warps", [(16, 4), (8, 4), (16, 2)])
 def test_sorted_t_gluon_is_bitwise_the_triton_kernel(monkeypatch, rows_per_thread, num_warps):
