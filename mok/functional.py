@@ -429,6 +429,16 @@ def _weight_copy(w: torch.Tensor, precision: str) -> _Fp8BlockWeight | _Mxfp8Wei
     return cached[1]
 
 
+def routed_weight_copies(weights: Sequence[torch.Tensor], precision: str) -> tuple:
+    """Fresh copies of routed weights in the layouts `precision`'s GEMMs read (fp8_block: each
+    weight's e4m3 blocks and scales, both orientations; mxfp8: its two rounded bf16 copies), one
+    kernel launch per weight and no cache: what each in-place update of the weights adds to the
+    step that follows it (the layer makes them once per version of a weight)."""
+    if precision not in _WEIGHT_COPIES:
+        raise ValueError(f"precision: expected one of {sorted(_WEIGHT_COPIES)}, got {precision!r}")
+    return tuple(_WEIGHT_COPIES[precision](w) for w in weights)
+
+
 def _triton_routed_weights(precision: str, routed: tuple[torch.Tensor, ...]) -> tuple:
     """The routed weights as the triton backend's expert GEMMs take them: the bf16 tensors, or
     their `_Fp8BlockWeight`s / `_Mxfp8Weight`s, which select those precisions' paths in

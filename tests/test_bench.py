@@ -93,6 +93,18 @@ def test_cli_writes_record_and_plot(tmp_path, args):
         assert dims == (37, 64, 2, 0)
 
 
+def test_low_precision_rows_time_a_weight_update(tmp_path, capsys):
+    """mok's low-precision rows carry what an update of the routed weights adds to the next step
+    (their copies, which the timed steps find cached), in the record and the printed table; bf16
+    rows have no such cost."""
+    rc, rec, _ = _run(tmp_path, "--preset", "tiny", "--impl", "mok", "--precision", "bf16,fp8_block", "--pass", "fwd")
+    assert rc == 0
+    rows = {r["precision"]: r for r in rec["results"]}
+    assert rows["fp8_block"]["status"] == "ok" and rows["fp8_block"]["extra"]["weight_update_ms"] > 0
+    assert "weight_update_ms" not in rows["bf16"]["extra"]
+    assert "each in-place update of the routed weights adds" in capsys.readouterr().out
+
+
 def test_wrong_impl_is_reported_fail_and_not_timed(tmp_path, monkeypatch):
     calls = []
 

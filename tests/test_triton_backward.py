@@ -506,3 +506,20 @@ def test_backward_reads_the_forwards_weight_copies(kernel_device, monkeypatch, p
 
     for name, a, b in zip(reference.Gradients._fields, step(cached=True), step(cached=False), strict=True):
         assert (a is None and b is None) or torch.equal(a, b), f"{name} {ctx}"
+
+
+@pytest.mark.parametrize("precision", ["fp8_block", "mxfp8"])
+def test_routed_weight_copies_are_fresh_and_the_layers_own(kernel_device, monkeypatch, precision):
+    """`functional.routed_weight_copies` (what the benchmark times as a weight update's cost)
+    quantizes every weight on each call, cache or not, into the same bits as the copies the
+    layer's forward reads; a precision without copies is refused by name."""
+    layer = _RecordedLayer(kernel_device, monkeypatch, precision, seed=11)
+    _, context = layer.forward()
+    layer.quantized.clear()
+    copies = functional.routed_weight_copies(layer.routed, precision)
+    assert [id(w) for w in layer.quantized] == [id(w) for w in layer.routed], layer.ctx
+    for fresh, used in zip(copies, context.routed_weights, strict=True):
+        for a, b in zip(fresh, used, strict=True):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), layer.ctx
+    with pytest.raises(ValueError, match=r"^precision: expected one of \['fp8_block', 'mxfp8'\], got 'bf16'"):
+        functional.routed_weight_copies(layer.routed, "bf16")

@@ -177,7 +177,10 @@ def result_line(r: Result) -> str:
         return f"{what}: {r.status}" + (f": {first}" if first else "")
     speedup = "" if r.speedup is None else f" ({r.speedup:.2f}×)"
     peak = "" if r.peak_mem_gb is None else f", peak {r.peak_mem_gb:.2f} GB"
-    return (f"{what}: {_num(r.ms)} ms{speedup}, p20–p80 {_num(r.ms_p20)}–{_num(r.ms_p80)}{peak}, "
+    update = ""
+    if "weight_update_ms" in r.extra:
+        update = f", +{_num(r.extra['weight_update_ms'])} ms per weight update"
+    return (f"{what}: {_num(r.ms)} ms{speedup}, p20–p80 {_num(r.ms_p20)}–{_num(r.ms_p80)}{peak}{update}, "
             f"max rel err {_fmt(r.max_rel_err, '.2e')}, {r.status}")
 
 
@@ -204,6 +207,11 @@ def print_table(results: Sequence[Result], console: Console, title: str = "", cu
             _fmt(r.peak_mem_gb, ".2f"), _fmt(r.max_rel_err, ".2e"), _status(r),
         )
     console.print(table)
+    updates = {(r.preset, _label(r)): r.extra["weight_update_ms"] for r in results if "weight_update_ms" in r.extra}
+    for (preset, label), ms in updates.items():
+        console.print(f"[dim]{preset} {label}: each in-place update of the routed weights adds {_num(ms)} ms to the "
+                      f"next step (their low-precision copies; the timed steps find them cached)[/dim]",
+                      highlight=False)
     shown = set()
     for r in results:
         key = (r.preset, r.impl, r.precision, r.message)

@@ -42,6 +42,7 @@ import mok
 from mok import reference
 from mok.bench.baselines import SonicMoE, grouped_mm_available, torch_ep_moe, torch_moe
 from mok.bench.presets import Preset
+from mok.functional import routed_weight_copies
 from mok.reference import Gradients
 from mok.testing import TOLERANCES, cosine_similarity, make_inputs, mismatch_report, relative_error
 from mok.testing.inputs import MoEInputs
@@ -77,6 +78,9 @@ class Impl:
     extra: dict = field(default_factory=dict)
     peer_bytes: dict[str, int] | None = None  # pass -> bytes this rank sends other ranks (expert parallelism)
     patches: tuple[tuple[str, str, object], ...] = ()
+    # What one in-place update of the routed weights adds to the next step (mok's low
+    # precisions: the weights' copies, which the timed steps find cached), timed on its own.
+    per_weight_update: Callable[[], object] | None = None
 
 
 def parse_variant(text: str, parser: argparse.ArgumentParser) -> tuple[str, str, object]:
@@ -150,11 +154,13 @@ def _make_sonicmoe(inp: MoEInputs, precision: str) -> Impl:
 
 def _make_mok(inp: MoEInputs, precision: str) -> Impl:
     config = mok.MoKConfig(precision=precision)
+    routed = (inp.w_gate, inp.w_up, inp.w_down)
     return Impl(
         lambda: mok.moe(inp.x, inp.topk_ids, inp.topk_weights, *inp.weights, config=config),
         _leaves(inp),
         _pad_gradients,
         extra={"config": dataclasses.asdict(config)},
+        per_weight_update=None if precision == "bf16" else lambda: routed_weight_copies(routed, precision),
     )
 
 
@@ -515,6 +521,16 @@ def _timing_extra(impl: Impl, pass_: str, timing: _Timing) -> dict:
     return extra
 
 
+def _weight_update_extra(impl: Impl, device) -> dict:
+    """{"weight_update_ms": median ms} of what an update of the routed weights adds to the next
+    step, where the implementation has such a cost; {} otherwise."""
+    if impl.per_weight_update is None:
+        return {}
+    with patched(impl.patches):
+        return {"weight_update_ms": summarize_ms(times_ms(impl.per_weight_update, warmup=2, reps=10,
+                                                          device=device))["median"]}
+
+
 def _free(device) -> None:
     gc.collect()
     if torch.device(device).type == "cuda":
@@ -640,12 +656,13 @@ def run(
                 continue
             timing = _timing(t.times, t.delta_gb, inputs_gb, group)
             stats = timing.stats
+            extra = t.impl.extra | _timing_extra(t.impl, t.pass_, timing) | _weight_update_extra(t.impl, device)
             results.append(Result(
                 pass_=t.pass_, status="ok", ms=stats["median"],
                 tflops=preset.flops(t.pass_) / (stats["median"] * 1e-3) / 1e12,
                 peak_mem_gb=timing.peak_mem_gb, peak_mem_delta_gb=timing.peak_mem_delta_gb,
                 ms_min=stats["min"], ms_p20=stats["p20"], ms_p80=stats["p80"], reps=len(t.times), message=t.impl.note,
-                extra=t.impl.extra | _timing_extra(t.impl, t.pass_, timing), **t.row,
+                extra=extra, **t.row,
             ))
         del checked, inp, d_out
         _free(device)
