@@ -650,13 +650,16 @@ def run(
                     continue
                 t.times += times
                 t.delta_gb = delta_gb if t.delta_gb is None else max(t.delta_gb, delta_gb)
+        weight_updates = {}  # id(impl) -> its `_weight_update_extra`, timed once for all its passes
         for t in timed:
             if t.error is not None:
                 results.append(Result(pass_=t.pass_, status="error", message=t.error, extra=t.impl.extra, **t.row))
                 continue
             timing = _timing(t.times, t.delta_gb, inputs_gb, group)
             stats = timing.stats
-            extra = t.impl.extra | _timing_extra(t.impl, t.pass_, timing) | _weight_update_extra(t.impl, device)
+            if id(t.impl) not in weight_updates:
+                weight_updates[id(t.impl)] = _weight_update_extra(t.impl, device)
+            extra = t.impl.extra | _timing_extra(t.impl, t.pass_, timing) | weight_updates[id(t.impl)]
             results.append(Result(
                 pass_=t.pass_, status="ok", ms=stats["median"],
                 tflops=preset.flops(t.pass_) / (stats["median"] * 1e-3) / 1e12,
