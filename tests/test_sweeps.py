@@ -64,3 +64,36 @@ def test_arithmetic_cost_diagnostic_names_its_variants_and_refuses_others(monkey
         monkeypatch.setattr(sys, "argv", argv)
         with pytest.raises(SystemExit, match="usage: fp8_arithmetic_cost.py"):
             sweep.main()
+
+
+@pytest.mark.parametrize("num_tokens, num_experts, topk", [(8192, 8, 2), (8192, 32, 8), (16384, 128, 8)])
+def test_tile_waves_routing_adds_one_m_tile_per_extra_expert(num_tokens, num_experts, topk):
+    import torch
+
+    from mok.kernels.grouped_gemm import routing_block_m
+
+    sweep = _sweep("tile_waves")
+    block_m = routing_block_m()
+    base_tiles = num_tokens * topk // block_m
+    for extra in (0, 4, 5, 7):
+        ids = sweep.exact_routing(num_tokens, num_experts, topk, extra, torch.Generator().manual_seed(extra))
+        assert ids.shape == (num_tokens, topk), extra
+        assert (ids.sort(dim=1).values.diff(dim=1) != 0).all(), f"{extra=}: an expert twice in a row"
+        counts = torch.bincount(ids.flatten(), minlength=num_experts)
+        assert int(counts.sum()) == num_tokens * topk, extra
+        assert int(((counts + block_m - 1) // block_m).sum()) == base_tiles + extra, extra
+
+
+def test_tile_waves_sweep_times_split_and_whole_last_waves(monkeypatch):
+    from mok.kernels import dgrad, grouped_gemm
+
+    for module in (dgrad, grouped_gemm):  # the GPU's tile configs, also under the interpreter
+        monkeypatch.setattr(module, "interpreting", lambda: False)
+    sweep = _sweep("tile_waves")
+    p = PRESETS["mixtral-8x7b"]
+    for kind in ("down", "gate_up_dgrad"):
+        split, whole, *narrow = sweep._configs(kind, p.hidden_size, p.intermediate_size)
+        assert split["SPLIT_LAST_WAVE"] and not whole["SPLIT_LAST_WAVE"], kind
+        assert {k: v for k, v in split.items() if k != "SPLIT_LAST_WAVE"} == {
+            k: v for k, v in whole.items() if k != "SPLIT_LAST_WAVE"}, kind
+        assert [c["BLOCK_N"] for c in narrow] == [128, 64] and not any(c["SPLIT_LAST_WAVE"] for c in narrow), kind

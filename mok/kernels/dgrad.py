@@ -80,7 +80,15 @@ import triton.language as tl
 from mok.fp8_block import FP8_BLOCK
 from mok.kernels import grouped_gemm, warp_specialized
 from mok.kernels.comm import PeerRows, signal_peers
-from mok.kernels.common import column_halves, interpreting, round_to_bf16, tile_coordinates, tma_descriptor
+from mok.kernels.common import (
+    column_halves,
+    interpreting,
+    last_wave_tile_coordinates,
+    num_sms,
+    round_to_bf16,
+    tile_coordinates,
+    tma_descriptor,
+)
 from mok.kernels.gather import check_sorted_rows
 from mok.kernels.grouped_gemm import (
     check_fp8_block_pair,
@@ -90,6 +98,7 @@ from mok.kernels.grouped_gemm import (
     routing_block_m,
     scatter_grid,
     scatter_rows_to_slots,
+    last_wave_config,
     sorted_rows_tile,
 )
 from mok.kernels.schedule import RoutingSchedule
@@ -184,7 +193,8 @@ def dgrad_config(
     at 4 stages on every preset (record h200-20261130-tiles-v2.json). The gate/up dgrad
     runs persistent at 4 stages for wide outputs (H ≥ `PERSISTENT_GATE_UP_MIN_HIDDEN`;
     deepseek-v3-slice 6.21 -> 5.39 ms; qwen3-30b and mixtral-8x7b within ±2% either
-    way, record h200-20261130-persistent.json). On Hopper the gate/up dgrad runs the
+    way, record h200-20261130-persistent.json); per tile, its last wave runs in column halves
+    with `grouped_gemm.SPLIT_LAST_WAVE`. On Hopper the gate/up dgrad runs the
     cooperative warp-specialized kernel up to `COOPERATIVE_GATE_UP_DGRAD_MAX_INTER` unless
     `allow_warp_specialized` is False (stores to other ranks). Under the interpreter, small
     tiles keep the CPU tests fast. The key never includes per-expert counts (they change every step).
@@ -196,15 +206,16 @@ def dgrad_config(
         if _fp8_block_warp_specialized(kind, allow_warp_specialized):
             return warp_specialized.fp8_block_tile_config()
         return dict(BLOCK_M=routing_block_m(), **_FP8_BLOCK_TILES["interpreter" if interpreting() else kind])
+    split = dict(SPLIT_LAST_WAVE=grouped_gemm.SPLIT_LAST_WAVE) if kind == "gate_up" else {}
     if interpreting():
-        return dict(BLOCK_M=routing_block_m(), BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1)
+        return dict(BLOCK_M=routing_block_m(), BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1, **split)
     gate_up_warp_specialized = kind == "gate_up" and allow_warp_specialized and warp_specialized.available_here()
     if gate_up_warp_specialized and reduce_dim <= COOPERATIVE_GATE_UP_DGRAD_MAX_INTER:
         return warp_specialized.tile_config(cooperative=True)
     cfg = dict(BLOCK_M=routing_block_m(), BLOCK_N=256, BLOCK_K=64, GROUP_M=grouped_gemm.GEMM_GROUP_M, num_warps=8,
-               num_stages=3)
+               num_stages=3, **split)
     if kind == "gate_up" and n_dim >= PERSISTENT_GATE_UP_MIN_HIDDEN:
-        cfg.update(num_stages=4, PERSISTENT=True)
+        cfg.update(num_stages=4, PERSISTENT=True, SPLIT_LAST_WAVE=False)
     return cfg
 
 
@@ -375,14 +386,15 @@ def _gate_up_dgrad_tile(
 
 @triton.jit
 def _gate_up_dgrad_scatter_kernel(
-    # pointers (d_g, d_u, weights: bf16; fp8_block: e4m3, the weights as their transposed copies [E_l, H, I])
-    d_gate_desc, d_up_desc, w_gate_desc, w_up_desc, dx_ptr,
+    # pointers (d_g, d_u, weights: bf16; fp8_block: e4m3, the weights as their transposed copies [E_l, H, I];
+    # the *_half_desc: blocks BLOCK_N // 2 wide, read by the last wave's half tiles with SPLIT_LAST_WAVE)
+    d_gate_desc, d_up_desc, w_gate_desc, w_up_desc, w_gate_half_desc, w_up_half_desc, dx_ptr,
     # fp8_block scales (unused in bf16): d_g, d_u [rows, I/128], w_gateᵀ, w_upᵀ [E_l, H/128, I/128]
     d_gate_scale_ptr, d_up_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr,
     # schedule
     row_source_ptr, tile_expert_ptr, num_rows_ptr,
     # sizes (num_programs: the grid)
-    hidden, inter, max_m_tiles, num_programs,
+    hidden, inter, num_sms, num_programs,
     # strides
     stride_dx_s,
     # expert parallelism (PEER): rows to the sources' slots on their ranks, then one arrival per program
@@ -390,11 +402,11 @@ def _gate_up_dgrad_scatter_kernel(
     # meta
     PRECISION: tl.constexpr, INTERPRETER: tl.constexpr, PEER: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PERSISTENT: tl.constexpr,
+    PERSISTENT: tl.constexpr, SPLIT_LAST_WAVE: tl.constexpr,
 ):
     num_n_tiles = tl.cdiv(hidden, BLOCK_N)
+    num_m_tiles = tl.cdiv(tl.load(num_rows_ptr), BLOCK_M)
     if PERSISTENT:  # as the forward's down GEMM (`grouped_gemm._down_scatter_kernel`)
-        num_m_tiles = tl.cdiv(tl.load(num_rows_ptr), BLOCK_M)
         for tile in tl.range(tl.program_id(0), num_m_tiles * num_n_tiles, num_programs, flatten=True):
             m_tile, n_tile = tile_coordinates(tile, num_m_tiles, num_n_tiles, GROUP_M)
             _gate_up_dgrad_tile(
@@ -404,9 +416,10 @@ def _gate_up_dgrad_scatter_kernel(
                 out_peer_ptrs, return_route_ptr, capacity, num_out_rows,
                 PRECISION, INTERPRETER, PEER, BLOCK_M, BLOCK_N, BLOCK_K,
             )
-    else:
-        m_tile, n_tile = tile_coordinates(tl.program_id(0), max_m_tiles, num_n_tiles, GROUP_M)
-        if m_tile * BLOCK_M < tl.load(num_rows_ptr):
+    else:  # as the forward's down GEMM, the last wave in column halves with SPLIT_LAST_WAVE
+        m_tile, n_tile, half = last_wave_tile_coordinates(
+            tl.program_id(0), num_m_tiles, num_n_tiles, num_sms, GROUP_M, SPLIT_LAST_WAVE)
+        if (m_tile >= 0) & (half < 0):
             _gate_up_dgrad_tile(
                 d_gate_desc, d_up_desc, w_gate_desc, w_up_desc, dx_ptr,
                 d_gate_scale_ptr, d_up_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr,
@@ -414,6 +427,15 @@ def _gate_up_dgrad_scatter_kernel(
                 out_peer_ptrs, return_route_ptr, capacity, num_out_rows,
                 PRECISION, INTERPRETER, PEER, BLOCK_M, BLOCK_N, BLOCK_K,
             )
+        if SPLIT_LAST_WAVE:
+            if half >= 0:
+                _gate_up_dgrad_tile(
+                    d_gate_desc, d_up_desc, w_gate_half_desc, w_up_half_desc, dx_ptr,
+                    d_gate_scale_ptr, d_up_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr,
+                    row_source_ptr, tile_expert_ptr, m_tile, 2 * n_tile + half, hidden, inter, stride_dx_s,
+                    out_peer_ptrs, return_route_ptr, capacity, num_out_rows,
+                    PRECISION, INTERPRETER, PEER, BLOCK_M, BLOCK_N // 2, BLOCK_K,
+                )
     if PEER:
         signal_peers(arrivals_peer_ptrs, arrival_slot, num_ranks, BLOCK_P)  # the receivers count every program
 
@@ -627,16 +649,17 @@ def _launch_gate_up_dgrad_scatter(
         warp_specialized.launch_gate_up_dgrad_scatter(d_gate, d_up, w_gate, w_up, dx, schedule, cfg, scales)
         return dx
     programs = scatter_grid(schedule, hidden, cfg)
-    cfg = {"PERSISTENT": False, **cfg}
+    cfg = {"PERSISTENT": False, "SPLIT_LAST_WAVE": False, **cfg}
     a_block = (cfg["BLOCK_M"], cfg["BLOCK_K"])
-    b_block = _weight_block(precision, cfg)
+    b_block, b_half_block = _weight_block(precision, cfg), _weight_block(precision, last_wave_config(cfg))
     scales = (dx if s is None else s for s in (d_gate_scale, d_up_scale, w_gate_scale, w_up_scale))  # dx: unread
     _gate_up_dgrad_scatter_kernel[(programs,)](
         tma_descriptor(d_gate, a_block), tma_descriptor(d_up, a_block),
-        tma_descriptor(w_gate, b_block), tma_descriptor(w_up, b_block), dx,
+        tma_descriptor(w_gate, b_block), tma_descriptor(w_up, b_block),
+        tma_descriptor(w_gate, b_half_block), tma_descriptor(w_up, b_half_block), dx,
         *scales,
         schedule.row_source, schedule.tile_expert, schedule.num_rows,
-        hidden, inter, schedule.max_tiles, programs,
+        hidden, inter, num_sms(dx.device), programs,
         dx.stride(0),
         *PeerRows.kernel_args(peer_rows, dx),
         PRECISION=precision, INTERPRETER=interpreting(), **PeerRows.kernel_meta(peer_rows), **cfg,

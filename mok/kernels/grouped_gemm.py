@@ -64,7 +64,9 @@ from mok.kernels.comm import PeerRows, peer_row_starts, signal_peers
 from mok.kernels.common import (
     column_halves,
     interpreting,
+    last_wave_tile_coordinates,
     launch_programs,
+    num_sms,
     round_to_bf16,
     tile_coordinates,
     tma_descriptor,
@@ -290,14 +292,15 @@ def _down_tile(
 
 @triton.jit
 def _down_scatter_kernel(
-    # pointers (h, w_down: bf16, or e4m3 with their scales in fp8_block)
-    h_desc, w_down_desc, y_ptr,
+    # pointers (h, w_down: bf16, or e4m3 with their scales in fp8_block; w_down_half_desc: blocks
+    # of BLOCK_N // 2 rows, read by the last wave's half tiles with SPLIT_LAST_WAVE)
+    h_desc, w_down_desc, w_down_half_desc, y_ptr,
     # fp8_block scales (unused in bf16): h [rows, I/128], w_down [E_l, H/128, I/128]
     h_scale_ptr, w_down_scale_ptr,
     # schedule
     row_source_ptr, tile_expert_ptr, num_rows_ptr,
     # sizes (num_programs: the grid)
-    hidden, inter, max_m_tiles, num_programs,
+    hidden, inter, num_sms, num_programs,
     # strides
     stride_y_s,
     # expert parallelism (PEER): rows to the sources' slots on their ranks, then one arrival per program
@@ -305,25 +308,32 @@ def _down_scatter_kernel(
     # meta
     PRECISION: tl.constexpr, INTERPRETER: tl.constexpr, PEER: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PERSISTENT: tl.constexpr,
+    PERSISTENT: tl.constexpr, SPLIT_LAST_WAVE: tl.constexpr,
 ):
     num_n_tiles = tl.cdiv(hidden, BLOCK_N)
+    num_m_tiles = tl.cdiv(tl.load(num_rows_ptr), BLOCK_M)
     # Two call sites, not one loop over a one-tile range in the per-tile case: that form
     # compiled (sm_90a, triton 3.6) to 254 registers and 472 B of spills against 194 and none.
     if PERSISTENT:  # num_programs programs walk the real tiles; the flattened loop overlaps a
         # tile's epilogue with the next tile's first loads
-        num_m_tiles = tl.cdiv(tl.load(num_rows_ptr), BLOCK_M)
         for tile in tl.range(tl.program_id(0), num_m_tiles * num_n_tiles, num_programs, flatten=True):
             m_tile, n_tile = tile_coordinates(tile, num_m_tiles, num_n_tiles, GROUP_M)
             _down_tile(h_desc, w_down_desc, y_ptr, h_scale_ptr, w_down_scale_ptr, row_source_ptr, tile_expert_ptr,
                        m_tile, n_tile, hidden, inter, stride_y_s, out_peer_ptrs, return_route_ptr, capacity,
                        num_out_rows, PRECISION, INTERPRETER, PEER, BLOCK_M, BLOCK_N, BLOCK_K)
     else:
-        m_tile, n_tile = tile_coordinates(tl.program_id(0), max_m_tiles, num_n_tiles, GROUP_M)
-        if m_tile * BLOCK_M < tl.load(num_rows_ptr):
+        m_tile, n_tile, half = last_wave_tile_coordinates(
+            tl.program_id(0), num_m_tiles, num_n_tiles, num_sms, GROUP_M, SPLIT_LAST_WAVE)
+        if (m_tile >= 0) & (half < 0):
             _down_tile(h_desc, w_down_desc, y_ptr, h_scale_ptr, w_down_scale_ptr, row_source_ptr, tile_expert_ptr,
                        m_tile, n_tile, hidden, inter, stride_y_s, out_peer_ptrs, return_route_ptr, capacity,
                        num_out_rows, PRECISION, INTERPRETER, PEER, BLOCK_M, BLOCK_N, BLOCK_K)
+        if SPLIT_LAST_WAVE:
+            if half >= 0:
+                _down_tile(h_desc, w_down_half_desc, y_ptr, h_scale_ptr, w_down_scale_ptr, row_source_ptr,
+                           tile_expert_ptr, m_tile, 2 * n_tile + half, hidden, inter, stride_y_s, out_peer_ptrs,
+                           return_route_ptr, capacity, num_out_rows, PRECISION, INTERPRETER, PEER, BLOCK_M,
+                           BLOCK_N // 2, BLOCK_K)
     if PEER:
         signal_peers(arrivals_peer_ptrs, arrival_slot, num_ranks, BLOCK_P)  # the receivers count every program
 
@@ -405,6 +415,13 @@ WARP_SPECIALIZED_FP8_BLOCK_GATE_UP = True
 # 16 row tiles) measured slower in the layer: mixtral-8x7b forward+backward 28.8 -> 29.2 ms
 # (record h200-20261201-ab-gemm-group.json); `benchmarks/sweeps/group_m.py` times 8, 16, 32.
 GEMM_GROUP_M = 8
+# The bf16 Triton down GEMM and gate/up dgrad, launched one program per tile, compute a last
+# wave of at most half the SMs' tiles as column halves (`common.last_wave_tile_coordinates`),
+# bitwise the whole tiles' output. H200, mixtral-8x7b (H = 4096: 16 column tiles of 256), ms
+# at 132 / 133 M tiles (record h200-20261202-tile-waves.json): down 2.93 / 3.15, gate/up dgrad
+# 5.82 / 6.20; a 128-column tile costs 0.52 (down) and 0.57 (gate/up dgrad) of a 256-column one.
+# False computes every tile whole.
+SPLIT_LAST_WAVE = True
 
 
 def gemm_config(
@@ -422,7 +439,8 @@ def gemm_config(
     warps lose 15%; gate/up reads x copied to the sorted layout from
     `SORTED_X_MIN_INTER` on, unless it takes packed weights (`PACKED_MAX_INTER`); the
     down GEMM runs persistent up to `PERSISTENT_DOWN_MAX_INTER` (record
-    h200-20261130-persistent.json). Under the interpreter, small tiles keep the CPU tests
+    h200-20261130-persistent.json), and per tile above it, its last wave in column halves
+    with `SPLIT_LAST_WAVE`. Under the interpreter, small tiles keep the CPU tests
     fast (BLOCK_M 32, a whole MXFP8 block of rows).
     On Hopper the bf16 down GEMM into local slots runs warp-specialized (ping-pong) up to
     `PING_PONG_DOWN_MAX_INTER`, and cooperative above it with `COOPERATIVE_DOWN`.
@@ -436,7 +454,8 @@ def gemm_config(
             return warp_specialized.fp8_block_tile_config()
         return dict(_FP8_BLOCK_TILES["interpreter" if interpreting() else kind])
     if interpreting():
-        return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1)
+        split = dict(SPLIT_LAST_WAVE=SPLIT_LAST_WAVE) if kind == "down" else {}
+        return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1, **split)
     if kind == "gate_up":
         packed = packed_gate_up and n_dim < PACKED_MAX_INTER
         return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=GEMM_GROUP_M, num_warps=8, num_stages=4,
@@ -446,7 +465,8 @@ def gemm_config(
         return warp_specialized.tile_config(cooperative)
     persistent = reduce_dim <= PERSISTENT_DOWN_MAX_INTER
     return dict(BLOCK_M=128, BLOCK_N=256 if n_dim >= 2048 else 128, BLOCK_K=64, GROUP_M=GEMM_GROUP_M, num_warps=8,
-                num_stages=3 if persistent else 4, PERSISTENT=persistent)
+                num_stages=3 if persistent else 4, PERSISTENT=persistent,
+                SPLIT_LAST_WAVE=SPLIT_LAST_WAVE and not persistent)
 
 
 def routing_block_m() -> int:
@@ -649,8 +669,18 @@ def gate_up_swiglu_fp8_block(
 def scatter_grid(schedule: RoutingSchedule, hidden: int, cfg: dict) -> int:
     """Programs of a launch whose tiles cover [schedule rows, hidden] (the down GEMM, the
     gate/up dgrad): one per tile, or with cfg["PERSISTENT"] one per SM (at most one per
-    tile). Under expert parallelism every one of them signals its arrival."""
-    return launch_programs(schedule.max_tiles * triton.cdiv(hidden, cfg["BLOCK_N"]), cfg, schedule.row_source.device)
+    tile); with cfg["SPLIT_LAST_WAVE"], num_sms // 2 more for the last wave's half tiles
+    (`common.last_wave_tile_coordinates`). Under expert parallelism every one of them
+    signals its arrival."""
+    device = schedule.row_source.device
+    programs = launch_programs(schedule.max_tiles * triton.cdiv(hidden, cfg["BLOCK_N"]), cfg, device)
+    return programs + (num_sms(device) // 2 if cfg.get("SPLIT_LAST_WAVE", False) else 0)
+
+
+def last_wave_config(cfg: dict) -> dict:
+    """The tile config of the last wave's half tiles (SPLIT_LAST_WAVE): BLOCK_N halved, for
+    their weights' TMA blocks; `cfg` itself when it does not split."""
+    return dict(cfg, BLOCK_N=cfg["BLOCK_N"] // 2) if cfg.get("SPLIT_LAST_WAVE", False) else cfg
 
 
 def _launch_down_scatter(
@@ -667,14 +697,15 @@ def _launch_down_scatter(
         return
     hidden, inter = w_down.shape[1], w_down.shape[2]
     programs = scatter_grid(schedule, hidden, cfg)
-    cfg = {"PERSISTENT": False, **cfg}
+    cfg = {"PERSISTENT": False, "SPLIT_LAST_WAVE": False, **cfg}
+    half = last_wave_config(cfg)
     _down_scatter_kernel[(programs,)](
         tma_descriptor(h, (cfg["BLOCK_M"], cfg["BLOCK_K"])),
-        tma_descriptor(w_down, (cfg["BLOCK_N"], cfg["BLOCK_K"])),
+        tma_descriptor(w_down, (cfg["BLOCK_N"], cfg["BLOCK_K"])), tma_descriptor(w_down, (half["BLOCK_N"], cfg["BLOCK_K"])),
         y,
         y if h_scale is None else h_scale, y if w_down_scale is None else w_down_scale,
         schedule.row_source, schedule.tile_expert, schedule.num_rows,
-        hidden, inter, schedule.max_tiles, programs,
+        hidden, inter, num_sms(y.device), programs,
         y.stride(0),
         *PeerRows.kernel_args(peer_rows, y),
         PRECISION=precision, INTERPRETER=interpreting(), **PeerRows.kernel_meta(peer_rows), **cfg,

@@ -2,10 +2,13 @@
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from mok import reference
 from mok.fp8_block import fp8_block_dequantize, fp8_block_quantize
 from mok.kernels.combine import combine
+from mok.kernels.common import last_wave_tile_coordinates, num_sms
 from mok.kernels.grouped_gemm import (
     down_scatter,
     down_scatter_fp8_block,
@@ -14,7 +17,9 @@ from mok.kernels.grouped_gemm import (
     gate_up_swiglu_fp8_block,
     gemm_config,
     routing_block_m,
+    scatter_grid,
 )
+from mok.kernels.dgrad import dgrad_config, gate_up_dgrad_scatter
 from mok.kernels.quant_fp8_block import quantize_fp8_block_activations
 from mok.kernels.schedule import build_routing_schedule
 from mok.testing import assert_close_to_reference, make_inputs, make_topk_ids
@@ -98,6 +103,75 @@ def test_persistent_down_is_bitwise_the_per_tile_one(kernel_device, T, H, I, E, 
     )
     assert torch.equal(per_tile, persistent), f"{T=} {H=} {I=} {E=} {topk=}"
     assert per_tile.abs().sum() > 0, f"{T=} {H=} {I=} {E=} {topk=}"
+
+
+@triton.jit
+def _record_last_wave_tiles(out_ptr, num_m_tiles, num_n_tiles, num_sms, GROUP_M: tl.constexpr, SPLIT: tl.constexpr):
+    pid = tl.program_id(0)
+    m_tile, n_tile, half = last_wave_tile_coordinates(pid, num_m_tiles, num_n_tiles, num_sms, GROUP_M, SPLIT)
+    tl.store(out_ptr + 3 * pid, m_tile)
+    tl.store(out_ptr + 3 * pid + 1, n_tile)
+    tl.store(out_ptr + 3 * pid + 2, half)
+
+
+@pytest.mark.parametrize("num_m_tiles, num_n_tiles, sms", [(5, 2, 3), (4, 2, 3), (33, 4, 132), (133, 16, 132),
+                                                           (1, 1, 132), (7, 3, 8), (0, 4, 132)])
+@pytest.mark.parametrize("split", [True, False])
+def test_last_wave_tile_coordinates_cover_every_tile_once(kernel_device, num_m_tiles, num_n_tiles, sms, split):
+    """Over a launch of tiles + sms // 2 programs: every tile whole once, or (its last wave at
+    most half the SMs, and SPLIT) as its two column halves, each once, by the last programs."""
+    tiles = num_m_tiles * num_n_tiles
+    programs = tiles + sms // 2
+    out = torch.full((programs, 3), -7, dtype=torch.int32, device=kernel_device)
+    _record_last_wave_tiles[(programs,)](out, num_m_tiles, num_n_tiles, sms, GROUP_M=2, SPLIT=split)
+    m_tile, n_tile, half = out.cpu().long().unbind(1)
+    last = tiles % sms
+    halved = last if split and 2 * last <= sms else 0
+    ctx = f"{num_m_tiles=} {num_n_tiles=} {sms=} {split=}"
+    whole_programs = tiles - halved
+    assert (half[:whole_programs] == -1).all() and (m_tile[:whole_programs] >= 0).all(), ctx
+    assert (half[whole_programs : whole_programs + 2 * halved] == torch.tensor([0, 1]).repeat(halved)).all(), ctx
+    assert (m_tile[whole_programs + 2 * halved :] == -1).all() and (half[whole_programs + 2 * halved :] == -1).all(), ctx
+    work = m_tile >= 0
+    assert ((m_tile[work] < num_m_tiles) & (n_tile[work] >= 0) & (n_tile[work] < num_n_tiles)).all(), ctx
+    seen = torch.zeros(num_m_tiles, num_n_tiles, dtype=torch.long)
+    seen.index_put_((m_tile[work], n_tile[work]), torch.where(half[work] < 0, 2, 1), accumulate=True)
+    assert (seen == 2).all(), f"each tile whole once or both halves once: {ctx}"
+    halves = half[work] >= 0
+    pairs = set(zip(m_tile[work][halves].tolist(), n_tile[work][halves].tolist(), half[work][halves].tolist()))
+    assert len(pairs) == 2 * halved, ctx
+
+
+@pytest.mark.parametrize("T, H, I, E, topk", [(37, 64, 48, 5, 2), (1, 32, 32, 4, 1)])
+def test_last_wave_halves_are_bitwise_the_whole_tiles(kernel_device, T, H, I, E, topk):
+    """SPLIT_LAST_WAVE (the default for per-tile launches of these GEMMs) computes the last
+    wave's tiles as column halves: the same K order per element, so the down GEMM's y and
+    the gate/up dgrad's dx are bitwise those of whole tiles. The shapes are chosen so that
+    halves run (checked), on the interpreter's 3 programs per wave and on a GPU's SMs alike;
+    the launches are per tile here even where the defaults would be persistent (small I)."""
+    inp = make_inputs(T, H, I, E, topk, seed=T + 3, device=kernel_device)
+    sched = build_routing_schedule(inp.topk_ids, E, routing_block_m(), torch.zeros(1, dtype=torch.int32, device=kernel_device))
+    h, gate_up = gate_up_swiglu(inp.x, inp.w_gate, inp.w_up, sched, topk, store_gate_up=True)
+    h[sched.row_source < 0] = 0  # padding rows as the forward leaves them
+    gate_up[sched.row_source < 0] = 0
+    ctx = f"{T=} {H=} {I=} {E=} {topk=}"
+    launches = {
+        "down": (gemm_config("down", H, I, allow_warp_specialized=False),
+                 lambda cfg: down_scatter(h, inp.w_down, sched, T * topk, tile_config=cfg)),
+        "gate/up dgrad": (dgrad_config("gate_up", H, I, allow_warp_specialized=False),
+                          lambda cfg: gate_up_dgrad_scatter(gate_up, inp.w_gate, inp.w_up, sched, T * topk, tile_config=cfg)),
+    }
+    m_tiles = int(sched.num_rows) // sched.block_m
+    for what, (default, launch) in launches.items():
+        assert "SPLIT_LAST_WAVE" in default, f"{what}: {default}"
+        cfg = {**default, "PERSISTENT": False, "SPLIT_LAST_WAVE": True}
+        last = m_tiles * triton.cdiv(H, cfg["BLOCK_N"]) % num_sms(torch.device(kernel_device))
+        assert 0 < 2 * last <= num_sms(torch.device(kernel_device)), f"{what}: no half tiles here; {ctx}"
+        whole = {**cfg, "SPLIT_LAST_WAVE": False}
+        assert scatter_grid(sched, H, cfg) == scatter_grid(sched, H, whole) + num_sms(torch.device(kernel_device)) // 2
+        split_out, whole_out = launch(cfg), launch(whole)
+        assert torch.equal(split_out, whole_out), f"{what}: the half tiles differ from whole ones; {ctx}"
+        assert split_out.float().abs().sum() > 0, f"{what}: {ctx}"
 
 
 def test_launchers_reject_mismatches(kernel_device):
@@ -276,7 +350,9 @@ def test_fp8_block_launchers_reject_mismatches(kernel_device):
     h_scale = torch.ones(sched.capacity_rows, I // 128, device=kernel_device)
     gate_up = lambda *args, **kw: gate_up_swiglu_fp8_block(*args, sched, topk, **kw)  # noqa: E731
     down = lambda *args, **kw: down_scatter_fp8_block(*args, sched, T * topk, **kw)  # noqa: E731
-    bad_tiles = {**gemm_config("gate_up", I, H, "fp8_block"), "BLOCK_K": 64}
+    # The Triton kernel's tiles (on a Hopper GPU the default is the warp-specialized kernel's,
+    # which test_warp_specialized.py checks)
+    bad_tiles = {**gemm_config("gate_up", I, H, "fp8_block", allow_warp_specialized=False), "BLOCK_K": 64}
     cases = [
         (lambda: gate_up(inp.x, x_scale, wg_q, wg_s, wu_q, wu_s),
          r"^x_q: expected a contiguous float8_e4m3fn tensor of shape \[8, 256\] on .*, got torch.bfloat16"),
