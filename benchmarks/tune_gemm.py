@@ -211,10 +211,15 @@ def main() -> None:
                 print(f"{name:18s} {kind:14s} {ms:8.3f} ms {tflops:7.1f} TF  diff vs first {max_diff:.3g}  {cfg}",
                       flush=True)
     if args.out:
-        record = dict(gpu=torch.cuda.get_device_name(), num_gpus=1, torch=torch.__version__, triton=triton.__version__,
-                      date=datetime.date.today().isoformat(), command="python " + " ".join(sys.argv), results=results)
-        with open(args.out, "w") as f:
-            json.dump(record, f, indent=1)
+        write_record(args.out, results)
+
+
+def write_record(path: str, results: list[dict]) -> None:
+    """A JSON record of one GPU's kernel timings: the machine, the versions, the date, the command."""
+    record = dict(gpu=torch.cuda.get_device_name(), num_gpus=1, torch=torch.__version__, triton=triton.__version__,
+                  date=datetime.date.today().isoformat(), command="python " + " ".join(sys.argv), results=results)
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -21,21 +21,23 @@ medians of all calls.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
+import pathlib
 import statistics
 import sys
 
 import torch
 import triton
 
-from mok.bench.presets import GPU_PRESETS, PRESETS
-from mok.kernels.common import num_sms
-from mok.kernels.dgrad import dgrad_config, gate_up_dgrad_scatter
-from mok.kernels.grouped_gemm import down_scatter, gemm_config, routing_block_m
-from mok.kernels.schedule import build_routing_schedule
-from mok.testing import make_inputs
-from mok.testing.timing import times_ms
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1]))
+import tune_gemm  # noqa: E402
+
+from mok.bench.presets import GPU_PRESETS, PRESETS  # noqa: E402
+from mok.kernels.common import num_sms  # noqa: E402
+from mok.kernels.dgrad import dgrad_config, gate_up_dgrad_scatter  # noqa: E402
+from mok.kernels.grouped_gemm import down_scatter, gemm_config, routing_block_m  # noqa: E402
+from mok.kernels.schedule import build_routing_schedule  # noqa: E402
+from mok.testing import make_inputs  # noqa: E402
+from mok.testing.timing import times_ms  # noqa: E402
 
 
 def exact_routing(num_tokens: int, num_experts: int, topk: int, extra: int, generator: torch.Generator) -> torch.Tensor:
@@ -116,10 +118,7 @@ def main() -> None:
                   f"{tiles:5d} tiles = {waves:6.2f} waves  {ms:7.3f} ms  {row['tflops']:6.1f} TF  "
                   f"{row['ms_per_wave']:.4f} ms per started wave", flush=True)
     if args.out:
-        record = dict(gpu=torch.cuda.get_device_name(), num_gpus=1, torch=torch.__version__, triton=triton.__version__,
-                      date=datetime.date.today().isoformat(), command="python " + " ".join(sys.argv), results=results)
-        with open(args.out, "w") as f:
-            json.dump(record, f, indent=1)
+        tune_gemm.write_record(args.out, results)
 
 
 if __name__ == "__main__":
