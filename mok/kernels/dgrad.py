@@ -215,7 +215,7 @@ def dgrad_config(
     cfg = dict(BLOCK_M=routing_block_m(), BLOCK_N=256, BLOCK_K=64, GROUP_M=grouped_gemm.GEMM_GROUP_M, num_warps=8,
                num_stages=3, **split)
     if kind == "gate_up" and n_dim >= PERSISTENT_GATE_UP_MIN_HIDDEN:
-        cfg.update(num_stages=4, PERSISTENT=True, SPLIT_LAST_WAVE=False)
+        cfg.update(num_stages=4, PERSISTENT=True)
     return cfg
 
 

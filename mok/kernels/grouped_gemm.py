@@ -415,9 +415,9 @@ WARP_SPECIALIZED_FP8_BLOCK_GATE_UP = True
 # 16 row tiles) measured slower in the layer: mixtral-8x7b forward+backward 28.8 -> 29.2 ms
 # (record h200-20261201-ab-gemm-group.json); `benchmarks/sweeps/group_m.py` times 8, 16, 32.
 GEMM_GROUP_M = 8
-# The bf16 Triton down GEMM and gate/up dgrad, launched one program per tile, compute a last
-# wave of at most half the SMs' tiles as column halves (`common.last_wave_tile_coordinates`),
-# bitwise the whole tiles' output. H200, mixtral-8x7b (H = 4096: 16 column tiles of 256), ms
+# The bf16 Triton down GEMM and gate/up dgrad, launched one program per tile (not persistent:
+# `splits_last_wave`), compute a last wave of at most half the SMs' tiles as column halves
+# (`common.last_wave_tile_coordinates`), bitwise the whole tiles' output. H200, mixtral-8x7b (H = 4096: 16 column tiles of 256), ms
 # at 132 / 133 M tiles (record h200-20261202-tile-waves.json): down 2.93 / 3.15, gate/up dgrad
 # 5.82 / 6.20; a 128-column tile costs 0.52 (down) and 0.57 (gate/up dgrad) of a 256-column one.
 # False computes every tile whole.
@@ -465,8 +465,7 @@ def gemm_config(
         return warp_specialized.tile_config(cooperative)
     persistent = reduce_dim <= PERSISTENT_DOWN_MAX_INTER
     return dict(BLOCK_M=128, BLOCK_N=256 if n_dim >= 2048 else 128, BLOCK_K=64, GROUP_M=GEMM_GROUP_M, num_warps=8,
-                num_stages=3 if persistent else 4, PERSISTENT=persistent,
-                SPLIT_LAST_WAVE=SPLIT_LAST_WAVE and not persistent)
+                num_stages=3 if persistent else 4, PERSISTENT=persistent, SPLIT_LAST_WAVE=SPLIT_LAST_WAVE)
 
 
 def routing_block_m() -> int:
@@ -669,18 +668,24 @@ def gate_up_swiglu_fp8_block(
 def scatter_grid(schedule: RoutingSchedule, hidden: int, cfg: dict) -> int:
     """Programs of a launch whose tiles cover [schedule rows, hidden] (the down GEMM, the
     gate/up dgrad): one per tile, or with cfg["PERSISTENT"] one per SM (at most one per
-    tile); with cfg["SPLIT_LAST_WAVE"], num_sms // 2 more for the last wave's half tiles
-    (`common.last_wave_tile_coordinates`). Under expert parallelism every one of them
-    signals its arrival."""
+    tile); one per tile with cfg["SPLIT_LAST_WAVE"], num_sms // 2 more for the last wave's
+    half tiles (`common.last_wave_tile_coordinates`; persistent launches keep whole tiles).
+    Under expert parallelism every one of them signals its arrival."""
     device = schedule.row_source.device
     programs = launch_programs(schedule.max_tiles * triton.cdiv(hidden, cfg["BLOCK_N"]), cfg, device)
-    return programs + (num_sms(device) // 2 if cfg.get("SPLIT_LAST_WAVE", False) else 0)
+    return programs + (num_sms(device) // 2 if splits_last_wave(cfg) else 0)
+
+
+def splits_last_wave(cfg: dict) -> bool:
+    """Whether a launch with tile config `cfg` computes its last wave's tiles as column halves:
+    SPLIT_LAST_WAVE on a per-tile (not persistent) launch."""
+    return cfg.get("SPLIT_LAST_WAVE", False) and not cfg.get("PERSISTENT", False)
 
 
 def last_wave_config(cfg: dict) -> dict:
     """The tile config of the last wave's half tiles (SPLIT_LAST_WAVE): BLOCK_N halved, for
     their weights' TMA blocks; `cfg` itself when it does not split."""
-    return dict(cfg, BLOCK_N=cfg["BLOCK_N"] // 2) if cfg.get("SPLIT_LAST_WAVE", False) else cfg
+    return dict(cfg, BLOCK_N=cfg["BLOCK_N"] // 2) if splits_last_wave(cfg) else cfg
 
 
 def _launch_down_scatter(

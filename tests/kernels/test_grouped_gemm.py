@@ -169,6 +169,8 @@ def test_last_wave_halves_are_bitwise_the_whole_tiles(kernel_device, T, H, I, E,
         assert 0 < 2 * last <= num_sms(torch.device(kernel_device)), f"{what}: no half tiles here; {ctx}"
         whole = {**cfg, "SPLIT_LAST_WAVE": False}
         assert scatter_grid(sched, H, cfg) == scatter_grid(sched, H, whole) + num_sms(torch.device(kernel_device)) // 2
+        persistent = {**cfg, "PERSISTENT": True}  # walks whole tiles: no programs for halves
+        assert scatter_grid(sched, H, persistent) == scatter_grid(sched, H, {**persistent, "SPLIT_LAST_WAVE": False})
         split_out, whole_out = launch(cfg), launch(whole)
         assert torch.equal(split_out, whole_out), f"{what}: the half tiles differ from whole ones; {ctx}"
         assert split_out.float().abs().sum() > 0, f"{what}: {ctx}"
