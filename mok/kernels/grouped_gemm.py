@@ -19,7 +19,11 @@ The down kernel scatters each row's y straight into its combine slot src(r), so 
 un-permute pass exists. Padding rows compute zeros and store nothing.
 The down GEMM (and `dgrad.py`'s gate/up dgrad) may run persistent (tile-config flag
 `PERSISTENT`): one program per SM walks the real tiles, so no program exits idle and a
-tile's epilogue overlaps the next tile's loads; each tile's sum is unchanged.
+tile's epilogue overlaps the next tile's loads; each tile's sum is unchanged. Launched one
+program per tile instead, they split a last wave of at most half the SMs' tiles into column
+halves (`SPLIT_LAST_WAVE`, `common.last_wave_tile_coordinates`): the number of M tiles
+follows the routing, and a last wave of a few tiles would otherwise cost a whole tile's time
+with most SMs idle. Each element keeps its K order, so the output is bitwise the same.
 
 fp8_block (SPEC §2; the constexpr PRECISION, launchers `*_fp8_block`): the same kernels
 on E4M3 operands aq, wq with fp32 block scales, one per 1×128 block of an activation row
