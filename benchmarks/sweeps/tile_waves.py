@@ -104,18 +104,19 @@ def main() -> None:
         for r in range(args.rounds):
             for i in range(len(cases)) if r % 2 == 0 else reversed(range(len(cases))):
                 times[i] += times_ms(cases[i]["fn"], warmup=3, reps=10)
+        sms = num_sms(torch.device("cuda"))
         for case, t in zip(cases, times):
             tiles = case["m_tiles"] * triton.cdiv(H, case["cfg"]["BLOCK_N"])
-            waves = tiles / num_sms(torch.device("cuda"))
             ms = statistics.median(t)
-            flops = (4 if case["kind"] == "gate_up_dgrad" else 2) * routes * H * I
+            flops = tune_gemm.FLOPS_PER_ROUTE_HI[case["kind"]] * routes * H * I
             row = dict(preset=name, kernel=case["kind"], extra=case["extra"], m_tiles=case["m_tiles"], tiles=tiles,
-                       waves=waves, ms=ms, tflops=flops / ms / 1e9, ms_per_wave=ms / -(-tiles // num_sms(torch.device("cuda"))),
-                       config={k: v for k, v in case["cfg"].items()})
+                       waves=tiles / sms, ms=ms, tflops=flops / ms / 1e9, ms_per_wave=ms / triton.cdiv(tiles, sms),
+                       config=dict(case["cfg"]))
             results.append(row)
             split = "split" if case["cfg"].get("SPLIT_LAST_WAVE") else "whole"
-            print(f"{name:14s} {case['kind']:14s} M tiles {case['m_tiles']:4d}  BLOCK_N {case['cfg']['BLOCK_N']:3d} {split}  "
-                  f"{tiles:5d} tiles = {waves:6.2f} waves  {ms:7.3f} ms  {row['tflops']:6.1f} TF  "
+            print(f"{name:14s} {case['kind']:14s} M tiles {case['m_tiles']:4d}  "
+                  f"BLOCK_N {case['cfg']['BLOCK_N']:3d} {split}  "
+                  f"{tiles:5d} tiles = {row['waves']:6.2f} waves  {ms:7.3f} ms  {row['tflops']:6.1f} TF  "
                   f"{row['ms_per_wave']:.4f} ms per started wave", flush=True)
     if args.out:
         tune_gemm.write_record(args.out, results)

@@ -95,10 +95,10 @@ from mok.kernels.grouped_gemm import (
     checked_tile_config,
     fp8_block_weight_shape,
     gathered_rows_tile_fp8,
+    last_wave_config,
     routing_block_m,
     scatter_grid,
     scatter_rows_to_slots,
-    last_wave_config,
     sorted_rows_tile,
 )
 from mok.kernels.schedule import RoutingSchedule

@@ -421,9 +421,10 @@ WARP_SPECIALIZED_FP8_BLOCK_GATE_UP = True
 GEMM_GROUP_M = 8
 # The bf16 Triton down GEMM and gate/up dgrad, launched one program per tile (not persistent:
 # `splits_last_wave`), compute a last wave of at most half the SMs' tiles as column halves
-# (`common.last_wave_tile_coordinates`), bitwise the whole tiles' output. H200, mixtral-8x7b (H = 4096: 16 column tiles of 256), ms
-# at 132 / 133 M tiles (record h200-20261202-tile-waves.json): down 2.93 / 3.15, gate/up dgrad
-# 5.82 / 6.20; a 128-column tile costs 0.52 (down) and 0.57 (gate/up dgrad) of a 256-column one.
+# (`common.last_wave_tile_coordinates`), bitwise the whole tiles' output. H200, mixtral-8x7b
+# (H = 4096: 16 column tiles of 256), ms at 132 / 133 M tiles (record h200-20261202-tile-waves.json):
+# down 2.93 / 3.15, gate/up dgrad 5.82 / 6.20; a 128-column tile costs 0.52 (down) and 0.57
+# (gate/up dgrad) of a 256-column one.
 # False computes every tile whole.
 SPLIT_LAST_WAVE = True
 
@@ -710,7 +711,8 @@ def _launch_down_scatter(
     half = last_wave_config(cfg)
     _down_scatter_kernel[(programs,)](
         tma_descriptor(h, (cfg["BLOCK_M"], cfg["BLOCK_K"])),
-        tma_descriptor(w_down, (cfg["BLOCK_N"], cfg["BLOCK_K"])), tma_descriptor(w_down, (half["BLOCK_N"], cfg["BLOCK_K"])),
+        tma_descriptor(w_down, (cfg["BLOCK_N"], cfg["BLOCK_K"])),
+        tma_descriptor(w_down, (half["BLOCK_N"], cfg["BLOCK_K"])),
         y,
         y if h_scale is None else h_scale, y if w_down_scale is None else w_down_scale,
         schedule.row_source, schedule.tile_expert, schedule.num_rows,

@@ -131,7 +131,8 @@ def test_last_wave_tile_coordinates_cover_every_tile_once(kernel_device, num_m_t
     whole_programs = tiles - halved
     assert (half[:whole_programs] == -1).all() and (m_tile[:whole_programs] >= 0).all(), ctx
     assert (half[whole_programs : whole_programs + 2 * halved] == torch.tensor([0, 1]).repeat(halved)).all(), ctx
-    assert (m_tile[whole_programs + 2 * halved :] == -1).all() and (half[whole_programs + 2 * halved :] == -1).all(), ctx
+    idle = slice(whole_programs + 2 * halved, None)
+    assert (m_tile[idle] == -1).all() and (half[idle] == -1).all(), ctx
     work = m_tile >= 0
     assert ((m_tile[work] < num_m_tiles) & (n_tile[work] >= 0) & (n_tile[work] < num_n_tiles)).all(), ctx
     seen = torch.zeros(num_m_tiles, num_n_tiles, dtype=torch.long)
@@ -150,7 +151,8 @@ def test_last_wave_halves_are_bitwise_the_whole_tiles(kernel_device, T, H, I, E,
     halves run (checked), on the interpreter's 3 programs per wave and on a GPU's SMs alike;
     the launches are per tile here even where the defaults would be persistent (small I)."""
     inp = make_inputs(T, H, I, E, topk, seed=T + 3, device=kernel_device)
-    sched = build_routing_schedule(inp.topk_ids, E, routing_block_m(), torch.zeros(1, dtype=torch.int32, device=kernel_device))
+    flag = torch.zeros(1, dtype=torch.int32, device=kernel_device)
+    sched = build_routing_schedule(inp.topk_ids, E, routing_block_m(), flag)
     h, gate_up = gate_up_swiglu(inp.x, inp.w_gate, inp.w_up, sched, topk, store_gate_up=True)
     h[sched.row_source < 0] = 0  # padding rows as the forward leaves them
     gate_up[sched.row_source < 0] = 0
@@ -159,7 +161,8 @@ def test_last_wave_halves_are_bitwise_the_whole_tiles(kernel_device, T, H, I, E,
         "down": (gemm_config("down", H, I, allow_warp_specialized=False),
                  lambda cfg: down_scatter(h, inp.w_down, sched, T * topk, tile_config=cfg)),
         "gate/up dgrad": (dgrad_config("gate_up", H, I, allow_warp_specialized=False),
-                          lambda cfg: gate_up_dgrad_scatter(gate_up, inp.w_gate, inp.w_up, sched, T * topk, tile_config=cfg)),
+                          lambda cfg: gate_up_dgrad_scatter(gate_up, inp.w_gate, inp.w_up, sched, T * topk,
+                                                            tile_config=cfg)),
     }
     m_tiles = int(sched.num_rows) // sched.block_m
     for what, (default, launch) in launches.items():
