@@ -58,6 +58,16 @@ def round_to_bf16(x, EMULATE_RNE: tl.constexpr):
 
 
 @triton.jit
+def prefetch_to_l2(ptrs, mask):
+    """A hint to bring the lines holding `ptrs` (where `mask`) into L2: nothing waits for it
+    and no register holds the data. PTX inline assembly, so not under the interpreter."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; }",
+        "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1,
+    )
+
+
+@triton.jit
 def column_halves(x):
     """(x[:, :N/2], x[:, N/2:]) of a 2-D tile. Free on an MMA accumulator: each thread
     holds columns of both halves."""

@@ -85,6 +85,7 @@ from mok.kernels.common import (
     interpreting,
     last_wave_tile_coordinates,
     num_sms,
+    prefetch_to_l2,
     round_to_bf16,
     tile_coordinates,
     tma_descriptor,
@@ -164,6 +165,12 @@ GATHERED_FP8_BLOCK_DOWN_DGRAD_MAX_HIDDEN = 2048
 WARP_SPECIALIZED_FP8_BLOCK_DOWN_DGRAD_PRODUCT = True
 
 
+# The bf16 down dgrad asks for its tile's g, u lines in L2 (a prefetch per 128-byte line) when its
+# main loop ends, so that its epilogue, which loads them a quarter of the tile at a time, waits on
+# HBM for the first quarter only.
+DOWN_DGRAD_PREFETCH_GATE_UP = True
+
+
 def fp8_block_down_dgrad_gathers(hidden: int) -> bool:
     """Whether `down_dgrad_swiglu_fp8_block` takes dOut's token rows [T, H] (and gathers them)
     rather than its sorted rows [capacity_rows, H], for this H: always where the
@@ -214,6 +221,8 @@ def dgrad_config(
         return warp_specialized.tile_config(cooperative=True)
     cfg = dict(BLOCK_M=routing_block_m(), BLOCK_N=256, BLOCK_K=64, GROUP_M=grouped_gemm.GEMM_GROUP_M, num_warps=8,
                num_stages=3, **split)
+    if kind == "down":
+        cfg.update(PREFETCH_GATE_UP=DOWN_DGRAD_PREFETCH_GATE_UP)
     if kind == "gate_up" and n_dim >= PERSISTENT_GATE_UP_MIN_HIDDEN:
         cfg.update(num_stages=4, PERSISTENT=True)
     return cfg
@@ -283,7 +292,7 @@ def _down_dgrad_swiglu_kernel(
     # meta
     PRECISION: tl.constexpr, GATHER_D_OUT: tl.constexpr, PRODUCT_GIVEN: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
     HAS_LIMIT: tl.constexpr, INTERPRETER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PREFETCH_GATE_UP: tl.constexpr,
 ):
     num_n_tiles = tl.cdiv(inter, BLOCK_N)
     m_tile, n_tile = tile_coordinates(tl.program_id(0), max_m_tiles, num_n_tiles, GROUP_M)
@@ -314,6 +323,13 @@ def _down_dgrad_swiglu_kernel(
         d_out_wd = sorted_rows_times_weight(
             d_out, m_tile * BLOCK_M, w_down_desc, expert, n_tile * BLOCK_N, hidden, acc, BLOCK_K, INTERPRETER,
         )
+    if PREFETCH_GATE_UP and not INTERPRETER:
+        # The epilogue waits on its g, u loads a quarter at a time; asked for at once here, every
+        # quarter but the first finds its lines in L2 (`DOWN_DGRAD_PREFETCH_GATE_UP`).
+        line_cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N // 64) * 64  # one per 128-byte line of g
+        line_ptrs = gate_up_ptr + rows.to(tl.int64)[:, None] * stride_gu_r + line_cols[None, :]
+        line_ok = (line_cols < inter)[None, :] & row_valid[:, None]
+        prefetch_to_l2(tl.join(line_ptrs, line_ptrs + inter), tl.join(line_ok, line_ok))
     w = tl.full((BLOCK_M,), 1.0, tl.float32)
     if HAS_WEIGHTS:
         w = tl.load(topk_weights_ptr + slot, mask=row_valid, other=0.0)
@@ -485,6 +501,7 @@ def _launch_down_dgrad_swiglu(
     `product_given`, d_out is the product a [capacity_rows, I] fp32 and the weight unread."""
     device = gate_up.device
     num_n_tiles = triton.cdiv(inter, cfg["BLOCK_N"])
+    prefetch = cfg.get("PREFETCH_GATE_UP", False) and cfg["BLOCK_N"] >= 64  # whole 128-byte lines of g, u
     d_gate_up = torch.empty_like(gate_up)  # [capacity_rows, 2, I] bf16
     weighted = topk_weights is not None
     num_slots = topk_weights.numel() if weighted else 0
@@ -503,7 +520,7 @@ def _launch_down_dgrad_swiglu(
         gate_up.stride(0), d_gate_up.stride(0), d_out.stride(0),
         PRECISION=precision, GATHER_D_OUT=gathered, PRODUCT_GIVEN=product_given, HAS_WEIGHTS=weighted,
         HAS_LIMIT=swiglu_limit is not None,
-        INTERPRETER=interpreting(), **cfg,
+        INTERPRETER=interpreting(), **{**cfg, "PREFETCH_GATE_UP": prefetch},
     )
     if not weighted:
         return d_gate_up, None
