@@ -97,3 +97,18 @@ def test_tile_waves_sweep_times_split_and_whole_last_waves(monkeypatch):
         assert {k: v for k, v in split.items() if k != "SPLIT_LAST_WAVE"} == {
             k: v for k, v in whole.items() if k != "SPLIT_LAST_WAVE"}, kind
         assert [c["BLOCK_N"] for c in narrow] == [128, 64] and not any(c["SPLIT_LAST_WAVE"] for c in narrow), kind
+
+
+@pytest.mark.parametrize("preset", GPU_PRESETS)
+def test_down_dgrad_prefetch_sweep_times_the_default_with_and_without_it(preset):
+    from mok.kernels.dgrad import dgrad_config
+
+    sweep = _sweep("down_dgrad_prefetch")
+    (kind, candidates), = sweep.configs().items()
+    assert kind in sweep.tune_gemm.FLOPS_PER_ROUTE_HI, kind
+    p = PRESETS[preset]
+    configs = candidates(p)
+    assert [c["PREFETCH_GATE_UP"] for c in configs] == [True, False], preset
+    default = dgrad_config("down", p.intermediate_size, p.hidden_size)
+    assert all({k: v for k, v in c.items() if k != "PREFETCH_GATE_UP"} == {
+        k: v for k, v in default.items() if k != "PREFETCH_GATE_UP"} for c in configs), preset

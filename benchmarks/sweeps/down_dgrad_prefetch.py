@@ -9,7 +9,7 @@ without the prefetch.
 The configs take turns `--rounds` times (`tune_gemm.py` says why); each output is compared with
 the first's.
 
-    python benchmarks/sweeps/down_dgrad_epilogue.py [tune_gemm.py's options, e.g. --preset mixtral-8x7b --rounds 3]
+    python benchmarks/sweeps/down_dgrad_prefetch.py [tune_gemm.py's options, e.g. --preset mixtral-8x7b --rounds 3]
 """
 
 import pathlib
