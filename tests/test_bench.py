@@ -206,6 +206,35 @@ def test_interleaved_rounds_take_turns_and_time_reps_calls(tmp_path, monkeypatch
     assert [runner._round_reps(3, 5, r) for r in range(3)] == [1, 1, 1]
 
 
+def test_each_round_has_its_median_and_its_speedup(tmp_path, monkeypatch, capsys):
+    """Rows keep each interleaved round's median (ms_rounds) and the baseline's over theirs,
+    round by round (speedup_rounds); the log line and the table show their range."""
+    calls = {"torch-eager": [[10.0, 12.0, 11.0], [20.0, 22.0]], "mok": [[5.0, 4.0, 6.0], [8.0, 8.0]]}
+    rounds_done = {"torch-eager": 0, "mok": 0}
+    real = runner._time_round
+
+    def fixed_times(impl, pass_, d_out, warmup, reps, device):
+        real(impl, pass_, d_out, warmup, reps, device)  # runs as ever; only its times are replaced
+        name = "mok" if "config" in impl.extra else "torch-eager"
+        times = calls[name][rounds_done[name]]
+        rounds_done[name] += 1
+        assert len(times) == reps, (name, reps)
+        return list(times), None
+
+    monkeypatch.setattr(runner, "_time_round", fixed_times)
+    rc = cli.main([*CUSTOM, "--impl", "torch-eager,mok", "--pass", "fwd", "--reps", "5", "--rounds", "2",
+                   "--warmup", "0", "--no-plot", "--out", str(tmp_path)])
+    assert rc == 0 and rounds_done == {"torch-eager": 2, "mok": 2}
+    (path,) = tmp_path.glob("*.json")
+    rows = {r["impl"]: r for r in json.loads(path.read_text())["results"]}
+    assert rows["torch-eager"]["ms_rounds"] == [11.0, 21.0]
+    assert rows["mok"]["ms_rounds"] == [5.0, 8.0]
+    assert rows["mok"]["speedup_rounds"] == pytest.approx([11.0 / 5.0, 21.0 / 8.0])
+    assert rows["mok"]["speedup_vs_torch_eager"] == pytest.approx(rows["torch-eager"]["ms"] / rows["mok"]["ms"])
+    shown = capsys.readouterr()
+    assert "rounds 2.20–2.62×" in shown.err and "(2.20–2.62)" in shown.out + shown.err
+
+
 def test_patched_sets_and_restores_module_attributes():
     import mok.kernels.wgrad as wgrad
 

@@ -169,13 +169,22 @@ def _status(r: Result) -> str:
     return f"[{color}]{r.status}[/{color}]" + (f": {first}" if first else "")
 
 
+def _round_range(r: Result, short: bool = False) -> str:
+    """The range of the per-round speedups where there were several rounds: ", rounds
+    1.07–1.11×" (`short`: " (1.07–1.11)")."""
+    if not r.speedup_rounds or len(r.speedup_rounds) < 2:
+        return ""
+    low, high = min(r.speedup_rounds), max(r.speedup_rounds)
+    return f" ({low:.2f}–{high:.2f})" if short else f", rounds {low:.2f}–{high:.2f}×"
+
+
 def result_line(r: Result) -> str:
     """One plain line for a log: what ran, its time and speedup, or why it was not timed."""
     what = f"{r.preset} {r.pass_} {_label(r)}"
     if r.ms is None:
         first = _first_line(r.message)
         return f"{what}: {r.status}" + (f": {first}" if first else "")
-    speedup = "" if r.speedup is None else f" ({r.speedup:.2f}×)"
+    speedup = "" if r.speedup is None else f" ({r.speedup:.2f}×{_round_range(r)})"
     peak = "" if r.peak_mem_gb is None else f", peak {r.peak_mem_gb:.2f} GB"
     update = ""
     if "weight_update_ms" in r.extra:
@@ -203,7 +212,7 @@ def print_table(results: Sequence[Result], console: Console, title: str = "", cu
             ceiling = [_fmt(pct, ".0f")]
         table.add_row(
             r.preset, r.pass_, r.impl, r.precision, _num(r.ms), _num(r.tflops), *ceiling,
-            "-" if r.speedup is None else f"{r.speedup:.2f}×",
+            "-" if r.speedup is None else f"{r.speedup:.2f}×" + _round_range(r, short=True),
             _fmt(r.peak_mem_gb, ".2f"), _fmt(r.max_rel_err, ".2e"), _status(r),
         )
     console.print(table)

@@ -266,6 +266,10 @@ class Result:
     peak_mem_delta_gb: float | None = None
     speedup_vs_torch_eager: float | None = None
     speedup_vs_torch_ep_nccl: float | None = None
+    ms_rounds: list[float] | None = None  # the median of each interleaved round, in run order
+    # ms_rounds of the baseline over this row's, round by round: the rounds take turns within
+    # a few hundred ms, so each ratio sees one clock, while the medians' ratio spans the run
+    speedup_rounds: list[float] | None = None
     same_function: bool = True
     errors: dict = field(default_factory=dict)  # tensor name -> relative error (cosine for grads as "<name>:cos")
     message: str = ""  # why FAIL / skipped / error, or a note
@@ -467,6 +471,7 @@ class _Timing:
     peak_mem_gb: float | None
     peak_mem_delta_gb: float | None
     ms_per_rank: list[float] | None
+    ms_rounds: list[float]
 
 
 def slowest_rank_ms(times_per_rank: Sequence[Sequence[float]]) -> list[float]:
@@ -494,17 +499,27 @@ def _time_round(impl: Impl, pass_: str, d_out: torch.Tensor, warmup: int, reps: 
     return times, mem.delta_gb
 
 
-def _timing(times: list[float], delta_gb: float | None, inputs_gb: float | None, group) -> _Timing:
-    """The statistics of one (impl, pass) over all its rounds; under EP, of the slowest rank per call."""
+def _round_medians(times: Sequence[float], round_sizes: Sequence[int]) -> list[float]:
+    """The median of each round's calls; `times` holds the rounds' calls one after another."""
+    starts = [sum(round_sizes[:i]) for i in range(len(round_sizes))]
+    return [summarize_ms(list(times[start:start + size]))["median"] for start, size in zip(starts, round_sizes)]
+
+
+def _timing(times: list[float], round_sizes: list[int], delta_gb: float | None, inputs_gb: float | None,
+            group) -> _Timing:
+    """The statistics of one (impl, pass) over all its rounds (`round_sizes` calls each, in
+    order); under EP, of the slowest rank per call."""
     peak = None if delta_gb is None else inputs_gb + delta_gb
     if group is None:
-        return _Timing(summarize_ms(times), peak, delta_gb, None)
+        return _Timing(summarize_ms(times), peak, delta_gb, None, _round_medians(times, round_sizes))
     ranks = _gather((times, peak, delta_gb), group)
+    slowest = slowest_rank_ms([times for times, _, _ in ranks])
     return _Timing(
-        summarize_ms(slowest_rank_ms([times for times, _, _ in ranks])),
+        summarize_ms(slowest),
         _largest([peak for _, peak, _ in ranks]),
         _largest([delta for _, _, delta in ranks]),
         [summarize_ms(times)["median"] for times, _, _ in ranks],
+        _round_medians(slowest, round_sizes),
     )
 
 
@@ -546,6 +561,7 @@ class _Timed:
     pass_: str
     row: dict  # the Result fields it shares with its check
     times: list[float] = field(default_factory=list)
+    round_sizes: list[int] = field(default_factory=list)  # calls timed in each round
     delta_gb: float | None = None
     error: str | None = None
 
@@ -649,13 +665,14 @@ def run(
                     _free(device)
                     continue
                 t.times += times
+                t.round_sizes.append(len(times))
                 t.delta_gb = delta_gb if t.delta_gb is None else max(t.delta_gb, delta_gb)
         weight_updates = {}  # id(impl) -> its `_weight_update_extra`, timed once for all its passes
         for t in timed:
             if t.error is not None:
                 results.append(Result(pass_=t.pass_, status="error", message=t.error, extra=t.impl.extra, **t.row))
                 continue
-            timing = _timing(t.times, t.delta_gb, inputs_gb, group)
+            timing = _timing(t.times, t.round_sizes, t.delta_gb, inputs_gb, group)
             stats = timing.stats
             if id(t.impl) not in weight_updates:
                 weight_updates[id(t.impl)] = _weight_update_extra(t.impl, device)
@@ -664,7 +681,8 @@ def run(
                 pass_=t.pass_, status="ok", ms=stats["median"],
                 tflops=preset.flops(t.pass_) / (stats["median"] * 1e-3) / 1e12,
                 peak_mem_gb=timing.peak_mem_gb, peak_mem_delta_gb=timing.peak_mem_delta_gb,
-                ms_min=stats["min"], ms_p20=stats["p20"], ms_p80=stats["p80"], reps=len(t.times), message=t.impl.note,
+                ms_min=stats["min"], ms_p20=stats["p20"], ms_p80=stats["p80"], reps=len(t.times),
+                ms_rounds=timing.ms_rounds, message=t.impl.note,
                 extra=extra, **t.row,
             ))
         del checked, inp, d_out
@@ -684,17 +702,21 @@ def _sorted(results: Sequence[Result], cases: Sequence[Case]) -> list[Result]:
 
 def with_speedups(results: Sequence[Result]) -> list[Result]:
     """Each timed row's speedup over its baseline (BASELINE on one device, EP_BASELINE under
-    expert parallelism) on the same preset and pass, when that was timed."""
+    expert parallelism) on the same preset and pass, when that was timed: of the medians, and
+    round by round where both rows have their rounds' medians."""
     def baseline(r: Result) -> str:
         return EP_BASELINE if r.ep > 1 else BASELINE
 
-    base_ms = {(r.preset, r.pass_, r.ep): r.ms for r in results if r.impl == baseline(r) and r.ms is not None}
+    base = {(r.preset, r.pass_, r.ep): r for r in results if r.impl == baseline(r) and r.ms is not None}
     speedups = []
     for r in results:
-        key = (r.preset, r.pass_, r.ep)
-        if r.ms is None or key not in base_ms:
+        b = base.get((r.preset, r.pass_, r.ep))
+        if r.ms is None or b is None:
             speedups.append(r)
             continue
         name = "speedup_vs_torch_ep_nccl" if r.ep > 1 else "speedup_vs_torch_eager"
-        speedups.append(dataclasses.replace(r, **{name: base_ms[key] / r.ms}))
+        rounds = None
+        if r.ms_rounds and b.ms_rounds and len(r.ms_rounds) == len(b.ms_rounds):
+            rounds = [base_ms / ms for base_ms, ms in zip(b.ms_rounds, r.ms_rounds)]
+        speedups.append(dataclasses.replace(r, **{name: b.ms / r.ms}, speedup_rounds=rounds))
     return speedups
