@@ -715,8 +715,8 @@ def with_speedups(results: Sequence[Result]) -> list[Result]:
             speedups.append(r)
             continue
         name = "speedup_vs_torch_ep_nccl" if r.ep > 1 else "speedup_vs_torch_eager"
-        rounds = None
-        if r.ms_rounds and b.ms_rounds and len(r.ms_rounds) == len(b.ms_rounds):
+        rounds = None  # none for the baseline itself: 1 in every round
+        if r is not b and r.ms_rounds and b.ms_rounds and len(r.ms_rounds) == len(b.ms_rounds):
             rounds = [base_ms / ms for base_ms, ms in zip(b.ms_rounds, r.ms_rounds)]
         speedups.append(dataclasses.replace(r, **{name: b.ms / r.ms}, speedup_rounds=rounds))
     return speedups
