@@ -167,7 +167,9 @@ WARP_SPECIALIZED_FP8_BLOCK_DOWN_DGRAD_PRODUCT = True
 
 # The bf16 down dgrad asks for its tile's g, u lines in L2 (a prefetch per 128-byte line) when its
 # main loop ends, so that its epilogue, which loads them a quarter of the tile at a time, waits on
-# HBM for the first quarter only.
+# HBM for the first quarter only. H200, bitwise the same output (`benchmarks/sweeps/
+# down_dgrad_prefetch.py`, record h200-20261202-down-dgrad-prefetch.json): qwen3-30b 0.934 -> 0.910
+# ms, deepseek-v3-slice 3.273 -> 3.205, mixtral-8x7b 3.650 -> 3.557. False: no prefetch.
 DOWN_DGRAD_PREFETCH_GATE_UP = True
 
 
@@ -201,7 +203,8 @@ def dgrad_config(
     runs persistent at 4 stages for wide outputs (H ≥ `PERSISTENT_GATE_UP_MIN_HIDDEN`;
     deepseek-v3-slice 6.21 -> 5.39 ms; qwen3-30b and mixtral-8x7b within ±2% either
     way, record h200-20261130-persistent.json); per tile, its last wave runs in column halves
-    with `grouped_gemm.SPLIT_LAST_WAVE`. On Hopper the gate/up dgrad runs the
+    with `grouped_gemm.SPLIT_LAST_WAVE`; the down dgrad prefetches its epilogue's g, u into L2
+    with `DOWN_DGRAD_PREFETCH_GATE_UP`. On Hopper the gate/up dgrad runs the
     cooperative warp-specialized kernel up to `COOPERATIVE_GATE_UP_DGRAD_MAX_INTER` unless
     `allow_warp_specialized` is False (stores to other ranks). Under the interpreter, small
     tiles keep the CPU tests fast. The key never includes per-expert counts (they change every step).
