@@ -326,7 +326,7 @@ def _down_dgrad_swiglu_kernel(
         d_out_wd = sorted_rows_times_weight(
             d_out, m_tile * BLOCK_M, w_down_desc, expert, n_tile * BLOCK_N, hidden, acc, BLOCK_K, INTERPRETER,
         )
-    if PREFETCH_GATE_UP and not INTERPRETER:
+    if PREFETCH_GATE_UP and BLOCK_N >= 64 and not INTERPRETER:  # whole 128-byte lines of g, u
         # The epilogue waits on its g, u loads a quarter at a time; asked for at once here, every
         # quarter but the first finds its lines in L2 (`DOWN_DGRAD_PREFETCH_GATE_UP`).
         line_cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N // 64) * 64  # one per 128-byte line of g
@@ -504,7 +504,6 @@ def _launch_down_dgrad_swiglu(
     `product_given`, d_out is the product a [capacity_rows, I] fp32 and the weight unread."""
     device = gate_up.device
     num_n_tiles = triton.cdiv(inter, cfg["BLOCK_N"])
-    prefetch = cfg.get("PREFETCH_GATE_UP", False) and cfg["BLOCK_N"] >= 64  # whole 128-byte lines of g, u
     d_gate_up = torch.empty_like(gate_up)  # [capacity_rows, 2, I] bf16
     weighted = topk_weights is not None
     num_slots = topk_weights.numel() if weighted else 0
@@ -523,7 +522,7 @@ def _launch_down_dgrad_swiglu(
         gate_up.stride(0), d_gate_up.stride(0), d_out.stride(0),
         PRECISION=precision, GATHER_D_OUT=gathered, PRODUCT_GIVEN=product_given, HAS_WEIGHTS=weighted,
         HAS_LIMIT=swiglu_limit is not None,
-        INTERPRETER=interpreting(), **{**cfg, "PREFETCH_GATE_UP": prefetch},
+        INTERPRETER=interpreting(), **{"PREFETCH_GATE_UP": False, **cfg},
     )
     if not weighted:
         return d_gate_up, None
