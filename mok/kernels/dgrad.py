@@ -172,11 +172,6 @@ WARP_SPECIALIZED_FP8_BLOCK_DOWN_DGRAD_PRODUCT = True
 # ms, deepseek-v3-slice 3.273 -> 3.205, mixtral-8x7b 3.650 -> 3.557. False: no prefetch.
 DOWN_DGRAD_PREFETCH_GATE_UP = True
 
-# The bf16 down dgrad's epilogue issues each quarter's g, u loads before the previous quarter's
-# work (the first quarter's before the accumulator's layout change), so that work hides their
-# latency. ptxas (sm_90a, 128×256, 8 warps): 255 registers. Not yet measured: off.
-DOWN_DGRAD_PIPELINED_EPILOGUE = False
-
 
 def fp8_block_down_dgrad_gathers(hidden: int) -> bool:
     """Whether `down_dgrad_swiglu_fp8_block` takes dOut's token rows [T, H] (and gathers them)
@@ -209,8 +204,7 @@ def dgrad_config(
     deepseek-v3-slice 6.21 -> 5.39 ms; qwen3-30b and mixtral-8x7b within ±2% either
     way, record h200-20261130-persistent.json); per tile, its last wave runs in column halves
     with `grouped_gemm.SPLIT_LAST_WAVE`; the down dgrad prefetches its epilogue's g, u into L2
-    with `DOWN_DGRAD_PREFETCH_GATE_UP` (and loads them a quarter ahead with
-    `DOWN_DGRAD_PIPELINED_EPILOGUE`). On Hopper the gate/up dgrad runs the
+    with `DOWN_DGRAD_PREFETCH_GATE_UP`. On Hopper the gate/up dgrad runs the
     cooperative warp-specialized kernel up to `COOPERATIVE_GATE_UP_DGRAD_MAX_INTER` unless
     `allow_warp_specialized` is False (stores to other ranks). Under the interpreter, small
     tiles keep the CPU tests fast. The key never includes per-expert counts (they change every step).
@@ -231,7 +225,7 @@ def dgrad_config(
     cfg = dict(BLOCK_M=routing_block_m(), BLOCK_N=256, BLOCK_K=64, GROUP_M=grouped_gemm.GEMM_GROUP_M, num_warps=8,
                num_stages=3, **split)
     if kind == "down":
-        cfg.update(PREFETCH_GATE_UP=DOWN_DGRAD_PREFETCH_GATE_UP, PIPELINED_EPILOGUE=DOWN_DGRAD_PIPELINED_EPILOGUE)
+        cfg.update(PREFETCH_GATE_UP=DOWN_DGRAD_PREFETCH_GATE_UP)
     if kind == "gate_up" and n_dim >= PERSISTENT_GATE_UP_MIN_HIDDEN:
         cfg.update(num_stages=4, PERSISTENT=True)
     return cfg
@@ -260,26 +254,19 @@ def sorted_rows_times_weight(
 
 
 @triton.jit
-def _load_gate_up(gate_up_ptr, rows64, n0, inter, stride_gu_r, BLOCK_N: tl.constexpr):
-    """The forward's g, u (bf16) on columns [n0, n0 + BLOCK_N) of an M tile; zeros past I."""
-    n_offs = n0 + tl.arange(0, BLOCK_N)
-    mask = (n_offs < inter)[None, :]
-    gu_ptrs = gate_up_ptr + rows64[:, None] * stride_gu_r + n_offs[None, :]
-    return tl.load(gu_ptrs, mask=mask, other=0.0), tl.load(gu_ptrs + inter, mask=mask, other=0.0)
-
-
-@triton.jit
 def _down_dgrad_epilogue(
-    d_out_wd, gate, up, w, row_valid, rows64, n0, d_gate_up_ptr, inter, swiglu_limit, stride_dgu_r,
+    d_out_wd, w, row_valid, rows64, n0, gate_up_ptr, d_gate_up_ptr, inter, swiglu_limit, stride_gu_r, stride_dgu_r,
     HAS_LIMIT: tl.constexpr, INTERPRETER: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """The down dgrad's epilogue on columns [n0, n0 + BLOCK_N) of an M tile: d_g, d_u from
-    w·a and the saved g, u (`_load_gate_up`), stored (exact zeros in padding rows); returns the
-    router-weight partials ⟨a, h⟩ over these columns (columns past I are zero on both sides)."""
+    w·a and the saved g, u, stored (exact zeros in padding rows); returns the router-weight
+    partials ⟨a, h⟩ over these columns (columns past I are zero on both sides)."""
     n_offs = n0 + tl.arange(0, BLOCK_N)
     out_mask = (n_offs < inter)[None, :]
-    d_gate, d_up, h = swiglu_backward(w[:, None] * d_out_wd, gate.to(tl.float32), up.to(tl.float32),
-                                      swiglu_limit, HAS_LIMIT)
+    gu_ptrs = gate_up_ptr + rows64[:, None] * stride_gu_r + n_offs[None, :]
+    gate = tl.load(gu_ptrs, mask=out_mask, other=0.0).to(tl.float32)
+    up = tl.load(gu_ptrs + inter, mask=out_mask, other=0.0).to(tl.float32)
+    d_gate, d_up, h = swiglu_backward(w[:, None] * d_out_wd, gate, up, swiglu_limit, HAS_LIMIT)
     # Padding rows: exact zeros whatever the saved g, u hold there.
     valid = row_valid[:, None]
     dgu_ptrs = d_gate_up_ptr + rows64[:, None] * stride_dgu_r + n_offs[None, :]
@@ -309,7 +296,6 @@ def _down_dgrad_swiglu_kernel(
     PRECISION: tl.constexpr, GATHER_D_OUT: tl.constexpr, PRODUCT_GIVEN: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
     HAS_LIMIT: tl.constexpr, INTERPRETER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PREFETCH_GATE_UP: tl.constexpr,
-    PIPELINED_EPILOGUE: tl.constexpr,
 ):
     num_n_tiles = tl.cdiv(inter, BLOCK_N)
     m_tile, n_tile = tile_coordinates(tl.program_id(0), max_m_tiles, num_n_tiles, GROUP_M)
@@ -356,25 +342,16 @@ def _down_dgrad_swiglu_kernel(
     # reports 2.8 KB again, yet the wider tile measured faster (half the dOut re-reads), and
     # eighths (1.7 KB) slower than quarters (BENCHMARKS.md).
     rows64 = rows.to(tl.int64)
-    quarter_n: tl.constexpr = BLOCK_N // 4
-    if PIPELINED_EPILOGUE:  # the first quarter's loads go out before the accumulator's layout change
-        gate, up = _load_gate_up(gate_up_ptr, rows64, n_tile * BLOCK_N, inter, stride_gu_r, quarter_n)
     partial = tl.zeros((BLOCK_M,), dtype=tl.float32)
     halves = column_halves(d_out_wd)
     for half in tl.static_range(2):
         quarters = column_halves(halves[half])
         for quarter in tl.static_range(2):
-            n0 = n_tile * BLOCK_N + (2 * half + quarter) * quarter_n
-            if not PIPELINED_EPILOGUE:
-                gate, up = _load_gate_up(gate_up_ptr, rows64, n0, inter, stride_gu_r, quarter_n)
-            elif 2 * half + quarter < 3:  # the next quarter's loads in flight during this one's work
-                next_gate, next_up = _load_gate_up(gate_up_ptr, rows64, n0 + quarter_n, inter, stride_gu_r, quarter_n)
             partial += _down_dgrad_epilogue(
-                quarters[quarter], gate, up, w, row_valid, rows64, n0, d_gate_up_ptr, inter, swiglu_limit,
-                stride_dgu_r, HAS_LIMIT, INTERPRETER, quarter_n,
+                quarters[quarter], w, row_valid, rows64, n_tile * BLOCK_N + (2 * half + quarter) * (BLOCK_N // 4),
+                gate_up_ptr, d_gate_up_ptr, inter, swiglu_limit, stride_gu_r, stride_dgu_r,
+                HAS_LIMIT, INTERPRETER, BLOCK_N // 4,
             )
-            if PIPELINED_EPILOGUE and 2 * half + quarter < 3:
-                gate, up = next_gate, next_up
     if HAS_WEIGHTS:
         tl.store(route_partials_ptr + slot.to(tl.int64) * num_n_tiles + n_tile, partial, mask=row_valid)
 
@@ -545,7 +522,7 @@ def _launch_down_dgrad_swiglu(
         gate_up.stride(0), d_gate_up.stride(0), d_out.stride(0),
         PRECISION=precision, GATHER_D_OUT=gathered, PRODUCT_GIVEN=product_given, HAS_WEIGHTS=weighted,
         HAS_LIMIT=swiglu_limit is not None,
-        INTERPRETER=interpreting(), **{"PREFETCH_GATE_UP": False, "PIPELINED_EPILOGUE": False, **cfg},
+        INTERPRETER=interpreting(), **{"PREFETCH_GATE_UP": False, **cfg},
     )
     if not weighted:
         return d_gate_up, None
