@@ -1,6 +1,6 @@
 """Sweep: the warp-specialized (Gluon) kernels against the Triton kernels they replace, on the
-down GEMM, the gate/up dgrad, both wgrads and the forward's gate/up over x's sorted rows (bf16,
-and fp8_block: cooperative only, also at 4 stages and at 128×128), each with the Triton tiles the defaults pick on some preset, then the
+down GEMM, the gate/up dgrad and both wgrads (bf16, and fp8_block: cooperative only, also at 4
+stages and at 128×128), each with the Triton tiles the defaults pick on some preset, then the
 warp-specialized configs of the kind (ping-pong and cooperative, the cooperative also at
 GROUP_M 8), timed in the order Triton…, warp-specialized…, the same
 reversed, since a config timed later in a sweep measures slower (the GPU's clock falls under
@@ -25,9 +25,6 @@ TRITON = {
     + tune_gemm._persistent(tune_gemm._configs((128, 256, 64, 4))),
     "down_wgrad": tune_gemm._configs((128, 256, 64, 3), group_m=False),
     "gate_up_wgrad": tune_gemm._configs((128, 128, 64, 3), group_m=False),
-    # the default's tiles over x's sorted rows, as `gemm_config` picks them from SORTED_X_MIN_INTER on
-    "gate_up": [dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, PACKED=False,
-                     X_SORTED=True)],
     **{kind: tune_gemm.CONFIGS[kind] for kind in tune_gemm.CONFIGS if kind.endswith("_fp8")},
 }
 FP8_DOWN, FP8_GATE_UP = (warp_specialized.fp8_block_tile_config(stacked) for stacked in (False, True))
@@ -43,7 +40,6 @@ WARP_SPECIALIZED = {
     "gate_up_dgrad": [PING_PONG, COOPERATIVE, dict(COOPERATIVE, GROUP_M=8)],
     "down_wgrad": [PING_PONG, COOPERATIVE, dict(COOPERATIVE, GROUP_M=8)],
     "gate_up_wgrad": [COOPERATIVE, dict(COOPERATIVE, GROUP_M=8)],  # two outputs: cooperative only
-    "gate_up": [dict(COOPERATIVE, GROUP_M=8), dict(COOPERATIVE, GROUP_M=8, num_stages=3)],  # cooperative only
     **{kind: _fp8_configs(FP8_GATE_UP if kind == "gate_up_wgrad_fp8" else FP8_DOWN)
        for kind in ("down_fp8", "gate_up_dgrad_fp8", "down_wgrad_fp8", "gate_up_wgrad_fp8")},
     "gate_up_fp8": [FP8_DOWN, dict(FP8_DOWN, num_stages=4)],  # 128×256: a gate and an up tile per B slot

@@ -413,14 +413,6 @@ WARP_SPECIALIZED_FP8_BLOCK_DOWN = True
 # deepseek-v3-slice 4.88–4.97 -> 4.07–4.60, mixtral-8x7b 4.86–5.19 -> 4.27–4.46. False keeps
 # the Triton kernel.
 WARP_SPECIALIZED_FP8_BLOCK_GATE_UP = True
-# On Hopper the bf16 gate/up GEMM over x's sorted rows (`SORTED_X_MIN_INTER`, I a multiple of 128)
-# runs in the cooperative warp-specialized kernel (`warp_specialized.launch_gate_up_swiglu`: 128
-# rows × 128 columns of h per tile, the gate tile over the up tile in each B slot, the producer
-# running ahead across tiles), bitwise the Triton kernel's output. Its K loop of H / 64 steps
-# (mixtral-8x7b: 64) leaves a per-tile launch's pipeline fill a share that a persistent one hides
-# (the tenth round's profile: 603 TFLOPS against the gate/up dgrad's 663 at the same FLOPs).
-# Off until measured.
-WARP_SPECIALIZED_GATE_UP = False
 # Row tiles per column sweep (`tile_coordinates`) of the bf16 Triton grouped GEMMs: the forward's
 # gate/up and down, and both dgrads (`dgrad.dgrad_config`). A weight tile comes from HBM once per
 # group and then from L2 while the group's tiles are in flight. 16 (mixtral-8x7b's experts hold
@@ -456,8 +448,7 @@ def gemm_config(
     with `SPLIT_LAST_WAVE`. Under the interpreter, small tiles keep the CPU tests
     fast (BLOCK_M 32, a whole MXFP8 block of rows).
     On Hopper the bf16 down GEMM into local slots runs warp-specialized (ping-pong) up to
-    `PING_PONG_DOWN_MAX_INTER`, and cooperative above it with `COOPERATIVE_DOWN`; the bf16
-    gate/up over x's sorted rows cooperative with `WARP_SPECIALIZED_GATE_UP`.
+    `PING_PONG_DOWN_MAX_INTER`, and cooperative above it with `COOPERATIVE_DOWN`.
     fp8_block: `_FP8_BLOCK_TILES`, the same for every shape until measured; on Hopper the down
     GEMM into local slots warp-specialized with `WARP_SPECIALIZED_FP8_BLOCK_DOWN`, the gate/up
     GEMM with `WARP_SPECIALIZED_FP8_BLOCK_GATE_UP`.
@@ -472,13 +463,8 @@ def gemm_config(
         return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1, **split)
     if kind == "gate_up":
         packed = packed_gate_up and n_dim < PACKED_MAX_INTER
-        x_sorted = not packed and n_dim >= SORTED_X_MIN_INTER
-        warp_specialized_tile = warp_specialized.tile_config(cooperative=True)
-        if (WARP_SPECIALIZED_GATE_UP and x_sorted and n_dim % (warp_specialized_tile["BLOCK_N"] // 2) == 0
-                and allow_warp_specialized and warp_specialized.available_here()):
-            return dict(warp_specialized_tile, GROUP_M=GEMM_GROUP_M)
         return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=GEMM_GROUP_M, num_warps=8, num_stages=4,
-                    PACKED=packed, X_SORTED=x_sorted)
+                    PACKED=packed, X_SORTED=not packed and n_dim >= SORTED_X_MIN_INTER)
     cooperative = reduce_dim > PING_PONG_DOWN_MAX_INTER
     if allow_warp_specialized and (COOPERATIVE_DOWN or not cooperative) and warp_specialized.available_here():
         return warp_specialized.tile_config(cooperative)
@@ -635,13 +621,9 @@ def gate_up_swiglu(
     rows = schedule.capacity_rows
     h = torch.empty(rows, inter, dtype=torch.bfloat16, device=x.device)  # [capacity_rows, I]
     gate_up = torch.empty(rows, 2, inter, dtype=torch.bfloat16, device=x.device) if store_gate_up else None
-    if cfg.get("WARP_SPECIALIZED", False):
-        x_sorted = gather_sorted_rows(x, None, None, schedule, topk)[0]  # [capacity_rows, H], zeros at padding rows
-        warp_specialized.launch_gate_up_swiglu(x_sorted, w_gate, w_up, h, gate_up, schedule, swiglu_limit, cfg)
-    else:
-        _launch_gate_up_swiglu(
-            "bf16", x, None, w_gate, None, w_up, None, h, None, gate_up, schedule, topk, swiglu_limit, cfg
-        )
+    _launch_gate_up_swiglu(
+        "bf16", x, None, w_gate, None, w_up, None, h, None, gate_up, schedule, topk, swiglu_limit, cfg
+    )
     return h, gate_up
 
 

@@ -205,17 +205,12 @@ def _load_step(step, a_desc, a_coords, a2_desc, a2_coords, b_desc, b_coords, a_b
 
 
 @gluon.jit
-def _mma_steps(acc, acc_hi, first_step, steps, tile_count, a_bufs, b_bufs, ready, empty, turn, CONSUMER: gl.constexpr,
+def _mma_steps(acc, first_step, steps, tile_count, a_bufs, b_bufs, ready, empty, turn, CONSUMER: gl.constexpr,
                A_K_MAJOR: gl.constexpr, B_K_MAJOR: gl.constexpr, COOPERATIVE: gl.constexpr, STAGES: gl.constexpr):
     """Consumer: acc += Σ over the ring steps [first_step, first_step + steps) of A·B, one
-    step's wgmma in flight; each slot is released once the next step's wgmma has retired its reader.
+    wgmma in flight; each slot is released once the next wgmma has retired its reader.
     A tiles are [M, K] (A_K_MAJOR) or [K, M] in shared memory, B tiles [N, K] (B_K_MAJOR) or
-    [K, N]. A K-major B tile twice the accumulator's width (SPLIT_N: the bf16 gate/up's gate tile
-    over its up tile) is multiplied a half at a time, its first half into acc and its second
-    into acc_hi; else acc_hi is returned as given. Ping-pong: `tile_count`, this program's tiles
-    so far (both consumers'), for `turn`. Returns (acc, acc_hi)."""
-    SPLIT_N: gl.constexpr = B_K_MAJOR and b_bufs.shape[1] == 2 * acc.shape[1]
-    HALF_N: gl.constexpr = acc.shape[1]
+    [K, N]. Ping-pong: `tile_count`, this program's tiles so far (both consumers'), for `turn`."""
     if not COOPERATIVE:
         mbarrier.wait(turn.index(CONSUMER), ((tile_count // 2) & 1) ^ (1 - CONSUMER))
     for k in range(steps):
@@ -229,26 +224,18 @@ def _mma_steps(acc, acc_hi, first_step, steps, tile_count, a_bufs, b_bufs, ready
         if not A_K_MAJOR:
             a = a.permute((1, 0))
         b = b_bufs.index(slot)
-        if SPLIT_N:
-            acc = warpgroup_mma(a, b.slice(0, HALF_N).permute((1, 0)), acc, is_async=True)
-            acc_hi = warpgroup_mma(a, b.slice(HALF_N, HALF_N).permute((1, 0)), acc_hi, is_async=True)
-            acc, acc_hi = warpgroup_mma_wait(num_outstanding=2, deps=(acc, acc_hi))
-        else:
-            if B_K_MAJOR:
-                b = b.permute((1, 0))
-            acc = warpgroup_mma(a, b, acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        if B_K_MAJOR:
+            b = b.permute((1, 0))
+        acc = warpgroup_mma(a, b, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
         if k > 0:
             mbarrier.arrive(empty.index((step - 1) % STAGES), count=1)
     if not COOPERATIVE:
         mbarrier.arrive(turn.index(1 - CONSUMER), count=1)
-    if SPLIT_N:
-        acc, acc_hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_hi))
-    else:
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     if steps > 0:
         mbarrier.arrive(empty.index((first_step + steps - 1) % STAGES), count=1)
-    return acc, acc_hi
+    return acc
 
 
 @gluon.jit
@@ -518,8 +505,8 @@ def _scatter_consumer(a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, e
                                                     b2_scale_ptr + weight_scales + k_blocks, hi_valid, strides, rows,
                                                     rows_valid, CONSUMER, False, False, STAGES)
             else:
-                acc, _ = _mma_steps(acc, acc, tile_count * k_steps, k_steps, tile_count, a_bufs, b_bufs, ready, empty,
-                                    turn, CONSUMER, True, B_K_MAJOR, COOPERATIVE, STAGES)
+                acc = _mma_steps(acc, tile_count * k_steps, k_steps, tile_count, a_bufs, b_bufs, ready, empty, turn,
+                                 CONSUMER, True, B_K_MAJOR, COOPERATIVE, STAGES)
             _scatter_store(acc, y_ptr, row_source_ptr, first_row, n0, m_dim, n_dim, stride_y, SCATTER)
             if MMA_N < BLOCK_N:
                 _scatter_store(acc_hi, y_ptr, row_source_ptr, first_row, n0 + MMA_N, m_dim, n_dim, stride_y, SCATTER)
@@ -686,31 +673,28 @@ def _gathered_consumer(x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, emp
             _scatter_store(up, h_ptr, row_source_ptr, first_row, n0 + HALF_N, num_rows, inter, inter, False)
         else:
             _gate_up_epilogue(gate, up, h_ptr, h_scale_ptr, gate_up_ptr, first_row, n_tile, inter, swiglu_limit,
-                              HAS_LIMIT, STORE_GATE_UP, True)
+                              HAS_LIMIT, STORE_GATE_UP)
         tile_count += 1
 
 
 @gluon.jit
 def _gate_up_epilogue(gate, up, h_ptr, h_scale_ptr, gate_up_ptr, first_row, n_tile, inter, swiglu_limit,
-                      HAS_LIMIT: gl.constexpr, STORE_GATE_UP: gl.constexpr, FP8: gl.constexpr):
-    """`grouped_gemm._gate_up_swiglu_kernel`'s epilogue on the consumer's rows from first_row and
-    columns [n0, n0 + 128), n0 = n_tile · 128: h = SwiGLU(g, u), in bf16 ([rows, I]) or, FP8,
-    quantized as one 1×128 block per row (h_q [rows, I] e4m3 bytes, h_scale [rows, I/128]), and with
+                      HAS_LIMIT: gl.constexpr, STORE_GATE_UP: gl.constexpr):
+    """`grouped_gemm._gate_up_swiglu_kernel`'s fp8_block epilogue on the consumer's rows from
+    first_row and columns [n0, n0 + 128), n0 = n_tile · 128: h = SwiGLU(g, u) quantized as one
+    1×128 block per row (h_q [rows, I] e4m3 bytes, h_scale [rows, I/128]), and with
     STORE_GATE_UP g, u in bf16 ([rows, 2, I]); the same device functions, so the same bits.
     The tiles leave the accumulator's layout, where a thread holds pairs of columns, for rows of
-    16-byte runs (`_store_rows`): 20 stores per thread instead of 96 of 2 and 4 bytes (FP8)."""
+    16-byte runs (`_store_rows`): 20 stores per thread instead of 96 of 2 and 4 bytes."""
     ROWS: gl.constexpr = gate.shape[0]
     COLUMNS: gl.constexpr = gate.shape[1]
     h = swiglu_forward(gate, up, swiglu_limit, HAS_LIMIT)
+    h_q, h_scale = quantize_row_blocks(h, False)  # [rows, 128] uint8, [rows, 1] fp32
+    scale_rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, gate.type.layout))
+    # one scale per row: reduced over the tile's single column, not stored once per held column
+    gl.store(h_scale_ptr + scale_rows.to(gl.int64) * (inter // COLUMNS) + n_tile, gl.max(h_scale, axis=1))
     n0 = n_tile * COLUMNS
-    if FP8:
-        h_q, h_scale = quantize_row_blocks(h, False)  # [rows, 128] uint8, [rows, 1] fp32
-        scale_rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, gate.type.layout))
-        # one scale per row: reduced over the tile's single column, not stored once per held column
-        gl.store(h_scale_ptr + scale_rows.to(gl.int64) * (inter // COLUMNS) + n_tile, gl.max(h_scale, axis=1))
-        _store_rows(h_q, h_ptr, first_row, n0, inter, _BYTE_ROWS_LAYOUT)
-    else:
-        _store_rows(round_to_bf16(h, False), h_ptr, first_row, n0, inter, _STORE_LAYOUT)
+    _store_rows(h_q, h_ptr, first_row, n0, inter, _BYTE_ROWS_LAYOUT)
     if STORE_GATE_UP:
         _store_rows(round_to_bf16(gate, False), gate_up_ptr, first_row, n0, 2 * inter, _STORE_LAYOUT)
         _store_rows(round_to_bf16(up, False), gate_up_ptr + inter, first_row, n0, 2 * inter, _STORE_LAYOUT)
@@ -771,88 +755,6 @@ def _gathered_ws_kernel(
                               tile_expert_ptr, num_rows_ptr, topk, hidden, inter, swiglu_limit, 0, HAS_LIMIT,
                               STORE_GATE_UP, PRODUCT, BLOCK_M, BLOCK_K, GROUP_M, STAGES)),
     ], [4, _GATHER_THREADS // 32], [_CONSUMER_REGISTERS, _PRODUCER_REGISTERS])
-
-
-# --------------------------------------------------------------------------- bf16 gate/up, x's sorted rows
-
-
-@gluon.jit
-def _sorted_gate_up_producer(x_desc, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, empty, turn, h_ptr, gate_up_ptr,
-                             tile_expert_ptr, num_rows_ptr, hidden, inter, swiglu_limit, CONSUMER: gl.constexpr,
-                             HAS_LIMIT: gl.constexpr, STORE_GATE_UP: gl.constexpr, BLOCK_M: gl.constexpr,
-                             BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
-    """Each step: the two A halves from x's sorted rows, the gate tile and the up tile, all by TMA."""
-    HALF_N: gl.constexpr = w_gate_desc.block_type.shape[0]
-    ROWS: gl.constexpr = BLOCK_M // 2
-    num_m_tiles = gl.cdiv(gl.load(num_rows_ptr), BLOCK_M)
-    num_n_tiles = gl.cdiv(inter, HALF_N)
-    STEP_BYTES: gl.constexpr = 2 * x_desc.block_type.nbytes + 2 * w_gate_desc.block_type.nbytes
-    step = 0
-    for tile in range(gl.program_id(0), num_m_tiles * num_n_tiles, gl.num_programs(0)):
-        m_tile, n_tile = tile_coordinates(tile, num_m_tiles, num_n_tiles, GROUP_M)
-        m0 = m_tile * BLOCK_M
-        w_row = gl.load(tile_expert_ptr + m_tile) * inter + n_tile * HALF_N  # weights read as [E_l·I, H]
-        for k0 in range(0, hidden, BLOCK_K):
-            slot, bar = _claim_slot(step, ready, empty, STEP_BYTES, STAGES)
-            tma.async_copy_global_to_shared(x_desc, [m0, k0], bar, a_bufs.index(2 * slot))
-            tma.async_copy_global_to_shared(x_desc, [m0 + ROWS, k0], bar, a_bufs.index(2 * slot + 1))
-            b = b_bufs.index(slot)  # the gate tile in its first HALF_N rows, the up tile in the rest
-            tma.async_copy_global_to_shared(w_gate_desc, [w_row, k0], bar, b.slice(0, HALF_N))
-            tma.async_copy_global_to_shared(w_up_desc, [w_row, k0], bar, b.slice(HALF_N, HALF_N))
-            step += 1
-
-
-@gluon.jit
-def _sorted_gate_up_consumer(x_desc, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, empty, turn, h_ptr, gate_up_ptr,
-                             tile_expert_ptr, num_rows_ptr, hidden, inter, swiglu_limit, CONSUMER: gl.constexpr,
-                             HAS_LIMIT: gl.constexpr, STORE_GATE_UP: gl.constexpr, BLOCK_M: gl.constexpr,
-                             BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
-    HALF_N: gl.constexpr = w_gate_desc.block_type.shape[0]
-    ROWS: gl.constexpr = BLOCK_M // 2
-    num_m_tiles = gl.cdiv(gl.load(num_rows_ptr), BLOCK_M)
-    num_n_tiles = gl.cdiv(inter, HALF_N)
-    k_steps = gl.cdiv(hidden, BLOCK_K)
-    tile_count = 0
-    for tile in range(gl.program_id(0), num_m_tiles * num_n_tiles, gl.num_programs(0)):
-        m_tile, n_tile = tile_coordinates(tile, num_m_tiles, num_n_tiles, GROUP_M)
-        first_row = m_tile * BLOCK_M + CONSUMER * ROWS
-        gate = gl.zeros((ROWS, HALF_N), gl.float32, _mma_layout(HALF_N))
-        gate, up = _mma_steps(gate, gate, tile_count * k_steps, k_steps, tile_count, a_bufs, b_bufs, ready, empty,
-                              turn, CONSUMER, True, True, True, STAGES)
-        _gate_up_epilogue(gate, up, h_ptr, h_ptr, gate_up_ptr, first_row, n_tile, inter, swiglu_limit, HAS_LIMIT,
-                          STORE_GATE_UP, False)
-        tile_count += 1
-
-
-@gluon.jit
-def _sorted_gate_up_ws_kernel(
-    # TMA descriptors: x's sorted rows [capacity_rows, H] (zeros at padding rows), the weights
-    # [E_l·I, H]; outputs: h [capacity_rows, I], g, u [capacity_rows, 2, I] (STORE_GATE_UP), bf16
-    x_desc, w_gate_desc, w_up_desc, h_ptr, gate_up_ptr,
-    # schedule
-    tile_expert_ptr, num_rows_ptr,
-    # sizes
-    hidden, inter, swiglu_limit,
-    # meta
-    HAS_LIMIT: gl.constexpr, STORE_GATE_UP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
-    GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-):
-    """h = SwiGLU(x·Wgᵀ, x·Wuᵀ) of each sorted row in bf16, cooperative: a tile is 128 rows × 128
-    columns of h, its B slot the gate tile over the up tile, so a consumer's two 128-column
-    accumulators (`_mma_steps` with a B tile twice their width) are its rows' g and u, each the
-    Triton kernel's dot in the same K order (X_SORTED, two accumulators): the same bits."""
-    a_bufs, b_bufs, ready, empty, turn = _allocate_ring(x_desc, w_gate_desc, True, STAGES, 2)
-    gl.warp_specialize([
-        (_sorted_gate_up_consumer, (x_desc, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, empty, turn, h_ptr,
-                                    gate_up_ptr, tile_expert_ptr, num_rows_ptr, hidden, inter, swiglu_limit, 0,
-                                    HAS_LIMIT, STORE_GATE_UP, BLOCK_M, BLOCK_K, GROUP_M, STAGES)),
-        (_sorted_gate_up_consumer, (x_desc, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, empty, turn, h_ptr,
-                                    gate_up_ptr, tile_expert_ptr, num_rows_ptr, hidden, inter, swiglu_limit, 1,
-                                    HAS_LIMIT, STORE_GATE_UP, BLOCK_M, BLOCK_K, GROUP_M, STAGES)),
-        (_sorted_gate_up_producer, (x_desc, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, empty, turn, h_ptr,
-                                    gate_up_ptr, tile_expert_ptr, num_rows_ptr, hidden, inter, swiglu_limit, 0,
-                                    HAS_LIMIT, STORE_GATE_UP, BLOCK_M, BLOCK_K, GROUP_M, STAGES)),
-    ], [4, 1], [_CONSUMER_REGISTERS, _PRODUCER_REGISTERS])
 
 
 # --------------------------------------------------------------------------- wgrads
@@ -933,8 +835,8 @@ def _wgrad_consumer(a_desc, a2_desc, b_desc, b_scale_desc, a_bufs, b_bufs, b_sca
                                                 (stride_a_scale, 1, 0), rows, rows_valid, CONSUMER, True, False,
                                                 STAGES)
             else:
-                acc, _ = _mma_steps(acc, acc, step, steps, tile_count, a_bufs, b_bufs, ready, empty, turn, CONSUMER,
-                                    False, False, COOPERATIVE, STAGES)
+                acc = _mma_steps(acc, step, steps, tile_count, a_bufs, b_bufs, ready, empty, turn, CONSUMER, False,
+                                 False, COOPERATIVE, STAGES)
             _wgrad_store(acc, out, out2_ptr, expert, first_row, n0, m_dim, n_dim, split_m, stride_out_e)
             if MMA_N < BLOCK_N:
                 _wgrad_store(acc_hi, out, out2_ptr, expert, first_row, n0 + MMA_N, m_dim, n_dim, split_m,
@@ -1101,32 +1003,6 @@ def launch_gate_up_swiglu_fp8_block(x_q: torch.Tensor, x_scale: torch.Tensor, w_
     checked the operands and the outputs."""
     _launch_gathered(x_q, x_scale, (w_gate_q, w_gate_scale), (w_up_q, w_up_scale), h_q, h_scale, gate_up, schedule,
                      topk, swiglu_limit, cfg, product=False)
-
-
-def launch_gate_up_swiglu(x_sorted: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, h: torch.Tensor,
-                          gate_up: torch.Tensor | None, schedule: RoutingSchedule, swiglu_limit: float | None,
-                          cfg: dict) -> None:
-    """`grouped_gemm.gate_up_swiglu`'s kernel here, over x copied to the sorted layout
-    ([capacity_rows, H] bf16, zeros at padding rows): h and, unless None, gate_up written for
-    every row below the schedule's num_rows. The caller has checked the weights and the outputs."""
-    if not cfg.get("COOPERATIVE", False):
-        raise ValueError("tile_config: the warp-specialized gate/up GEMM needs COOPERATIVE")
-    inter, hidden = w_gate.shape[1], w_gate.shape[2]
-    half_n = cfg["BLOCK_N"] // 2  # the tile's columns of h: the B slot holds a gate and an up tile of them
-    if inter % half_n:  # its stores are not masked
-        raise ValueError(f"w_gate: the warp-specialized gate/up GEMM needs an intermediate size that is a multiple "
-                         f"of {half_n} (tile_config's BLOCK_N / 2), got {inter}")
-    _check_device(x_sorted.device)
-    block_m, block_k = cfg["BLOCK_M"], cfg["BLOCK_K"]
-    num_tiles = (schedule.capacity_rows // block_m) * (inter // half_n)
-    _sorted_gate_up_ws_kernel[(min(num_tiles, num_sms(x_sorted.device)),)](
-        _descriptor(x_sorted, (block_m // 2, block_k)), _descriptor(w_gate, (half_n, block_k)),
-        _descriptor(w_up, (half_n, block_k)), h, h if gate_up is None else gate_up,  # h: an unread stand-in
-        schedule.tile_expert, schedule.num_rows,
-        hidden, inter, 0.0 if swiglu_limit is None else float(swiglu_limit),
-        swiglu_limit is not None, gate_up is not None, block_m, block_k, cfg.get("GROUP_M", 1), cfg["num_stages"],
-        num_warps=4,
-    )
 
 
 def _launch_gathered(x_q, x_scale, w_gate: tuple[torch.Tensor, torch.Tensor], w_up: tuple[torch.Tensor, torch.Tensor],

@@ -165,25 +165,6 @@ def test_fp8_block_gate_up_compiles_for_sm90a_without_spills(product):
         assert spilled == 12, "the gate/up's count above changed: update the docstring"
 
 
-def test_bf16_gate_up_compiles_for_sm90a_without_spills():
-    """The forward's bf16 gate/up over x's sorted rows (g and u as a consumer's two accumulators,
-    both MMAs of a step in flight, the SwiGLU epilogue on them): 168 registers per thread at
-    launch, no serialized wgmma (the report checks C7514), and no more than 192 bytes spilled (in
-    the SASS: 24 values stored and reloaded once per tile around the epilogue's layout changes;
-    none in the K loop)."""
-    cfg = ws.tile_config(cooperative=True)
-    meta = dict(HAS_LIMIT=True, STORE_GATE_UP=True, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=8,
-                STAGES=cfg["num_stages"])
-    a_block, half = (cfg["BLOCK_M"] // 2, cfg["BLOCK_K"]), (cfg["BLOCK_N"] // 2, cfg["BLOCK_K"])
-    signature = {
-        "x_desc": _descriptor_type(a_block), "w_gate_desc": _descriptor_type(half), "w_up_desc": _descriptor_type(half),
-        "h_ptr": "*bf16", "gate_up_ptr": "*bf16", "tile_expert_ptr": "*i32", "num_rows_ptr": "*i32", "hidden": "i32",
-        "inter": "i32", "swiglu_limit": "fp32", **{name: "constexpr" for name in meta},
-    }
-    registers, spilled = _ptxas_report("_sorted_gate_up_ws_kernel", signature, meta, aligned=("inter",))
-    assert registers == 168 and spilled <= 192, f"(registers, spilled bytes) {(registers, spilled)}"
-
-
 def test_defaults_choose_it_only_where_it_runs():
     """No Hopper GPU here (or the interpreter): the default tile configs keep the Triton kernels."""
     if ws.available_here():
@@ -253,25 +234,6 @@ def test_errors_name_the_tile_config(kernel_device, monkeypatch):
                                          "256"):
         gate_up_swiglu_fp8_block(*quantize_fp8_block_activations(inp.x), *weight[:2], *weight[:2], sched, 2,
                                  tile_config=dict(fp8_config, BLOCK_N=128))
-
-
-def test_bf16_gate_up_refuses_what_it_cannot_run(kernel_device, monkeypatch):
-    """The warp-specialized bf16 gate/up: a ping-pong config and an I that is not a multiple of its
-    128 columns of h are refused, naming what was expected; with its flag on, the default stays the
-    Triton kernel where it cannot run (here, unless a Hopper GPU) and where I is not such a multiple."""
-    inp = make_inputs(8, 64, 64, 4, 2, seed=0, device=kernel_device)
-    sched = build_routing_schedule(inp.topk_ids, 4, routing_block_m(), torch.zeros(1, dtype=torch.int32,
-                                                                                   device=kernel_device))
-    cooperative = dict(ws.tile_config(cooperative=True), BLOCK_M=sched.block_m)
-    with pytest.raises(ValueError, match="tile_config: the warp-specialized gate/up GEMM needs COOPERATIVE"):
-        gate_up_swiglu(inp.x, inp.w_gate, inp.w_up, sched, 2, tile_config=dict(cooperative, COOPERATIVE=False))
-    with pytest.raises(ValueError, match="w_gate: the warp-specialized gate/up GEMM needs an intermediate size that is "
-                                         "a multiple of 128 .tile_config's BLOCK_N / 2., got 64"):
-        gate_up_swiglu(inp.x, inp.w_gate, inp.w_up, sched, 2, tile_config=cooperative)
-    monkeypatch.setattr("mok.kernels.grouped_gemm.WARP_SPECIALIZED_GATE_UP", True)
-    assert ("WARP_SPECIALIZED" in gemm_config("gate_up", 14336, 4096)) == ws.available_here()
-    assert "WARP_SPECIALIZED" not in gemm_config("gate_up", 2048 + 64, 4096)  # not a multiple of 128
-    assert "WARP_SPECIALIZED" not in gemm_config("gate_up", 768, 2048)  # below SORTED_X_MIN_INTER: x gathered
 
 
 # (T, H, I, E, topk, skewed): odd H and I (ragged N and K tiles), one token, experts with no
@@ -449,54 +411,6 @@ def test_fp8_block_gate_up_is_bitwise_the_triton_kernel(T, H, I, E, topk, skewed
     for name, g, e in zip(("h_q", "h_scale", "gate_up"), got, expected, strict=True):
         _check_bitwise(g[:rows].view(torch.uint8) if name == "h_q" else g[:rows],
                        e[:rows].view(torch.uint8) if name == "h_q" else e[:rows], f"{name} {params}")
-
-
-@hopper
-@pytest.mark.gpu
-@pytest.mark.parametrize("swiglu_limit", [None, 1.5])
-@pytest.mark.parametrize("T, H, I, E, topk, skewed", [
-    (37, 136, 256, 5, 2, False), (1, 64, 128, 4, 1, False), (300, 256, 768, 10, 8, True), (2048, 512, 2048, 16, 4, True),
-])
-def test_bf16_gate_up_is_bitwise_the_triton_kernel(T, H, I, E, topk, skewed, swiglu_limit):
-    """The forward's bf16 gate/up over x's sorted rows (odd H: a ragged last K step; one token;
-    experts with no token; programs with many tiles): h and the saved g, u bitwise the Triton
-    kernel's over the same sorted rows, on every row in use (padding rows included)."""
-    inp, sched = _inputs(T, H, I, E, topk, skewed, seed=9)
-    run = lambda cfg: gate_up_swiglu(inp.x, inp.w_gate, inp.w_up, sched, topk, swiglu_limit=swiglu_limit,  # noqa: E731
-                                     store_gate_up=True, tile_config=cfg)
-    got = run(dict(ws.tile_config(cooperative=True), GROUP_M=8))
-    expected = run(dict(gemm_config("gate_up", I, H, allow_warp_specialized=False), PACKED=False, X_SORTED=True))
-    rows = int(sched.num_rows.item())
-    params = f"{T=} {H=} {I=} {E=} {topk=} {skewed=} {swiglu_limit=}"
-    for name, g, e in zip(("h", "gate_up"), got, expected, strict=True):
-        _check_bitwise(g[:rows], e[:rows], f"{name} {params}")
-
-
-@hopper
-@pytest.mark.gpu
-def test_bf16_layer_with_the_warp_specialized_gate_up_is_bitwise_the_same(monkeypatch):
-    """A bf16 forward and backward through `mok.forward` / `mok.backward` (x's sorted rows at I ≥
-    2048, a shared expert) with the warp-specialized gate/up on: every output and gradient bitwise
-    the Triton kernel's run."""
-    import mok
-
-    inp = make_inputs(1024, 256, 2048, 8, 2, 2048, seed=8, device="cuda", signed_weights=True)
-    d_out = torch.randn(1024, 256, device="cuda").bfloat16()
-    config = mok.MoKConfig(backend="triton")
-    workspace = mok.get_workspace(config, None, device="cuda", num_local_tokens=1024, hidden_size=256, topk=2)
-    schedule = mok.build_schedule(workspace, config, inp.topk_ids, num_local_experts=8)
-    args = (inp.x, inp.topk_weights, inp.ws_gate, inp.ws_up, inp.ws_down, inp.w_gate, inp.w_up, inp.w_down)
-
-    def step():
-        out, ctx = mok.forward(config, workspace, schedule, *args)
-        return (out, *mok.backward(config, workspace, schedule, ctx, d_out, *args))
-
-    monkeypatch.setattr("mok.kernels.grouped_gemm.WARP_SPECIALIZED_GATE_UP", False)
-    expected = step()
-    monkeypatch.setattr("mok.kernels.grouped_gemm.WARP_SPECIALIZED_GATE_UP", True)
-    assert gemm_config("gate_up", 2048, 256).get("WARP_SPECIALIZED"), "the test wants the kernel on"
-    for name, got, want in zip(("out", *Gradients._fields), step(), expected, strict=True):
-        assert (got is None and want is None) or torch.equal(got, want), name
 
 
 @hopper
