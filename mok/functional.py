@@ -36,7 +36,8 @@ from mok import reference
 from mok import ops
 from mok.config import MoKConfig
 from mok.kernels.common import interpreting
-from mok.kernels.dgrad import fp8_block_down_dgrad_gathers
+from mok.kernels import dgrad
+from mok.kernels.dgrad import down_wgrad_reads_weighted_h, fp8_block_down_dgrad_gathers
 from mok.kernels.grouped_gemm import routing_block_m
 from mok.kernels.common import ERROR_BAD_EXPERT_ID, ERROR_CAPACITY_OVERFLOW, ERROR_PEER_TIMEOUT
 from mok.fp8_block import FP8_BLOCK, fp8_block_round
@@ -501,18 +502,36 @@ def _routed_forward(schedule, x, routed, topk, swiglu_limit, needs_backward):
     for the gate/up weight gradient."""
     dispatch = schedule.dispatch
     if dispatch is None:
-        return _expert_mlp(x, *routed, schedule.routing, schedule.block_m, topk, x.shape[0] * topk, swiglu_limit, needs_backward)
+        y, saved = _expert_mlp(
+            x, *routed, schedule.routing, schedule.block_m, topk, x.shape[0] * topk, swiglu_limit, needs_backward
+        )
+        return y, _routed_saved(saved, routed)
     expert_x = dispatch.dispatch(x)  # [P·C, H]
     peer_rows = _epilogue_peer_rows(dispatch, "y", routed)
     y_rows, saved = _expert_mlp(
         expert_x, *routed, schedule.routing, schedule.block_m, 1, expert_x.shape[0], swiglu_limit, needs_backward,
         peer_rows,
     )
+    saved = _routed_saved(saved, routed)
     if peer_rows is None:
         y = dispatch.combine(y_rows)
     else:
         y = dispatch.combined(ops.scatter_programs("down", schedule.routing, schedule.block_m, *_hidden_inter(routed)))
     return y, {**saved, "expert_x": expert_x}
+
+
+def _routed_saved(saved: dict, routed) -> dict:
+    """What the routed experts' backward reads of `_expert_mlp`'s `saved`: all of it, but h
+    where the down wgrad takes w·h from the down dgrad instead (`_reads_weighted_h`)."""
+    return {k: t for k, t in saved.items() if k != "h"} if _reads_weighted_h(routed) else saved
+
+
+def _reads_weighted_h(routed) -> bool:
+    """Whether the routed experts' down wgrad reads dOut's sorted rows and the down dgrad's
+    w·h (bf16 weights, where `dgrad.down_wgrad_reads_weighted_h`), so that the forward keeps
+    no h and the backward makes no w·dOut copy."""
+    w_down = routed[2]
+    return isinstance(w_down, torch.Tensor) and down_wgrad_reads_weighted_h(*w_down.shape[1:])
 
 
 def _epilogue_peer_rows(dispatch, kind: str, routed):
@@ -640,21 +659,28 @@ def _expert_mlp_backward(d_out, x, topk_weights, weights, saved, routing, block_
         return _fp8_block_backward_routed(
             d_out, x, topk_weights, weights, main_grads, saved, routing, block_m, topk, num_slots, swiglu_limit
         )
+    # The down wgrad reduces (w·dOut)ᵀ·h over the rows; where w·h is the smaller operand it
+    # reads dOutᵀ·(w·h) instead, w·h written by the down dgrad (no w·dOut copy, no saved h).
+    weighted_h = not token_order and _reads_weighted_h(weights)
     if token_order:  # the shared expert: bf16
         x_sorted, d_out_sorted, dy_sorted = x, d_out, d_out
     else:
         x_sorted, d_out_sorted, dy_sorted = ops.gather_sorted_rows(
-            x, d_out, topk_weights, routing, block_m, topk, mxfp8
+            x, d_out, None if weighted_h else topk_weights, routing, block_m, topk, mxfp8
         )
     # Each sorted copy is dropped once its last reader has run, so the peak holds no copy
     # of dOut next to the gate/up GEMMs' operands.
     gate_up = saved.pop("gate_up")
-    d_gate_up, d_topk_weights = ops.down_dgrad_swiglu(
-        d_out_sorted, topk_weights, gate_up, _dgrad_weight(w_down), routing, block_m, swiglu_limit
+    d_gate_up, d_topk_weights, h = ops.down_dgrad_swiglu(
+        d_out_sorted, topk_weights, gate_up, _dgrad_weight(w_down), routing, block_m, swiglu_limit, weighted_h
     )
-    del d_out_sorted, gate_up
-    h = saved.pop("h")
-    h = ops.mxfp8_round(h, False, True, routing, block_m)[1] if mxfp8 else h
+    del gate_up
+    if weighted_h:  # (dOut, w·h) stand in for (w·dOut, h)
+        dy_sorted = d_out_sorted
+    else:
+        h = saved.pop("h")
+        h = ops.mxfp8_round(h, False, True, routing, block_m)[1] if mxfp8 else h
+    del d_out_sorted
     down_wgrad_last = _down_wgrad_last((dy_sorted, h), w_down, main_down)
     if not down_wgrad_last:  # early: frees w·dOut's copy and h before the gate/up GEMMs
         d_w_down = _down_weight_grad(dy_sorted, h, main_down, routing, block_m)
@@ -700,11 +726,16 @@ def _fp8_block_backward_routed(d_out, x, topk_weights, weights, main_grads, save
     else:  # [rows, H] e4m3, [rows, H/128] fp32
         d_out_pair = ops.quantize_fp8_block_gathered(d_out, routing, block_m, topk)
     gate_up = saved.pop("gate_up")
-    d_gate_up, d_topk_weights = ops.down_dgrad_swiglu_fp8_block(
-        *d_out_pair, topk_weights, gate_up, w_down.q_t, w_down.scale_t, routing, block_m, swiglu_limit
+    quantize_rows = dgrad.FP8_BLOCK_DOWN_DGRAD_QUANTIZES_ROWS  # d_g, d_u along I from the down dgrad's epilogue
+    d_gate_up, d_topk_weights, d_gate_up_q, d_gate_up_scale = ops.down_dgrad_swiglu_fp8_block(
+        *d_out_pair, topk_weights, gate_up, w_down.q_t, w_down.scale_t, routing, block_m, swiglu_limit, quantize_rows
     )
     del d_out_pair
-    d_gate_pair, d_up_pair = (ops.quantize_fp8_block_activations(d_gate_up[:, j], rows_in_use) for j in (0, 1))
+    if quantize_rows:  # [rows, I] e4m3, [rows, I/128] fp32 each
+        d_gate_pair, d_up_pair = ((d_gate_up_q[j], d_gate_up_scale[j]) for j in (0, 1))
+    else:
+        d_gate_pair, d_up_pair = (ops.quantize_fp8_block_activations(d_gate_up[:, j], rows_in_use) for j in (0, 1))
+    del d_gate_up_q, d_gate_up_scale
     dx_slots = ops.gate_up_dgrad_scatter_fp8_block(
         *d_gate_pair, *d_up_pair, w_gate.q_t, w_gate.scale_t, w_up.q_t, w_up.scale_t, routing, block_m, num_slots
     )

@@ -95,6 +95,37 @@ def test_down_wgrad_goes_last_where_its_operands_are_smaller_than_its_gradient()
     assert not functional._down_wgrad_last(operands(69632, 7168, 2048), w_down(32, 7168, 2048), None)  # deepseek
 
 
+@pytest.mark.parametrize("limit", [None, 0.6])
+def test_down_wgrad_from_weighted_h_where_i_is_below_h(kernel_device, monkeypatch, limit):
+    """Where I < H the forward keeps no h and the down wgrad reads dOut with the down dgrad's
+    w·h: every other gradient bitwise what the w·dOut copy and the saved h give, d_w_down within
+    the bf16 bar of the reference either way (one bf16 rounding moves from w·dOut to w·h)."""
+    from mok.kernels import dgrad
+
+    T, H, I, E, topk, I_s = 45, 64, 32, 5, 3, 16
+    inp = make_inputs(T, H, I, E, topk, I_s, seed=4, device=kernel_device, signed_weights=True)
+    d_out = torch.randn(T, H, generator=torch.Generator().manual_seed(6)).bfloat16().to(kernel_device)
+    config = mok.MoKConfig(backend="triton", strict=True)
+    ws, sched, args = _functional(inp, config)
+    ref = reference.moe_backward(d_out, inp.x, inp.topk_ids, inp.topk_weights, *inp.weights, swiglu_limit=limit)
+    ctx = f"{T=} {H=} {I=} {E=} {topk=} {I_s=} {limit=}"
+    grads, saved = {}, {}
+    for reads_weighted_h in (True, False):
+        monkeypatch.setattr(dgrad, "DOWN_WGRAD_READS_WEIGHTED_H", reads_weighted_h)
+        _, context = mok.forward(config, ws, sched, *args, limit)
+        saved[reads_weighted_h] = set(context.saved)
+        grads[reads_weighted_h] = mok.backward(config, ws, sched, context, d_out, *args, limit)
+    assert saved[True] == {"gate_up", "gate_up_shared", "h_shared"}, f"{saved[True]} {ctx}"
+    assert saved[False] == saved[True] | {"h"}, f"{saved[False]} {ctx}"
+    for name, on, off, r in zip(ref._fields, grads[True], grads[False], ref):
+        if name != "d_w_down":
+            assert torch.equal(on, off), f"{name}: moved by the down wgrad's operands {ctx}"
+            continue
+        assert not torch.equal(on, off), f"d_w_down: the same bits both ways, so one path did not run {ctx}"
+        for got in (on, off):
+            assert_close_to_reference(got, r, name=name, context=ctx, check_cosine=True)
+
+
 def test_triton_backward_run_twice_and_recompute_bitwise(kernel_device, monkeypatch):
     T, H, I, E, topk, I_s = 33, 32, 32, 4, 2, 16
     inp = make_inputs(T, H, I, E, topk, I_s, seed=3, device=kernel_device, signed_weights=True)
@@ -169,6 +200,7 @@ def test_backward_ops_schema_and_fake_impls(kernel_device):
         (ops.gather_sorted_rows, (inp.x, d_out, None, list(routing), block_m, topk)),
         (ops.down_dgrad_swiglu, (sorted_rows, inp.topk_weights, gate_up, inp.w_down, list(routing), block_m, 0.5)),
         (ops.down_dgrad_swiglu, (sorted_rows, None, gate_up, inp.w_down, list(routing), block_m, None)),
+        (ops.down_dgrad_swiglu, (sorted_rows, inp.topk_weights, gate_up, inp.w_down, list(routing), block_m, None, True)),
         (ops.gate_up_dgrad_scatter, (gate_up, inp.w_gate, inp.w_up, list(routing), block_m, T * topk)),
         (ops.down_wgrad, (sorted_rows, h, list(routing), block_m)),
         (ops.down_wgrad_accumulate, (zeros(E, H, I), sorted_rows, h, list(routing), block_m)),
@@ -480,6 +512,28 @@ def test_low_precision_layer_run_twice_and_weight_cache(kernel_device, monkeypat
     want = quantize(inp.w_down, True, True) if precision == "mxfp8" else quantize(inp.w_down)
     for got, expected in zip(copies[2], want):
         assert torch.equal(_bits(got), _bits(expected)), ctx
+
+
+def test_fp8_block_gate_up_dgrad_operands_from_the_down_dgrad_epilogue(kernel_device, monkeypatch):
+    """d_g, d_u quantized along I by the down dgrad's epilogue give every gradient bitwise what
+    the separate quantizer over d_gate_up gives."""
+    from mok.kernels import dgrad
+
+    layer = _RecordedLayer(kernel_device, monkeypatch, "fp8_block", seed=12)
+    quantize, calls = ops.quantize_fp8_block_activations, []
+    monkeypatch.setattr(ops, "quantize_fp8_block_activations", lambda *a: calls.append(a[0].shape) or quantize(*a))
+    grads, quantizer_calls = {}, {}
+    for in_epilogue in (True, False):
+        monkeypatch.setattr(dgrad, "FP8_BLOCK_DOWN_DGRAD_QUANTIZES_ROWS", in_epilogue)
+        context = layer.forward()[1]
+        calls.clear()
+        grads[in_epilogue] = layer.backward(context)
+        quantizer_calls[in_epilogue] = len(calls)
+    # The backward's own 1×128 quantizations: dOut, then d_g and d_u unless the epilogue made them.
+    assert quantizer_calls == {True: 1, False: 3}, f"{quantizer_calls} {layer.ctx}"
+    for name, a, b in zip(grads[True]._fields, grads[True], grads[False]):
+        assert (a is None and b is None) or torch.equal(a, b), f"{name}: the epilogue's quantization differs {layer.ctx}"
+    assert grads[True].d_x.abs().sum() > 0, layer.ctx
 
 
 @pytest.mark.parametrize("precision", ["fp8_block", "mxfp8"])

@@ -64,6 +64,10 @@ def test_down_dgrad_swiglu_matches_reference(kernel_device, T, H, I, E, topk, li
 
     d_out_sorted = _sorted_tokens(d_out, sched, topk)
     d_gate_up, d_topk_weights = down_dgrad_swiglu(d_out_sorted, inp.topk_weights, gate_up, inp.w_down, sched, limit)
+    # The same call storing w·h for the down wgrad: NaN where it must not write (past num_rows).
+    weighted_h = torch.full((sched.capacity_rows, I), float("nan"), dtype=torch.bfloat16, device=kernel_device)
+    with_h = down_dgrad_swiglu(d_out_sorted, inp.topk_weights, gate_up, inp.w_down, sched, limit, weighted_h=weighted_h)
+    assert torch.equal(with_h[0][rows], d_gate_up[rows]) and torch.equal(with_h[1], d_topk_weights), ctx
 
     # Reference per sorted row, from the same bf16 g, u the kernel reads.
     g, u = gate_up[rows].cpu().float().unbind(1)  # [n, I] each
@@ -84,7 +88,12 @@ def test_down_dgrad_swiglu_matches_reference(kernel_device, T, H, I, E, topk, li
     # Router-weight gradient, SPEC's definition: ⟨dOut[t], y⟩ with y = h · Wdᵀ.
     if limit is not None:
         g, u = g.clamp(max=limit), u.clamp(-limit, limit)
-    y = torch.einsum("ni,nhi->nh", torch.nn.functional.silu(g) * u, w_down)  # [n, H]
+    h = torch.nn.functional.silu(g) * u  # [n, I] from the bf16 g, u, clamped
+    y = torch.einsum("ni,nhi->nh", h, w_down)  # [n, H]
+    assert_close_to_reference(weighted_h[rows].cpu(), w[:, None] * h, name="weighted_h", context=ctx, check_cosine=True)
+    num_rows = int(sched.num_rows)
+    assert torch.equal(weighted_h[pad].cpu(), torch.zeros(pad.numel(), I, dtype=torch.bfloat16)), ctx
+    assert weighted_h[num_rows:].isnan().all(), f"rows past num_rows were written {ctx}"
     expected = torch.zeros(T * topk)
     expected[slots] = (d_out.cpu().float()[tokens] * y).sum(-1)
     assert d_topk_weights.dtype == torch.float32 and d_topk_weights.shape == (T, topk)
@@ -168,6 +177,11 @@ def test_dgrad_launchers_reject_mismatches(kernel_device):
         down_dgrad_swiglu(d_out, inp.topk_weights.double(), gate_up, inp.w_down, sched)
     with pytest.raises(ValueError, match=r"^gate_up: expected a contiguous bf16 tensor of shape"):
         down_dgrad_swiglu(d_out, inp.topk_weights, gate_up[:-1], inp.w_down, sched)
+    weighted_h = torch.empty(sched.capacity_rows, 16, dtype=torch.bfloat16, device=kernel_device)
+    with pytest.raises(ValueError, match=r"^weighted_h: expected None without topk_weights"):
+        down_dgrad_swiglu(d_out, None, gate_up, inp.w_down, sched, weighted_h=weighted_h)
+    with pytest.raises(ValueError, match=r"^weighted_h: expected a contiguous bf16 tensor of shape \[\d+, 16\]"):
+        down_dgrad_swiglu(d_out, inp.topk_weights, gate_up, inp.w_down, sched, weighted_h=weighted_h[:, :8])
     with pytest.raises(ValueError, match=r"^schedule: expected block_m"):
         cfg = dict(BLOCK_M=2 * sched.block_m, BLOCK_N=32, BLOCK_K=32, GROUP_M=4)
         gate_up_dgrad_scatter(gate_up, inp.w_gate, inp.w_up, sched, 16, tile_config=cfg)
@@ -220,20 +234,31 @@ def test_fp8_block_down_dgrad_swiglu(kernel_device, T, H, I, E, topk, limit, use
     tokens = slots // topk
     d_out_deq = fp8_block_dequantize(d_out_q.cpu(), d_out_scale.cpu())[tokens]  # [n, H] fp32
     w_down_deq = fp8_block_dequantize(w_down_t_q.cpu(), w_down_t_scale.cpu(), (128, 128))[experts]  # [n, I, H]
+    # d_g, d_u quantized along I by the epilogue: poison (0xAB bytes, NaN scales) where it must not write.
+    quantized = (torch.full((2, sched.capacity_rows, I), 0xAB, dtype=torch.uint8).view(torch.float8_e4m3fn),
+                 torch.full((2, sched.capacity_rows, I // 128), float("nan")))
+    quantized = tuple(t.to(kernel_device) for t in quantized)
     if path == "fused":
         d_gate_up, d_topk_weights = down_dgrad_swiglu_fp8_block(
             d_out_q, d_out_scale, inp.topk_weights, gate_up.to(kernel_device), w_down_t_q, w_down_t_scale, sched,
-            limit,
+            limit, quantized_out=quantized,
         )
     else:
         product = torch.full((sched.capacity_rows, I), float("nan"))
         product[rows] = torch.einsum("nh,nih->ni", d_out_deq, w_down_deq)
         d_gate_up, d_topk_weights = down_dgrad_swiglu_epilogue(
-            product.to(kernel_device), inp.topk_weights, gate_up.to(kernel_device), sched, limit
+            product.to(kernel_device), inp.topk_weights, gate_up.to(kernel_device), sched, limit, quantized
         )
     assert d_gate_up.dtype == torch.bfloat16 and d_gate_up.shape == (sched.capacity_rows, 2, I), ctx
     assert pad.numel() > 0, f"the test wants padding rows {ctx}"
     assert torch.equal(d_gate_up[pad].cpu(), torch.zeros(pad.numel(), 2, I, dtype=torch.bfloat16)), ctx
+    num_rows = int(sched.num_rows)
+    for j, name in enumerate(("d_gate", "d_up")):  # bitwise the separate quantizer's, rows past num_rows untouched
+        want_q, want_scale = quantize_fp8_block_activations(d_gate_up[:, j], sched.num_rows)
+        got_q, got_scale = quantized[0][j].view(torch.uint8), quantized[1][j]
+        assert torch.equal(got_q[:num_rows], want_q.view(torch.uint8)[:num_rows]), f"{name} bytes {ctx}"
+        assert torch.equal(got_scale[:num_rows], want_scale[:num_rows]), f"{name} scales {ctx}"
+        assert (got_q[num_rows:] == 0xAB).all() and got_scale[num_rows:].isnan().all(), f"{name} past num_rows {ctx}"
 
     g, u = gate_up[rows].float().unbind(1)  # [n, I] each
     w = inp.topk_weights.cpu().view(-1)[slots]  # [n]
@@ -346,17 +371,24 @@ def test_fp8_block_dgrad_ops_and_run_twice(kernel_device):
     d_out_pair = quantize_fp8_block_activations(d_out)
     w_down_t = fp8_block_quantize(inp.w_down)[2:]
     down_args = (*d_out_pair, inp.topk_weights, gate_up, *w_down_t, routing, block_m, 0.5)
-    d_gate_up, d_topk_weights = ops.down_dgrad_swiglu_fp8_block(*down_args)
+    d_gate_up, d_topk_weights, d_gate_up_q, d_gate_up_scale = ops.down_dgrad_swiglu_fp8_block(*down_args, True)
     again = down_dgrad_swiglu_fp8_block(*d_out_pair, inp.topk_weights, gate_up, *w_down_t, sched, 0.5)
     rows = int(sched.num_rows)
     assert torch.equal(d_gate_up[:rows], again[0][:rows]) and torch.equal(d_topk_weights, again[1])
+    assert d_gate_up_q.shape == (2, sched.capacity_rows, I) and d_gate_up_scale.shape == (2, sched.capacity_rows, 1)
+    assert torch.equal(d_gate_up_q[1, :rows].view(torch.uint8),
+                       quantize_fp8_block_activations(d_gate_up[:rows, 1])[0].view(torch.uint8))
+    without = ops.down_dgrad_swiglu_fp8_block(*down_args)
+    assert torch.equal(without[0][:rows], d_gate_up[:rows]) and without[2].shape == (2, 0, I), "quantize_rows=False"
 
     grads = [x for j in (0, 1) for x in quantize_fp8_block_activations(d_gate_up[:, j])]
     weights = [x for w in (inp.w_gate, inp.w_up) for x in fp8_block_quantize(w)[2:]]
     gate_up_args = (*grads, *weights, routing, block_m, T * topk)
     dx = ops.gate_up_dgrad_scatter_fp8_block(*gate_up_args)
     assert torch.equal(dx, gate_up_dgrad_scatter_fp8_block(*grads, *weights, sched, T * topk))
-    torch.library.opcheck(ops.down_dgrad_swiglu_fp8_block.op, down_args, test_utils=("test_faketensor",))
+    for quantize_rows in (False, True):
+        torch.library.opcheck(ops.down_dgrad_swiglu_fp8_block.op, (*down_args, quantize_rows),
+                              test_utils=("test_faketensor",))
     torch.library.opcheck(ops.gate_up_dgrad_scatter_fp8_block.op, gate_up_args, test_utils=("test_faketensor",))
 
 
@@ -392,6 +424,18 @@ def test_fp8_block_dgrad_launchers_reject_mismatches(kernel_device):
          rf"^gate_up: expected a contiguous bf16 tensor of shape \[{rows}, 2, 128\]"),
         (lambda: down(d_out_q, d_out_s, inp.topk_weights, gate_up, wd_t_q, wd_t_s, tile_config=bad_tiles),
          r"^tile_config: expected BLOCK_K 128 and BLOCK_N a divisor of 128 for the fp8_block down dgrad GEMM"),
+        (lambda: down(d_out_q, d_out_s, inp.topk_weights, gate_up, wd_t_q, wd_t_s,
+                      quantized_out=(d_q, d_s)),
+         rf"^quantized_out\[0\]: expected a contiguous float8_e4m3fn tensor of shape \[2, {rows}, 128\]"),
+        (lambda: down(d_out_q, d_out_s, inp.topk_weights, gate_up, wd_t_q, wd_t_s,
+                      quantized_out=(torch.stack([d_q, d_q]), torch.stack([d_s, d_s]).double())),
+         rf"^quantized_out\[1\]: expected a contiguous float32 tensor of shape \[2, {rows}, 1\]"),
+        (lambda: down(d_out_q, d_out_s, inp.topk_weights, gate_up, wd_t_q, wd_t_s, quantized_out=(d_q, d_s, d_q)),
+         r"^quantized_out: expected a \(q, scale\) pair"),
+        (lambda: down(d_out_q, d_out_s, inp.topk_weights, gate_up, wd_t_q, wd_t_s,
+                      tile_config={**bad_tiles, "BLOCK_N": 64},
+                      quantized_out=(torch.stack([d_q, d_q]), torch.stack([d_s, d_s]))),
+         r"^tile_config: quantized_out needs BLOCK_N = 128"),
         (lambda: gate_up_dgrad(d_q, d_s, d_q.float(), d_s, wg_t_q, wg_t_s, wg_t_q, wg_t_s),
          rf"^d_up_q: expected a contiguous float8_e4m3fn tensor of shape \[{rows}, 128\]"),
         (lambda: gate_up_dgrad(d_q, d_s, d_q, d_s, wg_t_q, wg_t_s, wg_t_q.mT.contiguous().mT, wg_t_s),
