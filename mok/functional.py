@@ -36,7 +36,6 @@ from mok import reference
 from mok import ops
 from mok.config import MoKConfig
 from mok.kernels.common import interpreting
-from mok.kernels import dgrad
 from mok.kernels.dgrad import down_wgrad_reads_weighted_h, fp8_block_down_dgrad_gathers
 from mok.kernels.grouped_gemm import routing_block_m
 from mok.kernels.common import ERROR_BAD_EXPERT_ID, ERROR_CAPACITY_OVERFLOW, ERROR_PEER_TIMEOUT
@@ -726,16 +725,11 @@ def _fp8_block_backward_routed(d_out, x, topk_weights, weights, main_grads, save
     else:  # [rows, H] e4m3, [rows, H/128] fp32
         d_out_pair = ops.quantize_fp8_block_gathered(d_out, routing, block_m, topk)
     gate_up = saved.pop("gate_up")
-    quantize_rows = dgrad.FP8_BLOCK_DOWN_DGRAD_QUANTIZES_ROWS  # d_g, d_u along I from the down dgrad's epilogue
-    d_gate_up, d_topk_weights, d_gate_up_q, d_gate_up_scale = ops.down_dgrad_swiglu_fp8_block(
-        *d_out_pair, topk_weights, gate_up, w_down.q_t, w_down.scale_t, routing, block_m, swiglu_limit, quantize_rows
+    d_gate_up, d_topk_weights = ops.down_dgrad_swiglu_fp8_block(
+        *d_out_pair, topk_weights, gate_up, w_down.q_t, w_down.scale_t, routing, block_m, swiglu_limit
     )
     del d_out_pair
-    if quantize_rows:  # [rows, I] e4m3, [rows, I/128] fp32 each
-        d_gate_pair, d_up_pair = ((d_gate_up_q[j], d_gate_up_scale[j]) for j in (0, 1))
-    else:
-        d_gate_pair, d_up_pair = (ops.quantize_fp8_block_activations(d_gate_up[:, j], rows_in_use) for j in (0, 1))
-    del d_gate_up_q, d_gate_up_scale
+    d_gate_pair, d_up_pair = (ops.quantize_fp8_block_activations(d_gate_up[:, j], rows_in_use) for j in (0, 1))
     dx_slots = ops.gate_up_dgrad_scatter_fp8_block(
         *d_gate_pair, *d_up_pair, w_gate.q_t, w_gate.scale_t, w_up.q_t, w_up.scale_t, routing, block_m, num_slots
     )

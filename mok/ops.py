@@ -20,7 +20,6 @@ import functools
 
 import torch
 
-from mok.fp8_block import FP8_BLOCK
 from mok.kernels import combine as combine_kernels
 from mok.kernels import grouped_gemm
 from mok.kernels.schedule import RoutingSchedule, build_routing_schedule, capacity_rows
@@ -305,35 +304,21 @@ def down_dgrad_swiglu_fp8_block(
     schedule_tensors: list[torch.Tensor],
     block_m: int,
     swiglu_limit: float | None,
-    quantize_rows: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`down_dgrad_swiglu` on dOut quantized in 1×128 blocks (its token rows, gathered by the
     GEMM, or its sorted rows: `dgrad.fp8_block_down_dgrad_gathers`) and w_down's transposed
     fp8_block copy: d_gate_up [rows, 2, I] bf16, d_topk_weights [T, topk] fp32 (empty [0]
-    without topk_weights), and with `quantize_rows` d_g, d_u in 1×128 blocks along I for the
-    gate/up dgrad: e4m3 [2, rows, I] and fp32 scales [2, rows, I/128] (else empty [2, 0, ...])."""
+    without topk_weights)."""
     routing = routing_from_tensors(schedule_tensors, block_m)
-    q, scale = _quantized_rows_buffers(gate_up, quantize_rows)
     d_gate_up, d_topk_weights = dgrad.down_dgrad_swiglu_fp8_block(
-        d_out_q, d_out_scale, topk_weights, gate_up, w_down_t_q, w_down_t_scale, routing, swiglu_limit,
-        quantized_out=(q, scale) if quantize_rows else None,
+        d_out_q, d_out_scale, topk_weights, gate_up, w_down_t_q, w_down_t_scale, routing, swiglu_limit
     )
-    return d_gate_up, _empty_if_none(d_topk_weights, gate_up), q, scale
-
-
-def _quantized_rows_buffers(gate_up: torch.Tensor, quantize_rows: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (q, scale) pair the fp8_block down dgrad fills with d_g, d_u quantized along I, empty
-    without `quantize_rows`."""
-    rows, _, inter = gate_up.shape
-    rows = rows if quantize_rows else 0
-    return (gate_up.new_empty(2, rows, inter, dtype=torch.float8_e4m3fn),
-            gate_up.new_empty(2, rows, inter // FP8_BLOCK, dtype=torch.float32))
+    return d_gate_up, _empty_if_none(d_topk_weights, gate_up)
 
 
 @down_dgrad_swiglu_fp8_block.op.register_fake
-def _(d_out_q, d_out_scale, topk_weights, gate_up, w_down_t_q, w_down_t_scale, schedule_tensors, block_m, swiglu_limit,
-      quantize_rows=False):
-    return *_fake_down_dgrad(gate_up, topk_weights), *_quantized_rows_buffers(gate_up, quantize_rows)
+def _(d_out_q, d_out_scale, topk_weights, gate_up, w_down_t_q, w_down_t_scale, schedule_tensors, block_m, swiglu_limit):
+    return _fake_down_dgrad(gate_up, topk_weights)
 
 
 @_custom_op("gate_up_dgrad_scatter_fp8_block", ())

@@ -514,28 +514,6 @@ def test_low_precision_layer_run_twice_and_weight_cache(kernel_device, monkeypat
         assert torch.equal(_bits(got), _bits(expected)), ctx
 
 
-def test_fp8_block_gate_up_dgrad_operands_from_the_down_dgrad_epilogue(kernel_device, monkeypatch):
-    """d_g, d_u quantized along I by the down dgrad's epilogue give every gradient bitwise what
-    the separate quantizer over d_gate_up gives."""
-    from mok.kernels import dgrad
-
-    layer = _RecordedLayer(kernel_device, monkeypatch, "fp8_block", seed=12)
-    quantize, calls = ops.quantize_fp8_block_activations, []
-    monkeypatch.setattr(ops, "quantize_fp8_block_activations", lambda *a: calls.append(a[0].shape) or quantize(*a))
-    grads, quantizer_calls = {}, {}
-    for in_epilogue in (True, False):
-        monkeypatch.setattr(dgrad, "FP8_BLOCK_DOWN_DGRAD_QUANTIZES_ROWS", in_epilogue)
-        context = layer.forward()[1]
-        calls.clear()
-        grads[in_epilogue] = layer.backward(context)
-        quantizer_calls[in_epilogue] = len(calls)
-    # The backward's own 1×128 quantizations: dOut, then d_g and d_u unless the epilogue made them.
-    assert quantizer_calls == {True: 1, False: 3}, f"{quantizer_calls} {layer.ctx}"
-    for name, a, b in zip(grads[True]._fields, grads[True], grads[False]):
-        assert (a is None and b is None) or torch.equal(a, b), f"{name}: the epilogue's quantization differs {layer.ctx}"
-    assert grads[True].d_x.abs().sum() > 0, layer.ctx
-
-
 @pytest.mark.parametrize("precision", ["fp8_block", "mxfp8"])
 def test_backward_reads_the_forwards_weight_copies(kernel_device, monkeypatch, precision):
     """Where no copy is cached between forward and backward (a step captured in a CUDA graph or

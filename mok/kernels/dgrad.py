@@ -64,13 +64,11 @@ above it, dOut's sorted rows are quantized straight from the token rows
 (`quantize_fp8_block_gathered`) and read through TMA. On Hopper the GEMM runs in
 `warp_specialized.py` into an fp32 product [capacity_rows, I], gathering the token rows at
 every H, and `_down_dgrad_swiglu_kernel` runs only its epilogue on it (PRODUCT_GIVEN,
-`down_dgrad_swiglu_epilogue`). The epilogue also quantizes d_g and d_u in 1×128 blocks along I
-for the gate/up dgrad (`quantized_out`, QUANTIZE_ROWS: BLOCK_N is one scale block): once its
-tile's bf16 d_g, d_u are stored, it reads them back from L2 and quantizes them as
-`quantize_fp8_block_activations` would, so the separate pass over d_gate_up from HBM goes. Each
-scale tensor is a plain [rows, I/128]. Padding rows quantize to zeros and stay exact zeros.
-d_gate_up is still stored in bf16: the gate/up wgrad reduces over rows, so it needs its own
-quantization.
+`down_dgrad_swiglu_epilogue`). d_gate_up[:, 0] and d_gate_up[:, 1]
+are quantized separately by `quantize_fp8_block_activations` (strided views, no copy), so
+each scale tensor is a plain [rows, K/128]. Padding rows quantize to zeros and stay exact
+zeros. d_gate_up is still stored in bf16: the gate/up wgrad reduces over rows, so it needs
+its own quantization.
 
 Caller contract: the schedule was built with the same BLOCK_M as these kernels' tiles
 (checked); `gate_up` holds the forward's pre-activations for every row below `num_rows`.
@@ -109,7 +107,6 @@ from mok.kernels.grouped_gemm import (
     scatter_rows_to_slots,
     sorted_rows_tile,
 )
-from mok.kernels.quant_fp8_block import quantize_row_block_tile
 from mok.kernels.schedule import RoutingSchedule
 from mok.kernels.swiglu import swiglu_backward
 
@@ -194,14 +191,6 @@ def down_wgrad_reads_weighted_h(hidden: int, inter: int) -> bool:
     (`down_dgrad_swiglu(..., weighted_h=...)`) rather than w·dOut's sorted rows and the forward's
     h: where w·h is the smaller operand, I < H (`DOWN_WGRAD_READS_WEIGHTED_H`)."""
     return DOWN_WGRAD_READS_WEIGHTED_H and inter < hidden
-
-
-# The fp8_block down dgrad's epilogue quantizes d_g, d_u along I for the gate/up dgrad
-# (`down_dgrad_swiglu_fp8_block(..., quantized_out=...)`), reading back the tile it has just stored,
-# in place of `quantize_fp8_block_activations` over d_gate_up. Predicted from the bytes (H200):
-# qwen3-30b's two quantizer launches (~0.17 ms: 0.4 GB of d_gate_up read from HBM) give way to
-# ~0.06 ms of e4m3 stores and L2 reads in the epilogue. False: the separate quantizer.
-FP8_BLOCK_DOWN_DGRAD_QUANTIZES_ROWS = True
 
 
 def fp8_block_down_dgrad_gathers(hidden: int) -> bool:
@@ -323,9 +312,6 @@ def _down_dgrad_swiglu_kernel(
     d_out, topk_weights_ptr, gate_up_ptr, w_down_desc, d_gate_up_ptr, route_partials_ptr, weighted_h_ptr,
     # fp8_block scales (unused in bf16): d_out [rows or T, H/128], w_downᵀ [E_l, I/128, H/128]
     d_out_scale_ptr, w_down_scale_ptr,
-    # fp8_block with QUANTIZE_ROWS: d_g, d_u in 1×128 blocks along I, e4m3 bytes [2, capacity_rows, I]
-    # and fp32 scales [2, capacity_rows, I/128] (plane_q, plane_scale elements apart)
-    d_gate_up_q_ptr, d_gate_up_scale_ptr, plane_q, plane_scale,
     # schedule
     row_source_ptr, tile_expert_ptr, num_rows_ptr,
     # sizes
@@ -334,9 +320,8 @@ def _down_dgrad_swiglu_kernel(
     stride_gu_r, stride_dgu_r, stride_d_out_t, stride_wh_r,
     # meta
     PRECISION: tl.constexpr, GATHER_D_OUT: tl.constexpr, PRODUCT_GIVEN: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
-    HAS_LIMIT: tl.constexpr, STORE_WEIGHTED_H: tl.constexpr, QUANTIZE_ROWS: tl.constexpr, INTERPRETER: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PREFETCH_GATE_UP: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, STORE_WEIGHTED_H: tl.constexpr, INTERPRETER: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PREFETCH_GATE_UP: tl.constexpr,
 ):
     num_n_tiles = tl.cdiv(inter, BLOCK_N)
     m_tile, n_tile = tile_coordinates(tl.program_id(0), max_m_tiles, num_n_tiles, GROUP_M)
@@ -395,17 +380,6 @@ def _down_dgrad_swiglu_kernel(
             )
     if HAS_WEIGHTS:
         tl.store(route_partials_ptr + slot.to(tl.int64) * num_n_tiles + n_tile, partial, mask=row_valid)
-    if QUANTIZE_ROWS:  # BLOCK_N == 128: each row of the tile is one 1×128 block of d_g and one of d_u
-        # The gate/up dgrad's operands, read back from L2 as stored: bitwise what
-        # `quantize_fp8_block_activations` makes of d_gate_up. The barrier makes every thread's
-        # stores of the tile visible to all of its threads.
-        tl.debug_barrier()
-        columns = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        for j in tl.static_range(2):  # d_g, then d_u
-            quantize_row_block_tile(
-                d_gate_up_ptr + j * inter, d_gate_up_q_ptr + j * plane_q, d_gate_up_scale_ptr + j * plane_scale,
-                rows64, rows >= 0, columns, columns < inter, n_tile, stride_dgu_r, inter, num_n_tiles, INTERPRETER,
-            )
 
 
 @triton.jit
@@ -550,13 +524,11 @@ def _launch_down_dgrad_swiglu(
     precision: str, d_out, d_out_scale, topk_weights, gate_up, w_down, w_down_scale,
     schedule: RoutingSchedule, hidden: int, inter: int, swiglu_limit: float | None, cfg: dict,
     gathered: bool = False, product_given: bool = False, weighted_h: torch.Tensor | None = None,
-    quantized_out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`_down_dgrad_swiglu_kernel`, then the router-weight sum; the scales are None in bf16.
     `gathered` (fp8_block): d_out is dOut's token rows, gathered by the loads. With
     `product_given`, d_out is the product a [capacity_rows, I] fp32 and the weight unread.
-    `weighted_h` (bf16) and `quantized_out` (fp8_block, BLOCK_N 128), checked by the caller,
-    receive w·h and d_g, d_u quantized along I."""
+    `weighted_h`: checked by the caller, receives w·h."""
     device = gate_up.device
     num_n_tiles = triton.cdiv(inter, cfg["BLOCK_N"])
     d_gate_up = torch.empty_like(gate_up)  # [capacity_rows, 2, I] bf16
@@ -572,15 +544,12 @@ def _launch_down_dgrad_swiglu(
         route_partials if weighted else d_gate_up,  # unused without weights (HAS_WEIGHTS=False)
         d_gate_up if weighted_h is None else weighted_h,  # d_gate_up: unwritten without STORE_WEIGHTED_H
         *(d_gate_up if s is None else s for s in (d_out_scale, w_down_scale)),  # d_gate_up: an unread stand-in
-        *((d_gate_up, d_gate_up) if quantized_out is None else (quantized_out[0].view(torch.uint8), quantized_out[1])),
-        *((0, 0) if quantized_out is None else (quantized_out[0][0].numel(), quantized_out[1][0].numel())),
         schedule.row_source, schedule.tile_expert, schedule.num_rows,
         hidden, inter, schedule.max_tiles, 0.0 if swiglu_limit is None else float(swiglu_limit),
         topk_weights.shape[1] if weighted else 1,
         gate_up.stride(0), d_gate_up.stride(0), d_out.stride(0), 0 if weighted_h is None else weighted_h.stride(0),
         PRECISION=precision, GATHER_D_OUT=gathered, PRODUCT_GIVEN=product_given, HAS_WEIGHTS=weighted,
         HAS_LIMIT=swiglu_limit is not None, STORE_WEIGHTED_H=weighted_h is not None,
-        QUANTIZE_ROWS=quantized_out is not None,
         INTERPRETER=interpreting(), **{"PREFETCH_GATE_UP": False, **cfg},
     )
     if not weighted:
@@ -641,13 +610,9 @@ def down_dgrad_swiglu_fp8_block(
     schedule: RoutingSchedule,
     swiglu_limit: float | None = None,
     tile_config: dict | None = None,
-    quantized_out: tuple[torch.Tensor, torch.Tensor] | None = None,  # written when given, see below
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The fp8_block down dgrad: (d_gate_up [capacity_rows, 2, I] bf16, d_topk_weights
-    [T, topk] fp32 or None), as `down_dgrad_swiglu`. With `quantized_out` = (q [2, capacity_rows,
-    I] float8_e4m3fn, scale [2, capacity_rows, I/128] fp32), its epilogue also writes d_g (plane 0)
-    and d_u (plane 1) quantized in 1×128 blocks along I, the gate/up dgrad's operands: bitwise
-    `quantize_fp8_block_activations(d_gate_up[:, j], num_rows)`, rows past num_rows unwritten. Where `fp8_block_down_dgrad_gathers(H)`,
+    [T, topk] fp32 or None), as `down_dgrad_swiglu`. Where `fp8_block_down_dgrad_gathers(H)`,
     d_out_q, d_out_scale are `quantize_fp8_block_activations(d_out)` of the token rows and
     each sorted row r reads token row_source[r] // topk inside the GEMM's loads (dOut is
     quantized once per token, not once per route; a route's row is its token's, so the
@@ -675,7 +640,6 @@ def down_dgrad_swiglu_fp8_block(
         (FP8_BLOCK, FP8_BLOCK), device,
     )
     _check_bf16("gate_up", gate_up, (schedule.capacity_rows, 2, inter), device)
-    _check_quantized_out(quantized_out, schedule, inter, device)
     cfg = _dgrad_tiles("down", inter, hidden, "fp8_block", tile_config, schedule)
     if cfg.get("WARP_SPECIALIZED", False):
         product = torch.empty(schedule.capacity_rows, inter, dtype=torch.float32, device=device)
@@ -683,30 +647,11 @@ def down_dgrad_swiglu_fp8_block(
         warp_specialized.launch_down_dgrad_product_fp8_block(
             d_out_q, d_out_scale, w_down_t_q, w_down_t_scale, product, schedule, cfg, topk if gathers else None
         )
-        return _launch_down_dgrad_epilogue(product, topk_weights, gate_up, schedule, swiglu_limit, quantized_out)
-    if quantized_out is not None and cfg["BLOCK_N"] != FP8_BLOCK:
-        raise ValueError(f"tile_config: quantized_out needs BLOCK_N = {FP8_BLOCK} (one scale block), "
-                         f"got {cfg['BLOCK_N']}")
+        return _launch_down_dgrad_epilogue(product, topk_weights, gate_up, schedule, swiglu_limit)
     return _launch_down_dgrad_swiglu(
         "fp8_block", d_out_q, d_out_scale, topk_weights, gate_up, w_down_t_q, w_down_t_scale,
-        schedule, hidden, inter, swiglu_limit, cfg, gathered=gathers, quantized_out=quantized_out,
+        schedule, hidden, inter, swiglu_limit, cfg, gathered=gathers,
     )
-
-
-def _check_quantized_out(quantized_out, schedule: RoutingSchedule, inter: int, device) -> None:
-    """`quantized_out`: None, or (q [2, capacity_rows, I] float8_e4m3fn, scale [2, capacity_rows,
-    I/128] fp32), contiguous, on `device`."""
-    if quantized_out is None:
-        return
-    if not isinstance(quantized_out, (tuple, list)) or len(quantized_out) != 2:
-        raise ValueError(f"quantized_out: expected a (q, scale) pair, got {type(quantized_out).__name__}")
-    for name, t, dtype, shape in (
-        ("quantized_out[0]", quantized_out[0], torch.float8_e4m3fn, (2, schedule.capacity_rows, inter)),
-        ("quantized_out[1]", quantized_out[1], torch.float32, (2, schedule.capacity_rows, inter // FP8_BLOCK)),
-    ):
-        if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous() or t.device != device:
-            raise ValueError(f"{name}: expected a contiguous {str(dtype).removeprefix('torch.')} tensor of shape "
-                             f"{list(shape)} on {device}, got {t.dtype} {list(t.shape)} on {t.device}")
 
 
 def down_dgrad_swiglu_epilogue(
@@ -715,12 +660,10 @@ def down_dgrad_swiglu_epilogue(
     gate_up: torch.Tensor,  # [capacity_rows, 2, I] bf16, the forward's g, u
     schedule: RoutingSchedule,
     swiglu_limit: float | None = None,
-    quantized_out: tuple[torch.Tensor, torch.Tensor] | None = None,  # as `down_dgrad_swiglu_fp8_block`'s
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The down dgrad's epilogue on a product computed elsewhere: (d_gate_up, d_topk_weights) as
     `down_dgrad_swiglu` from a, in the fp8_block tiles (BLOCK_N 128: the router-weight partials
-    per 128 columns, as the fused kernel's), and d_g, d_u quantized into `quantized_out` when given.
-    Only the rows of M tiles below `num_rows` are read."""
+    per 128 columns, as the fused kernel's). Only the rows of M tiles below `num_rows` are read."""
     device = gate_up.device
     inter = gate_up.shape[-1]
     if product.dtype != torch.float32 or tuple(product.shape) != (schedule.capacity_rows, inter) or (
@@ -730,18 +673,17 @@ def down_dgrad_swiglu_epilogue(
                          f"column stride on {device}, got {product.dtype} {list(product.shape)} on {product.device}")
     _check_topk_weights(topk_weights, device)
     _check_bf16("gate_up", gate_up, (schedule.capacity_rows, 2, inter), device)
-    _check_quantized_out(quantized_out, schedule, inter, device)
-    return _launch_down_dgrad_epilogue(product, topk_weights, gate_up, schedule, swiglu_limit, quantized_out)
+    return _launch_down_dgrad_epilogue(product, topk_weights, gate_up, schedule, swiglu_limit)
 
 
 def _launch_down_dgrad_epilogue(
-    product, topk_weights, gate_up, schedule: RoutingSchedule, swiglu_limit: float | None, quantized_out
+    product, topk_weights, gate_up, schedule: RoutingSchedule, swiglu_limit: float | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`down_dgrad_swiglu_epilogue` on checked operands."""
     cfg = dict(BLOCK_M=schedule.block_m, **_FP8_BLOCK_TILES["interpreter" if interpreting() else "down"])
     return _launch_down_dgrad_swiglu(
         "fp8_block", product, None, topk_weights, gate_up, None, None, schedule, 0, gate_up.shape[-1], swiglu_limit,
-        cfg, product_given=True, quantized_out=quantized_out,
+        cfg, product_given=True,
     )
 
 

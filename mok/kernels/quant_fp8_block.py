@@ -220,19 +220,6 @@ def quantize_row_blocks(x, INTERPRETER: tl.constexpr):
     return _quantize_tile(x, amax_bits[:, None], INTERPRETER)
 
 
-@triton.jit
-def quantize_row_block_tile(x_ptr, q_ptr, scale_ptr, rows64, row_ok, cols, col_ok, kb, stride_x, stride_q, stride_scale,
-                            INTERPRETER: tl.constexpr):
-    """Quantizes x[rows, cols] (bf16/fp32; each row one 1×128 block, column block kb) into q's
-    bytes at the same place and its rows' scales at scale[rows, kb]. Also the fp8_block down
-    dgrad's epilogue (`dgrad._down_dgrad_swiglu_kernel`) on the d_g, d_u it has just stored."""
-    mask = row_ok[:, None] & col_ok[None, :]
-    x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
-    q, scale = quantize_row_blocks(_to_fp32(x, INTERPRETER), INTERPRETER)  # [R, C] uint8, [R, 1] fp32
-    tl.store(q_ptr + rows64[:, None] * stride_q + cols[None, :], q, mask=mask)
-    tl.store(scale_ptr + rows64 * stride_scale + kb, tl.reshape(scale, (scale.shape[0],)), mask=row_ok)
-
-
 # --------------------------------------------------------------------------- kernels
 
 
@@ -258,8 +245,13 @@ def _quantize_act_1x128_kernel(
         if tl.program_id(0) * BLOCK_M >= num_rows:
             return
         row_ok = row_ok & (rows < num_rows)
-    quantize_row_block_tile(x_ptr, q_ptr, scale_ptr, rows.to(tl.int64), row_ok, cols, cols < K, kb,
-                            stride_x_m, stride_q_m, num_k_blocks, INTERPRETER)
+    mask = row_ok[:, None] & (cols < K)[None, :]
+    rows64 = rows.to(tl.int64)[:, None]
+    x = tl.load(x_ptr + rows64 * stride_x_m + cols[None, :], mask=mask, other=0.0)
+    x = _to_fp32(x, INTERPRETER)  # [BM, BK] fp32
+    q, scale = quantize_row_blocks(x, INTERPRETER)  # [BM, BK] uint8, [BM, 1] fp32
+    tl.store(q_ptr + rows64 * stride_q_m + cols[None, :], q, mask=mask)
+    tl.store(scale_ptr + rows.to(tl.int64) * num_k_blocks + kb, tl.reshape(scale, (BLOCK_M,)), mask=row_ok)
 
 
 @triton.jit

@@ -234,31 +234,20 @@ def test_fp8_block_down_dgrad_swiglu(kernel_device, T, H, I, E, topk, limit, use
     tokens = slots // topk
     d_out_deq = fp8_block_dequantize(d_out_q.cpu(), d_out_scale.cpu())[tokens]  # [n, H] fp32
     w_down_deq = fp8_block_dequantize(w_down_t_q.cpu(), w_down_t_scale.cpu(), (128, 128))[experts]  # [n, I, H]
-    # d_g, d_u quantized along I by the epilogue: poison (0xAB bytes, NaN scales) where it must not write.
-    quantized = (torch.full((2, sched.capacity_rows, I), 0xAB, dtype=torch.uint8).view(torch.float8_e4m3fn),
-                 torch.full((2, sched.capacity_rows, I // 128), float("nan")))
-    quantized = tuple(t.to(kernel_device) for t in quantized)
     if path == "fused":
         d_gate_up, d_topk_weights = down_dgrad_swiglu_fp8_block(
             d_out_q, d_out_scale, inp.topk_weights, gate_up.to(kernel_device), w_down_t_q, w_down_t_scale, sched,
-            limit, quantized_out=quantized,
+            limit,
         )
     else:
         product = torch.full((sched.capacity_rows, I), float("nan"))
         product[rows] = torch.einsum("nh,nih->ni", d_out_deq, w_down_deq)
         d_gate_up, d_topk_weights = down_dgrad_swiglu_epilogue(
-            product.to(kernel_device), inp.topk_weights, gate_up.to(kernel_device), sched, limit, quantized
+            product.to(kernel_device), inp.topk_weights, gate_up.to(kernel_device), sched, limit
         )
     assert d_gate_up.dtype == torch.bfloat16 and d_gate_up.shape == (sched.capacity_rows, 2, I), ctx
     assert pad.numel() > 0, f"the test wants padding rows {ctx}"
     assert torch.equal(d_gate_up[pad].cpu(), torch.zeros(pad.numel(), 2, I, dtype=torch.bfloat16)), ctx
-    num_rows = int(sched.num_rows)
-    for j, name in enumerate(("d_gate", "d_up")):  # bitwise the separate quantizer's, rows past num_rows untouched
-        want_q, want_scale = quantize_fp8_block_activations(d_gate_up[:, j], sched.num_rows)
-        got_q, got_scale = quantized[0][j].view(torch.uint8), quantized[1][j]
-        assert torch.equal(got_q[:num_rows], want_q.view(torch.uint8)[:num_rows]), f"{name} bytes {ctx}"
-        assert torch.equal(got_scale[:num_rows], want_scale[:num_rows]), f"{name} scales {ctx}"
-        assert (got_q[num_rows:] == 0xAB).all() and got_scale[num_rows:].isnan().all(), f"{name} past num_rows {ctx}"
 
     g, u = gate_up[rows].float().unbind(1)  # [n, I] each
     w = inp.topk_weights.cpu().view(-1)[slots]  # [n]
@@ -371,24 +360,17 @@ def test_fp8_block_dgrad_ops_and_run_twice(kernel_device):
     d_out_pair = quantize_fp8_block_activations(d_out)
     w_down_t = fp8_block_quantize(inp.w_down)[2:]
     down_args = (*d_out_pair, inp.topk_weights, gate_up, *w_down_t, routing, block_m, 0.5)
-    d_gate_up, d_topk_weights, d_gate_up_q, d_gate_up_scale = ops.down_dgrad_swiglu_fp8_block(*down_args, True)
+    d_gate_up, d_topk_weights = ops.down_dgrad_swiglu_fp8_block(*down_args)
     again = down_dgrad_swiglu_fp8_block(*d_out_pair, inp.topk_weights, gate_up, *w_down_t, sched, 0.5)
     rows = int(sched.num_rows)
     assert torch.equal(d_gate_up[:rows], again[0][:rows]) and torch.equal(d_topk_weights, again[1])
-    assert d_gate_up_q.shape == (2, sched.capacity_rows, I) and d_gate_up_scale.shape == (2, sched.capacity_rows, 1)
-    assert torch.equal(d_gate_up_q[1, :rows].view(torch.uint8),
-                       quantize_fp8_block_activations(d_gate_up[:rows, 1])[0].view(torch.uint8))
-    without = ops.down_dgrad_swiglu_fp8_block(*down_args)
-    assert torch.equal(without[0][:rows], d_gate_up[:rows]) and without[2].shape == (2, 0, I), "quantize_rows=False"
 
     grads = [x for j in (0, 1) for x in quantize_fp8_block_activations(d_gate_up[:, j])]
     weights = [x for w in (inp.w_gate, inp.w_up) for x in fp8_block_quantize(w)[2:]]
     gate_up_args = (*grads, *weights, routing, block_m, T * topk)
     dx = ops.gate_up_dgrad_scatter_fp8_block(*gate_up_args)
     assert torch.equal(dx, gate_up_dgrad_scatter_fp8_block(*grads, *weights, sched, T * topk))
-    for quantize_rows in (False, True):
-        torch.library.opcheck(ops.down_dgrad_swiglu_fp8_block.op, (*down_args, quantize_rows),
-                              test_utils=("test_faketensor",))
+    torch.library.opcheck(ops.down_dgrad_swiglu_fp8_block.op, down_args, test_utils=("test_faketensor",))
     torch.library.opcheck(ops.gate_up_dgrad_scatter_fp8_block.op, gate_up_args, test_utils=("test_faketensor",))
 
 
@@ -424,18 +406,6 @@ def test_fp8_block_dgrad_launchers_reject_mismatches(kernel_device):
          rf"^gate_up: expected a contiguous bf16 tensor of shape \[{rows}, 2, 128\]"),
         (lambda: down(d_out_q, d_out_s, inp.topk_weights, gate_up, wd_t_q, wd_t_s, tile_config=bad_tiles),
          r"^tile_config: expected BLOCK_K 128 and BLOCK_N a divisor of 128 for the fp8_block down dgrad GEMM"),
-        (lambda: down(d_out_q, d_out_s, inp.topk_weights, gate_up, wd_t_q, wd_t_s,
-                      quantized_out=(d_q, d_s)),
-         rf"^quantized_out\[0\]: expected a contiguous float8_e4m3fn tensor of shape \[2, {rows}, 128\]"),
-        (lambda: down(d_out_q, d_out_s, inp.topk_weights, gate_up, wd_t_q, wd_t_s,
-                      quantized_out=(torch.stack([d_q, d_q]), torch.stack([d_s, d_s]).double())),
-         rf"^quantized_out\[1\]: expected a contiguous float32 tensor of shape \[2, {rows}, 1\]"),
-        (lambda: down(d_out_q, d_out_s, inp.topk_weights, gate_up, wd_t_q, wd_t_s, quantized_out=(d_q, d_s, d_q)),
-         r"^quantized_out: expected a \(q, scale\) pair"),
-        (lambda: down(d_out_q, d_out_s, inp.topk_weights, gate_up, wd_t_q, wd_t_s,
-                      tile_config={**bad_tiles, "BLOCK_N": 64},
-                      quantized_out=(torch.stack([d_q, d_q]), torch.stack([d_s, d_s]))),
-         r"^tile_config: quantized_out needs BLOCK_N = 128"),
         (lambda: gate_up_dgrad(d_q, d_s, d_q.float(), d_s, wg_t_q, wg_t_s, wg_t_q, wg_t_s),
          rf"^d_up_q: expected a contiguous float8_e4m3fn tensor of shape \[{rows}, 128\]"),
         (lambda: gate_up_dgrad(d_q, d_s, d_q, d_s, wg_t_q, wg_t_s, wg_t_q.mT.contiguous().mT, wg_t_s),
