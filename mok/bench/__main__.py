@@ -49,9 +49,10 @@ SHAPE_FLAGS = {
     "shared_intermediate": "shared_intermediate_size",
 }
 # (warmup, reps, rounds): GPU runs take milliseconds each; the CPU reference backend is slow.
-# On the GPU the implementations take turns in 5 rounds of 10 calls (`runner.run`): run to
-# run, a layer's time on H200 moved by up to 5%, and by more for whichever ran first.
-DEFAULT_REPS = {"cuda": (10, 50, 5), "cpu": (2, 5, 1)}
+# On the GPU the implementations take turns in 6 rounds of 10 calls (`runner.run`): run to
+# run, a layer's time on H200 moved by up to 5%, and by more for whichever ran first; an even
+# number of rounds gives every implementation each place in the round equally often.
+DEFAULT_REPS = {"cuda": (10, 60, 6), "cpu": (2, 5, 1)}
 
 
 def _int_at_least(low: int):
@@ -106,10 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     how = p.add_argument_group("how")
     how.add_argument("--warmup", type=_int_at_least(0), help="untimed runs first (default: 10 on CUDA, 2 on CPU)")
     how.add_argument("--reps", type=_int_at_least(1),
-                     help="timed runs, median reported (default: 50 on CUDA, 5 on CPU)")
+                     help="timed runs, median reported (default: 60 on CUDA, 5 on CPU)")
     how.add_argument("--rounds", type=_int_at_least(1),
                      help="the implementations of a preset take turns in this many rounds of reps/rounds "
-                          "timed runs each (default: 5 on CUDA, 1 on CPU)")
+                          "timed runs each, every other round in reverse order (default: 6 on CUDA, 1 on CPU)")
     how.add_argument("--seed", type=int, default=0, help="input seed; d_out uses seed+1 (default: 0)")
     how.add_argument("--sonicmoe-site", type=Path, metavar="DIR",
                      help="a site dir holding the sonic-moe bundle (e.g. /tmp/site), added before import")

@@ -577,6 +577,16 @@ def _round_reps(reps: int, rounds: int, round_: int) -> int:
 ROUND_WARMUP = 2
 
 
+def _round_order(timed: list, round_: int) -> list:
+    """The order the (impl, pass) pairs take in round `round_`: as given in even rounds,
+    reversed in odd ones. On the H200 a pair's time depends on its place in the round: in one
+    run, deepseek-v3-slice's fp8_block layer took 0.6–0.7 ms (3%) less in the place before
+    another build than in the one after it, whichever build sat where (BENCHMARKS.md, "Which
+    place in the round"). Reversing every other round gives each pair both neighbours'
+    places alike, so the bias falls out of the medians of an even number of rounds."""
+    return timed if round_ % 2 == 0 else timed[::-1]
+
+
 def run(
     cases: Sequence[Case],
     *,
@@ -649,7 +659,7 @@ def run(
                     results.append(Result(pass_=pass_, status="FAIL", message=verdict.message, extra=impl.extra,
                                           **checked_row))
         for round_ in range(rounds):
-            for t in timed:
+            for t in _round_order(timed, round_):
                 name = f"{preset.name}: {t.row['impl']} ({t.row['precision']}) {t.pass_}"
                 if t.error is not None:
                     step(f"{name}: {t.error}")
