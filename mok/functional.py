@@ -554,7 +554,8 @@ def _hidden_inter(routed) -> tuple[int, int]:
 
 def _triton_forward(schedule, x, topk_weights, shared, routed, swiglu_limit, needs_backward):
     """out and what the backward reads: the pre-activations g, u and h of every routed row
-    (and of the shared expert), 6·I bytes per route (fp8_block: g, u only, 4·I); nothing
+    (and of the shared expert), 6·I bytes per route (g, u only, 4·I, in fp8_block and where
+    the bf16 down wgrad reads w·h: `_reads_weighted_h`); nothing
     without `needs_backward`. `routed` as `_triton_routed_weights` gives them."""
     num_tokens, topk = topk_weights.shape
     y, saved = _routed_forward(schedule, x, routed, topk, swiglu_limit, needs_backward)
@@ -633,9 +634,10 @@ def _expert_mlp_backward(d_out, x, topk_weights, weights, saved, routing, block_
                          main_grads=(None, None, None), *, token_order=False, peer_rows=None):
     """dx_slots [num_slots, H] and the weight gradients of the experts in `routing` (plus
     d_topk_weights [T, topk] fp32 when `topk_weights` is given, else an empty tensor), from
-    the forward's g,u ("gate_up") and h ("h"), which it takes out of the dict `saved` as it
-    reads them: a dict holding their only references frees each after its last reader
-    (h after the down wgrad, g,u after the down dgrad). A weight with a `main_grads` buffer
+    the forward's g,u ("gate_up") and h ("h"; none where the down wgrad reads the down dgrad's
+    w·h, `_reads_weighted_h`), which it takes out of the dict `saved` as it reads them: a dict
+    holding their only references frees each after its last reader (h after the down wgrad,
+    g,u after the down dgrad). A weight with a `main_grads` buffer
     gets its gradient added into it, in place, and the buffer stands in its place among
     the returned gradients.
 
@@ -810,8 +812,9 @@ def _triton_backward(schedule, saved, d_out, x, topk_weights, shared, routed, sw
     """DESIGN §3's backward on one GPU, no host sync: per expert group, down dgrad + SwiGLU
     backward + router-weight gradient, gate/up dgrad into route slots, wgrad GEMMs; then
     d_x = dx_shared + Σ_j dx_slots (the combine with unit weights, ascending j). Reads the
-    forward's g,u and h (not y: the router-weight gradient is ⟨dOut·Wd, h⟩ over I), taking
-    them out of `saved` as it goes (pass a copy to keep them)."""
+    forward's g,u and, where it saved one, h (not y: the router-weight gradient is ⟨dOut·Wd, h⟩
+    over I, h recomputed from g, u), taking them out of `saved` as it goes (pass a copy to keep
+    them)."""
     num_tokens, topk = topk_weights.shape
     if saved.get("gate_up") is None or saved["gate_up"].shape[0] == 0:
         raise ValueError("context: expected the pre-activations a forward with needs_backward=True saves")

@@ -17,12 +17,12 @@ The forward's gate/up GEMM reads x through TMA from the same copy (x alone, `d_o
 where its intermediate size makes that pay (`grouped_gemm.gemm_config`): per row copied, that
 GEMM does 4·I FLOPs per element of x, so at large I the copy is cheap against what TMA saves.
 
-Why two copies of dOut: the down dgrad needs dOut unweighted (its epilogue forms the
-router-weight gradient ⟨dOut·Wd, h⟩ and applies w in fp32), the down wgrad needs w·dOut
-as a plain TMA operand. Forming w·h in the down dgrad's epilogue instead measured 1.5×
-slower there; the extra copy costs ~0.13 ms on qwen3-30b and no activation memory.
-dy carries one bf16 rounding of w·dOut (relative 2^-9 per element, far inside SPEC's
-bf16 bar).
+Why a second copy of dOut, where I ≥ H: the down dgrad needs dOut unweighted (its epilogue
+forms the router-weight gradient ⟨dOut·Wd, h⟩ and applies w in fp32), the down wgrad needs
+w·dOut as a plain TMA operand. Where I < H the down dgrad's epilogue writes w·h instead
+(`dgrad.down_wgrad_reads_weighted_h`, 2·I bytes per route against w·dOut's 2·H), and the
+caller asks for no dy (`topk_weights=None`). dy carries one bf16 rounding of w·dOut
+(relative 2^-9 per element, far inside SPEC's bf16 bar).
 
 mxfp8 (`mxfp8=True`): each copy comes out rounded to the MXFP8 grid of the GEMM that reads it
 (`quant.mxfp8_round`): d_out_sorted in blocks of 32 along H (the down dgrad reduces over H),
