@@ -248,13 +248,18 @@ def down_dgrad_swiglu(
     when topk_weights is None: the shared expert has no router weight), and with
     `store_weighted_h` w·h [rows, I] bf16 for the down wgrad (else an empty [0, I])."""
     routing = routing_from_tensors(schedule_tensors, block_m)
-    rows, _, inter = gate_up.shape
-    weighted_h = gate_up.new_empty(rows if store_weighted_h else 0, inter)  # [rows, I] bf16
+    weighted_h = _weighted_h_buffer(gate_up, store_weighted_h)
     d_gate_up, d_topk_weights = dgrad.down_dgrad_swiglu(
         d_out_sorted, topk_weights, gate_up, w_down, routing, swiglu_limit,
         weighted_h=weighted_h if store_weighted_h else None,
     )
     return d_gate_up, _empty_if_none(d_topk_weights, gate_up), weighted_h
+
+
+def _weighted_h_buffer(gate_up: torch.Tensor, store_weighted_h: bool) -> torch.Tensor:
+    """The down dgrad's w·h output: [rows, I] bf16 with `store_weighted_h`, else an empty [0, I]."""
+    rows, _, inter = gate_up.shape
+    return gate_up.new_empty(rows if store_weighted_h else 0, inter)
 
 
 def _empty_if_none(d_topk_weights: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
@@ -270,8 +275,7 @@ def _fake_down_dgrad(gate_up: torch.Tensor, topk_weights: torch.Tensor | None) -
 
 @down_dgrad_swiglu.op.register_fake
 def _(d_out_sorted, topk_weights, gate_up, w_down, schedule_tensors, block_m, swiglu_limit, store_weighted_h=False):
-    rows, _, inter = gate_up.shape
-    return *_fake_down_dgrad(gate_up, topk_weights), gate_up.new_empty(rows if store_weighted_h else 0, inter)
+    return *_fake_down_dgrad(gate_up, topk_weights), _weighted_h_buffer(gate_up, store_weighted_h)
 
 
 @_custom_op("gate_up_dgrad_scatter", ())
