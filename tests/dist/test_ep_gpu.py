@@ -1,8 +1,10 @@
 """The triton backend under expert parallelism on GPUs (two ranks, NCCL group), through
 both transports: the EP reference's numbers at SPEC's bf16 bars, no host sync, bitwise
 the same run to run, across capacities and across transports (both place every row at
-the same received position and build the same schedule), through `MoKMoE`; and a rank
-that skips a call makes the other raise instead of hanging. Skipped without 2 GPUs.
+the same received position and build the same schedule), through `MoKMoE`; the same in
+mxfp8 and fp8_block at their bars (also with both ranks on one GPU, over gloo); and a rank
+that skips a call makes the other raise instead of hanging. Skipped without 2 GPUs (the
+one-GPU case without a GPU).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from mok.testing.distributed import run_distributed
 
 TRANSPORTS = ("nccl", "symmetric")
 MULTIPLIERS = (None, 1.25)
+LOW_PRECISIONS = ("mxfp8", "fp8_block")
 
 
 def _equal_results(a, b) -> bool:
@@ -101,6 +104,80 @@ def _layer_worker(rank: int, world_size: int) -> list[str]:
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_gpu_ep_two_ranks_both_transports():
     failures = run_distributed(_layer_worker, 2, timeout_s=600, backend="nccl")
+    reports = [f"[rank {r}] {msg}" for r, msgs in enumerate(failures) for msg in msgs]
+    assert not reports, "\n\n".join(reports)
+
+
+def _low_precision_worker(rank: int, world_size: int) -> list[str]:
+    """mxfp8 and fp8_block under expert parallelism (E_l = 8, topk = 4, T = 2048 + 256·rank,
+    a bf16 shared expert) at multiplier 1.25: the EP reference's numbers at SPEC's
+    low-precision bars (the shared expert's gradients at bf16's), bitwise the same run to
+    run. On NCCL, one GPU per rank, through each transport: also no host sync and bitwise
+    the same across transports. On gloo both ranks share GPU 0 and exchange through the
+    NCCL-fallback transport (gloo stages CUDA tensors through the host, so no sync check).
+    Collectives first, comparisons after."""
+    one_gpu = dist.get_backend() == "gloo"
+    torch.cuda.set_device(0 if one_gpu else rank)
+    transports = ("nccl",) if one_gpu else TRANSPORTS
+    group = dist.group.WORLD
+    T, H, I, E_l, topk, I_s = 2048 + 256 * rank, 1024, 512, 8, 4, 256
+    g = make_inputs(T, H, I, E_l * world_size, topk, I_s, seed=10 + rank, device="cuda", signed_weights=True)
+    experts = slice(rank * E_l, (rank + 1) * E_l)
+    routed = tuple(w[experts].contiguous() for w in (g.w_gate, g.w_up, g.w_down))
+    shared = (g.ws_gate, g.ws_up, g.ws_down)
+    d_out = torch.randn(T, H, device="cuda", generator=torch.Generator("cuda").manual_seed(rank)).bfloat16()
+    args = (g.x, g.topk_weights, *shared, *routed)
+    results = {}
+    for precision in LOW_PRECISIONS:
+        for transport in transports:
+            config = mok.MoKConfig(backend="triton", precision=precision, schedule_capacity_multiplier=1.25,
+                                   transport=transport)
+            ws = mok.create_workspace(config, group, device="cuda", num_local_tokens=T, hidden_size=H, topk=topk)
+
+            def step():
+                schedule = mok.build_schedule(ws, config, g.topk_ids, num_local_experts=E_l)
+                out, ctx = mok.forward(config, ws, schedule, *args)
+                return out, mok.backward(config, ws, schedule, ctx, d_out, *args)
+
+            step()  # compiles the kernels and quantizes the routed weights
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode(0 if one_gpu else "error")
+            try:
+                runs = [step(), step()]
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            results[precision, transport] = (runs, int(ws.error_flag.item()))
+    # the reference on the CPU (gloo's collectives take CPU tensors everywhere)
+    ref_args = tuple(t.cpu() for t in (g.x, g.topk_ids, g.topk_weights, *routed, *shared))
+    ref_out = ep_moe_forward(*ref_args, group=group)
+    ref = ep_moe_backward(d_out.cpu(), *ref_args, group=group)
+
+    failures = []
+    ctx = f"P={world_size} {rank=} {T=} {H=} {I=} {E_l=} {topk=} {I_s=} {one_gpu=}"
+    for (precision, transport), (runs, flags) in results.items():
+        where = f"precision={precision} transport={transport} {ctx}"
+        (out, grads), again = runs
+        try:
+            assert flags == 0, f"error flag {flags} {where}"
+            assert _equal_results(runs[0], again), f"results differ run to run {where}"
+            assert _equal_results(runs[0], results[precision, transports[0]][0][0]), \
+                f"results differ from the {transports[0]} transport's {where}"
+            assert_close_to_reference(out.cpu(), ref_out, precision, name="out", context=where)
+            for name, got, expected in zip(ref._fields, grads, ref):
+                bar = "bf16" if name.startswith("d_ws_") else precision  # the shared expert stays bf16
+                assert_close_to_reference(got.cpu(), expected, bar, name=name, context=where, check_cosine=True)
+        except AssertionError as err:
+            failures.append(str(err))
+    return failures
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_gpu_ep_two_ranks_low_precisions(backend):
+    if backend == "nccl" and torch.cuda.device_count() < 2:
+        pytest.skip("one GPU per rank: needs 2 GPUs")
+    failures = run_distributed(_low_precision_worker, 2, timeout_s=600, backend=backend)
     reports = [f"[rank {r}] {msg}" for r, msgs in enumerate(failures) for msg in msgs]
     assert not reports, "\n\n".join(reports)
 
