@@ -376,11 +376,6 @@ SORTED_X_MIN_INTER = 2048
 # 11.1 -> 10.9 ms; mixtral-8x7b (I = 14336) 5.51–5.58 -> 5.80 ms gathered or over sorted x,
 # so there the two dots over sorted x stay.
 PACKED_MAX_INTER = 8192
-# Packed weights read x copied to the sorted layout from this intermediate size on, gathered
-# below it (H200, g and u not stored: deepseek-v3-slice, I = 2048, 5.39 ms gathered against
-# 6.06 sorted; record h200-20261130-packed-gate-up.json). Unreached while PACKED_MAX_INTER
-# is not above it.
-PACKED_SORTED_X_MIN_INTER = 8192
 
 # The down GEMM runs persistent (one program per SM walking the tiles in a flattened loop,
 # so a tile's epilogue overlaps the next tile's first loads) up to this reduction (I): a
@@ -468,9 +463,8 @@ def gemm_config(
         return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1, **split)
     if kind == "gate_up":
         packed = packed_gate_up and n_dim < PACKED_MAX_INTER
-        sorted_x_min_inter = PACKED_SORTED_X_MIN_INTER if packed else SORTED_X_MIN_INTER
         return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=GEMM_GROUP_M, num_warps=8, num_stages=4,
-                    PACKED=packed, X_SORTED=n_dim >= sorted_x_min_inter)
+                    PACKED=packed, X_SORTED=not packed and n_dim >= SORTED_X_MIN_INTER)
     cooperative = reduce_dim > PING_PONG_DOWN_MAX_INTER
     if allow_warp_specialized and (COOPERATIVE_DOWN or not cooperative) and warp_specialized.available_here():
         return warp_specialized.tile_config(cooperative)
