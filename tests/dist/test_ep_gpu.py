@@ -30,6 +30,39 @@ def _equal_results(a, b) -> bool:
     return torch.equal(out_a, out_b) and all(torch.equal(x, y) for x, y in zip(grads_a, grads_b))
 
 
+def _rank_inputs(rank: int, world_size: int, T: int, H: int, I: int, E_l: int, topk: int, I_s: int, seed: int):
+    """This rank's tokens (global expert ids), its E_l routed experts, the shared expert and
+    d_out, on its GPU; and the functional API's arguments after the schedule."""
+    g = make_inputs(T, H, I, E_l * world_size, topk, I_s, seed=seed, device="cuda", signed_weights=True)
+    experts = slice(rank * E_l, (rank + 1) * E_l)
+    routed = tuple(w[experts].contiguous() for w in (g.w_gate, g.w_up, g.w_down))
+    shared = (g.ws_gate, g.ws_up, g.ws_down)
+    d_out = torch.randn(T, H, device="cuda", generator=torch.Generator("cuda").manual_seed(rank)).bfloat16()
+    return g, routed, shared, d_out, (g.x, g.topk_weights, *shared, *routed)
+
+
+def _two_steps(config, group, g, args, d_out, num_local_experts: int, no_host_sync: bool):
+    """(two forward + backward results, the error flag, the workspace) on a new workspace,
+    after a first step that compiles the kernels; `no_host_sync`: the two under
+    set_sync_debug_mode("error")."""
+    (num_tokens, hidden), topk = g.x.shape, g.topk_ids.shape[1]
+    ws = mok.create_workspace(config, group, device="cuda", num_local_tokens=num_tokens, hidden_size=hidden, topk=topk)
+
+    def step():
+        schedule = mok.build_schedule(ws, config, g.topk_ids, num_local_experts=num_local_experts)
+        out, ctx = mok.forward(config, ws, schedule, *args)
+        return out, mok.backward(config, ws, schedule, ctx, d_out, *args)
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error" if no_host_sync else 0)
+    try:
+        runs = [step(), step()]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return runs, int(ws.error_flag.item()), ws
+
+
 def _layer_worker(rank: int, world_size: int) -> list[str]:
     """qwen3-like rank shares (E_l = 16, topk = 8, T = 4096 + 512·rank) plus a shared expert,
     for the exact worst-case capacity (C = 8·T_max) and for multiplier 1.25 (C = 5·T_max
@@ -38,31 +71,13 @@ def _layer_worker(rank: int, world_size: int) -> list[str]:
     torch.cuda.set_device(rank)
     group = dist.group.WORLD
     T, H, I, E_l, topk, I_s = 4096 + 512 * rank, 2048, 768, 16, 8, 512
-    g = make_inputs(T, H, I, E_l * world_size, topk, I_s, seed=rank, device="cuda", signed_weights=True)
-    experts = slice(rank * E_l, (rank + 1) * E_l)
-    routed = tuple(w[experts].contiguous() for w in (g.w_gate, g.w_up, g.w_down))
-    shared = (g.ws_gate, g.ws_up, g.ws_down)
-    d_out = torch.randn(T, H, device="cuda", generator=torch.Generator("cuda").manual_seed(rank)).bfloat16()
-    args = (g.x, g.topk_weights, *shared, *routed)
+    g, routed, shared, d_out, args = _rank_inputs(rank, world_size, T, H, I, E_l, topk, I_s, seed=rank)
     results = {}
     for transport in TRANSPORTS:
         for multiplier in MULTIPLIERS:
             config = mok.MoKConfig(backend="triton", schedule_capacity_multiplier=multiplier, transport=transport)
-            ws = mok.create_workspace(config, group, device="cuda", num_local_tokens=T, hidden_size=H, topk=topk)
-
-            def step():
-                schedule = mok.build_schedule(ws, config, g.topk_ids, num_local_experts=E_l)
-                out, ctx = mok.forward(config, ws, schedule, *args)
-                return out, mok.backward(config, ws, schedule, ctx, d_out, *args)
-
-            step()  # compiles the kernels
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                runs = [step(), step()]
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
-            results[transport, multiplier] = (runs, int(ws.error_flag.item()), type(ws.transport).__name__)
+            runs, flags, ws = _two_steps(config, group, g, args, d_out, E_l, no_host_sync=True)
+            results[transport, multiplier] = (runs, flags, type(ws.transport).__name__)
     layers = {}
     for transport in TRANSPORTS:
         layer = mok.MoKMoE(H, I, E_l * world_size, topk, I_s, ep_group=group, device="cuda",
@@ -121,32 +136,13 @@ def _low_precision_worker(rank: int, world_size: int) -> list[str]:
     transports = ("nccl",) if one_gpu else TRANSPORTS
     group = dist.group.WORLD
     T, H, I, E_l, topk, I_s = 2048 + 256 * rank, 1024, 512, 8, 4, 256
-    g = make_inputs(T, H, I, E_l * world_size, topk, I_s, seed=10 + rank, device="cuda", signed_weights=True)
-    experts = slice(rank * E_l, (rank + 1) * E_l)
-    routed = tuple(w[experts].contiguous() for w in (g.w_gate, g.w_up, g.w_down))
-    shared = (g.ws_gate, g.ws_up, g.ws_down)
-    d_out = torch.randn(T, H, device="cuda", generator=torch.Generator("cuda").manual_seed(rank)).bfloat16()
-    args = (g.x, g.topk_weights, *shared, *routed)
+    g, routed, shared, d_out, args = _rank_inputs(rank, world_size, T, H, I, E_l, topk, I_s, seed=10 + rank)
     results = {}
     for precision in LOW_PRECISIONS:
         for transport in transports:
             config = mok.MoKConfig(backend="triton", precision=precision, schedule_capacity_multiplier=1.25,
                                    transport=transport)
-            ws = mok.create_workspace(config, group, device="cuda", num_local_tokens=T, hidden_size=H, topk=topk)
-
-            def step():
-                schedule = mok.build_schedule(ws, config, g.topk_ids, num_local_experts=E_l)
-                out, ctx = mok.forward(config, ws, schedule, *args)
-                return out, mok.backward(config, ws, schedule, ctx, d_out, *args)
-
-            step()  # compiles the kernels and quantizes the routed weights
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode(0 if one_gpu else "error")
-            try:
-                runs = [step(), step()]
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
-            results[precision, transport] = (runs, int(ws.error_flag.item()))
+            results[precision, transport] = _two_steps(config, group, g, args, d_out, E_l, no_host_sync=not one_gpu)[:2]
     # the reference on the CPU (gloo's collectives take CPU tensors everywhere)
     ref_args = tuple(t.cpu() for t in (g.x, g.topk_ids, g.topk_weights, *routed, *shared))
     ref_out = ep_moe_forward(*ref_args, group=group)
