@@ -47,8 +47,9 @@ def test_warp_specialized_sweep_brackets_each_kernel_with_its_triton_configs():
 
 def test_arithmetic_cost_diagnostic_names_its_variants_and_refuses_others(monkeypatch):
     """Each family's `full` is the kernel as is (nothing patched) and every other variant
-    replaces the helper with one of the same signature; an unknown family or variant stops
-    with the usage."""
+    replaces the helper with one of the same signature (the wgrads' `regstore` and `nostore`
+    switch their store instead, `nostore` to one with `_wgrad_store`'s signature); an unknown
+    family or variant stops with the usage."""
     import inspect
 
     from mok.kernels import quant_fp8_block, warp_specialized
@@ -60,6 +61,8 @@ def test_arithmetic_cost_diagnostic_names_its_variants_and_refuses_others(monkey
         wanted = list(inspect.signature(helper.fn).parameters)
         for name, patch in variants.items():
             assert patch is None or list(inspect.signature(patch.fn).parameters) == wanted, name
+    assert (list(inspect.signature(sweep._stored_never.fn).parameters)
+            == list(inspect.signature(warp_specialized._wgrad_store.fn).parameters))
     for argv in (["x", "wgrad", "fast"], ["x", "matmul", "full"], ["x"]):
         monkeypatch.setattr(sys, "argv", argv)
         with pytest.raises(SystemExit, match="usage: fp8_arithmetic_cost.py"):

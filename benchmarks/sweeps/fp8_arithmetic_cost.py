@@ -8,6 +8,9 @@ the JIT keys its cache by source, so a patched helper must be in place before th
         col   acc + P · sb[n]              the column scales' loads kept, the outer product cut
         row   acc + P · sa[m]              as the scatter GEMMs (one scale per row)
         none  acc + P
+        regstore  the kernel with its tiles stored from registers (FP8_WGRAD_TMA_STORE off)
+        nostore   regstore, but each output tile reduced to one value and stored only if that
+                  value is -1e-30 (never), so no tile is converted or written
     python benchmarks/sweeps/fp8_arithmetic_cost.py quantizer VARIANT
         the transposing quantizers' per-element rule (`quant_fp8_block._quantize_elements`, in
         the Gluon kernel on the GPU) on the qwen3-30b and deepseek-v3-slice shapes:
@@ -21,6 +24,7 @@ import sys
 import triton
 import triton.language as tl
 from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
 
 sys.path[:0] = [str(pathlib.Path(__file__).parents[1]), str(pathlib.Path(__file__).parent)]
 import fp8_sorted_quantizers  # noqa: E402
@@ -44,12 +48,19 @@ def _unscaled(acc, product, a_scale, b_scale):
     return acc + product
 
 
+@gluon.jit
+def _stored_never(acc, out, out2_ptr, expert, first_row, n0, m_dim, n_dim, split_m, stride_out_e):
+    # The reduction keeps the accumulator (and so the MMAs and their scaling) live.
+    total = gl.sum(gl.sum(acc, axis=1), axis=0)
+    gl.store(out + expert, total.to(gl.bfloat16), mask=total == -1.0e-30)
+
+
 @triton.jit
 def _converted_only(x, reciprocal, INTERPRETER: tl.constexpr):
     return x.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
 
 
-WGRAD = {"full": None, "col": _column_scaled, "row": _row_scaled, "none": _unscaled}
+WGRAD = {"full": None, "col": _column_scaled, "row": _row_scaled, "none": _unscaled, "regstore": None, "nostore": None}
 QUANTIZER = {"full": None, "copy": _converted_only}
 
 
@@ -75,6 +86,10 @@ def main() -> None:
         return
     if variants[variant] is not None:
         warp_specialized._add_scaled = variants[variant]
+    if variant in ("regstore", "nostore"):
+        warp_specialized.FP8_WGRAD_TMA_STORE = False
+    if variant == "nostore":
+        warp_specialized._wgrad_store = _stored_never
     tile = {"down_wgrad_fp8": warp_specialized.fp8_block_tile_config(stacked=False),
             "gate_up_wgrad_fp8": warp_specialized.fp8_block_tile_config(stacked=True)}
     tune_gemm.CONFIGS = {kind: [cfg, cfg] for kind, cfg in tile.items()}  # each timed twice

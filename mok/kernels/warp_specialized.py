@@ -122,6 +122,14 @@ COOPERATIVE_TILE = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_stages=4)
 # 2.61–2.70 -> 2.12–2.35, 6.52–6.58 -> 5.80–5.81 -> 4.68–4.80, 2.40–2.84 -> 2.14–2.21 ->
 # 1.70–1.92, 5.17–5.18 -> 4.34–4.43 -> 3.79–4.00.
 FP8_BLOCK_TILE = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_stages=3, GROUP_M=8)
+# The fp8_block wgrads store each consumer's output tile through shared memory by TMA, left in
+# flight while the next tile's MMAs run (`_wgrad_store_async`); False stores it from registers
+# (`_wgrad_store`), as the bf16 wgrads do. The epilogue was 10–12% of qwen3-30b's fp8 wgrads
+# and 5–6% of deepseek-v3-slice's (H200: the kernels with no tile stored, `benchmarks/sweeps/
+# fp8_arithmetic_cost.py wgrad nostore`, log h200-20261202-fp8-wgrad-nostore.log).
+FP8_WGRAD_TMA_STORE = True
+# The TMA store's box: a consumer's rows by one 128-column half of the tile.
+_WGRAD_STORE_BOX = (64, 128)
 # Registers per thread of the consumer warp groups and of the producer warp (setmaxnreg);
 # the default partition (consumer 0) gets what is left of the launch's 168 × 384 threads.
 _CONSUMER_REGISTERS = gl.constexpr(232)
@@ -779,10 +787,11 @@ def _wgrad_tile_m(block_m, two_outputs):
 
 @gluon.jit
 def _wgrad_producer(a_desc, a2_desc, b_desc, b_scale_desc, a_bufs, b_bufs, b_scale_bufs, ready, empty, turn, out_ptr,
-                    out2_ptr, a_scale_ptr, expert_offsets_ptr, expert_counts_ptr, num_tiles, m_dim, n_dim, split_m,
-                    stride_out_e, stride_a_scale, CONSUMER: gl.constexpr, COOPERATIVE: gl.constexpr,
-                    TWO_OUTPUTS: gl.constexpr, FP8: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                    GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+                    out2_ptr, out_desc, out2_desc, out_bufs, a_scale_ptr, expert_offsets_ptr, expert_counts_ptr,
+                    num_tiles, m_dim, n_dim, split_m, stride_out_e, stride_a_scale, CONSUMER: gl.constexpr,
+                    COOPERATIVE: gl.constexpr, TWO_OUTPUTS: gl.constexpr, FP8: gl.constexpr, TMA_STORE: gl.constexpr,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+                    STAGES: gl.constexpr):
     TILE_M: gl.constexpr = _wgrad_tile_m(BLOCK_M, TWO_OUTPUTS)
     # consumer 1's A columns: the same as consumer 0's in a2 (two outputs), or the tile's second half
     A2_OFFSET: gl.constexpr = 0 if TWO_OUTPUTS else _consumer_rows(BLOCK_M, COOPERATIVE)
@@ -805,10 +814,11 @@ def _wgrad_producer(a_desc, a2_desc, b_desc, b_scale_desc, a_bufs, b_bufs, b_sca
 
 @gluon.jit
 def _wgrad_consumer(a_desc, a2_desc, b_desc, b_scale_desc, a_bufs, b_bufs, b_scale_bufs, ready, empty, turn, out_ptr,
-                    out2_ptr, a_scale_ptr, expert_offsets_ptr, expert_counts_ptr, num_tiles, m_dim, n_dim, split_m,
-                    stride_out_e, stride_a_scale, CONSUMER: gl.constexpr, COOPERATIVE: gl.constexpr,
-                    TWO_OUTPUTS: gl.constexpr, FP8: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                    GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+                    out2_ptr, out_desc, out2_desc, out_bufs, a_scale_ptr, expert_offsets_ptr, expert_counts_ptr,
+                    num_tiles, m_dim, n_dim, split_m, stride_out_e, stride_a_scale, CONSUMER: gl.constexpr,
+                    COOPERATIVE: gl.constexpr, TWO_OUTPUTS: gl.constexpr, FP8: gl.constexpr, TMA_STORE: gl.constexpr,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+                    STAGES: gl.constexpr):
     TILE_M: gl.constexpr = _wgrad_tile_m(BLOCK_M, TWO_OUTPUTS)
     ROWS: gl.constexpr = _consumer_rows(BLOCK_M, COOPERATIVE)
     TURNS: gl.constexpr = _takes_turns(COOPERATIVE)
@@ -837,12 +847,23 @@ def _wgrad_consumer(a_desc, a2_desc, b_desc, b_scale_desc, a_bufs, b_bufs, b_sca
             else:
                 acc = _mma_steps(acc, step, steps, tile_count, a_bufs, b_bufs, ready, empty, turn, CONSUMER, False,
                                  False, COOPERATIVE, STAGES)
-            _wgrad_store(acc, out, out2_ptr, expert, first_row, n0, m_dim, n_dim, split_m, stride_out_e)
-            if MMA_N < BLOCK_N:
-                _wgrad_store(acc_hi, out, out2_ptr, expert, first_row, n0 + MMA_N, m_dim, n_dim, split_m,
-                             stride_out_e)
+            if TMA_STORE:
+                first_buf: gl.constexpr = CONSUMER * (out_bufs.shape[0] // 2)
+                tma.store_wait(0)  # the last tile's stores have read this consumer's buffers
+                _wgrad_store_async(acc, out_bufs.index(first_buf), out_desc, out2_desc, expert, first_row, n0, m_dim,
+                                   split_m)
+                if MMA_N < BLOCK_N:
+                    _wgrad_store_async(acc_hi, out_bufs.index(first_buf + 1), out_desc, out2_desc, expert,
+                                       first_row, n0 + MMA_N, m_dim, split_m)
+            else:
+                _wgrad_store(acc, out, out2_ptr, expert, first_row, n0, m_dim, n_dim, split_m, stride_out_e)
+                if MMA_N < BLOCK_N:
+                    _wgrad_store(acc_hi, out, out2_ptr, expert, first_row, n0 + MMA_N, m_dim, n_dim, split_m,
+                                 stride_out_e)
         step += steps
         tile_count += 1
+    if TMA_STORE:
+        tma.store_wait(0)
 
 
 @gluon.jit
@@ -862,11 +883,26 @@ def _wgrad_store(acc, out, out2_ptr, expert, first_row, n0, m_dim, n_dim, split_
 
 
 @gluon.jit
+def _wgrad_store_async(acc, buf, out_desc, out2_desc, expert, first_row, n0, m_dim, split_m):
+    """As `_wgrad_store` (fp8_block: out and out2 in whole 64-row boxes, so that a box lies in one
+    of them and one expert), through `buf` and a TMA store of out or out2 viewed as [E_l · rows,
+    n_dim]; the store is left in flight, and the caller waits for it (`tma.store_wait`) before it
+    writes `buf` again. TMA clips the columns past n_dim."""
+    buf.store(acc.to(gl.bfloat16))
+    fence_async_shared()
+    if first_row < split_m:
+        tma.async_copy_shared_to_global(out_desc, [expert * split_m + first_row, n0], buf)
+    else:
+        tma.async_copy_shared_to_global(out2_desc, [expert * (m_dim - split_m) + first_row - split_m, n0], buf)
+
+
+@gluon.jit
 def _wgrad_ws_kernel(
     # TMA descriptors (bf16: a, a2 [rows, m_dim], b [rows, n_dim]; FP8: e4m3 aᵀ [m_dim, rows],
     # bᵀ [n_dim, rows], and bᵀ's scales [rows / 128, n_dim] fp32; bf16: b again, unread) and
-    # out, out2 [E_l, ·, n_dim] bf16
-    a_desc, a2_desc, b_desc, b_scale_desc, out_ptr, out2_ptr,
+    # out, out2 [E_l, ·, n_dim] bf16; with TMA_STORE, out's and out2's TMA descriptors as
+    # [E_l · rows, n_dim] in `_WGRAD_STORE_BOX`es (else any descriptor, unread)
+    a_desc, a2_desc, b_desc, b_scale_desc, out_ptr, out2_ptr, out_desc, out2_desc,
     # FP8: the scales of aᵀ, [rows / 128, m_dim] fp32
     a_scale_ptr,
     # schedule
@@ -874,31 +910,37 @@ def _wgrad_ws_kernel(
     # sizes (num_tiles tiles over m_dim × n_dim per expert; rows from split_m on are out2's), strides
     num_tiles, m_dim, n_dim, split_m, stride_out_e, stride_a_scale,
     # meta
-    COOPERATIVE: gl.constexpr, TWO_OUTPUTS: gl.constexpr, FP8: gl.constexpr, BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+    COOPERATIVE: gl.constexpr, TWO_OUTPUTS: gl.constexpr, FP8: gl.constexpr, TMA_STORE: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
 ):
     """down: a = dy_sorted, b = h; gate/up (TWO_OUTPUTS, cooperative): a, a2 = d_g, d_u, b = x_sorted;
     FP8 (cooperative): a = dyᵀ or the stacked [d_g | d_u]ᵀ (out's rows, then out2's), b = hᵀ or xᵀ,
-    each step's B column scales loaded into the ring beside its tiles."""
+    each step's B column scales loaded into the ring beside its tiles. TMA_STORE (FP8): each
+    consumer's tile leaves through two shared-memory buffers of its own by TMA."""
     a_bufs, b_bufs, ready, empty, turn = _allocate_ring(a_desc, b_desc, COOPERATIVE, STAGES, 1)
     if FP8:
         b_scale_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + b_scale_desc.block_type.shape,
                                                  b_scale_desc.layout)
     else:
         b_scale_bufs = b_bufs  # unread
+    if TMA_STORE:  # per consumer, one buffer per 128-column part of its rows
+        parts: gl.constexpr = BLOCK_N // out_desc.block_type.shape[1]
+        out_bufs = gl.allocate_shared_memory(gl.bfloat16, [2 * parts] + out_desc.block_type.shape, out_desc.layout)
+    else:
+        out_bufs = b_bufs  # unread
     gl.warp_specialize([
         (_wgrad_consumer, (a_desc, a2_desc, b_desc, b_scale_desc, a_bufs, b_bufs, b_scale_bufs, ready, empty, turn,
-                           out_ptr, out2_ptr, a_scale_ptr, expert_offsets_ptr, expert_counts_ptr, num_tiles, m_dim,
-                           n_dim, split_m, stride_out_e, stride_a_scale, 0, COOPERATIVE, TWO_OUTPUTS, FP8, BLOCK_M,
-                           BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
+                           out_ptr, out2_ptr, out_desc, out2_desc, out_bufs, a_scale_ptr, expert_offsets_ptr,
+                           expert_counts_ptr, num_tiles, m_dim, n_dim, split_m, stride_out_e, stride_a_scale, 0,
+                           COOPERATIVE, TWO_OUTPUTS, FP8, TMA_STORE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
         (_wgrad_consumer, (a_desc, a2_desc, b_desc, b_scale_desc, a_bufs, b_bufs, b_scale_bufs, ready, empty, turn,
-                           out_ptr, out2_ptr, a_scale_ptr, expert_offsets_ptr, expert_counts_ptr, num_tiles, m_dim,
-                           n_dim, split_m, stride_out_e, stride_a_scale, 1, COOPERATIVE, TWO_OUTPUTS, FP8, BLOCK_M,
-                           BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
+                           out_ptr, out2_ptr, out_desc, out2_desc, out_bufs, a_scale_ptr, expert_offsets_ptr,
+                           expert_counts_ptr, num_tiles, m_dim, n_dim, split_m, stride_out_e, stride_a_scale, 1,
+                           COOPERATIVE, TWO_OUTPUTS, FP8, TMA_STORE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
         (_wgrad_producer, (a_desc, a2_desc, b_desc, b_scale_desc, a_bufs, b_bufs, b_scale_bufs, ready, empty, turn,
-                           out_ptr, out2_ptr, a_scale_ptr, expert_offsets_ptr, expert_counts_ptr, num_tiles, m_dim,
-                           n_dim, split_m, stride_out_e, stride_a_scale, 0, COOPERATIVE, TWO_OUTPUTS, FP8, BLOCK_M,
-                           BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
+                           out_ptr, out2_ptr, out_desc, out2_desc, out_bufs, a_scale_ptr, expert_offsets_ptr,
+                           expert_counts_ptr, num_tiles, m_dim, n_dim, split_m, stride_out_e, stride_a_scale, 0,
+                           COOPERATIVE, TWO_OUTPUTS, FP8, TMA_STORE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
     ], [4, 1], [_CONSUMER_REGISTERS, _PRODUCER_REGISTERS])
 
 
@@ -1031,6 +1073,19 @@ def _launch_gathered(x_q, x_scale, w_gate: tuple[torch.Tensor, torch.Tensor], w_
     )
 
 
+def _wgrad_stores_by_tma(cfg: dict, split_m: int, m_dim: int, n_dim: int, device: torch.device) -> bool:
+    """Whether the fp8_block wgrad stores its tiles by TMA (`FP8_WGRAD_TMA_STORE`): where each
+    output's rows (out's split_m, out2's the rest) are whole boxes, so that no box crosses into
+    the other output or the next expert, the rows are 16-byte aligned, and the store buffers fit
+    in shared memory beside the ring (not at 128 columns and 6 stages)."""
+    box_rows, box_cols = _WGRAD_STORE_BOX
+    ring = cfg["num_stages"] * ((cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"] + 4 * cfg["BLOCK_N"])  # e4m3, scales
+    buffers = 2 * (cfg["BLOCK_N"] // box_cols) * box_rows * box_cols * 2  # bf16, per consumer and 128 columns
+    barriers = 1024
+    return (FP8_WGRAD_TMA_STORE and split_m % box_rows == 0 and (m_dim - split_m) % box_rows == 0 and n_dim % 8 == 0
+            and ring + buffers + barriers <= torch.cuda.get_device_properties(device).shared_memory_per_block_optin)
+
+
 def launch_wgrad(a: torch.Tensor, a2: torch.Tensor | None, b: torch.Tensor, out: torch.Tensor,
                  out2: torch.Tensor | None, schedule: RoutingSchedule, cfg: dict,
                  scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
@@ -1062,12 +1117,18 @@ def launch_wgrad(a: torch.Tensor, a2: torch.Tensor | None, b: torch.Tensor, out:
         a_scale = out  # unread
     num_tiles = experts * triton.cdiv(m_dim, _wgrad_tile_m(block_m, two_outputs)) * triton.cdiv(n_dim, block_n)
     a_desc, b_desc = _descriptor(a, a_block), _descriptor(b, b_block)
+    out2 = out if out2 is None else out2
+    tma_store = fp8 and _wgrad_stores_by_tma(cfg, split_m, m_dim, n_dim, b.device)
+    if tma_store:  # [E_l · rows, n_dim]
+        out_desc, out2_desc = (_descriptor(t.view(-1, n_dim), _WGRAD_STORE_BOX) for t in (out, out2))
+    else:
+        out_desc = out2_desc = b_desc  # unread
     _wgrad_ws_kernel[(min(num_tiles, num_sms(b.device)),)](
         a_desc, _descriptor(a2, a_block) if two_outputs else a_desc, b_desc,
         _descriptor(b_scale, (1, block_n)) if fp8 else b_desc,
-        out, out if out2 is None else out2, a_scale,
+        out, out2, out_desc, out2_desc, a_scale,
         schedule.expert_offsets, schedule.expert_counts,
         num_tiles, m_dim, n_dim, split_m, out.stride(0), a_scale.stride(0),
-        cooperative, two_outputs, fp8, block_m, block_n, block_k, cfg.get("GROUP_M", 1), cfg["num_stages"],
-        num_warps=4,
+        cooperative, two_outputs, fp8, tma_store, block_m, block_n, block_k, cfg.get("GROUP_M", 1),
+        cfg["num_stages"], num_warps=4,
     )

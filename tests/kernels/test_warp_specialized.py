@@ -71,10 +71,11 @@ def _scatter_signature(a_block, b_block, dtype: torch.dtype, meta: dict, y_type:
 def _wgrad_signature(a_block, b_block, dtype: torch.dtype, meta: dict) -> dict:
     fp8 = dtype == torch.float8_e4m3fn  # B's column scales through TMA, [1, BLOCK_N] per step
     b_scale_desc = _descriptor_type((1, b_block[0]), torch.float32) if fp8 else _descriptor_type(b_block, dtype)
+    out_desc = _descriptor_type(ws._WGRAD_STORE_BOX) if meta["TMA_STORE"] else _descriptor_type(b_block, dtype)
     return {
         "a_desc": _descriptor_type(a_block, dtype), "a2_desc": _descriptor_type(a_block, dtype),
         "b_desc": _descriptor_type(b_block, dtype), "b_scale_desc": b_scale_desc, "out_ptr": "*bf16",
-        "out2_ptr": "*bf16", "a_scale_ptr": "*fp32", "expert_offsets_ptr": "*i32", "expert_counts_ptr": "*i32",
+        "out2_ptr": "*bf16", "out_desc": out_desc, "out2_desc": out_desc, "a_scale_ptr": "*fp32", "expert_offsets_ptr": "*i32", "expert_counts_ptr": "*i32",
         "num_tiles": "i32",
         "m_dim": "i32", "n_dim": "i32", "split_m": "i32", "stride_out_e": "i32", "stride_a_scale": "i32",
         **{name: "constexpr" for name in meta},
@@ -93,7 +94,7 @@ def test_kernels_compile_for_sm90a_without_spills(cooperative, two_operands):
     b_block = (block_k, block_n) if two_operands else (block_n, block_k)
     scatter_meta = dict(meta, SCATTER=True, TWO_SEGMENTS=two_operands, B_K_MAJOR=not two_operands, FP8=False,
                         GROUP_M=8)
-    wgrad_meta = dict(meta, TWO_OUTPUTS=two_operands, FP8=False, GROUP_M=8)
+    wgrad_meta = dict(meta, TWO_OUTPUTS=two_operands, FP8=False, TMA_STORE=False, GROUP_M=8)
     report = {
         "scatter GEMM": _ptxas_report("_scatter_ws_kernel", _scatter_signature((rows, block_k), b_block,
                                                                                torch.bfloat16, scatter_meta),
@@ -126,7 +127,7 @@ def test_fp8_block_kernels_compile_for_sm90a_without_spills(kernel, wide):
                 GROUP_M=cfg["GROUP_M"], STAGES=cfg["num_stages"])
     a_block, b_block = (block_m // 2, block_k), (block_n, block_k)
     if kernel == "wgrad":
-        meta = dict(meta, TWO_OUTPUTS=False)
+        meta = dict(meta, TWO_OUTPUTS=False, TMA_STORE=ws.FP8_WGRAD_TMA_STORE)
         report = _ptxas_report("_wgrad_ws_kernel", _wgrad_signature(a_block, b_block, torch.float8_e4m3fn, meta), meta)
     else:
         product = kernel == "down dgrad product"
@@ -440,6 +441,21 @@ def test_fp8_block_layer_with_the_warp_specialized_gate_up_is_bitwise_the_same(m
         assert (got is None and want is None) or torch.equal(got, want), name
 
 
+def _fp8_wgrad_runs(T, H, I, E, topk, skewed):
+    """The schedule, and per fp8_block wgrad (its operands quantized once) a call taking a tile
+    config, with the wgrad's (m_dim, n_dim) per output."""
+    inp, sched = _inputs(T, H, I, E, topk, skewed, seed=5)
+    x_sorted, _, dy_sorted = gather_sorted_rows(inp.x, torch.randn_like(inp.x), inp.topk_weights, sched, topk)
+    _, gate_up = gate_up_swiglu(inp.x, inp.w_gate, inp.w_up, sched, topk, store_gate_up=True)
+    dy, h = quantize_fp8_block_sorted_t(dy_sorted, sched), quantize_fp8_block_swiglu_sorted_t(gate_up, sched)
+    d_gate_up, x = quantize_fp8_block_sorted_t(_d_gate_up(sched, I).flatten(1), sched), quantize_fp8_block_sorted_t(
+        x_sorted, sched)
+    return sched, {
+        "down": (lambda cfg: (down_wgrad_fp8_block(*dy, *h, sched, tile_config=cfg),), (H, I)),
+        "gate_up": (lambda cfg: gate_up_wgrad_fp8_block(*d_gate_up, *x, sched, tile_config=cfg), (I, H)),
+    }
+
+
 @hopper
 @pytest.mark.gpu
 @pytest.mark.parametrize("wide", [False, True])
@@ -448,16 +464,7 @@ def test_fp8_block_wgrads_are_bitwise_the_triton_kernel(T, H, I, E, topk, skewed
     """Both fp8_block wgrads (the gate/up one over the stacked [d_g | d_u]ᵀ: with I not a
     multiple of 64 a consumer's rows straddle d_w_gate's and d_w_up's), experts with several
     128-row scale blocks, and exact zeros for experts with no rows (skewed cases)."""
-    inp, sched = _inputs(T, H, I, E, topk, skewed, seed=5)
-    x_sorted, _, dy_sorted = gather_sorted_rows(inp.x, torch.randn_like(inp.x), inp.topk_weights, sched, topk)
-    _, gate_up = gate_up_swiglu(inp.x, inp.w_gate, inp.w_up, sched, topk, store_gate_up=True)
-    dy, h = quantize_fp8_block_sorted_t(dy_sorted, sched), quantize_fp8_block_swiglu_sorted_t(gate_up, sched)
-    d_gate_up, x = quantize_fp8_block_sorted_t(_d_gate_up(sched, I).flatten(1), sched), quantize_fp8_block_sorted_t(
-        x_sorted, sched)
-    runs = {
-        "down": (lambda cfg: (down_wgrad_fp8_block(*dy, *h, sched, tile_config=cfg),), (H, I)),
-        "gate_up": (lambda cfg: gate_up_wgrad_fp8_block(*d_gate_up, *x, sched, tile_config=cfg), (I, H)),
-    }
+    sched, runs = _fp8_wgrad_runs(T, H, I, E, topk, skewed)
     for kind, (run, (m_dim, n_dim)) in runs.items():
         params = f"{kind} {T=} {H=} {I=} {E=} {topk=} {skewed=} {wide=}"
         expected = run(wgrad_config(kind, m_dim, n_dim, "fp8_block", allow_warp_specialized=False))
@@ -466,6 +473,28 @@ def test_fp8_block_wgrads_are_bitwise_the_triton_kernel(T, H, I, E, topk, skewed
             _check_bitwise(g, e, params)
             if skewed:
                 assert g[topk + 2:].eq(0).all(), params
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("T, H, I, E, topk, skewed", _CASES)
+def test_fp8_block_wgrads_store_by_tma_bitwise_as_from_registers(monkeypatch, T, H, I, E, topk, skewed):
+    """The TMA stores (FP8_WGRAD_TMA_STORE) write what the register stores do, and run exactly
+    where every 64-row box lies in one output (H, and I for the gate/up wgrad's two outputs, in
+    whole boxes): with the shipped tile, not at 128 columns and 6 stages (no room beside the ring)."""
+    sched, runs = _fp8_wgrad_runs(T, H, I, E, topk, skewed)
+    device = sched.row_source.device
+    for kind, (run, (m_dim, n_dim)) in runs.items():
+        params = f"{kind} {T=} {H=} {I=} {E=} {topk=} {skewed=}"
+        cfg = ws.fp8_block_tile_config(stacked=kind == "gate_up")
+        stacked_rows = 2 * m_dim if kind == "gate_up" else m_dim
+        assert ws._wgrad_stores_by_tma(cfg, m_dim, stacked_rows, n_dim, device) == (m_dim % 64 == 0), params
+        assert not ws._wgrad_stores_by_tma(_fp8_tile(cfg, wide=False), m_dim, stacked_rows, n_dim, device), params
+        monkeypatch.setattr(ws, "FP8_WGRAD_TMA_STORE", False)
+        expected = run(cfg)
+        monkeypatch.setattr(ws, "FP8_WGRAD_TMA_STORE", True)
+        for g, e in zip(run(cfg), expected, strict=True):
+            _check_bitwise(g, e, params)
 
 
 @hopper
