@@ -124,9 +124,10 @@ COOPERATIVE_TILE = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_stages=4)
 FP8_BLOCK_TILE = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_stages=3, GROUP_M=8)
 # The fp8_block wgrads store each consumer's output tile through shared memory by TMA, left in
 # flight while the next tile's MMAs run (`_wgrad_store_async`); False stores it from registers
-# (`_wgrad_store`), as the bf16 wgrads do. The epilogue was 10–12% of qwen3-30b's fp8 wgrads
-# and 5–6% of deepseek-v3-slice's (H200: the kernels with no tile stored, `benchmarks/sweeps/
-# fp8_arithmetic_cost.py wgrad nostore`, log h200-20261202-fp8-wgrad-nostore.log).
+# (`_wgrad_store`), as the bf16 wgrads do. H200: the stores were 10–13% of qwen3-30b's fp8 wgrads
+# and 5–7% of deepseek-v3-slice's (`benchmarks/sweeps/fp8_arithmetic_cost.py wgrad nostore`, log
+# h200-20261202-fp8-wgrad-nostore.log); by TMA the kernels take 0.04 / 0.19 ms less, the
+# deepseek-v3-slice layer 0.2 ms (record h200-20261202-ab-fp8-wgrad-tma-store.json).
 FP8_WGRAD_TMA_STORE = True
 # The TMA store's box: a consumer's rows by one 128-column half of the tile.
 _WGRAD_STORE_BOX = (64, 128)
