@@ -3,7 +3,9 @@ of that arithmetic cut out (the outputs are then wrong; timing only). One varian
 the JIT keys its cache by source, so a patched helper must be in place before the first compile.
 
     python benchmarks/sweeps/fp8_arithmetic_cost.py wgrad VARIANT [tune_gemm.py's options]
-        the warp-specialized fp8 wgrads' per-step scaling (`warp_specialized._add_scaled`):
+        the warp-specialized fp8 wgrads' per-step scaling (`warp_specialized._add_scaled`), and
+        their epilogue (regstore, nostore: also for the bf16 wgrads, `--kernel down_wgrad
+        --kernel gate_up_wgrad`, each at the library's tile config for the preset):
         full  acc + P · (sa[m] · sb[n])   the kernel as is
         col   acc + P · sb[n]              the column scales' loads kept, the outer product cut
         row   acc + P · sa[m]              as the scatter GEMMs (one scale per row)
@@ -30,7 +32,7 @@ sys.path[:0] = [str(pathlib.Path(__file__).parents[1]), str(pathlib.Path(__file_
 import fp8_sorted_quantizers  # noqa: E402
 import tune_gemm  # noqa: E402
 
-from mok.kernels import quant_fp8_block, warp_specialized  # noqa: E402
+from mok.kernels import quant_fp8_block, warp_specialized, wgrad  # noqa: E402
 
 
 @gluon.jit
@@ -90,9 +92,12 @@ def main() -> None:
         warp_specialized.FP8_WGRAD_TMA_STORE = False
     if variant == "nostore":
         warp_specialized._wgrad_store = _stored_never
-    tile = {"down_wgrad_fp8": warp_specialized.fp8_block_tile_config(stacked=False),
-            "gate_up_wgrad_fp8": warp_specialized.fp8_block_tile_config(stacked=True)}
-    tune_gemm.CONFIGS = {kind: [cfg, cfg] for kind, cfg in tile.items()}  # each timed twice
+    tile = {"down_wgrad_fp8": lambda p: warp_specialized.fp8_block_tile_config(stacked=False),
+            "gate_up_wgrad_fp8": lambda p: warp_specialized.fp8_block_tile_config(stacked=True),
+            "down_wgrad": lambda p: wgrad.wgrad_config("down", p.hidden_size, p.intermediate_size),
+            "gate_up_wgrad": lambda p: wgrad.wgrad_config("gate_up", p.intermediate_size, p.hidden_size)}
+    # each config timed twice
+    tune_gemm.CONFIGS = {kind: (lambda p, config=config: [config(p)] * 2) for kind, config in tile.items()}
     print(f"== {variant}", flush=True)
     tune_gemm.main()
 
