@@ -1079,9 +1079,9 @@ def _wgrad_stores_by_tma(cfg: dict, split_m: int, m_dim: int, n_dim: int, device
     output's rows (out's split_m, out2's the rest) are whole boxes, so that no box crosses into
     the other output or the next expert, the rows are 16-byte aligned, and the store buffers fit
     in shared memory beside the ring (not at 128 columns and 6 stages)."""
-    box_rows, box_cols = _WGRAD_STORE_BOX
+    box_rows = _WGRAD_STORE_BOX[0]
     ring = cfg["num_stages"] * ((cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"] + 4 * cfg["BLOCK_N"])  # e4m3, scales
-    buffers = 2 * (cfg["BLOCK_N"] // box_cols) * box_rows * box_cols * 2  # bf16, per consumer and 128 columns
+    buffers = 2 * box_rows * cfg["BLOCK_N"] * 2  # both consumers' rows of the tile in bf16
     barriers = 1024
     return (FP8_WGRAD_TMA_STORE and split_m % box_rows == 0 and (m_dim - split_m) % box_rows == 0 and n_dim % 8 == 0
             and ring + buffers + barriers <= torch.cuda.get_device_properties(device).shared_memory_per_block_optin)

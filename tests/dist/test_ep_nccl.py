@@ -131,8 +131,9 @@ def _check_case(case: Case, num_ranks: int, rank: int, group, seed: int, run_twi
     ref_out = ep_moe_forward(*ref_args, swiglu_limit=case.swiglu_limit, group=group)
     ref = ep_moe_backward(d_out, *ref_args, swiglu_limit=case.swiglu_limit, group=group)
 
-    ctx = (f"case={case.name!r} P={num_ranks} group_rank={rank} T={x.shape[0]} H={case.hidden_size} I={case.intermediate_size} "
-           f"E_l={case.experts_per_rank} topk={case.topk} I_s={case.shared_size} limit={case.swiglu_limit}")
+    ctx = (f"case={case.name!r} P={num_ranks} group_rank={rank} T={x.shape[0]} H={case.hidden_size} "
+           f"I={case.intermediate_size} E_l={case.experts_per_rank} topk={case.topk} I_s={case.shared_size} "
+           f"limit={case.swiglu_limit}")
     out, grads, schedule, peer_bytes = runs[0]
     assert schedule.dispatch is not None and schedule.dispatch.world_size == num_ranks, ctx
     # What the benchmark reports as bytes per rank and pass is what the exchanges moved.

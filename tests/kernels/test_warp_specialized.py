@@ -75,8 +75,8 @@ def _wgrad_signature(a_block, b_block, dtype: torch.dtype, meta: dict) -> dict:
     return {
         "a_desc": _descriptor_type(a_block, dtype), "a2_desc": _descriptor_type(a_block, dtype),
         "b_desc": _descriptor_type(b_block, dtype), "b_scale_desc": b_scale_desc, "out_ptr": "*bf16",
-        "out2_ptr": "*bf16", "out_desc": out_desc, "out2_desc": out_desc, "a_scale_ptr": "*fp32", "expert_offsets_ptr": "*i32", "expert_counts_ptr": "*i32",
-        "num_tiles": "i32",
+        "out2_ptr": "*bf16", "out_desc": out_desc, "out2_desc": out_desc, "a_scale_ptr": "*fp32",
+        "expert_offsets_ptr": "*i32", "expert_counts_ptr": "*i32", "num_tiles": "i32",
         "m_dim": "i32", "n_dim": "i32", "split_m": "i32", "stride_out_e": "i32", "stride_a_scale": "i32",
         **{name: "constexpr" for name in meta},
     }
