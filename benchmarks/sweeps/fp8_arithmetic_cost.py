@@ -10,7 +10,7 @@ the JIT keys its cache by source, so a patched helper must be in place before th
         col   acc + P · sb[n]              the column scales' loads kept, the outer product cut
         row   acc + P · sa[m]              as the scatter GEMMs (one scale per row)
         none  acc + P
-        regstore  the kernel with its tiles stored from registers (FP8_WGRAD_TMA_STORE off)
+        regstore  the kernel with its tiles stored from registers (FP8_ and BF16_WGRAD_TMA_STORE off)
         nostore   regstore, but each output tile reduced to one value and stored only if that
                   value is -1e-30 (never), so no tile is converted or written
     python benchmarks/sweeps/fp8_arithmetic_cost.py quantizer VARIANT
@@ -89,7 +89,7 @@ def main() -> None:
     if variants[variant] is not None:
         warp_specialized._add_scaled = variants[variant]
     if variant in ("regstore", "nostore"):
-        warp_specialized.FP8_WGRAD_TMA_STORE = False
+        warp_specialized.FP8_WGRAD_TMA_STORE = warp_specialized.BF16_WGRAD_TMA_STORE = False
     if variant == "nostore":
         warp_specialized._wgrad_store = _stored_never
     tile = {"down_wgrad_fp8": lambda p: warp_specialized.fp8_block_tile_config(stacked=False),

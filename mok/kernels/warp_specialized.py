@@ -129,8 +129,11 @@ FP8_BLOCK_TILE = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_stages=3, GROUP
 # h200-20261202-fp8-wgrad-nostore.log); by TMA the kernels take 0.04 / 0.19 ms less, the
 # deepseek-v3-slice layer 0.2 ms (record h200-20261202-ab-fp8-wgrad-tma-store.json).
 FP8_WGRAD_TMA_STORE = True
-# The TMA store's box: a consumer's rows by one 128-column half of the tile.
-_WGRAD_STORE_BOX = (64, 128)
+# The same for the bf16 cooperative wgrads, whose ring then holds 3 stages (`wgrad_tile_config`)
+# so that the buffers fit. H200: their stores were 7–10% of mixtral-8x7b's and 6–7% of
+# deepseek-v3-slice's bf16 wgrads (`fp8_arithmetic_cost.py wgrad nostore --kernel down_wgrad
+# --kernel gate_up_wgrad`, log h200-20261202-bf16-wgrad-nostore.log).
+BF16_WGRAD_TMA_STORE = True
 # Registers per thread of the consumer warp groups and of the producer warp (setmaxnreg);
 # the default partition (consumer 0) gets what is left of the launch's 168 × 384 threads.
 _CONSUMER_REGISTERS = gl.constexpr(232)
@@ -163,6 +166,15 @@ def available_here() -> bool:
 def tile_config(cooperative: bool) -> dict:
     """The tile config that selects these kernels (flag WARP_SPECIALIZED) with either schedule."""
     return dict(COOPERATIVE_TILE if cooperative else PING_PONG_TILE, WARP_SPECIALIZED=True, COOPERATIVE=cooperative)
+
+
+def wgrad_tile_config(cooperative: bool) -> dict:
+    """`tile_config` for the bf16 wgrads: cooperative with `BF16_WGRAD_TMA_STORE`, 3 stages, which
+    leave room for the store buffers (4 measured the same within 3%: `COOPERATIVE_TILE`)."""
+    cfg = tile_config(cooperative)
+    if cooperative and BF16_WGRAD_TMA_STORE:
+        cfg["num_stages"] = 3
+    return cfg
 
 
 def fp8_block_tile_config(stacked: bool = False) -> dict:
@@ -850,12 +862,14 @@ def _wgrad_consumer(a_desc, a2_desc, b_desc, b_scale_desc, a_bufs, b_bufs, b_sca
                                  False, COOPERATIVE, STAGES)
             if TMA_STORE:
                 first_buf: gl.constexpr = CONSUMER * (out_bufs.shape[0] // 2)
+                # two outputs: consumer 1's rows are out2's at the same place (split_m = m_dim)
+                desc = out2_desc if TWO_OUTPUTS and CONSUMER == 1 else out_desc
                 tma.store_wait(0)  # the last tile's stores have read this consumer's buffers
-                _wgrad_store_async(acc, out_bufs.index(first_buf), out_desc, out2_desc, expert, first_row, n0, m_dim,
+                _wgrad_store_async(acc, out_bufs.index(first_buf), desc, out2_desc, expert, first_row, n0, m_dim,
                                    split_m)
                 if MMA_N < BLOCK_N:
-                    _wgrad_store_async(acc_hi, out_bufs.index(first_buf + 1), out_desc, out2_desc, expert,
-                                       first_row, n0 + MMA_N, m_dim, split_m)
+                    _wgrad_store_async(acc_hi, out_bufs.index(first_buf + 1), desc, out2_desc, expert, first_row,
+                                       n0 + MMA_N, m_dim, split_m)
             else:
                 _wgrad_store(acc, out, out2_ptr, expert, first_row, n0, m_dim, n_dim, split_m, stride_out_e)
                 if MMA_N < BLOCK_N:
@@ -885,10 +899,10 @@ def _wgrad_store(acc, out, out2_ptr, expert, first_row, n0, m_dim, n_dim, split_
 
 @gluon.jit
 def _wgrad_store_async(acc, buf, out_desc, out2_desc, expert, first_row, n0, m_dim, split_m):
-    """As `_wgrad_store` (fp8_block: out and out2 in whole 64-row boxes, so that a box lies in one
-    of them and one expert), through `buf` and a TMA store of out or out2 viewed as [E_l · rows,
-    n_dim]; the store is left in flight, and the caller waits for it (`tma.store_wait`) before it
-    writes `buf` again. TMA clips the columns past n_dim."""
+    """As `_wgrad_store` (out's and out2's rows in whole boxes, so that a box lies in one of them
+    and one expert: `_wgrad_stores_by_tma`), through `buf` and a TMA store of out or out2 viewed as
+    [E_l · rows, n_dim]; the store is left in flight, and the caller waits for it
+    (`tma.store_wait`) before it writes `buf` again. TMA clips the columns past n_dim."""
     buf.store(acc.to(gl.bfloat16))
     fence_async_shared()
     if first_row < split_m:
@@ -902,7 +916,7 @@ def _wgrad_ws_kernel(
     # TMA descriptors (bf16: a, a2 [rows, m_dim], b [rows, n_dim]; FP8: e4m3 aᵀ [m_dim, rows],
     # bᵀ [n_dim, rows], and bᵀ's scales [rows / 128, n_dim] fp32; bf16: b again, unread) and
     # out, out2 [E_l, ·, n_dim] bf16; with TMA_STORE, out's and out2's TMA descriptors as
-    # [E_l · rows, n_dim] in `_WGRAD_STORE_BOX`es (else any descriptor, unread)
+    # [E_l · rows, n_dim] in `_wgrad_store_box`es (else any descriptor, unread)
     a_desc, a2_desc, b_desc, b_scale_desc, out_ptr, out2_ptr, out_desc, out2_desc,
     # FP8: the scales of aᵀ, [rows / 128, m_dim] fp32
     a_scale_ptr,
@@ -916,15 +930,15 @@ def _wgrad_ws_kernel(
 ):
     """down: a = dy_sorted, b = h; gate/up (TWO_OUTPUTS, cooperative): a, a2 = d_g, d_u, b = x_sorted;
     FP8 (cooperative): a = dyᵀ or the stacked [d_g | d_u]ᵀ (out's rows, then out2's), b = hᵀ or xᵀ,
-    each step's B column scales loaded into the ring beside its tiles. TMA_STORE (FP8): each
-    consumer's tile leaves through two shared-memory buffers of its own by TMA."""
+    each step's B column scales loaded into the ring beside its tiles. TMA_STORE (cooperative):
+    each consumer's rows of the tile leave through shared-memory buffers of its own by TMA."""
     a_bufs, b_bufs, ready, empty, turn = _allocate_ring(a_desc, b_desc, COOPERATIVE, STAGES, 1)
     if FP8:
         b_scale_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + b_scale_desc.block_type.shape,
                                                  b_scale_desc.layout)
     else:
         b_scale_bufs = b_bufs  # unread
-    if TMA_STORE:  # per consumer, one buffer per 128-column part of its rows
+    if TMA_STORE:  # per consumer, one buffer per accumulator (fp8_block: two of 128 columns)
         parts: gl.constexpr = BLOCK_N // out_desc.block_type.shape[1]
         out_bufs = gl.allocate_shared_memory(gl.bfloat16, [2 * parts] + out_desc.block_type.shape, out_desc.layout)
     else:
@@ -1074,16 +1088,25 @@ def _launch_gathered(x_q, x_scale, w_gate: tuple[torch.Tensor, torch.Tensor], w_
     )
 
 
-def _wgrad_stores_by_tma(cfg: dict, split_m: int, m_dim: int, n_dim: int, device: torch.device) -> bool:
-    """Whether the fp8_block wgrad stores its tiles by TMA (`FP8_WGRAD_TMA_STORE`): where each
-    output's rows (out's split_m, out2's the rest) are whole boxes, so that no box crosses into
-    the other output or the next expert, the rows are 16-byte aligned, and the store buffers fit
-    in shared memory beside the ring (not at 128 columns and 6 stages)."""
-    box_rows = _WGRAD_STORE_BOX[0]
-    ring = cfg["num_stages"] * ((cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"] + 4 * cfg["BLOCK_N"])  # e4m3, scales
-    buffers = 2 * box_rows * cfg["BLOCK_N"] * 2  # both consumers' rows of the tile in bf16
+def _wgrad_store_box(cfg: dict, fp8: bool) -> tuple[int, int]:
+    """The TMA store's box: a consumer's rows by one accumulator's columns (fp8_block: 128)."""
+    return _consumer_rows(cfg["BLOCK_M"], True), FP8_BLOCK if fp8 else cfg["BLOCK_N"]
+
+
+def _wgrad_stores_by_tma(cfg: dict, split_m: int, m_dim: int, n_dim: int, fp8: bool, device: torch.device) -> bool:
+    """Whether a cooperative wgrad stores its tiles by TMA (`FP8_WGRAD_TMA_STORE`,
+    `BF16_WGRAD_TMA_STORE`): where each output's rows (out's split_m, out2's the rest) are whole
+    boxes, so that no box crosses into the other output or the next expert, the rows are 16-byte
+    aligned, and the store buffers fit in shared memory beside the ring (not in fp8_block at 128
+    columns and 6 stages, nor in bf16 at 4 stages)."""
+    if not (FP8_WGRAD_TMA_STORE if fp8 else BF16_WGRAD_TMA_STORE) or not cfg.get("COOPERATIVE", False):
+        return False
+    box_rows = _wgrad_store_box(cfg, fp8)[0]
+    tiles = (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * (1 if fp8 else 2)  # A and B per stage
+    ring = cfg["num_stages"] * (tiles + (4 * cfg["BLOCK_N"] if fp8 else 0))  # fp8_block: B's column scales
+    buffers = 2 * cfg["BLOCK_N"] * box_rows * 2  # bf16, both consumers' rows of the tile
     barriers = 1024
-    return (FP8_WGRAD_TMA_STORE and split_m % box_rows == 0 and (m_dim - split_m) % box_rows == 0 and n_dim % 8 == 0
+    return (split_m % box_rows == 0 and (m_dim - split_m) % box_rows == 0 and n_dim % 8 == 0
             and ring + buffers + barriers <= torch.cuda.get_device_properties(device).shared_memory_per_block_optin)
 
 
@@ -1119,9 +1142,9 @@ def launch_wgrad(a: torch.Tensor, a2: torch.Tensor | None, b: torch.Tensor, out:
     num_tiles = experts * triton.cdiv(m_dim, _wgrad_tile_m(block_m, two_outputs)) * triton.cdiv(n_dim, block_n)
     a_desc, b_desc = _descriptor(a, a_block), _descriptor(b, b_block)
     out2 = out if out2 is None else out2
-    tma_store = fp8 and _wgrad_stores_by_tma(cfg, split_m, m_dim, n_dim, b.device)
+    tma_store = _wgrad_stores_by_tma(cfg, split_m, m_dim, n_dim, fp8, b.device)
     if tma_store:  # [E_l · rows, n_dim]
-        out_desc, out2_desc = (_descriptor(t.view(-1, n_dim), _WGRAD_STORE_BOX) for t in (out, out2))
+        out_desc, out2_desc = (_descriptor(t.view(-1, n_dim), _wgrad_store_box(cfg, fp8)) for t in (out, out2))
     else:
         out_desc = out2_desc = b_desc  # unread
     _wgrad_ws_kernel[(min(num_tiles, num_sms(b.device)),)](

@@ -166,14 +166,14 @@ def wgrad_config(
     if kind == "down":
         return dict(_down_tiles(n_dim, warp_specialized_here), GROUP_M=DOWN_WGRAD_GROUP_M)
     if warp_specialized_here and COOPERATIVE_GATE_UP_WGRAD:
-        return warp_specialized.tile_config(cooperative=True)
+        return warp_specialized.wgrad_tile_config(cooperative=True)
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
 
 
 def _down_tiles(inter: int, warp_specialized_here: bool) -> dict:
     """The bf16 down wgrad's tiles on the GPU (`wgrad_config`), before GROUP_M."""
     if warp_specialized_here and (inter <= PING_PONG_DOWN_WGRAD_MAX_INTER or COOPERATIVE_DOWN_WGRAD):
-        return warp_specialized.tile_config(cooperative=inter > PING_PONG_DOWN_WGRAD_MAX_INTER)
+        return warp_specialized.wgrad_tile_config(cooperative=inter > PING_PONG_DOWN_WGRAD_MAX_INTER)
     return dict(BLOCK_M=128, BLOCK_N=256 if inter >= 256 else 128, BLOCK_K=64, num_warps=8, num_stages=3,
                 PERSISTENT=inter <= PERSISTENT_DOWN_WGRAD_MAX_INTER)
 

@@ -71,7 +71,7 @@ def _scatter_signature(a_block, b_block, dtype: torch.dtype, meta: dict, y_type:
 def _wgrad_signature(a_block, b_block, dtype: torch.dtype, meta: dict) -> dict:
     fp8 = dtype == torch.float8_e4m3fn  # B's column scales through TMA, [1, BLOCK_N] per step
     b_scale_desc = _descriptor_type((1, b_block[0]), torch.float32) if fp8 else _descriptor_type(b_block, dtype)
-    out_desc = _descriptor_type(ws._WGRAD_STORE_BOX) if meta["TMA_STORE"] else _descriptor_type(b_block, dtype)
+    out_desc = _descriptor_type(ws._wgrad_store_box(meta, fp8)) if meta["TMA_STORE"] else _descriptor_type(b_block, dtype)
     return {
         "a_desc": _descriptor_type(a_block, dtype), "a2_desc": _descriptor_type(a_block, dtype),
         "b_desc": _descriptor_type(b_block, dtype), "b_scale_desc": b_scale_desc, "out_ptr": "*bf16",
@@ -86,7 +86,8 @@ def _wgrad_signature(a_block, b_block, dtype: torch.dtype, meta: dict) -> dict:
 def test_kernels_compile_for_sm90a_without_spills(cooperative, two_operands):
     """The shipped tiles fit: 3 warp groups at 168 registers each at launch, nothing spilled,
     for both schedules: the down GEMM and down wgrad, and with two operand pairs the gate/up
-    dgrad (two K segments, N-major weights) and the gate/up wgrad (two outputs)."""
+    dgrad (two K segments, N-major weights) and the gate/up wgrad (two outputs); the cooperative
+    wgrads with their TMA stores."""
     cfg = ws.tile_config(cooperative)
     block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     rows = ws._consumer_rows(block_m, cooperative)
@@ -94,7 +95,9 @@ def test_kernels_compile_for_sm90a_without_spills(cooperative, two_operands):
     b_block = (block_k, block_n) if two_operands else (block_n, block_k)
     scatter_meta = dict(meta, SCATTER=True, TWO_SEGMENTS=two_operands, B_K_MAJOR=not two_operands, FP8=False,
                         GROUP_M=8)
-    wgrad_meta = dict(meta, TWO_OUTPUTS=two_operands, FP8=False, TMA_STORE=False, GROUP_M=8)
+    # the wgrad at its own stages, cooperative with its TMA stores
+    wgrad_meta = dict(meta, TWO_OUTPUTS=two_operands, FP8=False, TMA_STORE=cooperative and ws.BF16_WGRAD_TMA_STORE,
+                      GROUP_M=8, STAGES=ws.wgrad_tile_config(cooperative)["num_stages"])
     report = {
         "scatter GEMM": _ptxas_report("_scatter_ws_kernel", _scatter_signature((rows, block_k), b_block,
                                                                                torch.bfloat16, scatter_meta),
@@ -286,7 +289,7 @@ def test_down_wgrad_is_bitwise_the_triton_kernel(T, H, I, E, topk, skewed, coope
     h, _ = gate_up_swiglu(inp.x, inp.w_gate, inp.w_up, sched, topk)
     triton_config = wgrad_config("down", H, I, allow_warp_specialized=False)
     expected = down_wgrad(dy_sorted, h, sched, tile_config=triton_config)
-    got = down_wgrad(dy_sorted, h, sched, tile_config=ws.tile_config(cooperative))
+    got = down_wgrad(dy_sorted, h, sched, tile_config=ws.wgrad_tile_config(cooperative))
     params = f"{T=} {H=} {I=} {E=} {topk=} {skewed=} {cooperative=}"
     _check_bitwise(got, expected, params)
     if skewed:
@@ -325,7 +328,7 @@ def test_gate_up_wgrad_is_bitwise_the_triton_kernel(T, H, I, E, topk, skewed):
     d_gate_up = _d_gate_up(sched, I)
     triton_config = wgrad_config("gate_up", I, H, allow_warp_specialized=False)
     expected = gate_up_wgrad(d_gate_up, x_sorted, sched, tile_config=triton_config)
-    got = gate_up_wgrad(d_gate_up, x_sorted, sched, tile_config=ws.tile_config(cooperative=True))
+    got = gate_up_wgrad(d_gate_up, x_sorted, sched, tile_config=ws.wgrad_tile_config(cooperative=True))
     params = f"{T=} {H=} {I=} {E=} {topk=} {skewed=}"
     for name, g, e in zip(("d_w_gate", "d_w_up"), got, expected):
         _check_bitwise(g, e, f"{name} {params}")
@@ -488,13 +491,28 @@ def test_fp8_block_wgrads_store_by_tma_bitwise_as_from_registers(monkeypatch, T,
         params = f"{kind} {T=} {H=} {I=} {E=} {topk=} {skewed=}"
         cfg = ws.fp8_block_tile_config(stacked=kind == "gate_up")
         stacked_rows = 2 * m_dim if kind == "gate_up" else m_dim
-        assert ws._wgrad_stores_by_tma(cfg, m_dim, stacked_rows, n_dim, device) == (m_dim % 64 == 0), params
-        assert not ws._wgrad_stores_by_tma(_fp8_tile(cfg, wide=False), m_dim, stacked_rows, n_dim, device), params
+        assert ws._wgrad_stores_by_tma(cfg, m_dim, stacked_rows, n_dim, True, device) == (m_dim % 64 == 0), params
+        assert not ws._wgrad_stores_by_tma(_fp8_tile(cfg, wide=False), m_dim, stacked_rows, n_dim, True, device), \
+            params
         monkeypatch.setattr(ws, "FP8_WGRAD_TMA_STORE", False)
         expected = run(cfg)
         monkeypatch.setattr(ws, "FP8_WGRAD_TMA_STORE", True)
         for g, e in zip(run(cfg), expected, strict=True):
             _check_bitwise(g, e, params)
+
+
+@hopper
+@pytest.mark.gpu
+def test_bf16_wgrads_store_by_tma_where_the_buffers_fit():
+    """The cooperative bf16 wgrads store by TMA (BF16_WGRAD_TMA_STORE) at their 3 stages with
+    whole 64-row boxes; not at 4 stages (no room beside the ring), not ping-pong, not with rows
+    that are no multiple of 64 (then the bitwise tests above run the register stores)."""
+    device = torch.device("cuda")
+    cfg = ws.wgrad_tile_config(cooperative=True)
+    assert cfg["num_stages"] == 3 and ws._wgrad_stores_by_tma(cfg, 4096, 4096, 14336, False, device)
+    assert not ws._wgrad_stores_by_tma(ws.tile_config(cooperative=True), 4096, 4096, 14336, False, device)
+    assert not ws._wgrad_stores_by_tma(ws.wgrad_tile_config(cooperative=False), 2048, 2048, 768, False, device)
+    assert not ws._wgrad_stores_by_tma(cfg, 136, 136, 200, False, device)
 
 
 @hopper
@@ -507,10 +525,10 @@ def test_defaults_choose_the_schedule_by_reduction_on_hopper():
     (`allow_warp_specialized=False`)."""
     assert gemm_config("down", 2048, 768) == ws.tile_config(cooperative=False)
     group_m = dict(GROUP_M=wgrad.DOWN_WGRAD_GROUP_M)
-    assert wgrad_config("down", 2048, 768) == dict(ws.tile_config(cooperative=False), **group_m)
+    assert wgrad_config("down", 2048, 768) == dict(ws.wgrad_tile_config(cooperative=False), **group_m)
     assert "WARP_SPECIALIZED" not in gemm_config("down", 7168, 2048)
-    assert wgrad_config("down", 4096, 14336) == dict(ws.tile_config(cooperative=True), **group_m)
-    assert wgrad_config("gate_up", 768, 2048) == ws.tile_config(cooperative=True)
+    assert wgrad_config("down", 4096, 14336) == dict(ws.wgrad_tile_config(cooperative=True), **group_m)
+    assert wgrad_config("gate_up", 768, 2048) == ws.wgrad_tile_config(cooperative=True)
     assert dgrad_config("gate_up", 2048, 768) == ws.tile_config(cooperative=True)
     assert "WARP_SPECIALIZED" not in dgrad_config("gate_up", 7168, 2048)
     assert "WARP_SPECIALIZED" not in dgrad_config("down", 14336, 4096)
