@@ -25,20 +25,6 @@ def interpreting() -> bool:
 _INTERPRETER_PROGRAMS = 3
 
 
-# The epilogues' activation rows (the forward's g, u and h; the down dgrad's g, u, d_g, d_u and
-# w·h) are each touched once per pass and outgrow L2 on every preset (mixtral-8x7b's g, u: 940
-# MB), while the tiles a wave of programs shares (weight columns, sorted rows) are read again
-# from L2. With this flag their loads and stores carry an L2 evict-first policy, so they leave
-# first (`activation_eviction`); outputs are the same bits either way.
-EVICT_ACTIVATIONS_FIRST = True
-
-
-def activation_eviction() -> str:
-    """The `eviction_policy` of the epilogues' activation loads and stores (`EVICT_ACTIVATIONS_FIRST`;
-    the interpreter takes no cache hints)."""
-    return "evict_first" if EVICT_ACTIVATIONS_FIRST and not interpreting() else ""
-
-
 @functools.cache
 def num_sms(device) -> int:
     """Streaming multiprocessors of a CUDA device: the programs of a persistent launch."""

@@ -86,7 +86,6 @@ from mok.fp8_block import FP8_BLOCK
 from mok.kernels import grouped_gemm, warp_specialized
 from mok.kernels.comm import PeerRows, signal_peers
 from mok.kernels.common import (
-    activation_eviction,
     column_halves,
     interpreting,
     last_wave_tile_coordinates,
@@ -279,7 +278,6 @@ def _down_dgrad_epilogue(
     d_out_wd, w, row_valid, rows64, n0, gate_up_ptr, d_gate_up_ptr, weighted_h_ptr, inter, swiglu_limit,
     stride_gu_r, stride_dgu_r, stride_wh_r,
     HAS_LIMIT: tl.constexpr, STORE_WEIGHTED_H: tl.constexpr, INTERPRETER: tl.constexpr, BLOCK_N: tl.constexpr,
-    EVICTION: tl.constexpr,
 ):
     """The down dgrad's epilogue on columns [n0, n0 + BLOCK_N) of an M tile: d_g, d_u from
     w·a and the saved g, u, stored (exact zeros in padding rows), and w·h with STORE_WEIGHTED_H;
@@ -288,20 +286,17 @@ def _down_dgrad_epilogue(
     n_offs = n0 + tl.arange(0, BLOCK_N)
     out_mask = (n_offs < inter)[None, :]
     gu_ptrs = gate_up_ptr + rows64[:, None] * stride_gu_r + n_offs[None, :]
-    gate = tl.load(gu_ptrs, mask=out_mask, other=0.0, eviction_policy=EVICTION).to(tl.float32)
-    up = tl.load(gu_ptrs + inter, mask=out_mask, other=0.0, eviction_policy=EVICTION).to(tl.float32)
+    gate = tl.load(gu_ptrs, mask=out_mask, other=0.0).to(tl.float32)
+    up = tl.load(gu_ptrs + inter, mask=out_mask, other=0.0).to(tl.float32)
     d_gate, d_up, h = swiglu_backward(w[:, None] * d_out_wd, gate, up, swiglu_limit, HAS_LIMIT)
     # Padding rows: exact zeros whatever the saved g, u hold there.
     valid = row_valid[:, None]
     dgu_ptrs = d_gate_up_ptr + rows64[:, None] * stride_dgu_r + n_offs[None, :]
-    tl.store(dgu_ptrs, round_to_bf16(tl.where(valid, d_gate, 0.0), INTERPRETER), mask=out_mask,
-             eviction_policy=EVICTION)
-    tl.store(dgu_ptrs + inter, round_to_bf16(tl.where(valid, d_up, 0.0), INTERPRETER), mask=out_mask,
-             eviction_policy=EVICTION)
+    tl.store(dgu_ptrs, round_to_bf16(tl.where(valid, d_gate, 0.0), INTERPRETER), mask=out_mask)
+    tl.store(dgu_ptrs + inter, round_to_bf16(tl.where(valid, d_up, 0.0), INTERPRETER), mask=out_mask)
     if STORE_WEIGHTED_H:
         wh_ptrs = weighted_h_ptr + rows64[:, None] * stride_wh_r + n_offs[None, :]
-        tl.store(wh_ptrs, round_to_bf16(tl.where(valid, w[:, None] * h, 0.0), INTERPRETER), mask=out_mask,
-                 eviction_policy=EVICTION)
+        tl.store(wh_ptrs, round_to_bf16(tl.where(valid, w[:, None] * h, 0.0), INTERPRETER), mask=out_mask)
     return tl.sum(d_out_wd * h, axis=1)
 
 
@@ -327,7 +322,6 @@ def _down_dgrad_swiglu_kernel(
     PRECISION: tl.constexpr, GATHER_D_OUT: tl.constexpr, PRODUCT_GIVEN: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
     HAS_LIMIT: tl.constexpr, STORE_WEIGHTED_H: tl.constexpr, INTERPRETER: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PREFETCH_GATE_UP: tl.constexpr,
-    EVICTION: tl.constexpr,
 ):
     num_n_tiles = tl.cdiv(inter, BLOCK_N)
     m_tile, n_tile = tile_coordinates(tl.program_id(0), max_m_tiles, num_n_tiles, GROUP_M)
@@ -343,7 +337,7 @@ def _down_dgrad_swiglu_kernel(
     if PRODUCT_GIVEN:  # columns past I read as zeros: h is zero there too (g = u = 0)
         columns = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
         d_out_wd = tl.load(d_out + rows.to(tl.int64)[:, None] * stride_d_out_t + columns[None, :],
-                           mask=(columns < inter)[None, :], other=0.0, eviction_policy=EVICTION)
+                           mask=(columns < inter)[None, :], other=0.0)
     elif GATHER_D_OUT:  # fp8_block; Wd[e]ᵀ is [I, H]: K-major, its rows the N dim
         d_out_wd = gathered_rows_tile_fp8(
             d_out, d_out_scale_ptr, slot // topk, row_valid, w_down_desc, w_down_scale_ptr, expert,
@@ -382,7 +376,7 @@ def _down_dgrad_swiglu_kernel(
             partial += _down_dgrad_epilogue(
                 quarters[quarter], w, row_valid, rows64, n_tile * BLOCK_N + (2 * half + quarter) * (BLOCK_N // 4),
                 gate_up_ptr, d_gate_up_ptr, weighted_h_ptr, inter, swiglu_limit, stride_gu_r, stride_dgu_r,
-                stride_wh_r, HAS_LIMIT, STORE_WEIGHTED_H, INTERPRETER, BLOCK_N // 4, EVICTION,
+                stride_wh_r, HAS_LIMIT, STORE_WEIGHTED_H, INTERPRETER, BLOCK_N // 4,
             )
     if HAS_WEIGHTS:
         tl.store(route_partials_ptr + slot.to(tl.int64) * num_n_tiles + n_tile, partial, mask=row_valid)
@@ -556,7 +550,7 @@ def _launch_down_dgrad_swiglu(
         gate_up.stride(0), d_gate_up.stride(0), d_out.stride(0), 0 if weighted_h is None else weighted_h.stride(0),
         PRECISION=precision, GATHER_D_OUT=gathered, PRODUCT_GIVEN=product_given, HAS_WEIGHTS=weighted,
         HAS_LIMIT=swiglu_limit is not None, STORE_WEIGHTED_H=weighted_h is not None,
-        INTERPRETER=interpreting(), EVICTION=activation_eviction(), **{"PREFETCH_GATE_UP": False, **cfg},
+        INTERPRETER=interpreting(), **{"PREFETCH_GATE_UP": False, **cfg},
     )
     if not weighted:
         return d_gate_up, None

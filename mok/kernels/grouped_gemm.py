@@ -66,7 +66,6 @@ from mok.fp8_block import FP8_BLOCK
 from mok.kernels import warp_specialized
 from mok.kernels.comm import PeerRows, peer_row_starts, signal_peers
 from mok.kernels.common import (
-    activation_eviction,
     column_halves,
     interpreting,
     last_wave_tile_coordinates,
@@ -172,7 +171,7 @@ def _gate_up_swiglu_kernel(
     # meta
     PRECISION: tl.constexpr, HAS_LIMIT: tl.constexpr, STORE_GATE_UP: tl.constexpr, INTERPRETER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    X_SORTED: tl.constexpr, PACKED: tl.constexpr, EVICTION: tl.constexpr,
+    X_SORTED: tl.constexpr, PACKED: tl.constexpr,
 ):
     m_tile, n_tile = tile_coordinates(tl.program_id(0), max_m_tiles, tl.cdiv(inter, BLOCK_N), GROUP_M)
     if m_tile * BLOCK_M >= tl.load(num_rows_ptr):
@@ -193,15 +192,14 @@ def _gate_up_swiglu_kernel(
     h = swiglu_forward(gate, up, swiglu_limit, HAS_LIMIT)
     if PRECISION == "fp8_block":  # BLOCK_N == 128: each tile row is one 1×128 block of h
         h_q, h_scale = quantize_row_blocks(h, INTERPRETER)  # [BLOCK_M, 128] uint8, [BLOCK_M, 1] fp32
-        tl.store(h_ptr + rows64 * stride_h_r + n_offs[None, :], h_q, mask=out_mask, eviction_policy=EVICTION)
+        tl.store(h_ptr + rows64 * stride_h_r + n_offs[None, :], h_q, mask=out_mask)
         tl.store(h_scale_ptr + rows64 * (inter // _SCALE_BLOCK) + n_tile, h_scale)
     else:
-        tl.store(h_ptr + rows64 * stride_h_r + n_offs[None, :], round_to_bf16(h, INTERPRETER), mask=out_mask,
-                 eviction_policy=EVICTION)
+        tl.store(h_ptr + rows64 * stride_h_r + n_offs[None, :], round_to_bf16(h, INTERPRETER), mask=out_mask)
     if STORE_GATE_UP:
         gu_ptrs = gate_up_ptr + rows64 * stride_gu_r + n_offs[None, :]
-        tl.store(gu_ptrs, round_to_bf16(gate, INTERPRETER), mask=out_mask, eviction_policy=EVICTION)
-        tl.store(gu_ptrs + inter, round_to_bf16(up, INTERPRETER), mask=out_mask, eviction_policy=EVICTION)
+        tl.store(gu_ptrs, round_to_bf16(gate, INTERPRETER), mask=out_mask)
+        tl.store(gu_ptrs + inter, round_to_bf16(up, INTERPRETER), mask=out_mask)
 
 
 @triton.jit
@@ -597,7 +595,7 @@ def _launch_gate_up_swiglu(
         hidden, inter, topk, schedule.max_tiles, 0.0 if swiglu_limit is None else float(swiglu_limit),
         x.stride(0), h.stride(0), 2 * inter,
         PRECISION=precision, HAS_LIMIT=swiglu_limit is not None, STORE_GATE_UP=gate_up is not None,
-        INTERPRETER=interpreting(), X_SORTED=x_sorted, PACKED=packed, EVICTION=activation_eviction(), **cfg,
+        INTERPRETER=interpreting(), X_SORTED=x_sorted, PACKED=packed, **cfg,
     )
 
 

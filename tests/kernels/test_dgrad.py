@@ -17,7 +17,7 @@ from mok.kernels.dgrad import (
     gate_up_dgrad_scatter_fp8_block,
 )
 from mok.kernels.grouped_gemm import routing_block_m
-from mok.kernels import common, dgrad, warp_specialized
+from mok.kernels import dgrad, warp_specialized
 from mok.kernels.quant_fp8_block import quantize_fp8_block_activations, quantize_fp8_block_gathered
 from mok.kernels.schedule import build_routing_schedule
 from mok.testing import assert_close_to_reference, make_inputs, make_topk_ids
@@ -121,13 +121,11 @@ def test_router_weight_gradient_does_not_depend_on_w(kernel_device):
     assert torch.all(runs[2][0][rows] == 0), ctx
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="L2 prefetches and cache policies are PTX: GPU only")
-@pytest.mark.parametrize("hint", ["prefetch", "evict first"])
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the L2 prefetch is PTX: GPU only")
 @pytest.mark.parametrize("T, H, I, E, topk", [(300, 128, 328, 5, 2), (1, 64, 64, 3, 1)])
-def test_down_dgrad_l2_hints_leave_the_outputs_bitwise(monkeypatch, hint, T, H, I, E, topk):
-    """The L2 prefetch of g, u and the evict-first policy of the epilogue's loads and stores (both
-    on by default on a GPU) are hints only: outputs bitwise the same without either, on a ragged
-    last column tile (I not a multiple of the tile) and padding rows."""
+def test_down_dgrad_prefetch_leaves_the_outputs_bitwise(T, H, I, E, topk):
+    """The L2 prefetch of g, u (on by default on a GPU) is a hint only: outputs bitwise the same
+    without it, on a ragged last column tile (I not a multiple of the tile) and padding rows."""
     inp = make_inputs(T, H, I, E, topk, seed=T, device="cuda", signed_weights=True)
     sched, rows, *_ = _schedule(inp, E)
     gen = torch.Generator().manual_seed(3)
@@ -135,13 +133,9 @@ def test_down_dgrad_l2_hints_leave_the_outputs_bitwise(monkeypatch, hint, T, H, 
     d_out_sorted = _sorted_tokens(torch.randn(T, H, generator=gen).bfloat16().cuda(), sched, topk)
     default = dgrad_config("down", I, H)
     assert default["PREFETCH_GATE_UP"] is dgrad.DOWN_DGRAD_PREFETCH_GATE_UP, default
-    assert common.activation_eviction() == "evict_first"
-    outs = []
-    for on in (True, False):
-        cfg = {**default, "PREFETCH_GATE_UP": on} if hint == "prefetch" else default
-        monkeypatch.setattr(common, "EVICT_ACTIVATIONS_FIRST", on or hint == "prefetch")
-        outs.append(down_dgrad_swiglu(d_out_sorted, inp.topk_weights, gate_up, inp.w_down, sched, tile_config=cfg))
-    ctx = f"{hint=} {T=} {H=} {I=} {E=} {topk=}"
+    outs = [down_dgrad_swiglu(d_out_sorted, inp.topk_weights, gate_up, inp.w_down, sched,
+                              tile_config={**default, "PREFETCH_GATE_UP": prefetch}) for prefetch in (True, False)]
+    ctx = f"{T=} {H=} {I=} {E=} {topk=}"
     assert torch.equal(outs[0][0][rows], outs[1][0][rows]), ctx
     assert torch.equal(outs[0][1], outs[1][1]) and outs[0][1].abs().sum() > 0, ctx
 

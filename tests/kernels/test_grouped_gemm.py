@@ -7,7 +7,6 @@ import triton.language as tl
 
 from mok import reference
 from mok.fp8_block import fp8_block_dequantize, fp8_block_quantize
-from mok.kernels import common
 from mok.kernels.combine import combine
 from mok.kernels.common import last_wave_tile_coordinates, num_sms
 from mok.kernels.grouped_gemm import (
@@ -67,11 +66,10 @@ def _apart(w_gate, w_up):
 
 
 @pytest.mark.parametrize("T, H, I, E, topk, limit", [(37, 64, 48, 5, 2, None), (9, 40, 24, 3, 3, 0.5)])
-def test_gate_up_paths_are_bitwise_the_same(kernel_device, monkeypatch, T, H, I, E, topk, limit):
+def test_gate_up_paths_are_bitwise_the_same(kernel_device, T, H, I, E, topk, limit):
     """X_SORTED (x copied to the sorted layout, read through TMA) and packed weights (one
     2·BLOCK_N-wide dot per K step) change where the operands come from, not the sum: h and
-    g, u are bitwise those of gathered loads and separate weights, with the stores' evict-first
-    L2 policy (on a GPU) and without it."""
+    g, u are bitwise those of gathered loads and separate weights."""
     inp = make_inputs(T, H, I, E, topk, seed=T + 1, device=kernel_device)
     flag = torch.zeros(1, dtype=torch.int32, device=kernel_device)
     sched = build_routing_schedule(inp.topk_ids, E, routing_block_m(), flag)
@@ -80,17 +78,14 @@ def test_gate_up_paths_are_bitwise_the_same(kernel_device, monkeypatch, T, H, I,
     assert gate_up_packed(inp.w_gate, inp.w_up) and not gate_up_packed(*separate)
     ctx = f"{T=} {H=} {I=} {E=} {topk=} {limit=}"
     first = None
-    for evict_first in (True, False):
-        monkeypatch.setattr(common, "EVICT_ACTIVATIONS_FIRST", evict_first)
-        for x_sorted in (False, True):
-            for weights, packed in ((separate, False), ((inp.w_gate, inp.w_up), True)):
-                cfg = {**gemm_config("gate_up", I, H), "X_SORTED": x_sorted, "PACKED": packed}
-                h, gate_up = gate_up_swiglu(inp.x, *weights, sched, topk, limit, True, tile_config=cfg)
-                outputs = (h[:num_rows], gate_up[:num_rows])
-                first = outputs if first is None else first
-                for name, got, want in zip(("h", "gate_up"), outputs, first):
-                    assert torch.equal(got, want), \
-                        f"{name}: {x_sorted=} {packed=} {evict_first=} differs from gathered, separate; {ctx}"
+    for x_sorted in (False, True):
+        for weights, packed in ((separate, False), ((inp.w_gate, inp.w_up), True)):
+            cfg = {**gemm_config("gate_up", I, H), "X_SORTED": x_sorted, "PACKED": packed}
+            h, gate_up = gate_up_swiglu(inp.x, *weights, sched, topk, limit, True, tile_config=cfg)
+            outputs = (h[:num_rows], gate_up[:num_rows])
+            first = outputs if first is None else first
+            for name, got, want in zip(("h", "gate_up"), outputs, first):
+                assert torch.equal(got, want), f"{name}: {x_sorted=} {packed=} differs from gathered, separate; {ctx}"
 
 
 @pytest.mark.parametrize("T, H, I, E, topk", [(37, 64, 48, 5, 2), (1, 32, 32, 4, 1)])
