@@ -1102,8 +1102,10 @@ def _wgrad_stores_by_tma(cfg: dict, split_m: int, m_dim: int, n_dim: int, fp8: b
     if not (FP8_WGRAD_TMA_STORE if fp8 else BF16_WGRAD_TMA_STORE) or not cfg.get("COOPERATIVE", False):
         return False
     box_rows = _wgrad_store_box(cfg, fp8)[0]
-    tiles = (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * (1 if fp8 else 2)  # A and B per stage
-    ring = cfg["num_stages"] * (tiles + (4 * cfg["BLOCK_N"] if fp8 else 0))  # fp8_block: B's column scales
+    stage = (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * (1 if fp8 else 2)  # bytes of A's and B's tiles
+    if fp8:
+        stage += 4 * cfg["BLOCK_N"]  # B's column scales, fp32
+    ring = cfg["num_stages"] * stage
     buffers = 2 * cfg["BLOCK_N"] * box_rows * 2  # bf16, both consumers' rows of the tile
     barriers = 1024
     return (split_m % box_rows == 0 and (m_dim - split_m) % box_rows == 0 and n_dim % 8 == 0

@@ -71,7 +71,8 @@ def _scatter_signature(a_block, b_block, dtype: torch.dtype, meta: dict, y_type:
 def _wgrad_signature(a_block, b_block, dtype: torch.dtype, meta: dict) -> dict:
     fp8 = dtype == torch.float8_e4m3fn  # B's column scales through TMA, [1, BLOCK_N] per step
     b_scale_desc = _descriptor_type((1, b_block[0]), torch.float32) if fp8 else _descriptor_type(b_block, dtype)
-    out_desc = _descriptor_type(ws._wgrad_store_box(meta, fp8)) if meta["TMA_STORE"] else _descriptor_type(b_block, dtype)
+    out_desc = (_descriptor_type(ws._wgrad_store_box(meta, fp8)) if meta["TMA_STORE"]
+                else _descriptor_type(b_block, dtype))
     return {
         "a_desc": _descriptor_type(a_block, dtype), "a2_desc": _descriptor_type(a_block, dtype),
         "b_desc": _descriptor_type(b_block, dtype), "b_scale_desc": b_scale_desc, "out_ptr": "*bf16",
