@@ -108,7 +108,7 @@ from mok.kernels.grouped_gemm import (
     sorted_rows_tile,
 )
 from mok.kernels.schedule import RoutingSchedule
-from mok.kernels.swiglu import swiglu_backward
+from mok.kernels.swiglu import fast_sigmoid_here, swiglu_backward
 
 # --------------------------------------------------------------------------- configs
 
@@ -277,7 +277,8 @@ def sorted_rows_times_weight(
 def _down_dgrad_epilogue(
     d_out_wd, w, row_valid, rows64, n0, gate_up_ptr, d_gate_up_ptr, weighted_h_ptr, inter, swiglu_limit,
     stride_gu_r, stride_dgu_r, stride_wh_r,
-    HAS_LIMIT: tl.constexpr, STORE_WEIGHTED_H: tl.constexpr, INTERPRETER: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, STORE_WEIGHTED_H: tl.constexpr, INTERPRETER: tl.constexpr, FAST_SIGMOID: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """The down dgrad's epilogue on columns [n0, n0 + BLOCK_N) of an M tile: d_g, d_u from
     w·a and the saved g, u, stored (exact zeros in padding rows), and w·h with STORE_WEIGHTED_H;
@@ -288,7 +289,7 @@ def _down_dgrad_epilogue(
     gu_ptrs = gate_up_ptr + rows64[:, None] * stride_gu_r + n_offs[None, :]
     gate = tl.load(gu_ptrs, mask=out_mask, other=0.0).to(tl.float32)
     up = tl.load(gu_ptrs + inter, mask=out_mask, other=0.0).to(tl.float32)
-    d_gate, d_up, h = swiglu_backward(w[:, None] * d_out_wd, gate, up, swiglu_limit, HAS_LIMIT)
+    d_gate, d_up, h = swiglu_backward(w[:, None] * d_out_wd, gate, up, swiglu_limit, HAS_LIMIT, FAST_SIGMOID)
     # Padding rows: exact zeros whatever the saved g, u hold there.
     valid = row_valid[:, None]
     dgu_ptrs = d_gate_up_ptr + rows64[:, None] * stride_dgu_r + n_offs[None, :]
@@ -320,8 +321,9 @@ def _down_dgrad_swiglu_kernel(
     stride_gu_r, stride_dgu_r, stride_d_out_t, stride_wh_r,
     # meta
     PRECISION: tl.constexpr, GATHER_D_OUT: tl.constexpr, PRODUCT_GIVEN: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
-    HAS_LIMIT: tl.constexpr, STORE_WEIGHTED_H: tl.constexpr, INTERPRETER: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PREFETCH_GATE_UP: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, STORE_WEIGHTED_H: tl.constexpr, INTERPRETER: tl.constexpr, FAST_SIGMOID: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PREFETCH_GATE_UP: tl.constexpr,
 ):
     num_n_tiles = tl.cdiv(inter, BLOCK_N)
     m_tile, n_tile = tile_coordinates(tl.program_id(0), max_m_tiles, num_n_tiles, GROUP_M)
@@ -376,7 +378,7 @@ def _down_dgrad_swiglu_kernel(
             partial += _down_dgrad_epilogue(
                 quarters[quarter], w, row_valid, rows64, n_tile * BLOCK_N + (2 * half + quarter) * (BLOCK_N // 4),
                 gate_up_ptr, d_gate_up_ptr, weighted_h_ptr, inter, swiglu_limit, stride_gu_r, stride_dgu_r,
-                stride_wh_r, HAS_LIMIT, STORE_WEIGHTED_H, INTERPRETER, BLOCK_N // 4,
+                stride_wh_r, HAS_LIMIT, STORE_WEIGHTED_H, INTERPRETER, FAST_SIGMOID, BLOCK_N // 4,
             )
     if HAS_WEIGHTS:
         tl.store(route_partials_ptr + slot.to(tl.int64) * num_n_tiles + n_tile, partial, mask=row_valid)
@@ -550,7 +552,7 @@ def _launch_down_dgrad_swiglu(
         gate_up.stride(0), d_gate_up.stride(0), d_out.stride(0), 0 if weighted_h is None else weighted_h.stride(0),
         PRECISION=precision, GATHER_D_OUT=gathered, PRODUCT_GIVEN=product_given, HAS_WEIGHTS=weighted,
         HAS_LIMIT=swiglu_limit is not None, STORE_WEIGHTED_H=weighted_h is not None,
-        INTERPRETER=interpreting(), **{"PREFETCH_GATE_UP": False, **cfg},
+        INTERPRETER=interpreting(), FAST_SIGMOID=fast_sigmoid_here(), **{"PREFETCH_GATE_UP": False, **cfg},
     )
     if not weighted:
         return d_gate_up, None

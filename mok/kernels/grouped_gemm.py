@@ -79,7 +79,7 @@ from mok.kernels.common import (
 from mok.kernels.gather import gather_sorted_rows
 from mok.kernels.quant_fp8_block import quantize_row_blocks
 from mok.kernels.schedule import RoutingSchedule
-from mok.kernels.swiglu import swiglu_forward
+from mok.kernels.swiglu import fast_sigmoid_here, swiglu_forward
 
 _SCALE_BLOCK = tl.constexpr(FP8_BLOCK)  # kernels read only constexpr globals
 
@@ -170,8 +170,8 @@ def _gate_up_swiglu_kernel(
     stride_x_t, stride_h_r, stride_gu_r,
     # meta
     PRECISION: tl.constexpr, HAS_LIMIT: tl.constexpr, STORE_GATE_UP: tl.constexpr, INTERPRETER: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    X_SORTED: tl.constexpr, PACKED: tl.constexpr,
+    FAST_SIGMOID: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, X_SORTED: tl.constexpr, PACKED: tl.constexpr,
 ):
     m_tile, n_tile = tile_coordinates(tl.program_id(0), max_m_tiles, tl.cdiv(inter, BLOCK_N), GROUP_M)
     if m_tile * BLOCK_M >= tl.load(num_rows_ptr):
@@ -189,7 +189,7 @@ def _gate_up_swiglu_kernel(
     )
     out_mask = n_offs[None, :] < inter
     rows64 = rows.to(tl.int64)[:, None]
-    h = swiglu_forward(gate, up, swiglu_limit, HAS_LIMIT)
+    h = swiglu_forward(gate, up, swiglu_limit, HAS_LIMIT, FAST_SIGMOID)
     if PRECISION == "fp8_block":  # BLOCK_N == 128: each tile row is one 1×128 block of h
         h_q, h_scale = quantize_row_blocks(h, INTERPRETER)  # [BLOCK_M, 128] uint8, [BLOCK_M, 1] fp32
         tl.store(h_ptr + rows64 * stride_h_r + n_offs[None, :], h_q, mask=out_mask)
@@ -595,7 +595,7 @@ def _launch_gate_up_swiglu(
         hidden, inter, topk, schedule.max_tiles, 0.0 if swiglu_limit is None else float(swiglu_limit),
         x.stride(0), h.stride(0), 2 * inter,
         PRECISION=precision, HAS_LIMIT=swiglu_limit is not None, STORE_GATE_UP=gate_up is not None,
-        INTERPRETER=interpreting(), X_SORTED=x_sorted, PACKED=packed, **cfg,
+        INTERPRETER=interpreting(), FAST_SIGMOID=fast_sigmoid_here(), X_SORTED=x_sorted, PACKED=packed, **cfg,
     )
 
 

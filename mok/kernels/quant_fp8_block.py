@@ -88,7 +88,7 @@ from mok.fp8_block import FP8_BLOCK
 from mok.kernels.common import interpreting, round_to_bf16
 from mok.kernels.gather import gather_sorted_rows, sorted_row_routes
 from mok.kernels.schedule import RoutingSchedule
-from mok.kernels.swiglu import swiglu_forward
+from mok.kernels.swiglu import fast_sigmoid_here, swiglu_forward
 from mok.mxfp8 import check_float_input
 
 __all__ = [
@@ -322,7 +322,7 @@ def _row_sources(rows, in_expert, num_a_rows, row_source_ptr, topk_weights_ptr, 
 @triton.jit
 def _load_sorted_tile(a_ptr, sources, valid, weight, cols, col_ok, width, swiglu_limit, stride_a_r,
                       SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
-                      INTERPRETER: tl.constexpr):
+                      FAST_SIGMOID: tl.constexpr, INTERPRETER: tl.constexpr):
     """The fp32 operand tile [rows, cols] of `_quantize_sorted_t_kernel` from `_row_sources`' rows
     of a, in the layout of `sources[:, None] + cols[None, :]`; zeros where a row or column is
     not read."""
@@ -334,7 +334,7 @@ def _load_sorted_tile(a_ptr, sources, valid, weight, cols, col_ok, width, swiglu
     a = _to_fp32(a, INTERPRETER)
     if SWIGLU:  # h = swiglu(g, u) from the forward's pre-activations; masked entries give h = 0
         up = _to_fp32(tl.load(ptrs + width, mask=mask, other=0.0), INTERPRETER)
-        a = swiglu_forward(a, up, swiglu_limit, HAS_LIMIT)
+        a = swiglu_forward(a, up, swiglu_limit, HAS_LIMIT, FAST_SIGMOID)
     return a
 
 
@@ -370,7 +370,7 @@ def _quantize_sorted_t_kernel(
     stride_a_r,
     # meta
     SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, GATHER: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
-    INTERPRETER: tl.constexpr,
+    FAST_SIGMOID: tl.constexpr, INTERPRETER: tl.constexpr,
     TILE_M: tl.constexpr,  # the schedule's block_m (tile_expert has one entry per TILE_M rows)
     SCALE_ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,  # S, 128, columns per program
 ):
@@ -386,7 +386,7 @@ def _quantize_sorted_t_kernel(
     sources, valid, weight = _row_sources(rows, in_expert, num_a_rows, row_source_ptr, topk_weights_ptr, topk, GATHER,
                                           HAS_WEIGHTS)
     a = _load_sorted_tile(a_ptr, sources, valid, weight, cols, col_ok, width, swiglu_limit, stride_a_r, SWIGLU,
-                          HAS_LIMIT, HAS_WEIGHTS, INTERPRETER)  # [BLOCK_R, BLOCK_W] fp32
+                          HAS_LIMIT, HAS_WEIGHTS, FAST_SIGMOID, INTERPRETER)  # [BLOCK_R, BLOCK_W] fp32
     # Each row of the transposed tile is one column block: the activations' rule applies as is.
     q, scale = quantize_row_blocks(tl.trans(a), INTERPRETER)  # [BLOCK_W, BLOCK_R] uint8, [BLOCK_W, 1] fp32
     _store_sorted_t(q_t_ptr, scale_t_ptr, q, rows, in_expert, cols, col_ok, tl.reshape(scale, (BLOCK_W,)), cols, row0,
@@ -427,7 +427,7 @@ def _quantize_sorted_t_gluon_kernel(
     num_a_rows, width, capacity_rows, swiglu_limit, topk,
     stride_a_r,
     SWIGLU: gl.constexpr, HAS_LIMIT: gl.constexpr, GATHER: gl.constexpr, HAS_WEIGHTS: gl.constexpr,
-    TILE_M: gl.constexpr, ROWS_PER_THREAD: gl.constexpr,
+    FAST_SIGMOID: gl.constexpr, TILE_M: gl.constexpr, ROWS_PER_THREAD: gl.constexpr,
 ):
     """`_quantize_sorted_t_kernel` on the GPU with the layouts of `_sorted_t_layouts`: the same
     device functions, so the same bytes, without the shared-memory round trip that Triton's own
@@ -451,7 +451,7 @@ def _quantize_sorted_t_gluon_kernel(
     a = _load_sorted_tile(a_ptr, gl.convert_layout(sources, gl.SliceLayout(1, LOAD)),
                           gl.convert_layout(valid, gl.SliceLayout(1, LOAD)),
                           gl.convert_layout(weight, gl.SliceLayout(1, LOAD)), cols, cols < width, width, swiglu_limit,
-                          stride_a_r, SWIGLU, HAS_LIMIT, HAS_WEIGHTS, False)  # [128, BLOCK_W] fp32
+                          stride_a_r, SWIGLU, HAS_LIMIT, HAS_WEIGHTS, FAST_SIGMOID, False)  # [128, BLOCK_W] fp32
     a_t = gl.convert_layout(gl.permute(a, (1, 0)), STORE, assert_trivial=True)  # [BLOCK_W, 128]
     amax_bits = gl.max(a_t.to(gl.int32, bitcast=True) & _FP32_ABS_MASK, axis=1)  # [BLOCK_W] int32
     scale_cols = col0 + gl.arange(0, BLOCK_W, layout=SPREAD)
@@ -624,7 +624,7 @@ def _launch_quantize_sorted_t(
         a.stride(0),
     )
     flags = dict(SWIGLU=swiglu, HAS_LIMIT=swiglu_limit is not None, GATHER=gathered_topk is not None,
-                 HAS_WEIGHTS=topk_weights is not None, TILE_M=schedule.block_m)
+                 HAS_WEIGHTS=topk_weights is not None, FAST_SIGMOID=fast_sigmoid_here(), TILE_M=schedule.block_m)
     if _SORTED_GLUON and device.type == "cuda" and not interpreting() and scale_rows == FP8_BLOCK:
         rows_per_thread, num_warps = _SORTED_GLUON_ROWS_PER_THREAD, _SORTED_GLUON_NUM_WARPS
         grid = (rows // FP8_BLOCK, triton.cdiv(width, _sorted_t_gluon_block_w(rows_per_thread, num_warps)))

@@ -96,7 +96,7 @@ from mok.kernels.common import (
 from mok.kernels.gather import sorted_row_routes
 from mok.kernels.quant_fp8_block import quantize_row_blocks
 from mok.kernels.schedule import RoutingSchedule
-from mok.kernels.swiglu import swiglu_forward
+from mok.kernels.swiglu import fast_sigmoid_here, swiglu_forward
 
 # Ping-pong: one consumer's tile. A 128×128 fp32 accumulator is 128 registers per thread of
 # its warp group; 128×256 spilled (ptxas, sm_90a: 3.7 KB per thread). Six stages of 128×64 A
@@ -626,7 +626,8 @@ def _copy_gathered_rows(x_ptr, row_offsets, rows_valid, k0, buf, BLOCK_K: gl.con
 def _gathered_producer(x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, empty, h_ptr, h_scale_ptr, gate_up_ptr,
                        x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr, row_source_ptr, tile_expert_ptr, num_rows_ptr,
                        topk, hidden, inter, swiglu_limit, CONSUMER: gl.constexpr, HAS_LIMIT: gl.constexpr,
-                       STORE_GATE_UP: gl.constexpr, PRODUCT: gl.constexpr, BLOCK_M: gl.constexpr,
+                       FAST_SIGMOID: gl.constexpr, STORE_GATE_UP: gl.constexpr, PRODUCT: gl.constexpr,
+                       BLOCK_M: gl.constexpr,
                        BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
     """Each step: the two A halves gathered from x's token rows (every producer thread's
     cp.async copies arrive on the slot's `ready` once landed), the gate and up tiles by TMA
@@ -662,7 +663,8 @@ def _gathered_producer(x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, emp
 def _gathered_consumer(x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, empty, h_ptr, h_scale_ptr, gate_up_ptr,
                        x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr, row_source_ptr, tile_expert_ptr, num_rows_ptr,
                        topk, hidden, inter, swiglu_limit, CONSUMER: gl.constexpr, HAS_LIMIT: gl.constexpr,
-                       STORE_GATE_UP: gl.constexpr, PRODUCT: gl.constexpr, BLOCK_M: gl.constexpr,
+                       FAST_SIGMOID: gl.constexpr, STORE_GATE_UP: gl.constexpr, PRODUCT: gl.constexpr,
+                       BLOCK_M: gl.constexpr,
                        BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
     HALF_N: gl.constexpr = w_gate_desc.block_type.shape[0]
     HALVES: gl.constexpr = 2 if PRODUCT else 1  # the weight's 128-column blocks per tile
@@ -694,13 +696,13 @@ def _gathered_consumer(x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, emp
             _scatter_store(up, h_ptr, row_source_ptr, first_row, n0 + HALF_N, num_rows, inter, inter, False)
         else:
             _gate_up_epilogue(gate, up, h_ptr, h_scale_ptr, gate_up_ptr, first_row, n_tile, inter, swiglu_limit,
-                              HAS_LIMIT, STORE_GATE_UP)
+                              HAS_LIMIT, FAST_SIGMOID, STORE_GATE_UP)
         tile_count += 1
 
 
 @gluon.jit
 def _gate_up_epilogue(gate, up, h_ptr, h_scale_ptr, gate_up_ptr, first_row, n_tile, inter, swiglu_limit,
-                      HAS_LIMIT: gl.constexpr, STORE_GATE_UP: gl.constexpr):
+                      HAS_LIMIT: gl.constexpr, FAST_SIGMOID: gl.constexpr, STORE_GATE_UP: gl.constexpr):
     """`grouped_gemm._gate_up_swiglu_kernel`'s fp8_block epilogue on the consumer's rows from
     first_row and columns [n0, n0 + 128), n0 = n_tile · 128: h = SwiGLU(g, u) quantized as one
     1×128 block per row (h_q [rows, I] e4m3 bytes, h_scale [rows, I/128]), and with
@@ -709,7 +711,7 @@ def _gate_up_epilogue(gate, up, h_ptr, h_scale_ptr, gate_up_ptr, first_row, n_ti
     16-byte runs (`_store_rows`): 20 stores per thread instead of 96 of 2 and 4 bytes."""
     ROWS: gl.constexpr = gate.shape[0]
     COLUMNS: gl.constexpr = gate.shape[1]
-    h = swiglu_forward(gate, up, swiglu_limit, HAS_LIMIT)
+    h = swiglu_forward(gate, up, swiglu_limit, HAS_LIMIT, FAST_SIGMOID)
     h_q, h_scale = quantize_row_blocks(h, False)  # [rows, 128] uint8, [rows, 1] fp32
     scale_rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, gate.type.layout))
     # one scale per row: reduced over the tile's single column, not stored once per held column
@@ -748,8 +750,8 @@ def _gathered_ws_kernel(
     # sizes
     topk, hidden, inter, swiglu_limit,
     # meta
-    HAS_LIMIT: gl.constexpr, STORE_GATE_UP: gl.constexpr, PRODUCT: gl.constexpr, BLOCK_M: gl.constexpr,
-    BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+    HAS_LIMIT: gl.constexpr, FAST_SIGMOID: gl.constexpr, STORE_GATE_UP: gl.constexpr, PRODUCT: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
 ):
     """h = SwiGLU(x·Wgᵀ, x·Wuᵀ) of each sorted row, cooperative: a tile is 128 rows × 128
     columns of h, its A tiles gathered from x's token rows by the producer warp group, its B
@@ -766,15 +768,15 @@ def _gathered_ws_kernel(
         (_gathered_consumer, (x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, empty, h_ptr, h_scale_ptr,
                               gate_up_ptr, x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr, row_source_ptr,
                               tile_expert_ptr, num_rows_ptr, topk, hidden, inter, swiglu_limit, 0, HAS_LIMIT,
-                              STORE_GATE_UP, PRODUCT, BLOCK_M, BLOCK_K, GROUP_M, STAGES)),
+                              FAST_SIGMOID, STORE_GATE_UP, PRODUCT, BLOCK_M, BLOCK_K, GROUP_M, STAGES)),
         (_gathered_consumer, (x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, empty, h_ptr, h_scale_ptr,
                               gate_up_ptr, x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr, row_source_ptr,
                               tile_expert_ptr, num_rows_ptr, topk, hidden, inter, swiglu_limit, 1, HAS_LIMIT,
-                              STORE_GATE_UP, PRODUCT, BLOCK_M, BLOCK_K, GROUP_M, STAGES)),
+                              FAST_SIGMOID, STORE_GATE_UP, PRODUCT, BLOCK_M, BLOCK_K, GROUP_M, STAGES)),
         (_gathered_producer, (x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, empty, h_ptr, h_scale_ptr,
                               gate_up_ptr, x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr, row_source_ptr,
                               tile_expert_ptr, num_rows_ptr, topk, hidden, inter, swiglu_limit, 0, HAS_LIMIT,
-                              STORE_GATE_UP, PRODUCT, BLOCK_M, BLOCK_K, GROUP_M, STAGES)),
+                              FAST_SIGMOID, STORE_GATE_UP, PRODUCT, BLOCK_M, BLOCK_K, GROUP_M, STAGES)),
     ], [4, _GATHER_THREADS // 32], [_CONSUMER_REGISTERS, _PRODUCER_REGISTERS])
 
 
@@ -1083,7 +1085,8 @@ def _launch_gathered(x_q, x_scale, w_gate: tuple[torch.Tensor, torch.Tensor], w_
         x_scale, w_gate[1], w_up[1],
         schedule.row_source, schedule.tile_expert, schedule.num_rows,
         topk, hidden, inter, 0.0 if swiglu_limit is None else float(swiglu_limit),
-        swiglu_limit is not None, gate_up is not None, product, cfg["BLOCK_M"], cfg["BLOCK_K"], cfg.get("GROUP_M", 1),
+        swiglu_limit is not None, fast_sigmoid_here(), gate_up is not None, product, cfg["BLOCK_M"], cfg["BLOCK_K"],
+        cfg.get("GROUP_M", 1),
         cfg["num_stages"], num_warps=4,
     )
 

@@ -153,8 +153,8 @@ def test_fp8_block_gate_up_compiles_for_sm90a_without_spills(product):
     dgrad's product over dOut's gathered token rows (both accumulators stored in fp32, without
     the h epilogue): no more than 8 bytes."""
     cfg = ws.fp8_block_tile_config()
-    meta = dict(HAS_LIMIT=not product, STORE_GATE_UP=not product, PRODUCT=product, BLOCK_M=cfg["BLOCK_M"],
-                BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], STAGES=cfg["num_stages"])
+    meta = dict(HAS_LIMIT=not product, FAST_SIGMOID=True, STORE_GATE_UP=not product, PRODUCT=product,
+                BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], STAGES=cfg["num_stages"])
     fp8, half = torch.float8_e4m3fn, (cfg["BLOCK_N"] // 2, cfg["BLOCK_K"])
     signature = {
         "x_ptr": "*u8", "w_gate_desc": _descriptor_type(half, fp8), "w_up_desc": _descriptor_type(half, fp8),
