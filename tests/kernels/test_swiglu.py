@@ -68,7 +68,9 @@ def test_swiglu_matches_float64(kernel_device, limit):
                                        ("d_gate", d_gate, d_gate_ref, gate_scale)):
             excess = (got.double() - want).abs() - 2.0**-17 * scale
             worst = int(excess.argmax())
-            assert excess.max() <= 0, f"{name} at g={gate[worst].item()}: {got[worst].item()} vs {want[worst].item()} {ctx}"
+            assert excess.max() <= 0, (
+                f"{name} at g={gate[worst].item()}: {got[worst].item()} vs {want[worst].item()} {ctx}"
+            )
 
 
 def test_swiglu_special_values(kernel_device):
@@ -87,4 +89,6 @@ def test_swiglu_special_values(kernel_device):
         assert h[2].isnan(), f"g = -inf gives h {h[2]}, torch's silu NaN {ctx}"
         tail = h[3:6].double()  # g = -100, -88, -87.5: zero, or torch's number
         assert ((tail == 0) | ((tail - want[3:6]).abs() <= 1e-3 * want[3:6].abs())).all(), f"{tail} {ctx}"
-        assert torch.allclose(h[6:].double(), want[6:], rtol=2.0**-20, atol=2.0**-148), f"g = 100, 0, ±1e-40 {ctx}: {h[6:]}"
+        assert torch.allclose(h[6:].double(), want[6:], rtol=2.0**-20, atol=2.0**-148), (
+            f"g = 100, 0, ±1e-40 {ctx}: {h[6:]}"
+        )
