@@ -627,8 +627,7 @@ def _gathered_producer(x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, emp
                        x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr, row_source_ptr, tile_expert_ptr, num_rows_ptr,
                        topk, hidden, inter, swiglu_limit, CONSUMER: gl.constexpr, HAS_LIMIT: gl.constexpr,
                        FAST_SIGMOID: gl.constexpr, STORE_GATE_UP: gl.constexpr, PRODUCT: gl.constexpr,
-                       BLOCK_M: gl.constexpr,
-                       BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+                       BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
     """Each step: the two A halves gathered from x's token rows (every producer thread's
     cp.async copies arrive on the slot's `ready` once landed), the gate and up tiles by TMA
     (PRODUCT: w_downᵀ's tiles of the tile's two column halves)."""
@@ -664,8 +663,7 @@ def _gathered_consumer(x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, emp
                        x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr, row_source_ptr, tile_expert_ptr, num_rows_ptr,
                        topk, hidden, inter, swiglu_limit, CONSUMER: gl.constexpr, HAS_LIMIT: gl.constexpr,
                        FAST_SIGMOID: gl.constexpr, STORE_GATE_UP: gl.constexpr, PRODUCT: gl.constexpr,
-                       BLOCK_M: gl.constexpr,
-                       BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+                       BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
     HALF_N: gl.constexpr = w_gate_desc.block_type.shape[0]
     HALVES: gl.constexpr = 2 if PRODUCT else 1  # the weight's 128-column blocks per tile
     ROWS: gl.constexpr = BLOCK_M // 2
@@ -1086,8 +1084,7 @@ def _launch_gathered(x_q, x_scale, w_gate: tuple[torch.Tensor, torch.Tensor], w_
         schedule.row_source, schedule.tile_expert, schedule.num_rows,
         topk, hidden, inter, 0.0 if swiglu_limit is None else float(swiglu_limit),
         swiglu_limit is not None, fast_sigmoid_here(), gate_up is not None, product, cfg["BLOCK_M"], cfg["BLOCK_K"],
-        cfg.get("GROUP_M", 1),
-        cfg["num_stages"], num_warps=4,
+        cfg.get("GROUP_M", 1), cfg["num_stages"], num_warps=4,
     )
 
 
