@@ -84,6 +84,15 @@ def pack_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> tuple[torch.Tensor
     return torch.stack((w_gate, w_up)).unbind(0)  # halves of one [2, E_l, I, H]
 
 
+# fp8_block: the forward keeps its e4m3 copies of x and h (1×128 blocks along H and I) beside
+# g, u, and the backward requantizes them down the sorted rows for the weight gradients (and
+# w·dOut from dOut's per-token copy), instead of quantizing x's and dOut's bf16 token rows and
+# recomputing h from g, u: DeepSeek-V3's recipe for the activations it caches in FP8. The
+# transposing quantizers then read e4m3 rows (x's and dOut's token rows fit in L2) instead of
+# bf16 ones; the wgrads' x, w·dOut and h are quantized twice. Untuned numbers in BENCHMARKS.
+FP8_BLOCK_WGRADS_REQUANTIZE = True
+
+
 class MoKError(RuntimeError):
     """A condition found on the device (capacity overflow, bad expert ids, a peer that never came)."""
 
@@ -464,8 +473,10 @@ def _expert_mlp(x, w_gate, w_up, w_down, routing, block_m, topk, num_slots, swig
     without `needs_backward`): the pre-activations g, u and h of every sorted row.
 
     With `_Fp8BlockWeight`s the GEMMs run in fp8_block: x quantized in 1×128 blocks along H,
-    h quantized by the gate/up epilogue for the down GEMM. The backward then gets g, u only
-    (it quantizes h along the rows, from g, u, for the down wgrad).
+    h quantized by the gate/up epilogue for the down GEMM. The backward then gets g, u, and
+    with `FP8_BLOCK_WGRADS_REQUANTIZE` these e4m3 copies of x and h and their scales too (for
+    the wgrads, which requantize them down the rows); without it, it quantizes h down the rows
+    from g, u, and x from its bf16 rows.
 
     With `_Mxfp8Weight`s the bf16 GEMMs read operands rounded to the MXFP8 grid (exact in bf16,
     `quant.mxfp8_round`): x and h in blocks of 32 along H and I, the weights' `rows` copies.
@@ -477,7 +488,11 @@ def _expert_mlp(x, w_gate, w_up, w_down, routing, block_m, topk, num_slots, swig
             needs_backward,
         )
         y = ops.down_scatter_fp8_block(h_q, h_scale, w_down.q, w_down.scale, routing, block_m, num_slots)
-        return y, ({"gate_up": gate_up} if needs_backward else {})
+        if not needs_backward:
+            return y, {}
+        if not FP8_BLOCK_WGRADS_REQUANTIZE:
+            return y, {"gate_up": gate_up}
+        return y, {"gate_up": gate_up, "x_q": x_q, "x_scale": x_scale, "h_q": h_q, "h_scale": h_scale}
     mxfp8 = isinstance(w_gate, _Mxfp8Weight)
     if mxfp8:
         x = ops.mxfp8_round(x)[0]  # [T, H] on the grid along H
@@ -718,11 +733,15 @@ def _fp8_block_backward_routed(d_out, x, topk_weights, weights, main_grads, save
     stays bf16). x and dOut are never copied in bf16: their sorted rows are gathered by the
     quantizers themselves (dOut's in 1×128 blocks along H for the down dgrad, or, where the
     down dgrad gathers them itself, quantized per token), x's and w·dOut's in blocks along the
-    rows for the wgrads, each bitwise what quantizing `gather_sorted_rows`' copies gives."""
+    rows for the wgrads, each bitwise what quantizing `gather_sorted_rows`' copies gives; or,
+    where the forward saved e4m3 copies of x and h (`FP8_BLOCK_WGRADS_REQUANTIZE`), x, h and
+    w·dOut (from dOut's per-token copy, where the down dgrad gathers it) requantized down the
+    rows from their 1×128 blocks along H and I."""
     w_gate, w_up, w_down = weights
     main_gate, main_up, main_down = main_grads
     rows_in_use = routing[4]  # [1] int32: the schedule's num_rows; the quantizers skip the rest
-    if fp8_block_down_dgrad_gathers(d_out.shape[1]):  # [T, H] e4m3, [T, H/128] fp32: the down dgrad gathers
+    per_token_d_out = fp8_block_down_dgrad_gathers(d_out.shape[1])
+    if per_token_d_out:  # [T, H] e4m3, [T, H/128] fp32: the down dgrad gathers
         d_out_pair = ops.quantize_fp8_block_activations(d_out)
     else:  # [rows, H] e4m3, [rows, H/128] fp32
         d_out_pair = ops.quantize_fp8_block_gathered(d_out, routing, block_m, topk)
@@ -730,7 +749,16 @@ def _fp8_block_backward_routed(d_out, x, topk_weights, weights, main_grads, save
     d_gate_up, d_topk_weights = ops.down_dgrad_swiglu_fp8_block(
         *d_out_pair, topk_weights, gate_up, w_down.q_t, w_down.scale_t, routing, block_m, swiglu_limit
     )
+    # The wgrads' operands down the rows: with the forward's e4m3 copies, x and h requantized from them and w·dOut
+    # from dOut's per-token copy (where the down dgrad read one); else x and w·dOut from their bf16 token rows and
+    # h recomputed from g, u. Pairs of (e4m3 rows [T or rows, W], their scales [·, W/128]), or (bf16 rows, None).
+    requantize = "x_q" in saved
+    x_pair = (saved.pop("x_q"), saved.pop("x_scale")) if requantize else (x, None)
+    dy_pair = d_out_pair if requantize and per_token_d_out else (d_out, None)
     del d_out_pair
+    if requantize:
+        h_t = ops.quantize_fp8_block_sorted_t(saved.pop("h_q"), routing, block_m, saved.pop("h_scale"))  # [I, rows]
+        del gate_up
     d_gate_pair, d_up_pair = (ops.quantize_fp8_block_activations(d_gate_up[:, j], rows_in_use) for j in (0, 1))
     dx_slots = ops.gate_up_dgrad_scatter_fp8_block(
         *d_gate_pair, *d_up_pair, w_gate.q_t, w_gate.scale_t, w_up.q_t, w_up.scale_t, routing, block_m, num_slots
@@ -739,15 +767,18 @@ def _fp8_block_backward_routed(d_out, x, topk_weights, weights, main_grads, save
     # Each wgrad's operands are quantized right before it runs: [W, rows] e4m3 and [rows / S, W] fp32 each.
     d_gate_up_t = ops.quantize_fp8_block_sorted_t(d_gate_up.flatten(1), routing, block_m)  # d_gᵀ, d_uᵀ: [2·I, rows]
     del d_gate_up
-    x_t = ops.quantize_fp8_block_gathered_t(x, None, routing, block_m, topk)  # [H, rows]
+    x_t = ops.quantize_fp8_block_gathered_t(x_pair[0], None, routing, block_m, topk, x_pair[1])  # [H, rows]
+    del x_pair
     d_w_gate, d_w_up = _weight_grads(
         ops.gate_up_wgrad, ops.gate_up_wgrad_accumulate, (d_gate_up_t[0], x_t[0]), (main_gate, main_up), routing,
         block_m, scales=(d_gate_up_t[1], x_t[1]),
     )
     del d_gate_up_t, x_t
-    dy_t = ops.quantize_fp8_block_gathered_t(d_out, topk_weights, routing, block_m, topk)  # [H, rows]
-    h_t = ops.quantize_fp8_block_swiglu_sorted_t(gate_up, routing, block_m, swiglu_limit)  # [I, rows]
-    del gate_up
+    dy_t = ops.quantize_fp8_block_gathered_t(dy_pair[0], topk_weights, routing, block_m, topk, dy_pair[1])
+    del dy_pair
+    if not requantize:
+        h_t = ops.quantize_fp8_block_swiglu_sorted_t(gate_up, routing, block_m, swiglu_limit)  # [I, rows]
+        del gate_up
     d_w_down = _weight_grads(
         ops.down_wgrad, ops.down_wgrad_accumulate, (dy_t[0], h_t[0]), (main_down,), routing, block_m,
         scales=(dy_t[1], h_t[1]),

@@ -516,15 +516,17 @@ def _(w):
 
 @_custom_op("quantize_fp8_block_sorted_t", ())
 def quantize_fp8_block_sorted_t(
-    a: torch.Tensor, schedule_tensors: list[torch.Tensor], block_m: int
+    a: torch.Tensor, schedule_tensors: list[torch.Tensor], block_m: int, a_scale: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q_t [W, rows] e4m3, scale_t [rows / S, W] fp32): a sorted-layout [R, W] operand in 1×128
-    blocks along its rows, per expert, transposed (`quant_fp8_block.quantize_fp8_block_sorted_t`)."""
-    return quant_fp8_block.quantize_fp8_block_sorted_t(a, routing_from_tensors(schedule_tensors, block_m))
+    blocks along its rows, per expert, transposed (`quant_fp8_block.quantize_fp8_block_sorted_t`);
+    with `a_scale`, a is e4m3 in 1×128 blocks along W, dequantized first."""
+    routing = routing_from_tensors(schedule_tensors, block_m)
+    return quant_fp8_block.quantize_fp8_block_sorted_t(a, routing, a_scale)
 
 
 @quantize_fp8_block_sorted_t.op.register_fake
-def _(a, schedule_tensors, block_m):
+def _(a, schedule_tensors, block_m, a_scale=None):
     return _fake_sorted_t(a, schedule_tensors[0].shape[0], a.shape[1], block_m)
 
 
@@ -545,17 +547,19 @@ def _(x, schedule_tensors, block_m, topk):
 
 @_custom_op("quantize_fp8_block_gathered_t", ())
 def quantize_fp8_block_gathered_t(
-    a: torch.Tensor, topk_weights: torch.Tensor | None, schedule_tensors: list[torch.Tensor], block_m: int, topk: int
+    a: torch.Tensor, topk_weights: torch.Tensor | None, schedule_tensors: list[torch.Tensor], block_m: int, topk: int,
+    a_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q_t [W, rows] e4m3, scale_t [rows / S, W] fp32): token rows a [T, W] (times the router
     weights, when given) gathered into the sorted layout and quantized as
-    `quantize_fp8_block_sorted_t`, without a bf16 copy (`quant_fp8_block.quantize_fp8_block_gathered_t`)."""
+    `quantize_fp8_block_sorted_t`, without a bf16 copy (`quant_fp8_block.quantize_fp8_block_gathered_t`);
+    with `a_scale`, a is e4m3 in 1×128 blocks along W, dequantized first."""
     routing = routing_from_tensors(schedule_tensors, block_m)
-    return quant_fp8_block.quantize_fp8_block_gathered_t(a, routing, topk, topk_weights)
+    return quant_fp8_block.quantize_fp8_block_gathered_t(a, routing, topk, topk_weights, a_scale)
 
 
 @quantize_fp8_block_gathered_t.op.register_fake
-def _(a, topk_weights, schedule_tensors, block_m, topk):
+def _(a, topk_weights, schedule_tensors, block_m, topk, a_scale=None):
     return _fake_sorted_t(a, schedule_tensors[0].shape[0], a.shape[1], block_m)
 
 

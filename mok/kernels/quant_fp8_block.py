@@ -183,6 +183,25 @@ def _to_fp32(x, INTERPRETER: tl.constexpr):
 
 
 @triton.jit
+def _e4m3_to_fp32(byte, INTERPRETER: tl.constexpr):
+    """E4M3 bytes (uint8) -> fp32, exactly; the NaN byte 0x7F (either sign) gives NaN. The GPU
+    converts in hardware. The interpreter of triton 3.6 reads the NaN byte as 480 and cannot be
+    trusted with fp8 conversions (above), so under it the value is built from the bits: a normal
+    byte's exponent rebiased 7 -> 127, a subnormal's 3-bit mantissa times 2^-9."""
+    if INTERPRETER:
+        bits = byte.to(tl.uint32)
+        exponent = (bits >> 3) & 0xF
+        mantissa = bits & 0x7
+        sign = (bits & 0x80) << 24
+        normal = (sign | ((exponent + (127 - 7)) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
+        subnormal = ((mantissa.to(tl.float32) * 0.001953125).to(tl.uint32, bitcast=True) | sign).to(tl.float32,
+                                                                                                    bitcast=True)
+        value = tl.where(exponent == 0, subnormal, normal)
+        return tl.where((bits & 0x7F) == 0x7F, float("nan"), value)
+    return byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def _block_scales(amax_bits):
     """(scale, its reciprocal) of blocks with these int32 |x|-bit amaxes; NaN for a NaN/Inf
     block, so that each of its elements times the reciprocal is NaN too."""
@@ -305,32 +324,39 @@ def _sorted_block(tile_expert_ptr, expert_offsets_ptr, num_rows_ptr,
 
 
 @triton.jit
-def _row_sources(rows, in_expert, num_a_rows, row_source_ptr, topk_weights_ptr, topk,
-                 GATHER: tl.constexpr, HAS_WEIGHTS: tl.constexpr):
-    """(row of a, whether it is read, router weight) of each sorted row in `rows`: the row
-    itself, or with GATHER the token row of gather.py's copy (none for padding) and, with
-    HAS_WEIGHTS, its route's weight (else the weight is not meant to be read)."""
+def _row_sources(rows, in_expert, num_a_rows, row_source_ptr, topk_weights_ptr, a_scale_ptr, scale_column,
+                 stride_a_scale_r, topk, GATHER: tl.constexpr, HAS_WEIGHTS: tl.constexpr, SCALED: tl.constexpr):
+    """(row of a, whether it is read, its factor) of each sorted row in `rows`: the row itself,
+    or with GATHER the token row of gather.py's copy (none for padding). The factor: with
+    HAS_WEIGHTS the route's router weight, with SCALED (a holds e4m3 quantized along its rows)
+    the row's scale of the 128-column block `scale_column`, with both their product w · s; with
+    neither it is not meant to be read."""
     sources, valid = rows, in_expert & (rows < num_a_rows)
-    weight = valid.to(tl.float32)
+    factor = valid.to(tl.float32)
     if GATHER:
         slot, sources, valid = sorted_row_routes(rows, in_expert, row_source_ptr, topk)
         if HAS_WEIGHTS:
-            weight = tl.load(topk_weights_ptr + slot, mask=valid, other=0.0)
-    return sources, valid, weight
+            factor = tl.load(topk_weights_ptr + slot, mask=valid, other=0.0)
+    if SCALED:
+        scale = tl.load(a_scale_ptr + sources.to(tl.int64) * stride_a_scale_r + scale_column, mask=valid, other=0.0)
+        factor = factor * scale if HAS_WEIGHTS else scale
+    return sources, valid, factor
 
 
 @triton.jit
-def _load_sorted_tile(a_ptr, sources, valid, weight, cols, col_ok, width, swiglu_limit, stride_a_r,
-                      SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+def _load_sorted_tile(a_ptr, sources, valid, factor, cols, col_ok, width, swiglu_limit, stride_a_r,
+                      SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_WEIGHTS: tl.constexpr, SCALED: tl.constexpr,
                       FAST_SIGMOID: tl.constexpr, INTERPRETER: tl.constexpr):
     """The fp32 operand tile [rows, cols] of `_quantize_sorted_t_kernel` from `_row_sources`' rows
     of a, in the layout of `sources[:, None] + cols[None, :]`; zeros where a row or column is
-    not read."""
+    not read. SCALED: e4m3 bytes times their row's factor (scale, or w · scale)."""
     mask = valid[:, None] & col_ok[None, :]
     ptrs = a_ptr + sources.to(tl.int64)[:, None] * stride_a_r + cols[None, :]
+    if SCALED:
+        return _e4m3_to_fp32(tl.load(ptrs, mask=mask, other=0), INTERPRETER) * factor[:, None]
     a = tl.load(ptrs, mask=mask, other=0.0)
     if HAS_WEIGHTS:  # as gather.py's dy_sorted: one bf16 rounding of the fp32 product
-        a = round_to_bf16(weight[:, None] * a.to(tl.float32), INTERPRETER)
+        a = round_to_bf16(factor[:, None] * a.to(tl.float32), INTERPRETER)
     a = _to_fp32(a, INTERPRETER)
     if SWIGLU:  # h = swiglu(g, u) from the forward's pre-activations; masked entries give h = 0
         up = _to_fp32(tl.load(ptrs + width, mask=mask, other=0.0), INTERPRETER)
@@ -359,34 +385,37 @@ def _store_sorted_t(q_t_ptr, scale_t_ptr, q, rows, in_expert, cols, col_ok, scal
 def _quantize_sorted_t_kernel(
     # pointers
     a_ptr, q_t_ptr, scale_t_ptr,  # a [R, W] bf16/fp32 (SWIGLU: g, u [R, 2, W] bf16; GATHER: token rows
-    #                               [T, W] bf16); q_t [W, capacity_rows] uint8 (e4m3 bytes);
-    #                               scale_t [capacity_rows / S, W] fp32
+    #                               [T, W] bf16; SCALED: uint8 e4m3 bytes); q_t [W, capacity_rows] uint8
+    #                               (e4m3 bytes); scale_t [capacity_rows / S, W] fp32
     topk_weights_ptr,  # [T·topk] fp32 (GATHER with HAS_WEIGHTS): row r holds bf16(w[row_source[r]] · a[t])
+    a_scale_ptr,  # SCALED: a's 1×128 row scales [R or T, ⌈W/128⌉] fp32
     # schedule
     tile_expert_ptr, expert_offsets_ptr, num_rows_ptr, row_source_ptr,
     # sizes
     num_a_rows, width, capacity_rows, swiglu_limit, topk,
     # strides
-    stride_a_r,
+    stride_a_r, stride_a_scale_r,
     # meta
     SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, GATHER: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
-    FAST_SIGMOID: tl.constexpr, INTERPRETER: tl.constexpr,
+    SCALED: tl.constexpr, FAST_SIGMOID: tl.constexpr, INTERPRETER: tl.constexpr,
     TILE_M: tl.constexpr,  # the schedule's block_m (tile_expert has one entry per TILE_M rows)
     SCALE_ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,  # S, 128, columns per program
 ):
-    """One column block of 128 rows per program (`_sorted_block`), columns c·BLOCK_W... of it."""
+    """One column block of 128 rows per program (`_sorted_block`), columns c·BLOCK_W... of it
+    (SCALED: BLOCK_W divides 128, so that a row's columns here share one scale)."""
     row0, expert_end, owns = _sorted_block(tile_expert_ptr, expert_offsets_ptr, num_rows_ptr, TILE_M, SCALE_ROWS,
                                            BLOCK_R)
     if not owns:
         return
     rows = row0 + tl.arange(0, BLOCK_R)
     in_expert = rows < expert_end  # past it: the next expert's rows
-    cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    col0 = tl.program_id(1) * BLOCK_W
+    cols = col0 + tl.arange(0, BLOCK_W)
     col_ok = cols < width
-    sources, valid, weight = _row_sources(rows, in_expert, num_a_rows, row_source_ptr, topk_weights_ptr, topk, GATHER,
-                                          HAS_WEIGHTS)
-    a = _load_sorted_tile(a_ptr, sources, valid, weight, cols, col_ok, width, swiglu_limit, stride_a_r, SWIGLU,
-                          HAS_LIMIT, HAS_WEIGHTS, FAST_SIGMOID, INTERPRETER)  # [BLOCK_R, BLOCK_W] fp32
+    sources, valid, factor = _row_sources(rows, in_expert, num_a_rows, row_source_ptr, topk_weights_ptr, a_scale_ptr,
+                                          col0 // _BLOCK, stride_a_scale_r, topk, GATHER, HAS_WEIGHTS, SCALED)
+    a = _load_sorted_tile(a_ptr, sources, valid, factor, cols, col_ok, width, swiglu_limit, stride_a_r, SWIGLU,
+                          HAS_LIMIT, HAS_WEIGHTS, SCALED, FAST_SIGMOID, INTERPRETER)  # [BLOCK_R, BLOCK_W] fp32
     # Each row of the transposed tile is one column block: the activations' rule applies as is.
     q, scale = quantize_row_blocks(tl.trans(a), INTERPRETER)  # [BLOCK_W, BLOCK_R] uint8, [BLOCK_W, 1] fp32
     _store_sorted_t(q_t_ptr, scale_t_ptr, q, rows, in_expert, cols, col_ok, tl.reshape(scale, (BLOCK_W,)), cols, row0,
@@ -422,12 +451,12 @@ def _sorted_t_layouts(rows_per_thread, num_warps):
 
 @gluon.jit
 def _quantize_sorted_t_gluon_kernel(
-    a_ptr, q_t_ptr, scale_t_ptr, topk_weights_ptr,  # as `_quantize_sorted_t_kernel`'s
+    a_ptr, q_t_ptr, scale_t_ptr, topk_weights_ptr, a_scale_ptr,  # as `_quantize_sorted_t_kernel`'s
     tile_expert_ptr, expert_offsets_ptr, num_rows_ptr, row_source_ptr,
     num_a_rows, width, capacity_rows, swiglu_limit, topk,
-    stride_a_r,
+    stride_a_r, stride_a_scale_r,
     SWIGLU: gl.constexpr, HAS_LIMIT: gl.constexpr, GATHER: gl.constexpr, HAS_WEIGHTS: gl.constexpr,
-    FAST_SIGMOID: gl.constexpr, TILE_M: gl.constexpr, ROWS_PER_THREAD: gl.constexpr,
+    SCALED: gl.constexpr, FAST_SIGMOID: gl.constexpr, TILE_M: gl.constexpr, ROWS_PER_THREAD: gl.constexpr,
 ):
     """`_quantize_sorted_t_kernel` on the GPU with the layouts of `_sorted_t_layouts`: the same
     device functions, so the same bytes, without the shared-memory round trip that Triton's own
@@ -445,13 +474,14 @@ def _quantize_sorted_t_gluon_kernel(
     # a layout that spreads the vector over the threads: in the tile's, every thread would
     # compute them for each of its rows and columns.
     rows = row0 + gl.arange(0, _BLOCK, layout=SPREAD)
-    sources, valid, weight = _row_sources(rows, rows < expert_end, num_a_rows, row_source_ptr, topk_weights_ptr, topk,
-                                          GATHER, HAS_WEIGHTS)
+    sources, valid, factor = _row_sources(rows, rows < expert_end, num_a_rows, row_source_ptr, topk_weights_ptr,
+                                          a_scale_ptr, col0 // _BLOCK, stride_a_scale_r, topk, GATHER, HAS_WEIGHTS,
+                                          SCALED)
     cols = col0 + gl.arange(0, BLOCK_W, layout=gl.SliceLayout(0, LOAD))
     a = _load_sorted_tile(a_ptr, gl.convert_layout(sources, gl.SliceLayout(1, LOAD)),
                           gl.convert_layout(valid, gl.SliceLayout(1, LOAD)),
-                          gl.convert_layout(weight, gl.SliceLayout(1, LOAD)), cols, cols < width, width, swiglu_limit,
-                          stride_a_r, SWIGLU, HAS_LIMIT, HAS_WEIGHTS, FAST_SIGMOID, False)  # [128, BLOCK_W] fp32
+                          gl.convert_layout(factor, gl.SliceLayout(1, LOAD)), cols, cols < width, width, swiglu_limit,
+                          stride_a_r, SWIGLU, HAS_LIMIT, HAS_WEIGHTS, SCALED, FAST_SIGMOID, False)  # [128, BLOCK_W]
     a_t = gl.convert_layout(gl.permute(a, (1, 0)), STORE, assert_trivial=True)  # [BLOCK_W, 128]
     amax_bits = gl.max(a_t.to(gl.int32, bitcast=True) & _FP32_ABS_MASK, axis=1)  # [BLOCK_W] int32
     scale_cols = col0 + gl.arange(0, BLOCK_W, layout=SPREAD)
@@ -605,11 +635,12 @@ def sorted_scale_rows(block_m: int) -> int:
 
 def _launch_quantize_sorted_t(
     a: torch.Tensor, width: int, schedule: RoutingSchedule, swiglu: bool, swiglu_limit: float | None,
-    gathered_topk: int | None = None, topk_weights: torch.Tensor | None = None,
+    gathered_topk: int | None = None, topk_weights: torch.Tensor | None = None, a_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One launch of `_quantize_sorted_t_kernel` (or on an NVIDIA GPU its Gluon twin) over a
     [R, W] (swiglu: g, u [R, 2, W]), or with `gathered_topk` over token rows a [T, W] gathered
-    into the sorted layout (times topk_weights)."""
+    into the sorted layout (times topk_weights); with `a_scale`, a is e4m3 quantized along its
+    rows and is dequantized first."""
     device = a.device
     scale_rows = sorted_scale_rows(schedule.block_m)
     rows = schedule.capacity_rows
@@ -617,14 +648,17 @@ def _launch_quantize_sorted_t(
     scale_t = torch.empty(rows // scale_rows, width, dtype=torch.float32, device=device)  # [capacity_rows / S, W]
     if rows == 0 or width == 0:
         return q_t.view(torch.float8_e4m3fn), scale_t
+    scaled = a_scale is not None
     args = (
-        a, q_t, scale_t, scale_t if topk_weights is None else topk_weights,  # scale_t: unread
+        a.view(torch.uint8) if scaled else a, q_t, scale_t,
+        scale_t if topk_weights is None else topk_weights, a_scale if scaled else scale_t,  # scale_t: unread
         schedule.tile_expert, schedule.expert_offsets, schedule.num_rows, schedule.row_source,
         a.shape[0], width, rows, 0.0 if swiglu_limit is None else float(swiglu_limit), gathered_topk or 1,
-        a.stride(0),
+        a.stride(0), a_scale.stride(0) if scaled else 0,
     )
     flags = dict(SWIGLU=swiglu, HAS_LIMIT=swiglu_limit is not None, GATHER=gathered_topk is not None,
-                 HAS_WEIGHTS=topk_weights is not None, FAST_SIGMOID=fast_sigmoid_here(), TILE_M=schedule.block_m)
+                 HAS_WEIGHTS=topk_weights is not None, SCALED=scaled, FAST_SIGMOID=fast_sigmoid_here(),
+                 TILE_M=schedule.block_m)
     if _SORTED_GLUON and device.type == "cuda" and not interpreting() and scale_rows == FP8_BLOCK:
         rows_per_thread, num_warps = _SORTED_GLUON_ROWS_PER_THREAD, _SORTED_GLUON_NUM_WARPS
         grid = (rows // FP8_BLOCK, triton.cdiv(width, _sorted_t_gluon_block_w(rows_per_thread, num_warps)))
@@ -635,6 +669,8 @@ def _launch_quantize_sorted_t(
         block_w = _SORTED_BLOCK_W_INTERPRETER
     elif gathered_topk is not None and width >= _GATHERED_NARROW_MIN_WIDTH:
         block_w, num_warps = _GATHERED_NARROW_BLOCK_W, _GATHERED_NARROW_NUM_WARPS
+    if scaled:  # a program's columns within one of a's 128-column scale blocks
+        block_w = min(block_w, FP8_BLOCK)
     grid = (rows // scale_rows, triton.cdiv(width, block_w))
     _quantize_sorted_t_kernel[grid](*args, **flags, INTERPRETER=interpreting(), SCALE_ROWS=scale_rows,
                                     BLOCK_R=FP8_BLOCK, BLOCK_W=block_w, num_warps=num_warps)
@@ -651,8 +687,29 @@ def _sorted_t_gluon_block_w(rows_per_thread: int, num_warps: int) -> int:
     return 8 * (32 // (FP8_BLOCK // rows_per_thread)) * num_warps
 
 
-def _check_sorted_operand(name: str, a: torch.Tensor, dims: int, layout: str, schedule: RoutingSchedule) -> None:
-    _check_input(name, a, (dims,), layout)
+def _check_row_scaled(name: str, a: torch.Tensor, a_scale: object, layout: str) -> None:
+    """a: 2-D float8_e4m3fn with unit last-dim stride; a_scale: its contiguous fp32 1×128 row
+    scales [rows, ⌈W/128⌉] on a's device (`quantize_fp8_block_activations`' pair)."""
+    if not isinstance(a, torch.Tensor) or a.dtype != torch.float8_e4m3fn or a.dim() != 2 or (
+        a.shape[1] > 1 and a.stride(1) != 1
+    ):
+        raise ValueError(f"{name}: expected a {layout} float8_e4m3fn tensor with unit last-dim stride beside "
+                         f"{name}_scale, got {getattr(a, 'dtype', type(a))} {list(getattr(a, 'shape', []))}")
+    want = (a.shape[0], triton.cdiv(a.shape[1], FP8_BLOCK))
+    if not isinstance(a_scale, torch.Tensor) or a_scale.dtype != torch.float32 or tuple(a_scale.shape) != want or (
+        not a_scale.is_contiguous() or a_scale.device != a.device
+    ):
+        raise ValueError(f"{name}_scale: expected a contiguous fp32 {list(want)} tensor on {a.device} ({name}'s 1×128 "
+                         f"row scales), got {getattr(a_scale, 'dtype', type(a_scale))} "
+                         f"{list(getattr(a_scale, 'shape', []))}")
+
+
+def _check_sorted_operand(name: str, a: torch.Tensor, dims: int, layout: str, schedule: RoutingSchedule,
+                          a_scale: torch.Tensor | None = None) -> None:
+    if a_scale is None:
+        _check_input(name, a, (dims,), layout)
+    else:
+        _check_row_scaled(name, a, a_scale, layout)
     if a.shape[0] > schedule.capacity_rows or a.device != schedule.row_source.device:
         raise ValueError(
             f"{name}: expected at most {schedule.capacity_rows} rows (the schedule's capacity) on "
@@ -661,34 +718,49 @@ def _check_sorted_operand(name: str, a: torch.Tensor, dims: int, layout: str, sc
 
 
 def quantize_fp8_block_sorted_t(
-    a: torch.Tensor,  # [R <= capacity_rows, W] bf16/fp32 in the schedule's sorted layout
+    a: torch.Tensor,  # [R <= capacity_rows, W] bf16/fp32 in the schedule's sorted layout, or e4m3 with a_scale
     schedule: RoutingSchedule,
+    a_scale: torch.Tensor | None = None,  # [R, ⌈W/128⌉] fp32: a's 1×128 row scales
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """a quantized in 1×128 blocks down each column, per expert (module docstring), transposed:
     (q_t [W, capacity_rows] float8_e4m3fn, scale_t [capacity_rows / S, W] fp32), S =
-    `sorted_scale_rows(schedule.block_m)`. Rows past R read as zeros; any row stride."""
-    _check_sorted_operand("a", a, 2, "2-D [rows, W]", schedule)
-    return _launch_quantize_sorted_t(a, a.shape[1], schedule, False, None)
+    `sorted_scale_rows(schedule.block_m)`. Rows past R read as zeros; any row stride. With
+    `a_scale`, a is e4m3 quantized along its rows (the forward's h_q): each element q · s in
+    fp32, then quantized down the columns."""
+    _check_sorted_operand("a", a, 2, "2-D [rows, W]", schedule, a_scale)
+    return _launch_quantize_sorted_t(a, a.shape[1], schedule, False, None, a_scale=a_scale)
 
 
 def quantize_fp8_block_gathered_t(
-    a: torch.Tensor,  # [T, W] bf16 token rows
+    a: torch.Tensor,  # [T, W] bf16 token rows, or e4m3 with a_scale
     schedule: RoutingSchedule,
     topk: int,
     topk_weights: torch.Tensor | None = None,  # [T, topk] fp32
+    a_scale: torch.Tensor | None = None,  # [T, ⌈W/128⌉] fp32: a's 1×128 row scales
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """a's rows in the schedule's sorted layout (row r: token row_source[r] // topk, zeros for
     padding; with topk_weights, bf16(w · a[t]) as `gather.gather_sorted_rows`' dy_sorted),
     quantized as `quantize_fp8_block_sorted_t`: (q_t [W, capacity_rows] float8_e4m3fn,
-    scale_t [capacity_rows / S, W] fp32), bitwise that of the gathered copy, without the copy."""
-    _check_token_rows("a", a, schedule, topk)
+    scale_t [capacity_rows / S, W] fp32), bitwise that of the gathered copy, without the copy.
+    With `a_scale`, a is e4m3 quantized along its rows (the per-token x_q or dOut's pair), and
+    row r's element is q · (w · s) in fp32 (q · s without router weights), not rounded to bf16:
+    the wgrad's operand is quantized twice, along H and then down the rows, as DeepSeek-V3's
+    recipe does with the activations it caches in FP8."""
+    if a_scale is None:
+        _check_token_rows("a", a, schedule, topk)
+    else:
+        _check_row_scaled("a", a, a_scale, "2-D [T, W]")
+        if a.device != schedule.row_source.device:
+            raise ValueError(f"a: expected token rows on {schedule.row_source.device}, got {a.device}")
+        if topk < 1:
+            raise ValueError(f"topk: expected at least 1, got {topk}")
     if topk_weights is not None and (
         topk_weights.dtype != torch.float32 or tuple(topk_weights.shape) != (a.shape[0], topk)
         or not topk_weights.is_contiguous() or topk_weights.device != a.device
     ):
         raise ValueError(f"topk_weights: expected a contiguous fp32 [{a.shape[0]}, {topk}] tensor on {a.device}, "
                          f"got {topk_weights.dtype} {list(topk_weights.shape)} on {topk_weights.device}")
-    return _launch_quantize_sorted_t(a, a.shape[1], schedule, False, None, topk, topk_weights)
+    return _launch_quantize_sorted_t(a, a.shape[1], schedule, False, None, topk, topk_weights, a_scale)
 
 
 def quantize_fp8_block_swiglu_sorted_t(

@@ -295,6 +295,73 @@ def test_gathered_quantizers_are_bitwise_the_copy_quantized(kernel_device, T, H,
     assert x_scales.isnan().sum() == x_scales[:, 5].isnan().sum() == topk, f"NaN blocks {ctx}"
 
 
+def _dequantized(q, scale):
+    """fp32 q · s of e4m3 rows [R, W] with their 1×128 scales [R, W/128], as the kernels form it."""
+    return q.float() * scale.repeat_interleave(128, dim=1)[:, : q.shape[1]]
+
+
+@pytest.mark.parametrize("T, H, I, E, topk, used_experts", [(200, 384, 256, 5, 3, 4), (1, 256, 128, 3, 1, 3)])
+def test_requantized_operands_are_the_dequantized_copies_quantized(kernel_device, T, H, I, E, topk, used_experts):
+    """e4m3 operands quantized along their rows, requantized down the sorted rows: x's token rows,
+    w·dOut's (signed router weights: each element q · (w · s) in fp32) and h's sorted rows, bit
+    for bit the quantizers applied to the fp32 copies dequantized in torch; subnormal E4M3 bytes
+    among them (decoded from the bits under the interpreter); a NaN token's blocks NaN; padding
+    rows zero (past the NaN token's block of columns, whose blocks down the rows are NaN)."""
+    gen = torch.Generator().manual_seed(T + H + 1)
+    sched, blocks, rows = _sorted_case(kernel_device, T, E, topk, used_experts, seed=T + 1)
+    ctx = f"{kernel_device=} {T=} {H=} {I=} {E=} {topk=} block_m={sched.block_m}"
+    num_rows, slots = int(sched.num_rows), [slot for _, _, slot in blocks]
+    x = (torch.randn(T, H, generator=gen) * torch.logspace(-4, 1, H)).bfloat16()
+    x[T // 2, 5] = float("nan")
+    x[T - 1, 128:131] = torch.tensor([448.0, 3 * 2.0**-9, -(2.0**-8)])  # scale 1: two subnormal bytes
+    x_q, x_scale = quantize_fp8_block_activations(x.to(kernel_device))  # [T, H], [T, H/128]
+    x_bytes = x_q.cpu().view(torch.uint8)
+    assert (((x_bytes & 0x78) == 0) & ((x_bytes & 0x7) != 0)).any(), f"no subnormal E4M3 byte {ctx}"
+    w = torch.randn(T, topk, generator=gen)
+    source = sched.row_source.cpu()
+    routed = source[:num_rows] >= 0
+    slot, token = source[:num_rows].clamp(min=0), source[:num_rows].clamp(min=0) // topk
+    x_deq = _dequantized(x_q.cpu(), x_scale.cpu())  # [T, H] fp32
+    for name, weights in (("x", None), ("w·dOut", w)):
+        copy = torch.zeros(sched.capacity_rows, H)  # the sorted rows' fp32 operand
+        if weights is None:
+            copy[:num_rows][routed] = x_deq[token][routed]
+        else:
+            factor = weights.flatten()[slot][:, None] * x_scale.cpu().repeat_interleave(128, dim=1)[token]
+            copy[:num_rows][routed] = (x_q.cpu()[token].float() * factor)[routed]
+        got_q, got_scale = quantize_fp8_block_gathered_t(
+            x_q, sched, topk, None if weights is None else weights.to(kernel_device), x_scale
+        )
+        want_q, want_scale = quantize_fp8_block_sorted_t(copy.to(kernel_device), sched)
+        _assert_same([got_q[:, :num_rows].contiguous(), got_scale[slots]],
+                     [want_q[:, :num_rows].contiguous(), want_scale[slots]], f"{name} {ctx}")
+        assert got_scale.cpu()[slots][:, 5].isnan().sum() == topk, f"{name}: the NaN token's blocks {ctx}"
+        padding = got_q.cpu()[128:, :num_rows][:, ~routed]  # past the NaN token's block along H (NaN blocks here)
+        assert padding.numel() > 0 and torch.all(padding.float() == 0), f"{name}: padding rows {ctx}"
+    h = rows(I, scale=torch.logspace(-3, 2, I)).bfloat16()
+    h[:num_rows][~routed] = 0  # what the forward's gate/up stores in padding rows
+    h_q, h_scale = quantize_fp8_block_activations(h.to(kernel_device), sched.num_rows)
+    h_deq = torch.zeros(sched.capacity_rows, I)
+    h_deq[:num_rows] = _dequantized(h_q.cpu()[:num_rows], h_scale.cpu()[:num_rows])
+    got_q, got_scale = quantize_fp8_block_sorted_t(h_q, sched, h_scale)  # rows past num_rows: never read
+    want_q, want_scale = quantize_fp8_block_sorted_t(h_deq.to(kernel_device), sched)
+    _assert_same([got_q[:, :num_rows].contiguous(), got_scale[slots]],
+                 [want_q[:, :num_rows].contiguous(), want_scale[slots]], f"h {ctx}")
+
+
+def test_requantized_operand_errors(kernel_device):
+    sched, _, _ = _sorted_case(kernel_device, 8, 3, 2, 3, seed=3)
+    x_q, x_scale = quantize_fp8_block_activations(torch.randn(8, 256, device=kernel_device))
+    with pytest.raises(ValueError, match=r"^a_scale: expected a contiguous fp32 \[8, 2\] tensor"):
+        quantize_fp8_block_gathered_t(x_q, sched, 2, None, x_scale[:, :1])
+    with pytest.raises(ValueError, match=r"^a: expected a 2-D \[T, W\] float8_e4m3fn tensor"):
+        quantize_fp8_block_gathered_t(x_q.float(), sched, 2, None, x_scale)
+    with pytest.raises(ValueError, match=r"^a: expected a 2-D \[rows, W\] float8_e4m3fn tensor"):
+        quantize_fp8_block_sorted_t(x_q.view(torch.uint8), sched, x_scale)
+    with pytest.raises(ValueError, match=r"^a_scale: expected a contiguous fp32 \[8, 2\] tensor"):
+        quantize_fp8_block_sorted_t(x_q, sched, x_scale.double())
+
+
 def test_gathered_quantizer_errors(kernel_device):
     sched, _, _ = _sorted_case(kernel_device, 8, 3, 2, 3, seed=3)
     x = torch.zeros(8, 128, dtype=torch.bfloat16, device=kernel_device)
@@ -312,11 +379,14 @@ def test_gathered_quantizer_errors(kernel_device):
 
 
 _GLUON_VARIANTS = {  # name: (a's element type, flags)
-    "sorted bf16": ("bf16", dict(SWIGLU=False, HAS_LIMIT=False, GATHER=False, HAS_WEIGHTS=False)),
-    "sorted fp32": ("fp32", dict(SWIGLU=False, HAS_LIMIT=False, GATHER=False, HAS_WEIGHTS=False)),
-    "h from g, u": ("bf16", dict(SWIGLU=True, HAS_LIMIT=True, GATHER=False, HAS_WEIGHTS=False)),
-    "x gathered": ("bf16", dict(SWIGLU=False, HAS_LIMIT=False, GATHER=True, HAS_WEIGHTS=False)),
-    "w·dOut gathered": ("bf16", dict(SWIGLU=False, HAS_LIMIT=False, GATHER=True, HAS_WEIGHTS=True)),
+    "sorted bf16": ("bf16", dict(SWIGLU=False, HAS_LIMIT=False, GATHER=False, HAS_WEIGHTS=False, SCALED=False)),
+    "sorted fp32": ("fp32", dict(SWIGLU=False, HAS_LIMIT=False, GATHER=False, HAS_WEIGHTS=False, SCALED=False)),
+    "h from g, u": ("bf16", dict(SWIGLU=True, HAS_LIMIT=True, GATHER=False, HAS_WEIGHTS=False, SCALED=False)),
+    "x gathered": ("bf16", dict(SWIGLU=False, HAS_LIMIT=False, GATHER=True, HAS_WEIGHTS=False, SCALED=False)),
+    "w·dOut gathered": ("bf16", dict(SWIGLU=False, HAS_LIMIT=False, GATHER=True, HAS_WEIGHTS=True, SCALED=False)),
+    "h requantized": ("u8", dict(SWIGLU=False, HAS_LIMIT=False, GATHER=False, HAS_WEIGHTS=False, SCALED=True)),
+    "x requantized": ("u8", dict(SWIGLU=False, HAS_LIMIT=False, GATHER=True, HAS_WEIGHTS=False, SCALED=True)),
+    "w·dOut requantized": ("u8", dict(SWIGLU=False, HAS_LIMIT=False, GATHER=True, HAS_WEIGHTS=True, SCALED=True)),
 }
 
 
@@ -328,7 +398,8 @@ def test_sorted_t_gluon_compiles_for_sm90a_without_spills(variant):
     element, flags = _GLUON_VARIANTS[variant]
     kernel = qf._quantize_sorted_t_gluon_kernel
     constants = dict(flags, FAST_SIGMOID=True, TILE_M=128, ROWS_PER_THREAD=qf._SORTED_GLUON_ROWS_PER_THREAD)
-    pointer_types = {"a_ptr": f"*{element}", "q_t_ptr": "*u8", "scale_t_ptr": "*fp32", "topk_weights_ptr": "*fp32"}
+    pointer_types = {"a_ptr": f"*{element}", "q_t_ptr": "*u8", "scale_t_ptr": "*fp32", "topk_weights_ptr": "*fp32",
+                     "a_scale_ptr": "*fp32"}
     signature = {name: "constexpr" if name in constants else pointer_types.get(name, "*i32") if name.endswith("_ptr")
                  else "fp32" if name == "swiglu_limit" else "i32" for name in kernel.arg_names}
     aligned = tuple(name for name in signature if name.endswith("_ptr")) + ("width", "capacity_rows", "stride_a_r")
@@ -376,7 +447,12 @@ def test_sorted_t_gluon_is_bitwise_the_triton_kernel(monkeypatch, rows_per_threa
         "h from g, u": lambda: qf.quantize_fp8_block_swiglu_sorted_t(gate_up.cuda(), sched, 0.7),
         "x gathered": lambda: qf.quantize_fp8_block_gathered_t(x, sched, topk),
         "w·dOut gathered": lambda: qf.quantize_fp8_block_gathered_t(d_out, sched, topk, weights),
+        "h requantized": lambda: qf.quantize_fp8_block_sorted_t(*h_pair[:1], sched, h_pair[1]),
+        "x requantized": lambda: qf.quantize_fp8_block_gathered_t(x_pair[0], sched, topk, None, x_pair[1]),
+        "w·dOut requantized": lambda: qf.quantize_fp8_block_gathered_t(x_pair[0], sched, topk, weights, x_pair[1]),
     }
+    x_pair = quantize_fp8_block_activations(x)  # [T, W] e4m3 with a ragged last block, [T, 3]
+    h_pair = quantize_fp8_block_activations(a.bfloat16().cuda(), sched.num_rows)
     num_rows, slots = int(sched.num_rows), [slot for _, _, slot in blocks]
     for name, call in calls.items():
         monkeypatch.setattr(qf, "_SORTED_GLUON", False)
