@@ -46,6 +46,12 @@ bf16 copies and three reads of them per backward). Blocks along a row
 quantized once and the e4m3 rows and their scales copied into the sorted layout; where the
 down dgrad gathers dOut's rows itself (`dgrad.fp8_block_down_dgrad_gathers`), not even that.
 
+Requantizing (the constexpr SCALED): the transposing quantizers also take an operand already
+quantized in 1×128 blocks along its rows (e4m3 bytes and their [rows, ⌈W/128⌉] scales: the
+forward's per-token x_q and h_q, dOut's per-token copy), each element q · s in fp32 (q · (w · s)
+with router weights, not rounded to bf16), then quantized down the columns as above. A program's
+columns then lie in one 128-column block, so each row's scale is loaded once.
+
 Exactness on each path:
 - amax on the integer bits of |x| (NaN wins; `tl.max` on floats may drop NaN on the GPU).
 - the scale is `tl.div_rn(amax, 448)` (correctly rounded; plain `/` lowers to an approximate
