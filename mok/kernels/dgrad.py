@@ -62,8 +62,8 @@ row's token row inside its loads (`grouped_gemm.gathered_rows_tile_fp8`: a route
 sorted copy would be the same bytes, so dOut costs a T-row quantization, not T·topk rows);
 above it, dOut's sorted rows are quantized straight from the token rows
 (`quantize_fp8_block_gathered`) and read through TMA. On Hopper the GEMM runs in
-`warp_specialized.py` into an fp32 product [capacity_rows, I], gathering the token rows at
-every H, and `_down_dgrad_swiglu_kernel` runs only its epilogue on it (PRODUCT_GIVEN,
+`warp_specialized.py` into a product [capacity_rows, I] (bf16, `FP8_BLOCK_DOWN_DGRAD_PRODUCT_BF16`),
+gathering the token rows at every H, and `_down_dgrad_swiglu_kernel` runs only its epilogue on it (PRODUCT_GIVEN,
 `down_dgrad_swiglu_epilogue`). d_gate_up[:, 0] and d_gate_up[:, 1]
 are quantized separately by `quantize_fp8_block_activations` (strided views, no copy), so
 each scale tensor is a plain [rows, K/128]. Padding rows quantize to zeros and stay exact
@@ -168,6 +168,11 @@ GATHERED_FP8_BLOCK_DOWN_DGRAD_MAX_HIDDEN = 2048
 # product-profile.log: all kernels 25.68 -> 25.51 ms), and qwen3-30b's down dgrad 0.975 -> 0.886
 # ms. False keeps the fused Triton kernel.
 WARP_SPECIALIZED_FP8_BLOCK_DOWN_DGRAD_PRODUCT = True
+# That product in bf16: half its write and read (qwen3-30b: 0.4 of the 1.2 GB the epilogue moves),
+# at one bf16 rounding of dOut · Wd (2^-9 relative) ahead of the SwiGLU backward, far below the
+# 1×128 e4m3 rounding of dOut itself (2^-4). False keeps it fp32: exact, and d_gate_up bitwise the
+# fused Triton kernel's.
+FP8_BLOCK_DOWN_DGRAD_PRODUCT_BF16 = True
 
 
 # The bf16 down dgrad asks for its tile's g, u lines in L2 (a prefetch per 128-byte line) when its
@@ -230,7 +235,7 @@ def dgrad_config(
     tiles keep the CPU tests fast. The key never includes per-expert counts (they change every step).
     fp8_block: `_FP8_BLOCK_TILES`, the same for every shape until measured; on Hopper the gate/up
     dgrad into local slots warp-specialized with `WARP_SPECIALIZED_FP8_BLOCK_GATE_UP_DGRAD`, and
-    the down dgrad's GEMM (into an fp32 product) with `WARP_SPECIALIZED_FP8_BLOCK_DOWN_DGRAD_PRODUCT`.
+    the down dgrad's GEMM (into a product) with `WARP_SPECIALIZED_FP8_BLOCK_DOWN_DGRAD_PRODUCT`.
     """
     if precision == "fp8_block":
         if _fp8_block_warp_specialized(kind, allow_warp_specialized):
@@ -307,7 +312,7 @@ def _down_dgrad_epilogue(
 @triton.jit
 def _down_dgrad_swiglu_kernel(
     # pointers (d_out's sorted rows through a TMA descriptor, GATHER_D_OUT: its token rows [T, H],
-    # PRODUCT_GIVEN: the product a itself, fp32 [capacity_rows, I], w_down unread; bf16: w_down
+    # PRODUCT_GIVEN: the product a itself, fp32 or bf16 [capacity_rows, I], w_down unread; bf16: w_down
     # [E_l, H, I]; fp8_block: e4m3, w_down as its transposed copy [E_l, I, H]; weighted_h: bf16
     # [capacity_rows, I], written with STORE_WEIGHTED_H)
     d_out, topk_weights_ptr, gate_up_ptr, w_down_desc, d_gate_up_ptr, route_partials_ptr, weighted_h_ptr,
@@ -339,7 +344,7 @@ def _down_dgrad_swiglu_kernel(
     if PRODUCT_GIVEN:  # columns past I read as zeros: h is zero there too (g = u = 0)
         columns = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
         d_out_wd = tl.load(d_out + rows.to(tl.int64)[:, None] * stride_d_out_t + columns[None, :],
-                           mask=(columns < inter)[None, :], other=0.0)
+                           mask=(columns < inter)[None, :], other=0.0).to(tl.float32)
     elif GATHER_D_OUT:  # fp8_block; Wd[e]ᵀ is [I, H]: K-major, its rows the N dim
         d_out_wd = gathered_rows_tile_fp8(
             d_out, d_out_scale_ptr, slot // topk, row_valid, w_down_desc, w_down_scale_ptr, expert,
@@ -623,9 +628,11 @@ def down_dgrad_swiglu_fp8_block(
     `mok.fp8_block_quantize(w_down)`. Rows past the schedule's `num_rows` are left unwritten.
     A tile config with WARP_SPECIALIZED (the default on Hopper, see
     `WARP_SPECIALIZED_FP8_BLOCK_DOWN_DGRAD_PRODUCT`) runs the GEMM in `warp_specialized.py` into
-    an fp32 product (gathering the token rows in its producer, or reading the sorted rows
-    through TMA), then `down_dgrad_swiglu_epilogue` on it: d_gate_up bitwise the fused
-    kernel's, d_topk_weights to fp32 rounding (its row sums reduce in another order)."""
+    a product (gathering the token rows in its producer, or reading the sorted rows
+    through TMA), then `down_dgrad_swiglu_epilogue` on it: with an fp32 product
+    (`FP8_BLOCK_DOWN_DGRAD_PRODUCT_BF16` off) d_gate_up bitwise the fused kernel's, d_topk_weights to
+    fp32 rounding (its row sums reduce in another order); with a bf16 one, both from the product
+    rounded to bf16."""
     _, inter, hidden = fp8_block_weight_shape("w_down_t_q", w_down_t_q, "[E_l, I, H]", schedule.num_local_experts)
     device = w_down_t_q.device
     _check_topk_weights(topk_weights, device)
@@ -644,7 +651,8 @@ def down_dgrad_swiglu_fp8_block(
     _check_bf16("gate_up", gate_up, (schedule.capacity_rows, 2, inter), device)
     cfg = _dgrad_tiles("down", inter, hidden, "fp8_block", tile_config, schedule)
     if cfg.get("WARP_SPECIALIZED", False):
-        product = torch.empty(schedule.capacity_rows, inter, dtype=torch.float32, device=device)
+        dtype = torch.bfloat16 if FP8_BLOCK_DOWN_DGRAD_PRODUCT_BF16 else torch.float32
+        product = torch.empty(schedule.capacity_rows, inter, dtype=dtype, device=device)  # [capacity_rows, I]
         topk = 1 if topk_weights is None else topk_weights.shape[1]
         warp_specialized.launch_down_dgrad_product_fp8_block(
             d_out_q, d_out_scale, w_down_t_q, w_down_t_scale, product, schedule, cfg, topk if gathers else None
@@ -657,7 +665,7 @@ def down_dgrad_swiglu_fp8_block(
 
 
 def down_dgrad_swiglu_epilogue(
-    product: torch.Tensor,  # [capacity_rows, I] fp32, a[r] = dOut[src(r) // topk] · Wd[e], unweighted
+    product: torch.Tensor,  # [capacity_rows, I] fp32 or bf16, a[r] = dOut[src(r) // topk] · Wd[e], unweighted
     topk_weights: torch.Tensor | None,  # [T, topk] fp32; None: unweighted
     gate_up: torch.Tensor,  # [capacity_rows, 2, I] bf16, the forward's g, u
     schedule: RoutingSchedule,
@@ -668,11 +676,12 @@ def down_dgrad_swiglu_epilogue(
     per 128 columns, as the fused kernel's). Only the rows of M tiles below `num_rows` are read."""
     device = gate_up.device
     inter = gate_up.shape[-1]
-    if product.dtype != torch.float32 or tuple(product.shape) != (schedule.capacity_rows, inter) or (
-        product.stride(1) != 1 or product.device != device
-    ):
-        raise ValueError(f"product: expected an fp32 tensor of shape {[schedule.capacity_rows, inter]} with unit "
-                         f"column stride on {device}, got {product.dtype} {list(product.shape)} on {product.device}")
+    if product.dtype not in (torch.float32, torch.bfloat16) or tuple(product.shape) != (
+        schedule.capacity_rows, inter
+    ) or product.stride(1) != 1 or product.device != device:
+        raise ValueError(f"product: expected an fp32 or bf16 tensor of shape {[schedule.capacity_rows, inter]} with "
+                         f"unit column stride on {device}, got {product.dtype} {list(product.shape)} on "
+                         f"{product.device}")
     _check_topk_weights(topk_weights, device)
     _check_bf16("gate_up", gate_up, (schedule.capacity_rows, 2, inter), device)
     return _launch_down_dgrad_epilogue(product, topk_weights, gate_up, schedule, swiglu_limit)

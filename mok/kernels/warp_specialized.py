@@ -129,6 +129,11 @@ FP8_BLOCK_TILE = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_stages=3, GROUP
 # h200-20261202-fp8-wgrad-nostore.log); by TMA the kernels take 0.04 / 0.19 ms less, the
 # deepseek-v3-slice layer 0.2 ms (record h200-20261202-ab-fp8-wgrad-tma-store.json).
 FP8_WGRAD_TMA_STORE = True
+# The fp8_block gate/up (h_q, g, u) and the down dgrad's bf16 product leave the gathered kernel
+# through shared-memory buffers by TMA stores, left in flight under the next tile's MMAs, instead
+# of a layout change through shared memory and 16-byte register stores (`_gate_up_epilogue`).
+# 224 KB of shared memory with the 3-stage ring (the gate/up: 144 KB ring, 80 KB buffers).
+GATHERED_TMA_STORE = True
 # The same for the bf16 cooperative wgrads, whose ring then holds 3 stages (`wgrad_tile_config`)
 # so that the buffers fit. H200: their stores were 7–10% of mixtral-8x7b's and 6–7% of
 # deepseek-v3-slice's bf16 wgrads (`fp8_arithmetic_cost.py wgrad nostore --kernel down_wgrad
@@ -625,9 +630,11 @@ def _copy_gathered_rows(x_ptr, row_offsets, rows_valid, k0, buf, BLOCK_K: gl.con
 @gluon.jit
 def _gathered_producer(x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, empty, h_ptr, h_scale_ptr, gate_up_ptr,
                        x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr, row_source_ptr, tile_expert_ptr, num_rows_ptr,
-                       topk, hidden, inter, swiglu_limit, CONSUMER: gl.constexpr, HAS_LIMIT: gl.constexpr,
-                       FAST_SIGMOID: gl.constexpr, STORE_GATE_UP: gl.constexpr, PRODUCT: gl.constexpr,
-                       BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+                       topk, hidden, inter, swiglu_limit, h_desc, gate_up_desc, out_bufs, h_bufs,
+                       CONSUMER: gl.constexpr,
+                       HAS_LIMIT: gl.constexpr, FAST_SIGMOID: gl.constexpr, STORE_GATE_UP: gl.constexpr,
+                       PRODUCT: gl.constexpr, TMA_STORE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
+                       GROUP_M: gl.constexpr, STAGES: gl.constexpr):
     """Each step: the two A halves gathered from x's token rows (every producer thread's
     cp.async copies arrive on the slot's `ready` once landed), the gate and up tiles by TMA
     (PRODUCT: w_downᵀ's tiles of the tile's two column halves)."""
@@ -661,9 +668,11 @@ def _gathered_producer(x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, emp
 @gluon.jit
 def _gathered_consumer(x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, empty, h_ptr, h_scale_ptr, gate_up_ptr,
                        x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr, row_source_ptr, tile_expert_ptr, num_rows_ptr,
-                       topk, hidden, inter, swiglu_limit, CONSUMER: gl.constexpr, HAS_LIMIT: gl.constexpr,
-                       FAST_SIGMOID: gl.constexpr, STORE_GATE_UP: gl.constexpr, PRODUCT: gl.constexpr,
-                       BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+                       topk, hidden, inter, swiglu_limit, h_desc, gate_up_desc, out_bufs, h_bufs,
+                       CONSUMER: gl.constexpr,
+                       HAS_LIMIT: gl.constexpr, FAST_SIGMOID: gl.constexpr, STORE_GATE_UP: gl.constexpr,
+                       PRODUCT: gl.constexpr, TMA_STORE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
+                       GROUP_M: gl.constexpr, STAGES: gl.constexpr):
     HALF_N: gl.constexpr = w_gate_desc.block_type.shape[0]
     HALVES: gl.constexpr = 2 if PRODUCT else 1  # the weight's 128-column blocks per tile
     ROWS: gl.constexpr = BLOCK_M // 2
@@ -688,25 +697,38 @@ def _gathered_consumer(x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, emp
         gate, up = _scaled_mma_steps(gate, gate, tile_count * k_blocks, k_blocks, 0, a_bufs, b_bufs, ready, empty,
                                      x_scale_ptr, w_gate_scale_ptr + weight_scales, w_up_scale_ptr + hi_scales,
                                      hi_valid, (1, k_blocks, 1), tokens, valid, CONSUMER, False, True, STAGES)
-        if PRODUCT:  # h_ptr: the fp32 product [capacity_rows, I]
+        if TMA_STORE:
+            tma.store_wait(0)  # the last tile's stores have read this consumer's buffers
+        if PRODUCT:  # h_ptr: the product [capacity_rows, I], fp32 or bf16
             n0 = n_block * HALF_N
-            _scatter_store(gate, h_ptr, row_source_ptr, first_row, n0, num_rows, inter, inter, False)
-            _scatter_store(up, h_ptr, row_source_ptr, first_row, n0 + HALF_N, num_rows, inter, inter, False)
+            if TMA_STORE:  # columns past I clipped by TMA
+                _store_tile_async(gate.to(h_desc.dtype), out_bufs.index(2 * CONSUMER), h_desc, first_row, n0)
+                _store_tile_async(up.to(h_desc.dtype), out_bufs.index(2 * CONSUMER + 1), h_desc, first_row,
+                                  n0 + HALF_N)
+            else:
+                _scatter_store(gate, h_ptr, row_source_ptr, first_row, n0, num_rows, inter, inter, False)
+                _scatter_store(up, h_ptr, row_source_ptr, first_row, n0 + HALF_N, num_rows, inter, inter, False)
         else:
             _gate_up_epilogue(gate, up, h_ptr, h_scale_ptr, gate_up_ptr, first_row, n_tile, inter, swiglu_limit,
-                              HAS_LIMIT, FAST_SIGMOID, STORE_GATE_UP)
+                              h_desc, gate_up_desc, out_bufs, h_bufs, CONSUMER, HAS_LIMIT, FAST_SIGMOID,
+                              STORE_GATE_UP, TMA_STORE)
         tile_count += 1
+    if TMA_STORE:
+        tma.store_wait(0)
 
 
 @gluon.jit
-def _gate_up_epilogue(gate, up, h_ptr, h_scale_ptr, gate_up_ptr, first_row, n_tile, inter, swiglu_limit,
-                      HAS_LIMIT: gl.constexpr, FAST_SIGMOID: gl.constexpr, STORE_GATE_UP: gl.constexpr):
+def _gate_up_epilogue(gate, up, h_ptr, h_scale_ptr, gate_up_ptr, first_row, n_tile, inter, swiglu_limit, h_desc,
+                      gate_up_desc, out_bufs, h_bufs, CONSUMER: gl.constexpr, HAS_LIMIT: gl.constexpr,
+                      FAST_SIGMOID: gl.constexpr, STORE_GATE_UP: gl.constexpr, TMA_STORE: gl.constexpr):
     """`grouped_gemm._gate_up_swiglu_kernel`'s fp8_block epilogue on the consumer's rows from
     first_row and columns [n0, n0 + 128), n0 = n_tile · 128: h = SwiGLU(g, u) quantized as one
     1×128 block per row (h_q [rows, I] e4m3 bytes, h_scale [rows, I/128]), and with
     STORE_GATE_UP g, u in bf16 ([rows, 2, I]); the same device functions, so the same bits.
     The tiles leave the accumulator's layout, where a thread holds pairs of columns, for rows of
-    16-byte runs (`_store_rows`): 20 stores per thread instead of 96 of 2 and 4 bytes."""
+    16-byte runs (`_store_rows`): 20 stores per thread instead of 96 of 2 and 4 bytes; or with
+    TMA_STORE through this consumer's buffers (h's in `h_bufs`, g's and u's in `out_bufs`) by
+    TMA stores (h_desc over h_q's e4m3, gate_up_desc over g, u as [rows, 2·I]), left in flight."""
     ROWS: gl.constexpr = gate.shape[0]
     COLUMNS: gl.constexpr = gate.shape[1]
     h = swiglu_forward(gate, up, swiglu_limit, HAS_LIMIT, FAST_SIGMOID)
@@ -715,10 +737,26 @@ def _gate_up_epilogue(gate, up, h_ptr, h_scale_ptr, gate_up_ptr, first_row, n_ti
     # one scale per row: reduced over the tile's single column, not stored once per held column
     gl.store(h_scale_ptr + scale_rows.to(gl.int64) * (inter // COLUMNS) + n_tile, gl.max(h_scale, axis=1))
     n0 = n_tile * COLUMNS
-    _store_rows(h_q, h_ptr, first_row, n0, inter, _BYTE_ROWS_LAYOUT)
-    if STORE_GATE_UP:
-        _store_rows(round_to_bf16(gate, False), gate_up_ptr, first_row, n0, 2 * inter, _STORE_LAYOUT)
-        _store_rows(round_to_bf16(up, False), gate_up_ptr + inter, first_row, n0, 2 * inter, _STORE_LAYOUT)
+    if TMA_STORE:
+        _store_tile_async(h_q.to(h_desc.dtype, bitcast=True), h_bufs.index(CONSUMER), h_desc, first_row, n0)
+        if STORE_GATE_UP:
+            _store_tile_async(round_to_bf16(gate, False), out_bufs.index(2 * CONSUMER), gate_up_desc, first_row, n0)
+            _store_tile_async(round_to_bf16(up, False), out_bufs.index(2 * CONSUMER + 1), gate_up_desc, first_row,
+                              inter + n0)
+    else:
+        _store_rows(h_q, h_ptr, first_row, n0, inter, _BYTE_ROWS_LAYOUT)
+        if STORE_GATE_UP:
+            _store_rows(round_to_bf16(gate, False), gate_up_ptr, first_row, n0, 2 * inter, _STORE_LAYOUT)
+            _store_rows(round_to_bf16(up, False), gate_up_ptr + inter, first_row, n0, 2 * inter, _STORE_LAYOUT)
+
+
+@gluon.jit
+def _store_tile_async(tile, buf, desc, row, column):
+    """desc's [row, column] box = tile, through the shared-memory buffer `buf` and a TMA store
+    left in flight: the caller waits (`tma.store_wait`) before it writes `buf` again."""
+    buf.store(tile)
+    fence_async_shared()
+    tma.async_copy_shared_to_global(desc, [row, column], buf)
 
 
 @gluon.jit
@@ -739,8 +777,9 @@ def _gathered_ws_kernel(
     # x's e4m3 token rows [T, H] (bytes); TMA descriptors of the weights' e4m3 [E_l·I, H]
     x_ptr, w_gate_desc, w_up_desc,
     # outputs: h_q [capacity_rows, I] e4m3 bytes, h_scale [capacity_rows, I/128] fp32, g, u
-    # [capacity_rows, 2, I] bf16 (STORE_GATE_UP)
-    h_ptr, h_scale_ptr, gate_up_ptr,
+    # [capacity_rows, 2, I] bf16 (STORE_GATE_UP); with TMA_STORE, TMA descriptors of h_q's e4m3 (or
+    # the bf16 product) and of g, u as [capacity_rows, 2·I], in boxes of a consumer's rows × 128
+    h_ptr, h_scale_ptr, gate_up_ptr, h_desc, gate_up_desc,
     # scales: x's [T, H/128], the weights' [E_l, I/128, H/128]
     x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr,
     # schedule
@@ -749,32 +788,48 @@ def _gathered_ws_kernel(
     topk, hidden, inter, swiglu_limit,
     # meta
     HAS_LIMIT: gl.constexpr, FAST_SIGMOID: gl.constexpr, STORE_GATE_UP: gl.constexpr, PRODUCT: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+    TMA_STORE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+    STAGES: gl.constexpr,
 ):
     """h = SwiGLU(x·Wgᵀ, x·Wuᵀ) of each sorted row, cooperative: a tile is 128 rows × 128
     columns of h, its A tiles gathered from x's token rows by the producer warp group, its B
     slot the gate tile over the up tile, so a consumer's two 128-column accumulators
     (`_scaled_mma_steps`) are its rows' g and u. PRODUCT: the fp8_block down dgrad's product
     a[r] = dOut[src(r) // topk] · Wd[e] instead (x_ptr dOut's token rows, w_gate_desc and
-    w_up_desc both w_downᵀ [E_l·I, H], h_ptr the fp32 product [capacity_rows, I]): a tile is 128
-    rows × 256 columns, the B slot w_downᵀ's two 128-row tiles, stored as computed."""
+    w_up_desc both w_downᵀ [E_l·I, H], h_ptr the product [capacity_rows, I], fp32 or bf16): a tile is 128
+    rows × 256 columns, the B slot w_downᵀ's two 128-row tiles, stored as computed. TMA_STORE:
+    each consumer's outputs leave through shared-memory buffers of its own by TMA stores, left in
+    flight under the next tile's MMAs (PRODUCT: two bf16 tiles; else h's e4m3 tile and g's and
+    u's bf16 ones)."""
     A_TILE: gl.constexpr = [BLOCK_M // 2, BLOCK_K]
     a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [2 * STAGES] + A_TILE, _fp8_shared_layout(A_TILE))
     b_bufs = _allocate_b_tiles(w_gate_desc, STAGES, 2)
     ready, empty, _ = _allocate_barriers(2, _GATHER_THREADS, STAGES)
+    out_bufs = b_bufs  # unread without TMA_STORE
+    h_bufs = b_bufs
+    if TMA_STORE and PRODUCT:  # per consumer: the product's two tiles
+        out_bufs = gl.allocate_shared_memory(h_desc.dtype, [4] + h_desc.block_type.shape, h_desc.layout)
+    elif TMA_STORE:  # per consumer: h's tile, and g's and u's
+        h_bufs = gl.allocate_shared_memory(h_desc.dtype, [2] + h_desc.block_type.shape, h_desc.layout)
+        if STORE_GATE_UP:
+            out_bufs = gl.allocate_shared_memory(gate_up_desc.dtype, [4] + gate_up_desc.block_type.shape,
+                                                 gate_up_desc.layout)
     gl.warp_specialize([
         (_gathered_consumer, (x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, empty, h_ptr, h_scale_ptr,
                               gate_up_ptr, x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr, row_source_ptr,
-                              tile_expert_ptr, num_rows_ptr, topk, hidden, inter, swiglu_limit, 0, HAS_LIMIT,
-                              FAST_SIGMOID, STORE_GATE_UP, PRODUCT, BLOCK_M, BLOCK_K, GROUP_M, STAGES)),
+                              tile_expert_ptr, num_rows_ptr, topk, hidden, inter, swiglu_limit, h_desc, gate_up_desc,
+                              out_bufs, h_bufs, 0, HAS_LIMIT, FAST_SIGMOID, STORE_GATE_UP, PRODUCT, TMA_STORE, BLOCK_M,
+                              BLOCK_K, GROUP_M, STAGES)),
         (_gathered_consumer, (x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, empty, h_ptr, h_scale_ptr,
                               gate_up_ptr, x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr, row_source_ptr,
-                              tile_expert_ptr, num_rows_ptr, topk, hidden, inter, swiglu_limit, 1, HAS_LIMIT,
-                              FAST_SIGMOID, STORE_GATE_UP, PRODUCT, BLOCK_M, BLOCK_K, GROUP_M, STAGES)),
+                              tile_expert_ptr, num_rows_ptr, topk, hidden, inter, swiglu_limit, h_desc, gate_up_desc,
+                              out_bufs, h_bufs, 1, HAS_LIMIT, FAST_SIGMOID, STORE_GATE_UP, PRODUCT, TMA_STORE, BLOCK_M,
+                              BLOCK_K, GROUP_M, STAGES)),
         (_gathered_producer, (x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, empty, h_ptr, h_scale_ptr,
                               gate_up_ptr, x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr, row_source_ptr,
-                              tile_expert_ptr, num_rows_ptr, topk, hidden, inter, swiglu_limit, 0, HAS_LIMIT,
-                              FAST_SIGMOID, STORE_GATE_UP, PRODUCT, BLOCK_M, BLOCK_K, GROUP_M, STAGES)),
+                              tile_expert_ptr, num_rows_ptr, topk, hidden, inter, swiglu_limit, h_desc, gate_up_desc,
+                              out_bufs, h_bufs, 0, HAS_LIMIT, FAST_SIGMOID, STORE_GATE_UP, PRODUCT, TMA_STORE, BLOCK_M,
+                              BLOCK_K, GROUP_M, STAGES)),
     ], [4, _GATHER_THREADS // 32], [_CONSUMER_REGISTERS, _PRODUCER_REGISTERS])
 
 
@@ -903,12 +958,10 @@ def _wgrad_store_async(acc, buf, out_desc, out2_desc, expert, first_row, n0, m_d
     and one expert: `_wgrad_stores_by_tma`), through `buf` and a TMA store of out or out2 viewed as
     [E_l · rows, n_dim]; the store is left in flight, and the caller waits for it
     (`tma.store_wait`) before it writes `buf` again. TMA clips the columns past n_dim."""
-    buf.store(acc.to(gl.bfloat16))
-    fence_async_shared()
     if first_row < split_m:
-        tma.async_copy_shared_to_global(out_desc, [expert * split_m + first_row, n0], buf)
+        _store_tile_async(acc.to(gl.bfloat16), buf, out_desc, expert * split_m + first_row, n0)
     else:
-        tma.async_copy_shared_to_global(out2_desc, [expert * (m_dim - split_m) + first_row - split_m, n0], buf)
+        _store_tile_async(acc.to(gl.bfloat16), buf, out2_desc, expert * (m_dim - split_m) + first_row - split_m, n0)
 
 
 @gluon.jit
@@ -1024,7 +1077,7 @@ def launch_down_dgrad_product_fp8_block(d_out_q: torch.Tensor, d_out_scale: torc
                                         w_down_t_scale: torch.Tensor, product: torch.Tensor,
                                         schedule: RoutingSchedule, cfg: dict, topk: int | None = None) -> None:
     """product[r] = dOut[r] · w_down[e] for the sorted rows r of every M tile below the schedule's
-    num_rows, fp32 (`dgrad.down_dgrad_swiglu_fp8_block`'s GEMM, before its epilogue): d_out_q
+    num_rows, in product's dtype (`dgrad.down_dgrad_swiglu_fp8_block`'s GEMM, before its epilogue): d_out_q
     the sorted rows [capacity_rows, H] e4m3 read through TMA, or with `topk` the token rows
     [T, H] gathered by the producer (row r reads token row_source[r] // topk); w_down_t_q the
     transposed copy [E_l, I, H] (read as [E_l·I, H], K-major), product [capacity_rows, I]. The
@@ -1077,14 +1130,24 @@ def _launch_gathered(x_q, x_scale, w_gate: tuple[torch.Tensor, torch.Tensor], w_
     half = (FP8_BLOCK, cfg["BLOCK_K"])
     tile_n = cfg["BLOCK_N"] if product else FP8_BLOCK  # the gate/up's tile: 128 columns of h
     num_tiles = (schedule.capacity_rows // cfg["BLOCK_M"]) * triton.cdiv(inter, tile_n)
+    w_gate_desc = _descriptor(w_gate[0], half)
+    # TMA stores (`GATHERED_TMA_STORE`): an fp32 product's buffers would not fit beside the ring
+    tma_store = GATHERED_TMA_STORE and out.dtype != torch.float32
+    h_desc = gate_up_desc = w_gate_desc  # unread without tma_store
+    if tma_store:
+        box = (_consumer_rows(cfg["BLOCK_M"], True), FP8_BLOCK)
+        h_desc = _descriptor(out if product else out.view(torch.float8_e4m3fn), box)  # [capacity_rows, I]
+        if gate_up is not None:
+            gate_up_desc = _descriptor(gate_up.view(gate_up.shape[0], -1), box)  # g, u as [capacity_rows, 2·I]
     _gathered_ws_kernel[(min(num_tiles, num_sms(x_q.device)),)](
-        x_q, _descriptor(w_gate[0], half), _descriptor(w_up[0], half),
+        x_q, w_gate_desc, _descriptor(w_up[0], half),
         out, out if h_scale is None else h_scale, out if gate_up is None else gate_up,  # out: an unread stand-in
+        h_desc, gate_up_desc,
         x_scale, w_gate[1], w_up[1],
         schedule.row_source, schedule.tile_expert, schedule.num_rows,
         topk, hidden, inter, 0.0 if swiglu_limit is None else float(swiglu_limit),
-        swiglu_limit is not None, fast_sigmoid_here(), gate_up is not None, product, cfg["BLOCK_M"], cfg["BLOCK_K"],
-        cfg.get("GROUP_M", 1), cfg["num_stages"], num_warps=4,
+        swiglu_limit is not None, fast_sigmoid_here(), gate_up is not None, product, tma_store, cfg["BLOCK_M"],
+        cfg["BLOCK_K"], cfg.get("GROUP_M", 1), cfg["num_stages"], num_warps=4,
     )
 
 

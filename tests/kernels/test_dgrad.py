@@ -212,7 +212,7 @@ def _fp8_block_case(kernel_device, T, H, I, E, topk, used_experts):
     return inp, *_schedule(inp, E)
 
 
-@pytest.mark.parametrize("path", ["fused", "product given"])
+@pytest.mark.parametrize("path", ["fused", "product given", "bf16 product given"])
 @pytest.mark.parametrize(
     "T, H, I, E, topk, limit, used_experts",
     [(37, 256, 128, 4, 2, None, 3), (19, 128, 256, 3, 1, 0.5, 3)],
@@ -221,7 +221,8 @@ def test_fp8_block_down_dgrad_swiglu(kernel_device, T, H, I, E, topk, limit, use
     """Against the same quantized math in torch (fp32 accumulation-order tolerance) and against
     the fp32 reference on the unquantized operands (SPEC's fp8_block bars). "product given": the
     epilogue alone (`down_dgrad_swiglu_epilogue`) on that math's product, NaN in every row no
-    route uses."""
+    route uses; "bf16 product given": on that product rounded to bf16 (the torch math then starts
+    from the rounded product too)."""
     inp, sched, rows, slots, experts, pad = _fp8_block_case(kernel_device, T, H, I, E, topk, used_experts)
     ctx = f"{T=} {H=} {I=} {E=} {topk=} {limit=} {used_experts=} {path=}"
     assert dgrad.fp8_block_down_dgrad_gathers(H), f"the test wants the gathering path {ctx}"
@@ -242,6 +243,8 @@ def test_fp8_block_down_dgrad_swiglu(kernel_device, T, H, I, E, topk, limit, use
     else:
         product = torch.full((sched.capacity_rows, I), float("nan"))
         product[rows] = torch.einsum("nh,nih->ni", d_out_deq, w_down_deq)
+        if path == "bf16 product given":
+            product = product.bfloat16()
         d_gate_up, d_topk_weights = down_dgrad_swiglu_epilogue(
             product.to(kernel_device), inp.topk_weights, gate_up.to(kernel_device), sched, limit
         )
@@ -259,6 +262,8 @@ def test_fp8_block_down_dgrad_swiglu(kernel_device, T, H, I, E, topk, limit, use
     }
     for kind, (d_out_rows, w_down_rows) in operands.items():
         d_out_wd = torch.einsum("nh,nih->ni", d_out_rows, w_down_rows)  # [n, I], unweighted
+        if kind == "statement" and path == "bf16 product given":
+            d_out_wd = d_out_wd.bfloat16().float()
         d_g, d_u = reference.swiglu_backward(w[:, None] * d_out_wd, g, u, limit)
         expected_w = torch.zeros(T * topk)
         expected_w[slots] = (d_out_wd * h).sum(-1)
@@ -280,7 +285,8 @@ def test_fp8_block_down_dgrad_gathering_is_bitwise_the_sorted_copy(kernel_device
     through TMA) give the same bits: a route's row is its token's, and the products and their
     order are the same; a NaN in one token reaches its routes' rows in both. On Hopper the default
     either way, the warp-specialized GEMM into an fp32 product and the epilogue on it, gives
-    d_gate_up's bits too, and d_topk_weights to fp32 rounding (its row sums reduce in another order)."""
+    d_gate_up's bits too, and d_topk_weights to fp32 rounding (its row sums reduce in another order)
+    (a bf16 product: `test_fp8_block_down_dgrad_product_is_the_triton_kernel`)."""
     T, H, I, E, topk = 37, 256, 128, 4, 2
     inp, sched, rows, slots, experts, pad = _fp8_block_case(kernel_device, T, H, I, E, topk, 3)
     gen = torch.Generator().manual_seed(5)
@@ -296,6 +302,7 @@ def test_fp8_block_down_dgrad_gathering_is_bitwise_the_sorted_copy(kernel_device
             runs[f"{name}, warp-specialized product"] = (gathers, warp_specialized.fp8_block_tile_config())
     outputs = {}
     monkeypatch.setattr(dgrad, "WARP_SPECIALIZED_FP8_BLOCK_DOWN_DGRAD_PRODUCT", False)  # H alone picks the rows
+    monkeypatch.setattr(dgrad, "FP8_BLOCK_DOWN_DGRAD_PRODUCT_BF16", False)
     for run, (gathers, tiles) in runs.items():
         monkeypatch.setattr(dgrad, "GATHERED_FP8_BLOCK_DOWN_DGRAD_MAX_HIDDEN", H if gathers else H - 1)
         d_out_pair = quantize_fp8_block_activations(d_out) if gathers else quantize_fp8_block_gathered(d_out, sched, topk)

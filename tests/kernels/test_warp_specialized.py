@@ -143,30 +143,35 @@ def test_fp8_block_kernels_compile_for_sm90a_without_spills(kernel, wide):
     assert registers == 168 and spilled <= allowed_spill, f"{kernel}, {wide=}: (registers, spilled bytes) {report}"
 
 
-@pytest.mark.parametrize("product", [False, True])
-def test_fp8_block_gate_up_compiles_for_sm90a_without_spills(product):
+@pytest.mark.parametrize("product, tma_store", [(False, True), (False, False), ("fp32", False), ("bf16", True)])
+def test_fp8_block_gate_up_compiles_for_sm90a_without_spills(product, tma_store):
     """The forward's fp8_block gate/up (x's rows gathered by cp.async, g and u as a consumer's two
     accumulators, the SwiGLU and h-quantizing epilogue on them): 168 registers per thread at
     launch, nothing spilled but 12 bytes (in the SASS: three values of consumer 0, stored once at
     the start and reloaded once per tile, before its K loop; none in the K loops). x and H
     aligned, as fp8_block's H is a multiple of 128: 16-byte copies. With PRODUCT, the down
-    dgrad's product over dOut's gathered token rows (both accumulators stored in fp32, without
-    the h epilogue): no more than 8 bytes."""
+    dgrad's product over dOut's gathered token rows (both accumulators stored in fp32 or bf16,
+    without the h epilogue): no more than 8 bytes. TMA_STORE (the gate/up and the bf16 product):
+    the same, and the shared memory within the H200's 227 KB."""
     cfg = ws.fp8_block_tile_config()
-    meta = dict(HAS_LIMIT=not product, FAST_SIGMOID=True, STORE_GATE_UP=not product, PRODUCT=product,
-                BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], STAGES=cfg["num_stages"])
+    meta = dict(HAS_LIMIT=not product, FAST_SIGMOID=True, STORE_GATE_UP=not product, PRODUCT=bool(product),
+                TMA_STORE=tma_store, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
+                STAGES=cfg["num_stages"])
     fp8, half = torch.float8_e4m3fn, (cfg["BLOCK_N"] // 2, cfg["BLOCK_K"])
+    box = (cfg["BLOCK_M"] // 2, 128)
     signature = {
         "x_ptr": "*u8", "w_gate_desc": _descriptor_type(half, fp8), "w_up_desc": _descriptor_type(half, fp8),
-        "h_ptr": "*fp32" if product else "*u8", "h_scale_ptr": "*fp32", "gate_up_ptr": "*bf16", "x_scale_ptr": "*fp32",
+        "h_ptr": f"*{product}" if product else "*u8", "h_scale_ptr": "*fp32", "gate_up_ptr": "*bf16",
+        "h_desc": _descriptor_type(box, torch.bfloat16 if product else fp8), "gate_up_desc": _descriptor_type(box),
+        "x_scale_ptr": "*fp32",
         "w_gate_scale_ptr": "*fp32", "w_up_scale_ptr": "*fp32", "row_source_ptr": "*i32", "tile_expert_ptr": "*i32",
         "num_rows_ptr": "*i32", "topk": "i32", "hidden": "i32", "inter": "i32", "swiglu_limit": "fp32",
         **{name: "constexpr" for name in meta},
     }
     registers, spilled = _ptxas_report("_gathered_ws_kernel", signature, meta, aligned=("x_ptr", "hidden"))
-    report = f"{product=}: (registers, spilled bytes) {(registers, spilled)}"
+    report = f"{product=} {tma_store=}: (registers, spilled bytes) {(registers, spilled)}"
     assert registers == 168 and spilled <= (8 if product else 12), report
-    if not product:
+    if not product and not tma_store:
         assert spilled == 12, "the gate/up's count above changed: update the docstring"
 
 
@@ -375,7 +380,9 @@ def test_fp8_block_down_dgrad_product_is_the_triton_kernel(T, H, I, E, topk, ske
     """The fp8_block down dgrad as the warp-specialized GEMM into an fp32 product (dOut's sorted
     rows through TMA, or its token rows gathered by the producer) and the epilogue on it:
     d_gate_up bitwise the fused Triton kernel's on every row in use (padding rows' zeros
-    included), d_topk_weights to fp32 rounding (row sums in another order)."""
+    included), d_topk_weights to fp32 rounding (row sums in another order). Into a bf16 product
+    (the default): each d_g, d_u within the product's and the output's bf16 roundings (2^-7
+    relative), padding rows' zeros exact, d_topk_weights within 2^-7 of its largest."""
     assert dgrad_config("down", I, H, "fp8_block").get("WARP_SPECIALIZED"), "the default on Hopper"
     monkeypatch.setattr(dgrad, "WARP_SPECIALIZED_FP8_BLOCK_DOWN_DGRAD_PRODUCT", False)  # H alone picks the rows
     monkeypatch.setattr(dgrad, "GATHERED_FP8_BLOCK_DOWN_DGRAD_MAX_HIDDEN", 1 << 20 if gathers else 0)
@@ -387,14 +394,22 @@ def test_fp8_block_down_dgrad_product_is_the_triton_kernel(T, H, I, E, topk, ske
     w_down_t = fp8_block_quantize(inp.w_down)[2:]
     run = lambda cfg: down_dgrad_swiglu_fp8_block(*d_out, inp.topk_weights, gate_up, *w_down_t, sched,  # noqa: E731
                                                   swiglu_limit, tile_config=cfg)
-    got = run(ws.fp8_block_tile_config())
     expected = run(dgrad_config("down", I, H, "fp8_block", allow_warp_specialized=False))
     rows = int(sched.num_rows.item())
     params = f"{T=} {H=} {I=} {E=} {topk=} {skewed=} {swiglu_limit=} {gathers=}"
-    _check_bitwise(got[0][:rows], expected[0][:rows], f"d_gate_up {params}")
     scale = expected[1].abs().max().item()
+    with monkeypatch.context() as exact:
+        exact.setattr(dgrad, "FP8_BLOCK_DOWN_DGRAD_PRODUCT_BF16", False)
+        got = run(ws.fp8_block_tile_config())
+    _check_bitwise(got[0][:rows], expected[0][:rows], f"d_gate_up {params}")
     torch.testing.assert_close(got[1], expected[1], rtol=2.0**-16, atol=2.0**-16 * scale,
                                msg=lambda m: f"d_topk_weights {params}: {m}")
+    assert dgrad.FP8_BLOCK_DOWN_DGRAD_PRODUCT_BF16, "the default"
+    got = run(ws.fp8_block_tile_config())
+    torch.testing.assert_close(got[0][:rows].float(), expected[0][:rows].float(), rtol=2.0**-7, atol=0.0,
+                               msg=lambda m: f"d_gate_up, bf16 product {params}: {m}")
+    torch.testing.assert_close(got[1], expected[1], rtol=2.0**-7, atol=2.0**-7 * scale,
+                               msg=lambda m: f"d_topk_weights, bf16 product {params}: {m}")
 
 
 @hopper
