@@ -134,7 +134,7 @@ FP8_WGRAD_TMA_STORE = True
 # of a layout change through shared memory and 16-byte register stores (`_gate_up_epilogue`).
 # 224 KB of shared memory with the 3-stage ring (the gate/up: 144 KB ring, 80 KB buffers). H200,
 # qwen3-30b profile (log h200-20261203-ab-fp8-block-v31.log): the gate/up and the product's two
-# launches 1.318 -> 1.223 ms; outputs bitwise those of the register stores.
+# launches 1.318 -> 1.223 ms; the gate/up's outputs still bitwise the Triton kernel's (GPU tests).
 GATHERED_TMA_STORE = True
 # The same for the bf16 cooperative wgrads, whose ring then holds 3 stages (`wgrad_tile_config`)
 # so that the buffers fit. H200: their stores were 7–10% of mixtral-8x7b's and 6–7% of
