@@ -10,10 +10,11 @@
                    and the weights' 128×128 blocks (`grouped_gemm.py`'s and `dgrad.py`'s fp8_block)
     fp8_block gate/up: h[r] = SwiGLU(x[src(r) // topk] · Wg[e]ᵀ, x[…] · Wu[e]ᵀ), quantized in 1×128
                    blocks (`grouped_gemm.gate_up_swiglu_fp8_block`); x's e4m3 token rows gathered
-                   by the producer (cp.async: Hopper's TMA cannot gather)
-    fp8_block down dgrad's product: a[r] = dOut[src(r) // topk] · Wd[e] in fp32, stored at the sorted
-                   row r (the gate/up's kernel, dOut's token rows gathered; over its sorted rows,
-                   the scatter kernel without the scatter); `dgrad.py` runs the SwiGLU backward on it
+                   by the producer (cp.async: Hopper's TMA cannot gather), h_q, g, u stored by TMA
+    fp8_block down dgrad's product: a[r] = dOut[src(r) // topk] · Wd[e] in bf16 (or fp32), stored at
+                   the sorted row r (the gate/up's kernel, dOut's token rows gathered, bf16 stored by
+                   TMA; over its sorted rows, the scatter kernel without the scatter); `dgrad.py`
+                   runs the SwiGLU backward on it
 
 Legend: r a row of the expert-sorted layout of `schedule.py`, src(r) = row_source[r]
 (−1: padding), e = tile_expert[r // BLOCK_M], H hidden, I intermediate size, E_l local experts.
