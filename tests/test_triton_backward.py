@@ -514,6 +514,30 @@ def test_low_precision_layer_run_twice_and_weight_cache(kernel_device, monkeypat
         assert torch.equal(_bits(got), _bits(expected)), ctx
 
 
+def test_fp8_block_wgrads_requantize_the_forwards_copies(kernel_device, monkeypatch):
+    """fp8_block with `functional.FP8_BLOCK_WGRADS_REQUANTIZE` (the default): the forward's
+    context holds x's and h's e4m3 copies and the backward takes them out; against the flag off,
+    out, d_x and d_topk_weights are bitwise the same and every routed weight gradient differs
+    (their operands are quantized twice), both ways within SPEC's bars."""
+    layer = _RecordedLayer(kernel_device, monkeypatch, "fp8_block", seed=4)
+    copies = {"x_q", "x_scale", "h_q", "h_scale"}
+    out, context = layer.forward()
+    assert copies <= set(context.saved), f"{set(context.saved)} {layer.ctx}"
+    grads = layer.backward(context, release_context=True)
+    assert not copies & set(context.saved), f"the backward leaves {set(context.saved)} {layer.ctx}"
+    monkeypatch.setattr(functional, "FP8_BLOCK_WGRADS_REQUANTIZE", False)
+    out_off, context_off = layer.forward()
+    assert not copies & set(context_off.saved), f"{set(context_off.saved)} {layer.ctx}"
+    grads_off = layer.backward(context_off)
+    assert torch.equal(out, out_off), layer.ctx
+    for name in ("d_x", "d_topk_weights"):
+        assert torch.equal(getattr(grads, name), getattr(grads_off, name)), f"{name} {layer.ctx}"
+    for name in ("d_w_gate", "d_w_up", "d_w_down"):
+        assert not torch.equal(getattr(grads, name), getattr(grads_off, name)), f"{name}: the same {layer.ctx}"
+    for g in (grads, grads_off):
+        _assert_low_precision_within_bars("fp8_block", out, g, layer.inp, layer.d_out, layer.ctx)
+
+
 @pytest.mark.parametrize("precision", ["fp8_block", "mxfp8"])
 def test_backward_reads_the_forwards_weight_copies(kernel_device, monkeypatch, precision):
     """Where no copy is cached between forward and backward (a step captured in a CUDA graph or
