@@ -418,7 +418,8 @@ def test_fp8_block_down_dgrad_product_is_the_triton_kernel(T, H, I, E, topk, ske
 @pytest.mark.parametrize("T, H, I, E, topk, skewed", _FP8_CASES)
 def test_fp8_block_gate_up_is_bitwise_the_triton_kernel(T, H, I, E, topk, skewed, swiglu_limit):
     """The forward's fp8_block gate/up, x's rows gathered by the producer: h_q, h_scale and the
-    saved g, u bitwise the Triton kernel's, on every row in use (padding rows included)."""
+    saved g, u bitwise the Triton kernel's, on every row in use (padding rows included); h_q and
+    h_scale again without g, u."""
     inp, sched = _inputs(T, H, I, E, topk, skewed, seed=7)
     (wg_q, wg_s, _, _), (wu_q, wu_s, _, _) = (fp8_block_quantize(w) for w in (inp.w_gate, inp.w_up))
     x_q = quantize_fp8_block_activations(inp.x)
@@ -431,6 +432,13 @@ def test_fp8_block_gate_up_is_bitwise_the_triton_kernel(T, H, I, E, topk, skewed
     for name, g, e in zip(("h_q", "h_scale", "gate_up"), got, expected, strict=True):
         _check_bitwise(g[:rows].view(torch.uint8) if name == "h_q" else g[:rows],
                        e[:rows].view(torch.uint8) if name == "h_q" else e[:rows], f"{name} {params}")
+    # without g, u (a forward that needs no backward): h alone, through its own TMA store
+    h_q, h_scale, gate_up = gate_up_swiglu_fp8_block(*x_q, wg_q, wg_s, wu_q, wu_s, sched, topk,
+                                                     swiglu_limit=swiglu_limit, store_gate_up=False,
+                                                     tile_config=ws.fp8_block_tile_config())
+    assert gate_up is None, params
+    _check_bitwise(h_q[:rows].view(torch.uint8), expected[0][:rows].view(torch.uint8), f"h_q alone {params}")
+    _check_bitwise(h_scale[:rows], expected[1][:rows], f"h_scale alone {params}")
 
 
 @hopper
