@@ -490,11 +490,10 @@ def _expert_mlp(x, w_gate, w_up, w_down, routing, block_m, topk, num_slots, swig
             needs_backward,
         )
         y = ops.down_scatter_fp8_block(h_q, h_scale, w_down.q, w_down.scale, routing, block_m, num_slots)
-        if not needs_backward:
-            return y, {}
-        if not FP8_BLOCK_WGRADS_REQUANTIZE:
-            return y, {"gate_up": gate_up}
-        return y, {"gate_up": gate_up, "x_q": x_q, "x_scale": x_scale, "h_q": h_q, "h_scale": h_scale}
+        saved = {"gate_up": gate_up} if needs_backward else {}
+        if needs_backward and FP8_BLOCK_WGRADS_REQUANTIZE:
+            saved.update(x_q=x_q, x_scale=x_scale, h_q=h_q, h_scale=h_scale)
+        return y, saved
     mxfp8 = isinstance(w_gate, _Mxfp8Weight)
     if mxfp8:
         x = ops.mxfp8_round(x)[0]  # [T, H] on the grid along H
@@ -754,13 +753,16 @@ def _fp8_block_backward_routed(d_out, x, topk_weights, weights, main_grads, save
     # The wgrads' operands down the rows: with the forward's e4m3 copies, x and h requantized from them and w·dOut
     # from dOut's per-token copy (where the down dgrad read one); else x and w·dOut from their bf16 token rows and
     # h recomputed from g, u. Pairs of (e4m3 rows [T or rows, W], their scales [·, W/128]), or (bf16 rows, None).
+    # h's goes first, so that g, u are freed before the gate/up GEMMs.
     requantize = "x_q" in saved
     x_pair = (saved.pop("x_q"), saved.pop("x_scale")) if requantize else (x, None)
     dy_pair = d_out_pair if requantize and per_token_d_out else (d_out, None)
     del d_out_pair
     if requantize:
         h_t = ops.quantize_fp8_block_sorted_t(saved.pop("h_q"), routing, block_m, saved.pop("h_scale"))  # [I, rows]
-        del gate_up
+    else:
+        h_t = ops.quantize_fp8_block_swiglu_sorted_t(gate_up, routing, block_m, swiglu_limit)  # [I, rows]
+    del gate_up
     d_gate_pair, d_up_pair = (ops.quantize_fp8_block_activations(d_gate_up[:, j], rows_in_use) for j in (0, 1))
     dx_slots = ops.gate_up_dgrad_scatter_fp8_block(
         *d_gate_pair, *d_up_pair, w_gate.q_t, w_gate.scale_t, w_up.q_t, w_up.scale_t, routing, block_m, num_slots
@@ -778,9 +780,6 @@ def _fp8_block_backward_routed(d_out, x, topk_weights, weights, main_grads, save
     del d_gate_up_t, x_t
     dy_t = ops.quantize_fp8_block_gathered_t(dy_pair[0], topk_weights, routing, block_m, topk, dy_pair[1])
     del dy_pair
-    if not requantize:
-        h_t = ops.quantize_fp8_block_swiglu_sorted_t(gate_up, routing, block_m, swiglu_limit)  # [I, rows]
-        del gate_up
     d_w_down = _weight_grads(
         ops.down_wgrad, ops.down_wgrad_accumulate, (dy_t[0], h_t[0]), (main_down,), routing, block_m,
         scales=(dy_t[1], h_t[1]),

@@ -577,12 +577,19 @@ def quantize_fp8_block_activations(
     return q.view(torch.float8_e4m3fn), scale
 
 
-def _check_token_rows(name: str, x: torch.Tensor, schedule: RoutingSchedule, topk: int) -> None:
-    """x: bf16 token rows [T, W] on the schedule's device (the schedule's routes are T·topk)."""
-    _check_input(name, x, (2,), "2-D [T, W]")
-    if x.dtype != torch.bfloat16 or x.device != schedule.row_source.device:
-        raise ValueError(f"{name}: expected bf16 token rows [T, W] on {schedule.row_source.device}, "
-                         f"got {x.dtype} {list(x.shape)} on {x.device}")
+def _check_token_rows(name: str, x: torch.Tensor, schedule: RoutingSchedule, topk: int,
+                      x_scale: torch.Tensor | None = None) -> None:
+    """x: bf16 token rows [T, W] on the schedule's device (the schedule's routes are T·topk), or
+    with `x_scale` e4m3 ones and their 1×128 row scales (`_check_row_scaled`)."""
+    if x_scale is None:
+        _check_input(name, x, (2,), "2-D [T, W]")
+        if x.dtype != torch.bfloat16 or x.device != schedule.row_source.device:
+            raise ValueError(f"{name}: expected bf16 token rows [T, W] on {schedule.row_source.device}, "
+                             f"got {x.dtype} {list(x.shape)} on {x.device}")
+    else:
+        _check_row_scaled(name, x, x_scale, "2-D [T, W]")
+        if x.device != schedule.row_source.device:
+            raise ValueError(f"{name}: expected token rows on {schedule.row_source.device}, got {x.device}")
     if topk < 1:
         raise ValueError(f"topk: expected at least 1, got {topk}")
 
@@ -752,14 +759,7 @@ def quantize_fp8_block_gathered_t(
     row r's element is q · (w · s) in fp32 (q · s without router weights), not rounded to bf16:
     the wgrad's operand is quantized twice, along H and then down the rows, as DeepSeek-V3's
     recipe does with the activations it caches in FP8."""
-    if a_scale is None:
-        _check_token_rows("a", a, schedule, topk)
-    else:
-        _check_row_scaled("a", a, a_scale, "2-D [T, W]")
-        if a.device != schedule.row_source.device:
-            raise ValueError(f"a: expected token rows on {schedule.row_source.device}, got {a.device}")
-        if topk < 1:
-            raise ValueError(f"topk: expected at least 1, got {topk}")
+    _check_token_rows("a", a, schedule, topk, a_scale)
     if topk_weights is not None and (
         topk_weights.dtype != torch.float32 or tuple(topk_weights.shape) != (a.shape[0], topk)
         or not topk_weights.is_contiguous() or topk_weights.device != a.device
