@@ -93,6 +93,11 @@ def pack_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> tuple[torch.Tensor
 # h200-20261203-fp8-requantize.log): the transposing quantizers 0.683 -> 0.613-0.622 ms on
 # qwen3-30b, 1.066 -> 0.994-0.995 on deepseek-v3-slice. The forward keeps T·H + rows·I more bytes.
 FP8_BLOCK_WGRADS_REQUANTIZE = True
+# fp8_block: the down dgrad's epilogue quantizes d_g, d_u in 1×128 blocks along I itself (the
+# gate/up dgrad's operands, bitwise what the per-token quantizer makes of its bf16 output), and
+# the gate/up wgrad's d_gᵀ, d_uᵀ are requantized from those e4m3 copies down the rows, as x, h and
+# w·dOut are with FP8_BLOCK_WGRADS_REQUANTIZE: no bf16 d_g, d_u, no separate quantizer launches.
+FP8_BLOCK_D_GATE_UP_QUANTIZED = True
 
 
 class MoKError(RuntimeError):
@@ -737,7 +742,9 @@ def _fp8_block_backward_routed(d_out, x, topk_weights, weights, main_grads, save
     rows for the wgrads, each bitwise what quantizing `gather_sorted_rows`' copies gives; or,
     where the forward saved e4m3 copies of x and h (`FP8_BLOCK_WGRADS_REQUANTIZE`), x, h and
     w·dOut (from dOut's per-token copy, where the down dgrad gathers it) requantized down the
-    rows from their 1×128 blocks along H and I."""
+    rows from their 1×128 blocks along H and I. With `FP8_BLOCK_D_GATE_UP_QUANTIZED` the down
+    dgrad's epilogue quantizes d_g, d_u along I for the gate/up dgrad, and d_gᵀ, d_uᵀ are
+    requantized from those copies too."""
     w_gate, w_up, w_down = weights
     main_gate, main_up, main_down = main_grads
     rows_in_use = routing[4]  # [1] int32: the schedule's num_rows; the quantizers skip the rest
@@ -747,8 +754,10 @@ def _fp8_block_backward_routed(d_out, x, topk_weights, weights, main_grads, save
     else:  # [rows, H] e4m3, [rows, H/128] fp32
         d_out_pair = ops.quantize_fp8_block_gathered(d_out, routing, block_m, topk)
     gate_up = saved.pop("gate_up")
-    d_gate_up, d_topk_weights = ops.down_dgrad_swiglu_fp8_block(
-        *d_out_pair, topk_weights, gate_up, w_down.q_t, w_down.scale_t, routing, block_m, swiglu_limit
+    # d_g, d_u: [rows, 2, I] bf16 (and an empty scale), or e4m3 with its 1×128 scales [rows, 2, I/128]
+    quantized = FP8_BLOCK_D_GATE_UP_QUANTIZED
+    d_gate_up, d_gate_up_scale, d_topk_weights = ops.down_dgrad_swiglu_fp8_block(
+        *d_out_pair, topk_weights, gate_up, w_down.q_t, w_down.scale_t, routing, block_m, swiglu_limit, quantized
     )
     # The wgrads' operands down the rows: with the forward's e4m3 copies, x and h requantized from them and w·dOut
     # from dOut's per-token copy (where the down dgrad read one); else x and w·dOut from their bf16 token rows and
@@ -763,14 +772,19 @@ def _fp8_block_backward_routed(d_out, x, topk_weights, weights, main_grads, save
     else:
         h_t = ops.quantize_fp8_block_swiglu_sorted_t(gate_up, routing, block_m, swiglu_limit)  # [I, rows]
     del gate_up
-    d_gate_pair, d_up_pair = (ops.quantize_fp8_block_activations(d_gate_up[:, j], rows_in_use) for j in (0, 1))
+    if quantized:
+        d_gate_pair, d_up_pair = ((d_gate_up[:, j], d_gate_up_scale[:, j]) for j in (0, 1))
+    else:
+        d_gate_pair, d_up_pair = (ops.quantize_fp8_block_activations(d_gate_up[:, j], rows_in_use) for j in (0, 1))
     dx_slots = ops.gate_up_dgrad_scatter_fp8_block(
         *d_gate_pair, *d_up_pair, w_gate.q_t, w_gate.scale_t, w_up.q_t, w_up.scale_t, routing, block_m, num_slots
     )
     del d_gate_pair, d_up_pair
     # Each wgrad's operands are quantized right before it runs: [W, rows] e4m3 and [rows / S, W] fp32 each.
-    d_gate_up_t = ops.quantize_fp8_block_sorted_t(d_gate_up.flatten(1), routing, block_m)  # d_gᵀ, d_uᵀ: [2·I, rows]
-    del d_gate_up
+    d_gate_up_t = ops.quantize_fp8_block_sorted_t(  # d_gᵀ, d_uᵀ: [2·I, rows]
+        d_gate_up.flatten(1), routing, block_m, d_gate_up_scale.flatten(1) if quantized else None
+    )
+    del d_gate_up, d_gate_up_scale
     x_t = ops.quantize_fp8_block_gathered_t(x_pair[0], None, routing, block_m, topk, x_pair[1])  # [H, rows]
     del x_pair
     d_w_gate, d_w_up = _weight_grads(

@@ -20,6 +20,7 @@ import functools
 
 import torch
 
+from mok.fp8_block import FP8_BLOCK
 from mok.kernels import combine as combine_kernels
 from mok.kernels import grouped_gemm
 from mok.kernels.schedule import RoutingSchedule, build_routing_schedule, capacity_rows
@@ -308,21 +309,32 @@ def down_dgrad_swiglu_fp8_block(
     schedule_tensors: list[torch.Tensor],
     block_m: int,
     swiglu_limit: float | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    quantize_d_gate_up: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`down_dgrad_swiglu` on dOut quantized in 1×128 blocks (its token rows, gathered by the
     GEMM, or its sorted rows: `dgrad.fp8_block_down_dgrad_gathers`) and w_down's transposed
-    fp8_block copy: d_gate_up [rows, 2, I] bf16, d_topk_weights [T, topk] fp32 (empty [0]
-    without topk_weights)."""
+    fp8_block copy: d_gate_up [rows, 2, I] bf16 and an empty [0] fp32, or with
+    `quantize_d_gate_up` d_gate_up [rows, 2, I] e4m3 and its scales [rows, 2, I/128] fp32 (1×128
+    blocks along I); d_topk_weights [T, topk] fp32 (empty [0] without topk_weights)."""
     routing = routing_from_tensors(schedule_tensors, block_m)
     d_gate_up, d_topk_weights = dgrad.down_dgrad_swiglu_fp8_block(
-        d_out_q, d_out_scale, topk_weights, gate_up, w_down_t_q, w_down_t_scale, routing, swiglu_limit
+        d_out_q, d_out_scale, topk_weights, gate_up, w_down_t_q, w_down_t_scale, routing, swiglu_limit,
+        quantize_d_gate_up=quantize_d_gate_up,
     )
-    return d_gate_up, _empty_if_none(d_topk_weights, gate_up)
+    if not quantize_d_gate_up:
+        d_gate_up = (d_gate_up, gate_up.new_empty(0, dtype=torch.float32))
+    return *d_gate_up, _empty_if_none(d_topk_weights, gate_up)
 
 
 @down_dgrad_swiglu_fp8_block.op.register_fake
-def _(d_out_q, d_out_scale, topk_weights, gate_up, w_down_t_q, w_down_t_scale, schedule_tensors, block_m, swiglu_limit):
-    return _fake_down_dgrad(gate_up, topk_weights)
+def _(d_out_q, d_out_scale, topk_weights, gate_up, w_down_t_q, w_down_t_scale, schedule_tensors, block_m, swiglu_limit,
+      quantize_d_gate_up=False):
+    d_gate_up, d_topk_weights = _fake_down_dgrad(gate_up, topk_weights)
+    if not quantize_d_gate_up:
+        return d_gate_up, gate_up.new_empty(0, dtype=torch.float32), d_topk_weights
+    rows, _, inter = gate_up.shape
+    return (gate_up.new_empty(gate_up.shape, dtype=torch.float8_e4m3fn),
+            gate_up.new_empty(rows, 2, inter // FP8_BLOCK, dtype=torch.float32), d_topk_weights)
 
 
 @_custom_op("gate_up_dgrad_scatter_fp8_block", ())

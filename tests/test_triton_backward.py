@@ -538,6 +538,25 @@ def test_fp8_block_wgrads_requantize_the_forwards_copies(kernel_device, monkeypa
         _assert_low_precision_within_bars("fp8_block", out, g, layer.inp, layer.d_out, layer.ctx)
 
 
+def test_fp8_block_d_gate_up_quantized_in_the_epilogue(kernel_device, monkeypatch):
+    """fp8_block with `functional.FP8_BLOCK_D_GATE_UP_QUANTIZED` (the default): against the flag
+    off, d_x is bitwise the same (the gate/up dgrad reads the same bytes), d_topk_weights equal
+    to fp32 rounding (its row sums in another order), d_w_down bitwise the same, and d_w_gate,
+    d_w_up differ (d_gᵀ, d_uᵀ quantized twice), both ways within SPEC's bars."""
+    layer = _RecordedLayer(kernel_device, monkeypatch, "fp8_block", seed=12)
+    out, context = layer.forward()
+    grads = layer.backward(context)
+    monkeypatch.setattr(functional, "FP8_BLOCK_D_GATE_UP_QUANTIZED", False)
+    grads_off = layer.backward(context)
+    assert torch.equal(grads.d_x, grads_off.d_x) and torch.equal(grads.d_w_down, grads_off.d_w_down), layer.ctx
+    torch.testing.assert_close(grads.d_topk_weights, grads_off.d_topk_weights, rtol=2.0**-16, atol=2.0**-20,
+                               msg=lambda m: f"d_topk_weights {layer.ctx}: {m}")
+    for name in ("d_w_gate", "d_w_up"):
+        assert not torch.equal(getattr(grads, name), getattr(grads_off, name)), f"{name}: the same {layer.ctx}"
+    for g in (grads, grads_off):
+        _assert_low_precision_within_bars("fp8_block", out, g, layer.inp, layer.d_out, layer.ctx)
+
+
 @pytest.mark.parametrize("precision", ["fp8_block", "mxfp8"])
 def test_backward_reads_the_forwards_weight_copies(kernel_device, monkeypatch, precision):
     """Where no copy is cached between forward and backward (a step captured in a CUDA graph or

@@ -66,9 +66,13 @@ above it, dOut's sorted rows are quantized straight from the token rows
 gathering the token rows at every H, and `_down_dgrad_swiglu_kernel` runs only its epilogue on it (PRODUCT_GIVEN,
 `down_dgrad_swiglu_epilogue`). d_gate_up[:, 0] and d_gate_up[:, 1]
 are quantized separately by `quantize_fp8_block_activations` (strided views, no copy), so
-each scale tensor is a plain [rows, K/128]. Padding rows quantize to zeros and stay exact
-zeros. d_gate_up is still stored in bf16: the gate/up wgrad reduces over rows, so it needs
-its own quantization.
+each scale tensor is a plain [rows, K/128]; or, with `quantize_d_gate_up`, by the epilogue
+itself into e4m3 [rows, 2, I] and scales [rows, 2, I/128] (the same bytes: its bf16 values
+through the quantizers' own `quantize_row_blocks`), which the gate/up dgrad reads as column
+views, rows 2·I bytes apart. The product's epilogue then takes EPILOGUE_ROWS rows at a time,
+each row's 128 columns together. Padding rows quantize to zeros and stay exact zeros. The
+gate/up wgrad reduces over rows, so it needs its own quantization, of the bf16 d_gate_up or
+of the e4m3 copy (`quant_fp8_block`'s SCALED transposing quantizer).
 
 Caller contract: the schedule was built with the same BLOCK_M as these kernels' tiles
 (checked); `gate_up` holds the forward's pre-activations for every row below `num_rows`.
@@ -107,6 +111,7 @@ from mok.kernels.grouped_gemm import (
     scatter_rows_to_slots,
     sorted_rows_tile,
 )
+from mok.kernels.quant_fp8_block import quantize_row_blocks
 from mok.kernels.schedule import RoutingSchedule
 from mok.kernels.swiglu import fast_sigmoid_here, swiglu_backward
 
@@ -175,6 +180,11 @@ WARP_SPECIALIZED_FP8_BLOCK_DOWN_DGRAD_PRODUCT = True
 # epilogue 0.329 -> 0.288 ms, the gathered kernel's two launches 1.437 -> 1.223 with the TMA stores
 # (`warp_specialized.GATHERED_TMA_STORE`), which an fp32 product does not fit.
 FP8_BLOCK_DOWN_DGRAD_PRODUCT_BF16 = True
+# Rows per step of the epilogue on a given product that quantizes d_g, d_u (PRODUCT_GIVEN and
+# QUANTIZED): each row's 128 columns together, so the chunk's d_g, d_u are all live at once. H200,
+# qwen3-30b profile (log h200-20261203-d-gate-up-quantized.log): 16 rows 0.330 ms (80 registers at 8
+# warps), 32 rows 0.465 (137), 64 rows 0.405 (236).
+_QUANTIZED_EPILOGUE_ROWS = 16
 
 
 # The bf16 down dgrad asks for its tile's g, u lines in L2 (a prefetch per 128-byte line) when its
@@ -281,16 +291,26 @@ def sorted_rows_times_weight(
 
 
 @triton.jit
+def _store_row_blocks(values, q_ptrs, scale_ptrs, mask, INTERPRETER: tl.constexpr):
+    """bf16 rows [R, 128], one 1×128 block each, stored as E4M3 bytes and their fp32 scales: the
+    bytes and scales `quantize_fp8_block_activations` makes of the same bf16 rows."""
+    q, scale = quantize_row_blocks(values, INTERPRETER)  # [R, 128] uint8, [R, 1] fp32
+    tl.store(q_ptrs, q, mask=mask)
+    tl.store(scale_ptrs, scale)
+
+
+@triton.jit
 def _down_dgrad_epilogue(
-    d_out_wd, w, row_valid, rows64, n0, gate_up_ptr, d_gate_up_ptr, weighted_h_ptr, inter, swiglu_limit,
-    stride_gu_r, stride_dgu_r, stride_wh_r,
-    HAS_LIMIT: tl.constexpr, STORE_WEIGHTED_H: tl.constexpr, INTERPRETER: tl.constexpr, FAST_SIGMOID: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    d_out_wd, w, row_valid, rows64, n0, gate_up_ptr, d_gate_up_ptr, d_gate_up_scale_ptr, weighted_h_ptr, inter,
+    swiglu_limit, stride_gu_r, stride_dgu_r, stride_dgu_scale_r, stride_wh_r,
+    HAS_LIMIT: tl.constexpr, STORE_WEIGHTED_H: tl.constexpr, QUANTIZED: tl.constexpr, INTERPRETER: tl.constexpr,
+    FAST_SIGMOID: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """The down dgrad's epilogue on columns [n0, n0 + BLOCK_N) of an M tile: d_g, d_u from
-    w·a and the saved g, u, stored (exact zeros in padding rows), and w·h with STORE_WEIGHTED_H;
-    returns the router-weight partials ⟨a, h⟩ over these columns (columns past I are zero on
-    both sides)."""
+    """The down dgrad's epilogue on columns [n0, n0 + BLOCK_N) of some rows: d_g, d_u from w·a
+    and the saved g, u, stored in bf16 (exact zeros in padding rows), or with QUANTIZED (BLOCK_N
+    is one 128-column scale block) those bf16 values quantized along I; w·h with
+    STORE_WEIGHTED_H; returns the router-weight partials ⟨a, h⟩ over these columns (columns
+    past I are zero on both sides)."""
     n_offs = n0 + tl.arange(0, BLOCK_N)
     out_mask = (n_offs < inter)[None, :]
     gu_ptrs = gate_up_ptr + rows64[:, None] * stride_gu_r + n_offs[None, :]
@@ -299,9 +319,16 @@ def _down_dgrad_epilogue(
     d_gate, d_up, h = swiglu_backward(w[:, None] * d_out_wd, gate, up, swiglu_limit, HAS_LIMIT, FAST_SIGMOID)
     # Padding rows: exact zeros whatever the saved g, u hold there.
     valid = row_valid[:, None]
+    d_gate = round_to_bf16(tl.where(valid, d_gate, 0.0), INTERPRETER)
+    d_up = round_to_bf16(tl.where(valid, d_up, 0.0), INTERPRETER)
     dgu_ptrs = d_gate_up_ptr + rows64[:, None] * stride_dgu_r + n_offs[None, :]
-    tl.store(dgu_ptrs, round_to_bf16(tl.where(valid, d_gate, 0.0), INTERPRETER), mask=out_mask)
-    tl.store(dgu_ptrs + inter, round_to_bf16(tl.where(valid, d_up, 0.0), INTERPRETER), mask=out_mask)
+    if QUANTIZED:
+        scale_ptrs = d_gate_up_scale_ptr + rows64[:, None] * stride_dgu_scale_r + n0 // BLOCK_N
+        _store_row_blocks(d_gate, dgu_ptrs, scale_ptrs, out_mask, INTERPRETER)
+        _store_row_blocks(d_up, dgu_ptrs + inter, scale_ptrs + inter // BLOCK_N, out_mask, INTERPRETER)
+    else:
+        tl.store(dgu_ptrs, d_gate, mask=out_mask)
+        tl.store(dgu_ptrs + inter, d_up, mask=out_mask)
     if STORE_WEIGHTED_H:
         wh_ptrs = weighted_h_ptr + rows64[:, None] * stride_wh_r + n_offs[None, :]
         tl.store(wh_ptrs, round_to_bf16(tl.where(valid, w[:, None] * h, 0.0), INTERPRETER), mask=out_mask)
@@ -312,81 +339,121 @@ def _down_dgrad_epilogue(
 
 
 @triton.jit
+def _route_rows(rows, row_source_ptr):
+    """(whether each sorted row holds a route, its slot; 0 for padding)."""
+    source = tl.load(row_source_ptr + rows)
+    row_valid = source >= 0
+    return row_valid, tl.where(row_valid, source, 0)
+
+
+@triton.jit
+def _router_weights(slot, row_valid, topk_weights_ptr, HAS_WEIGHTS: tl.constexpr):
+    """Each row's router weight: 1 without HAS_WEIGHTS, 0 for padding."""
+    if HAS_WEIGHTS:
+        return tl.load(topk_weights_ptr + slot, mask=row_valid, other=0.0)
+    return tl.full(slot.shape, 1.0, tl.float32)
+
+
+@triton.jit
 def _down_dgrad_swiglu_kernel(
     # pointers (d_out's sorted rows through a TMA descriptor, GATHER_D_OUT: its token rows [T, H],
     # PRODUCT_GIVEN: the product a itself, fp32 or bf16 [capacity_rows, I], w_down unread; bf16: w_down
-    # [E_l, H, I]; fp8_block: e4m3, w_down as its transposed copy [E_l, I, H]; weighted_h: bf16
-    # [capacity_rows, I], written with STORE_WEIGHTED_H)
+    # [E_l, H, I]; fp8_block: e4m3, w_down as its transposed copy [E_l, I, H]; d_gate_up [capacity_rows, 2, I]
+    # bf16, QUANTIZED: uint8 e4m3 bytes; weighted_h: bf16 [capacity_rows, I], written with STORE_WEIGHTED_H)
     d_out, topk_weights_ptr, gate_up_ptr, w_down_desc, d_gate_up_ptr, route_partials_ptr, weighted_h_ptr,
-    # fp8_block scales (unused in bf16): d_out [rows or T, H/128], w_downᵀ [E_l, I/128, H/128]
-    d_out_scale_ptr, w_down_scale_ptr,
+    # fp8_block scales (unused in bf16): d_out [rows or T, H/128], w_downᵀ [E_l, I/128, H/128]; QUANTIZED:
+    # d_gate_up's, written [capacity_rows, 2, I/128]
+    d_out_scale_ptr, w_down_scale_ptr, d_gate_up_scale_ptr,
     # schedule
     row_source_ptr, tile_expert_ptr, num_rows_ptr,
     # sizes
     hidden, inter, max_m_tiles, swiglu_limit, topk,
     # strides
-    stride_gu_r, stride_dgu_r, stride_d_out_t, stride_wh_r,
+    stride_gu_r, stride_dgu_r, stride_dgu_scale_r, stride_d_out_t, stride_wh_r,
     # meta
     PRECISION: tl.constexpr, GATHER_D_OUT: tl.constexpr, PRODUCT_GIVEN: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
-    HAS_LIMIT: tl.constexpr, STORE_WEIGHTED_H: tl.constexpr, INTERPRETER: tl.constexpr, FAST_SIGMOID: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PREFETCH_GATE_UP: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, STORE_WEIGHTED_H: tl.constexpr, QUANTIZED: tl.constexpr, INTERPRETER: tl.constexpr,
+    FAST_SIGMOID: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, PREFETCH_GATE_UP: tl.constexpr, EPILOGUE_ROWS: tl.constexpr,
 ):
     num_n_tiles = tl.cdiv(inter, BLOCK_N)
     m_tile, n_tile = tile_coordinates(tl.program_id(0), max_m_tiles, num_n_tiles, GROUP_M)
     if m_tile * BLOCK_M >= tl.load(num_rows_ptr):
         return
+    n0 = n_tile * BLOCK_N
+    columns = n0 + tl.arange(0, BLOCK_N)
+    if PRODUCT_GIVEN and QUANTIZED:
+        # The product comes from memory, so the tile is taken EPILOGUE_ROWS rows at a time, each
+        # row's 128 columns (its scale block) together: only a chunk's d_g, d_u are live at once.
+        for chunk in tl.static_range(BLOCK_M // EPILOGUE_ROWS):
+            rows = m_tile * BLOCK_M + chunk * EPILOGUE_ROWS + tl.arange(0, EPILOGUE_ROWS)
+            row_valid, slot = _route_rows(rows, row_source_ptr)
+            w = _router_weights(slot, row_valid, topk_weights_ptr, HAS_WEIGHTS)
+            rows64 = rows.to(tl.int64)
+            d_out_wd = tl.load(d_out + rows64[:, None] * stride_d_out_t + columns[None, :],
+                               mask=(columns < inter)[None, :], other=0.0).to(tl.float32)
+            partial = _down_dgrad_epilogue(
+                d_out_wd, w, row_valid, rows64, n0, gate_up_ptr, d_gate_up_ptr, d_gate_up_scale_ptr,
+                weighted_h_ptr, inter, swiglu_limit, stride_gu_r, stride_dgu_r, stride_dgu_scale_r, stride_wh_r,
+                HAS_LIMIT, STORE_WEIGHTED_H, True, INTERPRETER, FAST_SIGMOID, BLOCK_N,
+            )
+            if HAS_WEIGHTS:
+                tl.store(route_partials_ptr + slot.to(tl.int64) * num_n_tiles + n_tile, partial, mask=row_valid)
+        return
     expert = tl.load(tile_expert_ptr + m_tile)
     rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    source = tl.load(row_source_ptr + rows)
-    row_valid = source >= 0
-    slot = tl.where(row_valid, source, 0)
+    row_valid, slot = _route_rows(rows, row_source_ptr)
     # a = dOut[t] · Wd[e] over H, unweighted.
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if PRODUCT_GIVEN:  # columns past I read as zeros: h is zero there too (g = u = 0)
-        columns = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
         d_out_wd = tl.load(d_out + rows.to(tl.int64)[:, None] * stride_d_out_t + columns[None, :],
                            mask=(columns < inter)[None, :], other=0.0).to(tl.float32)
     elif GATHER_D_OUT:  # fp8_block; Wd[e]ᵀ is [I, H]: K-major, its rows the N dim
         d_out_wd = gathered_rows_tile_fp8(
             d_out, d_out_scale_ptr, slot // topk, row_valid, w_down_desc, w_down_scale_ptr, expert,
-            n_tile * BLOCK_N, hidden, inter, stride_d_out_t, acc, BLOCK_K,
+            n0, hidden, inter, stride_d_out_t, acc, BLOCK_K,
         )
     elif PRECISION == "fp8_block":
-        d_out_wd = sorted_rows_tile(
-            d_out, d_out_scale_ptr, w_down_desc, w_down_scale_ptr, m_tile * BLOCK_M, expert, n_tile * BLOCK_N,
-            hidden, inter, acc, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRETER,
+        d_out_wd = sorted_rows_tile(  # dOut's scales: [rows, H/128], BLOCK_K the scale block
+            d_out, d_out_scale_ptr, w_down_desc, w_down_scale_ptr, m_tile * BLOCK_M, expert, n0,
+            hidden, inter, hidden // BLOCK_K, acc, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRETER,
         )
     else:  # Wd[e] is [H, I], so its rows are the K dim
         d_out_wd = sorted_rows_times_weight(
-            d_out, m_tile * BLOCK_M, w_down_desc, expert, n_tile * BLOCK_N, hidden, acc, BLOCK_K, INTERPRETER,
+            d_out, m_tile * BLOCK_M, w_down_desc, expert, n0, hidden, acc, BLOCK_K, INTERPRETER,
         )
     if PREFETCH_GATE_UP and BLOCK_N >= 64 and not INTERPRETER:  # whole 128-byte lines of g, u
         # The epilogue waits on its g, u loads a quarter at a time; asked for at once here, every
         # quarter but the first finds its lines in L2 (`DOWN_DGRAD_PREFETCH_GATE_UP`).
-        line_cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N // 64) * 64  # one per 128-byte line of g
+        line_cols = n0 + tl.arange(0, BLOCK_N // 64) * 64  # one per 128-byte line of g
         line_ptrs = gate_up_ptr + rows.to(tl.int64)[:, None] * stride_gu_r + line_cols[None, :]
         line_ok = (line_cols < inter)[None, :] & row_valid[:, None]
         prefetch_to_l2(tl.join(line_ptrs, line_ptrs + inter), tl.join(line_ok, line_ok))
-    w = tl.full((BLOCK_M,), 1.0, tl.float32)
-    if HAS_WEIGHTS:
-        w = tl.load(topk_weights_ptr + slot, mask=row_valid, other=0.0)
-    # The epilogue takes the tile a quarter of its columns at a time: with the whole tile, the
-    # accumulator, g, u, d_g and d_u live at once spilled 2.7 KB per thread at 128×128 and
-    # 8 warps (ptxas, sm_90a, triton 3.6); by quarters, 0.2 KB. At the 128×256 default ptxas
-    # reports 2.8 KB again, yet the wider tile measured faster (half the dOut re-reads), and
-    # eighths (1.7 KB) slower than quarters (BENCHMARKS.md).
+    w = _router_weights(slot, row_valid, topk_weights_ptr, HAS_WEIGHTS)
     rows64 = rows.to(tl.int64)
-    partial = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    halves = column_halves(d_out_wd)
-    for half in tl.static_range(2):
-        quarters = column_halves(halves[half])
-        for quarter in tl.static_range(2):
-            partial += _down_dgrad_epilogue(
-                quarters[quarter], w, row_valid, rows64, n_tile * BLOCK_N + (2 * half + quarter) * (BLOCK_N // 4),
-                gate_up_ptr, d_gate_up_ptr, weighted_h_ptr, inter, swiglu_limit, stride_gu_r, stride_dgu_r,
-                stride_wh_r, HAS_LIMIT, STORE_WEIGHTED_H, INTERPRETER, FAST_SIGMOID, BLOCK_N // 4,
-            )
+    if QUANTIZED:  # the whole tile at once: a row's 128 columns are its scale block
+        partial = _down_dgrad_epilogue(
+            d_out_wd, w, row_valid, rows64, n0, gate_up_ptr, d_gate_up_ptr, d_gate_up_scale_ptr, weighted_h_ptr,
+            inter, swiglu_limit, stride_gu_r, stride_dgu_r, stride_dgu_scale_r, stride_wh_r,
+            HAS_LIMIT, STORE_WEIGHTED_H, True, INTERPRETER, FAST_SIGMOID, BLOCK_N,
+        )
+    else:
+        # The epilogue takes the tile a quarter of its columns at a time: with the whole tile, the
+        # accumulator, g, u, d_g and d_u live at once spilled 2.7 KB per thread at 128×128 and
+        # 8 warps (ptxas, sm_90a, triton 3.6); by quarters, 0.2 KB. At the 128×256 default ptxas
+        # reports 2.8 KB again, yet the wider tile measured faster (half the dOut re-reads), and
+        # eighths (1.7 KB) slower than quarters (BENCHMARKS.md).
+        partial = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        halves = column_halves(d_out_wd)
+        for half in tl.static_range(2):
+            quarters = column_halves(halves[half])
+            for quarter in tl.static_range(2):
+                partial += _down_dgrad_epilogue(
+                    quarters[quarter], w, row_valid, rows64, n0 + (2 * half + quarter) * (BLOCK_N // 4),
+                    gate_up_ptr, d_gate_up_ptr, d_gate_up_scale_ptr, weighted_h_ptr, inter, swiglu_limit,
+                    stride_gu_r, stride_dgu_r, stride_dgu_scale_r, stride_wh_r, HAS_LIMIT, STORE_WEIGHTED_H, False,
+                    INTERPRETER, FAST_SIGMOID, BLOCK_N // 4,
+                )
     if HAS_WEIGHTS:
         tl.store(route_partials_ptr + slot.to(tl.int64) * num_n_tiles + n_tile, partial, mask=row_valid)
 
@@ -409,7 +476,7 @@ def _sum_route_partials_kernel(
 def _gate_up_dgrad_tile(
     d_gate_desc, d_up_desc, w_gate_desc, w_up_desc, dx_ptr,
     d_gate_scale_ptr, d_up_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr,
-    row_source_ptr, tile_expert_ptr, m_tile, n_tile, hidden, inter, stride_dx_s,
+    row_source_ptr, tile_expert_ptr, m_tile, n_tile, hidden, inter, stride_dx_s, stride_d_gu_scale_r,
     out_peer_ptrs, return_route_ptr, capacity, num_out_rows,
     PRECISION: tl.constexpr, INTERPRETER: tl.constexpr, PEER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -424,12 +491,12 @@ def _gate_up_dgrad_tile(
     dx = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if PRECISION == "fp8_block":  # the weights' transposed copies [H, I]: K-major
         dx = sorted_rows_tile(
-            d_gate_desc, d_gate_scale_ptr, w_gate_desc, w_gate_scale_ptr, m0, expert, n0, inter, hidden, dx,
-            PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRETER,
+            d_gate_desc, d_gate_scale_ptr, w_gate_desc, w_gate_scale_ptr, m0, expert, n0, inter, hidden,
+            stride_d_gu_scale_r, dx, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRETER,
         )
         dx = sorted_rows_tile(
-            d_up_desc, d_up_scale_ptr, w_up_desc, w_up_scale_ptr, m0, expert, n0, inter, hidden, dx,
-            PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRETER,
+            d_up_desc, d_up_scale_ptr, w_up_desc, w_up_scale_ptr, m0, expert, n0, inter, hidden,
+            stride_d_gu_scale_r, dx, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRETER,
         )
     else:
         dx = sorted_rows_times_weight(d_gate_desc, m0, w_gate_desc, expert, n0, inter, dx, BLOCK_K, INTERPRETER)
@@ -449,8 +516,8 @@ def _gate_up_dgrad_scatter_kernel(
     row_source_ptr, tile_expert_ptr, num_rows_ptr,
     # sizes (num_programs: the grid)
     hidden, inter, num_sms, num_programs,
-    # strides
-    stride_dx_s,
+    # strides (fp8_block: one row stride for d_g's and d_u's scales)
+    stride_dx_s, stride_d_gu_scale_r,
     # expert parallelism (PEER): rows to the sources' slots on their ranks, then one arrival per program
     out_peer_ptrs, return_route_ptr, capacity, num_out_rows, arrivals_peer_ptrs, arrival_slot, num_ranks,
     # meta
@@ -466,7 +533,7 @@ def _gate_up_dgrad_scatter_kernel(
             _gate_up_dgrad_tile(
                 d_gate_desc, d_up_desc, w_gate_desc, w_up_desc, dx_ptr,
                 d_gate_scale_ptr, d_up_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr,
-                row_source_ptr, tile_expert_ptr, m_tile, n_tile, hidden, inter, stride_dx_s,
+                row_source_ptr, tile_expert_ptr, m_tile, n_tile, hidden, inter, stride_dx_s, stride_d_gu_scale_r,
                 out_peer_ptrs, return_route_ptr, capacity, num_out_rows,
                 PRECISION, INTERPRETER, PEER, BLOCK_M, BLOCK_N, BLOCK_K,
             )
@@ -477,7 +544,7 @@ def _gate_up_dgrad_scatter_kernel(
             _gate_up_dgrad_tile(
                 d_gate_desc, d_up_desc, w_gate_desc, w_up_desc, dx_ptr,
                 d_gate_scale_ptr, d_up_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr,
-                row_source_ptr, tile_expert_ptr, m_tile, n_tile, hidden, inter, stride_dx_s,
+                row_source_ptr, tile_expert_ptr, m_tile, n_tile, hidden, inter, stride_dx_s, stride_d_gu_scale_r,
                 out_peer_ptrs, return_route_ptr, capacity, num_out_rows,
                 PRECISION, INTERPRETER, PEER, BLOCK_M, BLOCK_N, BLOCK_K,
             )
@@ -487,6 +554,7 @@ def _gate_up_dgrad_scatter_kernel(
                     d_gate_desc, d_up_desc, w_gate_half_desc, w_up_half_desc, dx_ptr,
                     d_gate_scale_ptr, d_up_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr,
                     row_source_ptr, tile_expert_ptr, m_tile, 2 * n_tile + half, hidden, inter, stride_dx_s,
+                    stride_d_gu_scale_r,
                     out_peer_ptrs, return_route_ptr, capacity, num_out_rows,
                     PRECISION, INTERPRETER, PEER, BLOCK_M, BLOCK_N // 2, BLOCK_K,
                 )
@@ -533,14 +601,26 @@ def _launch_down_dgrad_swiglu(
     precision: str, d_out, d_out_scale, topk_weights, gate_up, w_down, w_down_scale,
     schedule: RoutingSchedule, hidden: int, inter: int, swiglu_limit: float | None, cfg: dict,
     gathered: bool = False, product_given: bool = False, weighted_h: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    quantize: bool = False,
+) -> tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]:
     """`_down_dgrad_swiglu_kernel`, then the router-weight sum; the scales are None in bf16.
     `gathered` (fp8_block): d_out is dOut's token rows, gathered by the loads. With
     `product_given`, d_out is the product a [capacity_rows, I] fp32 and the weight unread.
-    `weighted_h`: checked by the caller, receives w·h."""
+    `weighted_h`: checked by the caller, receives w·h. With `quantize` (fp8_block, tiles of
+    128 columns) d_gate_up is the pair (e4m3, scales) of `down_dgrad_swiglu_fp8_block`'s."""
     device = gate_up.device
     num_n_tiles = triton.cdiv(inter, cfg["BLOCK_N"])
-    d_gate_up = torch.empty_like(gate_up)  # [capacity_rows, 2, I] bf16
+    if quantize:
+        if cfg["BLOCK_N"] != FP8_BLOCK:
+            raise ValueError(f"tile_config: quantizing d_gate_up needs BLOCK_N {FP8_BLOCK} (one scale block), "
+                             f"got {cfg['BLOCK_N']}")
+        d_gate_up = torch.empty(gate_up.shape, dtype=torch.uint8, device=device)  # [capacity_rows, 2, I] e4m3
+        # [capacity_rows, 2, I/128] fp32: flattened, each row's 1×128 blocks along [2·I]
+        d_gate_up_scale = torch.empty(*gate_up.shape[:2], inter // FP8_BLOCK, dtype=torch.float32, device=device)
+    else:
+        d_gate_up = torch.empty_like(gate_up)  # [capacity_rows, 2, I] bf16
+        d_gate_up_scale = d_gate_up  # unwritten stand-in
+    epilogue_rows = min(_QUANTIZED_EPILOGUE_ROWS, cfg["BLOCK_M"])
     weighted = topk_weights is not None
     num_slots = topk_weights.numel() if weighted else 0
     # [T·topk, I / BLOCK_N] fp32: every slot a placed route points to is fully written.
@@ -553,14 +633,19 @@ def _launch_down_dgrad_swiglu(
         route_partials if weighted else d_gate_up,  # unused without weights (HAS_WEIGHTS=False)
         d_gate_up if weighted_h is None else weighted_h,  # d_gate_up: unwritten without STORE_WEIGHTED_H
         *(d_gate_up if s is None else s for s in (d_out_scale, w_down_scale)),  # d_gate_up: an unread stand-in
+        d_gate_up_scale,
         schedule.row_source, schedule.tile_expert, schedule.num_rows,
         hidden, inter, schedule.max_tiles, 0.0 if swiglu_limit is None else float(swiglu_limit),
         topk_weights.shape[1] if weighted else 1,
-        gate_up.stride(0), d_gate_up.stride(0), d_out.stride(0), 0 if weighted_h is None else weighted_h.stride(0),
+        gate_up.stride(0), d_gate_up.stride(0), d_gate_up_scale.stride(0), d_out.stride(0),
+        0 if weighted_h is None else weighted_h.stride(0),
         PRECISION=precision, GATHER_D_OUT=gathered, PRODUCT_GIVEN=product_given, HAS_WEIGHTS=weighted,
-        HAS_LIMIT=swiglu_limit is not None, STORE_WEIGHTED_H=weighted_h is not None,
-        INTERPRETER=interpreting(), FAST_SIGMOID=fast_sigmoid_here(), **{"PREFETCH_GATE_UP": False, **cfg},
+        HAS_LIMIT=swiglu_limit is not None, STORE_WEIGHTED_H=weighted_h is not None, QUANTIZED=quantize,
+        INTERPRETER=interpreting(), FAST_SIGMOID=fast_sigmoid_here(), EPILOGUE_ROWS=epilogue_rows,
+        **{"PREFETCH_GATE_UP": False, **cfg},
     )
+    if quantize:
+        d_gate_up = (d_gate_up.view(torch.float8_e4m3fn), d_gate_up_scale)
     if not weighted:
         return d_gate_up, None
     d_topk_weights = torch.empty_like(topk_weights)  # [T, topk] fp32
@@ -619,9 +704,14 @@ def down_dgrad_swiglu_fp8_block(
     schedule: RoutingSchedule,
     swiglu_limit: float | None = None,
     tile_config: dict | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    quantize_d_gate_up: bool = False,
+) -> tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]:
     """The fp8_block down dgrad: (d_gate_up [capacity_rows, 2, I] bf16, d_topk_weights
-    [T, topk] fp32 or None), as `down_dgrad_swiglu`. Where `fp8_block_down_dgrad_gathers(H)`,
+    [T, topk] fp32 or None), as `down_dgrad_swiglu`. With `quantize_d_gate_up`, d_gate_up is
+    the pair (float8_e4m3fn [capacity_rows, 2, I], fp32 [capacity_rows, 2, I/128]): the bf16
+    d_g, d_u quantized in 1×128 blocks along I by the epilogue, bitwise what
+    `quantize_fp8_block_activations(d_gate_up[:, j])` makes of the bf16 output (the gate/up
+    dgrad's operands, `d_gate_up[0][:, j]` and `d_gate_up[1][:, j]`). Where `fp8_block_down_dgrad_gathers(H)`,
     d_out_q, d_out_scale are `quantize_fp8_block_activations(d_out)` of the token rows and
     each sorted row r reads token row_source[r] // topk inside the GEMM's loads (dOut is
     quantized once per token, not once per route; a route's row is its token's, so the
@@ -659,10 +749,10 @@ def down_dgrad_swiglu_fp8_block(
         warp_specialized.launch_down_dgrad_product_fp8_block(
             d_out_q, d_out_scale, w_down_t_q, w_down_t_scale, product, schedule, cfg, topk if gathers else None
         )
-        return _launch_down_dgrad_epilogue(product, topk_weights, gate_up, schedule, swiglu_limit)
+        return _launch_down_dgrad_epilogue(product, topk_weights, gate_up, schedule, swiglu_limit, quantize_d_gate_up)
     return _launch_down_dgrad_swiglu(
         "fp8_block", d_out_q, d_out_scale, topk_weights, gate_up, w_down_t_q, w_down_t_scale,
-        schedule, hidden, inter, swiglu_limit, cfg, gathered=gathers,
+        schedule, hidden, inter, swiglu_limit, cfg, gathered=gathers, quantize=quantize_d_gate_up,
     )
 
 
@@ -672,10 +762,12 @@ def down_dgrad_swiglu_epilogue(
     gate_up: torch.Tensor,  # [capacity_rows, 2, I] bf16, the forward's g, u
     schedule: RoutingSchedule,
     swiglu_limit: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    quantize_d_gate_up: bool = False,
+) -> tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]:
     """The down dgrad's epilogue on a product computed elsewhere: (d_gate_up, d_topk_weights) as
     `down_dgrad_swiglu` from a, in the fp8_block tiles (BLOCK_N 128: the router-weight partials
-    per 128 columns, as the fused kernel's). Only the rows of M tiles below `num_rows` are read."""
+    per 128 columns, as the fused kernel's). Only the rows of M tiles below `num_rows` are read.
+    `quantize_d_gate_up`: as `down_dgrad_swiglu_fp8_block`'s."""
     device = gate_up.device
     inter = gate_up.shape[-1]
     if product.dtype not in (torch.float32, torch.bfloat16) or tuple(product.shape) != (
@@ -686,17 +778,17 @@ def down_dgrad_swiglu_epilogue(
                          f"{product.device}")
     _check_topk_weights(topk_weights, device)
     _check_bf16("gate_up", gate_up, (schedule.capacity_rows, 2, inter), device)
-    return _launch_down_dgrad_epilogue(product, topk_weights, gate_up, schedule, swiglu_limit)
+    return _launch_down_dgrad_epilogue(product, topk_weights, gate_up, schedule, swiglu_limit, quantize_d_gate_up)
 
 
 def _launch_down_dgrad_epilogue(
-    product, topk_weights, gate_up, schedule: RoutingSchedule, swiglu_limit: float | None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    product, topk_weights, gate_up, schedule: RoutingSchedule, swiglu_limit: float | None, quantize: bool
+) -> tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]:
     """`down_dgrad_swiglu_epilogue` on checked operands."""
     cfg = dict(BLOCK_M=schedule.block_m, **_FP8_BLOCK_TILES["interpreter" if interpreting() else "down"])
     return _launch_down_dgrad_swiglu(
         "fp8_block", product, None, topk_weights, gate_up, None, None, schedule, 0, gate_up.shape[-1], swiglu_limit,
-        cfg, product_given=True,
+        cfg, product_given=True, quantize=quantize,
     )
 
 
@@ -728,7 +820,7 @@ def _launch_gate_up_dgrad_scatter(
         *scales,
         schedule.row_source, schedule.tile_expert, schedule.num_rows,
         hidden, inter, num_sms(dx.device), programs,
-        dx.stride(0),
+        dx.stride(0), 0 if d_gate_scale is None else d_gate_scale.stride(0),
         *PeerRows.kernel_args(peer_rows, dx),
         PRECISION=precision, INTERPRETER=interpreting(), **PeerRows.kernel_meta(peer_rows), **cfg,
     )
@@ -775,14 +867,19 @@ def gate_up_dgrad_scatter_fp8_block(
 ) -> torch.Tensor:
     """The fp8_block gate/up dgrad: dx_slots [num_slots, H] bf16, as `gate_up_dgrad_scatter`.
     Each (q, scale) pair of d_g, d_u comes from `quantize_fp8_block_activations(d_gate_up[:, j])`,
-    each weight pair is `q_t, scale_t` of `mok.fp8_block_quantize(w)`. Slots no route points
-    to are left unwritten."""
+    or is a column range of `down_dgrad_swiglu_fp8_block(..., quantize_d_gate_up=True)`'s pair
+    (rows further apart; d_g's and d_u's scales with one row stride). Each weight pair is `q_t,
+    scale_t` of `mok.fp8_block_quantize(w)`. Slots no route points to are left unwritten."""
     _, hidden, inter = fp8_block_weight_shape("w_gate_t_q", w_gate_t_q, "[E_l, H, I]", schedule.num_local_experts)
     device = w_gate_t_q.device
     for name, q, scale in (("d_gate", d_gate_q, d_gate_scale), ("d_up", d_up_q, d_up_scale)):
         check_fp8_block_pair(
-            f"{name}_q", q, f"{name}_scale", scale, (schedule.capacity_rows, inter), (1, FP8_BLOCK), device
+            f"{name}_q", q, f"{name}_scale", scale, (schedule.capacity_rows, inter), (1, FP8_BLOCK), device,
+            strided_rows=True,
         )
+    if d_gate_scale.stride(0) != d_up_scale.stride(0):
+        raise ValueError(f"d_up_scale: expected d_gate_scale's row stride {d_gate_scale.stride(0)}, got "
+                         f"{d_up_scale.stride(0)}")
     for name, q, scale in (("w_gate_t", w_gate_t_q, w_gate_t_scale), ("w_up_t", w_up_t_q, w_up_t_scale)):
         check_fp8_block_pair(
             f"{name}_q", q, f"{name}_scale", scale, tuple(w_gate_t_q.shape), (FP8_BLOCK, FP8_BLOCK), device

@@ -204,21 +204,22 @@ def _gate_up_swiglu_kernel(
 
 @triton.jit
 def sorted_rows_tile(
-    a_desc, a_scale_ptr, w_desc, w_scale_ptr, m0, expert, n0, reduce_dim, n_dim, acc,
+    a_desc, a_scale_ptr, w_desc, w_scale_ptr, m0, expert, n0, reduce_dim, n_dim, stride_a_scale_r, acc,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETER: tl.constexpr,
 ):
     """acc + a[m0 : m0+BLOCK_M] · W[expert][n0 : n0+BLOCK_N]ᵀ, [BLOCK_M, BLOCK_N] fp32, over
     contiguous sorted rows; both operands through TMA descriptors, W[expert] [n_dim,
     reduce_dim] (K-major). fp8_block: both e4m3 with their block scales (a_scale [rows,
-    reduce_dim/128]; BLOCK_N divides 128, so one weight scale per step); else bf16 and the
-    scale pointers unused. Also the fp8_block dgrad GEMMs' main loop (`dgrad.py`)."""
+    reduce_dim/128] with rows `stride_a_scale_r` apart; BLOCK_N divides 128, so one weight scale
+    per step); else bf16 and the scale pointers unused. Also the fp8_block dgrad GEMMs' main
+    loop (`dgrad.py`)."""
     for k0 in range(0, reduce_dim, BLOCK_K):
         a = a_desc.load([m0, k0])
         b = load_weight_tile(w_desc, expert, n0, k0, n_dim)
         if PRECISION == "fp8_block":
             rows = (m0 + tl.arange(0, BLOCK_M)).to(tl.int64)
-            a_scale = tl.load(a_scale_ptr + rows * (reduce_dim // _SCALE_BLOCK) + k0 // _SCALE_BLOCK)  # [BLOCK_M] fp32
+            a_scale = tl.load(a_scale_ptr + rows * stride_a_scale_r + k0 // _SCALE_BLOCK)  # [BLOCK_M] fp32
             w_scale = weight_block_scale(w_scale_ptr, expert, n0, k0, n_dim, reduce_dim)
             acc += tl.dot(a, b) * (a_scale[:, None] * w_scale)
         else:
@@ -288,7 +289,8 @@ def _down_tile(
     n_offs = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     y = sorted_rows_tile(
         h_desc, h_scale_ptr, w_down_desc, w_down_scale_ptr, m_tile * BLOCK_M, expert, n_tile * BLOCK_N, inter, hidden,
-        tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRETER,
+        inter // _SCALE_BLOCK, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+        INTERPRETER,
     )
     scatter_rows_to_slots(y_ptr, y, row_source_ptr, rows, n_offs, hidden, stride_y_s,
                           out_peer_ptrs, return_route_ptr, capacity, num_out_rows, PEER, INTERPRETER)
@@ -524,19 +526,28 @@ def _check_weights(name: str, w: torch.Tensor, shape: tuple[int, ...], device: t
         )
 
 
+def _rows_strided(t: torch.Tensor, alignment: int) -> bool:
+    """A 2-D tensor whose rows are contiguous and `alignment` bytes apart or a multiple of that."""
+    return t.dim() == 2 and t.stride(1) == 1 and (t.stride(0) * t.element_size()) % alignment == 0
+
+
 def check_fp8_block_pair(
     q_name: str, q: torch.Tensor, scale_name: str, scale: torch.Tensor, shape: tuple[int, ...],
-    block: tuple[int, int], device: torch.device,
+    block: tuple[int, int], device: torch.device, strided_rows: bool = False,
 ) -> None:
-    """q: contiguous e4m3 of `shape` on `device`; scale: contiguous fp32, one per `block` of q's last two dims."""
+    """q: contiguous e4m3 of `shape` on `device`; scale: contiguous fp32, one per `block` of q's
+    last two dims. With `strided_rows` (2-D pairs) each may also have rows further apart, as
+    views of a wider tensor's column range are: q's a multiple of 16 bytes (its TMA descriptor)."""
     *lead, rows, cols = shape
     scale_shape = (*lead, rows // block[0], cols // block[1])
     checks = ((q_name, q, torch.float8_e4m3fn, shape), (scale_name, scale, torch.float32, scale_shape))
     for name, t, dtype, want in checks:
-        if t.dtype != dtype or tuple(t.shape) != want or not t.is_contiguous() or t.device != device:
-            layout = "" if t.is_contiguous() else " non-contiguous"
+        laid_out = t.is_contiguous() or (strided_rows and _rows_strided(t, 16 if name == q_name else 4))
+        if t.dtype != dtype or tuple(t.shape) != want or not laid_out or t.device != device:
+            layout = "" if laid_out else " non-contiguous"
+            expected = "a row-contiguous" if strided_rows else "a contiguous"
             raise ValueError(
-                f"{name}: expected a contiguous {str(dtype).removeprefix('torch.')} tensor of shape {list(want)} "
+                f"{name}: expected {expected} {str(dtype).removeprefix('torch.')} tensor of shape {list(want)} "
                 f"on {device}, got {t.dtype} {list(t.shape)}{layout} on {t.device}"
             )
 

@@ -239,8 +239,10 @@ def _quantize_tile(x, amax_bits, INTERPRETER: tl.constexpr):
 
 @triton.jit
 def quantize_row_blocks(x, INTERPRETER: tl.constexpr):
-    """fp32 tile [R, 128] whose rows are 1×128 blocks -> (uint8 E4M3 tile, fp32 scales [R, 1]).
-    Columns past a ragged edge must hold 0. Also the h epilogue of the fp8_block gate/up GEMM."""
+    """fp32 or bf16 tile [R, 128] whose rows are 1×128 blocks -> (uint8 E4M3 tile, fp32 scales
+    [R, 1]). Columns past a ragged edge must hold 0. Also the h epilogue of the fp8_block gate/up
+    GEMM and the d_g, d_u epilogue of the down dgrad."""
+    x = _to_fp32(x, INTERPRETER)
     amax_bits = tl.max(x.to(tl.int32, bitcast=True) & _FP32_ABS_MASK, axis=1)  # [R] int32
     return _quantize_tile(x, amax_bits[:, None], INTERPRETER)
 
@@ -273,7 +275,6 @@ def _quantize_act_1x128_kernel(
     mask = row_ok[:, None] & (cols < K)[None, :]
     rows64 = rows.to(tl.int64)[:, None]
     x = tl.load(x_ptr + rows64 * stride_x_m + cols[None, :], mask=mask, other=0.0)
-    x = _to_fp32(x, INTERPRETER)  # [BM, BK] fp32
     q, scale = quantize_row_blocks(x, INTERPRETER)  # [BM, BK] uint8, [BM, 1] fp32
     tl.store(q_ptr + rows64 * stride_q_m + cols[None, :], q, mask=mask)
     tl.store(scale_ptr + rows.to(tl.int64) * num_k_blocks + kb, tl.reshape(scale, (BLOCK_M,)), mask=row_ok)
@@ -323,7 +324,8 @@ def _sorted_block(tile_expert_ptr, expert_offsets_ptr, num_rows_ptr,
     """(row0, the end of its expert's rows, whether this program owns a block): program (p, c)
     owns the block that starts at row p·S of its expert, if one does."""
     row0 = tl.program_id(0) * SCALE_ROWS
-    expert = tl.load(tile_expert_ptr + row0 // TILE_M)
+    # Tiles past num_rows hold expert −1; such a program owns nothing, and expert 0 keeps its loads in bounds.
+    expert = tl.maximum(tl.load(tile_expert_ptr + row0 // TILE_M), 0)
     expert_start = tl.load(expert_offsets_ptr + expert)
     owns = (row0 < tl.load(num_rows_ptr)) & ((row0 - expert_start) % BLOCK_R == 0)  # else: inside another's block
     return row0, tl.load(expert_offsets_ptr + expert + 1), owns

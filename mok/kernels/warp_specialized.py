@@ -476,7 +476,7 @@ def _load_segment(step, a_desc, b_desc, m0, expert, n0, n_dim, reduce_dim, a_buf
 @gluon.jit
 def _scatter_producer(a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, empty, turn, y_ptr, a_scale_ptr,
                       a2_scale_ptr, b_scale_ptr, b2_scale_ptr, row_source_ptr, tile_expert_ptr, num_rows_ptr, m_dim,
-                      n_dim, reduce_dim, stride_y, CONSUMER: gl.constexpr, SCATTER: gl.constexpr,
+                      n_dim, reduce_dim, stride_y, stride_a_scale, CONSUMER: gl.constexpr, SCATTER: gl.constexpr,
                       TWO_SEGMENTS: gl.constexpr, B_K_MAJOR: gl.constexpr, COOPERATIVE: gl.constexpr,
                       FP8: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                       GROUP_M: gl.constexpr, STAGES: gl.constexpr):
@@ -497,7 +497,7 @@ def _scatter_producer(a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, e
 @gluon.jit
 def _scatter_consumer(a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, empty, turn, y_ptr, a_scale_ptr,
                       a2_scale_ptr, b_scale_ptr, b2_scale_ptr, row_source_ptr, tile_expert_ptr, num_rows_ptr, m_dim,
-                      n_dim, reduce_dim, stride_y, CONSUMER: gl.constexpr, SCATTER: gl.constexpr,
+                      n_dim, reduce_dim, stride_y, stride_a_scale, CONSUMER: gl.constexpr, SCATTER: gl.constexpr,
                       TWO_SEGMENTS: gl.constexpr, B_K_MAJOR: gl.constexpr, COOPERATIVE: gl.constexpr,
                       FP8: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                       GROUP_M: gl.constexpr, STAGES: gl.constexpr):
@@ -522,7 +522,7 @@ def _scatter_consumer(a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, e
                 weight_scales = (gl.load(tile_expert_ptr + m_tile).to(gl.int64) * gl.cdiv(n_dim, BLOCK_K)
                                  + n0 // BLOCK_K) * k_blocks
                 hi_valid = n0 + MMA_N < n_dim
-                strides = (1, k_blocks, 1)
+                strides = (1, stride_a_scale, 1)
                 rows, rows_valid = _accumulator_rows(first_row, m_dim, ROWS, mma_layout)
                 acc, acc_hi = _scaled_mma_steps(acc, acc_hi, tile_count * k_steps, k_blocks, 0, a_bufs, b_bufs, ready,
                                                 empty, a_scale_ptr, b_scale_ptr + weight_scales,
@@ -571,8 +571,8 @@ def _scatter_ws_kernel(
     a_scale_ptr, a2_scale_ptr, b_scale_ptr, b2_scale_ptr,
     # schedule
     row_source_ptr, tile_expert_ptr, num_rows_ptr,
-    # sizes (m_dim: capacity_rows; K per segment), strides
-    m_dim, n_dim, reduce_dim, stride_y,
+    # sizes (m_dim: capacity_rows; K per segment), strides (FP8: the row stride of A's and A2's scales)
+    m_dim, n_dim, reduce_dim, stride_y, stride_a_scale,
     # meta
     SCATTER: gl.constexpr, TWO_SEGMENTS: gl.constexpr, B_K_MAJOR: gl.constexpr, COOPERATIVE: gl.constexpr,
     FP8: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
@@ -586,16 +586,16 @@ def _scatter_ws_kernel(
     gl.warp_specialize([
         (_scatter_consumer, (a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, empty, turn, y_ptr, a_scale_ptr,
                              a2_scale_ptr, b_scale_ptr, b2_scale_ptr, row_source_ptr, tile_expert_ptr, num_rows_ptr,
-                             m_dim, n_dim, reduce_dim, stride_y, 0, SCATTER, TWO_SEGMENTS, B_K_MAJOR, COOPERATIVE, FP8,
-                             BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
+                             m_dim, n_dim, reduce_dim, stride_y, stride_a_scale, 0, SCATTER, TWO_SEGMENTS, B_K_MAJOR,
+                             COOPERATIVE, FP8, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
         (_scatter_consumer, (a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, empty, turn, y_ptr, a_scale_ptr,
                              a2_scale_ptr, b_scale_ptr, b2_scale_ptr, row_source_ptr, tile_expert_ptr, num_rows_ptr,
-                             m_dim, n_dim, reduce_dim, stride_y, 1, SCATTER, TWO_SEGMENTS, B_K_MAJOR, COOPERATIVE, FP8,
-                             BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
+                             m_dim, n_dim, reduce_dim, stride_y, stride_a_scale, 1, SCATTER, TWO_SEGMENTS, B_K_MAJOR,
+                             COOPERATIVE, FP8, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
         (_scatter_producer, (a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, empty, turn, y_ptr, a_scale_ptr,
                              a2_scale_ptr, b_scale_ptr, b2_scale_ptr, row_source_ptr, tile_expert_ptr, num_rows_ptr,
-                             m_dim, n_dim, reduce_dim, stride_y, 0, SCATTER, TWO_SEGMENTS, B_K_MAJOR, COOPERATIVE, FP8,
-                             BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
+                             m_dim, n_dim, reduce_dim, stride_y, stride_a_scale, 0, SCATTER, TWO_SEGMENTS, B_K_MAJOR,
+                             COOPERATIVE, FP8, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
     ], [4, 1], [_CONSUMER_REGISTERS, _PRODUCER_REGISTERS])
 
 
@@ -1049,6 +1049,9 @@ def _launch_scatter(a, a2, b, b2, y, schedule: RoutingSchedule, cfg: dict, b_k_m
     if fp8:
         _check_fp8_block_tile(cfg, schedule, what)
         a_scale, a2_scale, b_scale, b2_scale = scales if two_segments else (scales[0], scales[0], scales[1], scales[1])
+        if a2_scale.stride(0) != a_scale.stride(0):
+            raise ValueError(f"{what}: expected both A operands' scales with one row stride, got {a_scale.stride(0)} "
+                             f"and {a2_scale.stride(0)}")
     else:
         a_scale = a2_scale = b_scale = b2_scale = y  # unread
     _check_device(y.device)
@@ -1062,7 +1065,7 @@ def _launch_scatter(a, a2, b, b2, y, schedule: RoutingSchedule, cfg: dict, b_k_m
         b_desc, _descriptor(b2, b_block) if two_segments else b_desc, y,
         a_scale, a2_scale, b_scale, b2_scale,
         schedule.row_source, schedule.tile_expert, schedule.num_rows,
-        a.shape[0], n_dim, a.shape[1], y.stride(0),
+        a.shape[0], n_dim, a.shape[1], y.stride(0), a_scale.stride(0) if fp8 else 0,
         scatter, two_segments, b_k_major, cooperative, fp8, block_m, block_n, block_k, cfg.get("GROUP_M", 1),
         cfg["num_stages"], num_warps=4,
     )

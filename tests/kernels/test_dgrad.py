@@ -279,6 +279,60 @@ def test_fp8_block_down_dgrad_swiglu(kernel_device, T, H, I, E, topk, limit, use
                 )
 
 
+@pytest.mark.parametrize("path", ["fused", "product given", "bf16 product given"])
+@pytest.mark.parametrize("T, H, I, E, topk, limit", [(37, 256, 128, 4, 2, None), (45, 128, 384, 5, 3, 0.5)])
+def test_fp8_block_down_dgrad_quantizes_d_gate_up(kernel_device, T, H, I, E, topk, limit, path):
+    """With `quantize_d_gate_up` the epilogue's e4m3 d_g, d_u and their scales are bitwise what
+    `quantize_fp8_block_activations` makes of the bf16 output of the same call without it (rows
+    below num_rows; padding rows included), d_topk_weights to fp32 rounding: rows of very different
+    magnitudes, a NaN in one route's g (its block's scale NaN, its bytes 0x7F), and the gate/up
+    dgrad reading the column views (rows 2·I bytes apart) bitwise as from contiguous copies."""
+    inp, sched, rows, slots, experts, pad = _fp8_block_case(kernel_device, T, H, I, E, topk, E - 1)
+    ctx = f"{T=} {H=} {I=} {E=} {topk=} {limit=} {path=}"
+    gen = torch.Generator().manual_seed(2)
+    magnitudes = torch.logspace(-3, 3, rows.numel())[torch.randperm(rows.numel(), generator=gen)]
+    gate_up_rows = torch.randn(rows.numel(), 2, I, generator=gen) * magnitudes[:, None, None].sqrt()
+    gate_up_rows[5, 0, I - 3] = float("nan")
+    gate_up = _sorted(rows, gate_up_rows, sched.capacity_rows).to(kernel_device)
+    d_out = (torch.randn(T, H, generator=gen) * torch.logspace(-2, 2, T)[:, None]).bfloat16().to(kernel_device)
+    d_out_pair = quantize_fp8_block_activations(d_out)
+    w_down_t = fp8_block_quantize(inp.w_down)[2:]
+    if path == "fused":
+        def run(**kw):
+            return down_dgrad_swiglu_fp8_block(*d_out_pair, inp.topk_weights, gate_up, *w_down_t, sched, limit, **kw)
+    else:
+        product = torch.randn(sched.capacity_rows, I, generator=gen) * 4
+        product = product.bfloat16() if path == "bf16 product given" else product
+        product = product.to(kernel_device)
+
+        def run(**kw):
+            return down_dgrad_swiglu_epilogue(product, inp.topk_weights, gate_up, sched, limit, **kw)
+    d_gate_up, d_topk_weights = run()
+    (q, scale), quantized_d_topk_weights = run(quantize_d_gate_up=True)
+    num_rows = int(sched.num_rows)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (sched.capacity_rows, 2, I), ctx
+    assert scale.dtype == torch.float32 and scale.shape == (sched.capacity_rows, 2, I // 128), ctx
+    bits = lambda t: t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t.view(torch.int32)  # noqa: E731
+    for j, name in enumerate(("d_gate", "d_up")):
+        want_q, want_scale = quantize_fp8_block_activations(d_gate_up[:, j])
+        assert torch.equal(bits(q[:num_rows, j]).cpu(), bits(want_q[:num_rows]).cpu()), f"{name} bytes {ctx}"
+        assert torch.equal(bits(scale[:num_rows, j]).cpu(), bits(want_scale[:num_rows]).cpu()), f"{name} scales {ctx}"
+    scale_w = d_topk_weights.nan_to_num(0.0).abs().max().item()  # row sums of 128 columns at once, not by quarters
+    torch.testing.assert_close(quantized_d_topk_weights, d_topk_weights, rtol=2.0**-16, atol=2.0**-16 * scale_w,
+                               equal_nan=True, msg=lambda m: f"d_topk_weights {ctx}: {m}")
+    if limit is None:  # (a limit's clamp mask zeroes d_g where g is NaN)
+        assert scale[rows[5], 0, -1].isnan() and (bits(q[rows[5], 0, -128:]) == 0x7F).all(), f"the NaN block {ctx}"
+    assert pad.numel() > 0 and (bits(q[pad]) == 0).all(), f"padding rows quantize to zeros {ctx}"
+
+    weights = [x for w in (inp.w_gate, inp.w_up) for x in fp8_block_quantize(w)[2:]]
+    views = (q[:, 0], scale[:, 0], q[:, 1], scale[:, 1])
+    copies = [t.contiguous() for t in views]
+    dx = gate_up_dgrad_scatter_fp8_block(*views, *weights, sched, T * topk)
+    want_dx = gate_up_dgrad_scatter_fp8_block(*copies, *weights, sched, T * topk)
+    assert torch.equal(dx[slots].view(torch.int16).cpu(), want_dx[slots].view(torch.int16).cpu()), \
+        f"dx_slots from the views {ctx}"
+
+
 def test_fp8_block_down_dgrad_gathering_is_bitwise_the_sorted_copy(kernel_device, monkeypatch):
     """The two ways the fp8_block down dgrad reads dOut (its token rows quantized per token and
     gathered inside the loads, or its sorted rows quantized by the gathering quantizer and read
@@ -367,17 +421,25 @@ def test_fp8_block_dgrad_ops_and_run_twice(kernel_device):
     d_out_pair = quantize_fp8_block_activations(d_out)
     w_down_t = fp8_block_quantize(inp.w_down)[2:]
     down_args = (*d_out_pair, inp.topk_weights, gate_up, *w_down_t, routing, block_m, 0.5)
-    d_gate_up, d_topk_weights = ops.down_dgrad_swiglu_fp8_block(*down_args)
+    d_gate_up, no_scale, d_topk_weights = ops.down_dgrad_swiglu_fp8_block(*down_args)
     again = down_dgrad_swiglu_fp8_block(*d_out_pair, inp.topk_weights, gate_up, *w_down_t, sched, 0.5)
     rows = int(sched.num_rows)
     assert torch.equal(d_gate_up[:rows], again[0][:rows]) and torch.equal(d_topk_weights, again[1])
+    assert no_scale.shape == (0,)
+    quantized_args = (*down_args, True)
+    d_gate_up_q, d_gate_up_scale, _ = ops.down_dgrad_swiglu_fp8_block(*quantized_args)
+    (again_q, again_scale), _ = down_dgrad_swiglu_fp8_block(*d_out_pair, inp.topk_weights, gate_up, *w_down_t, sched,
+                                                            0.5, quantize_d_gate_up=True)
+    assert torch.equal(d_gate_up_q[:rows].view(torch.uint8), again_q[:rows].view(torch.uint8))
+    assert torch.equal(d_gate_up_scale[:rows], again_scale[:rows])
 
     grads = [x for j in (0, 1) for x in quantize_fp8_block_activations(d_gate_up[:, j])]
     weights = [x for w in (inp.w_gate, inp.w_up) for x in fp8_block_quantize(w)[2:]]
     gate_up_args = (*grads, *weights, routing, block_m, T * topk)
     dx = ops.gate_up_dgrad_scatter_fp8_block(*gate_up_args)
     assert torch.equal(dx, gate_up_dgrad_scatter_fp8_block(*grads, *weights, sched, T * topk))
-    torch.library.opcheck(ops.down_dgrad_swiglu_fp8_block.op, down_args, test_utils=("test_faketensor",))
+    for args in (down_args, quantized_args):
+        torch.library.opcheck(ops.down_dgrad_swiglu_fp8_block.op, args, test_utils=("test_faketensor",))
     torch.library.opcheck(ops.gate_up_dgrad_scatter_fp8_block.op, gate_up_args, test_utils=("test_faketensor",))
 
 
@@ -394,6 +456,9 @@ def test_fp8_block_dgrad_launchers_reject_mismatches(kernel_device):
     down = lambda *args, **kw: down_dgrad_swiglu_fp8_block(*args, sched, **kw)  # noqa: E731
     gate_up_dgrad = lambda *args, **kw: gate_up_dgrad_scatter_fp8_block(*args, sched, T * topk, **kw)  # noqa: E731
     bad_tiles = {**dgrad_config("down", I, H, "fp8_block", allow_warp_specialized=False), "BLOCK_N": 256}
+    narrow_tiles = {**bad_tiles, "BLOCK_N": 64}
+    misaligned_q = torch.zeros(rows, I + 8, dtype=torch.float8_e4m3fn, device=kernel_device)[:, :I]  # rows 136 B apart
+    wide_s = torch.zeros(rows, 2, I // 128, device=kernel_device)  # [:, 0]: rows 2 apart
     cases = [
         (lambda: down(d_out_q, d_out_s, inp.topk_weights, gate_up, wd_t_q[:3], wd_t_s[:3]),
          r"^w_down_t_q: expected a 3-D \[E_l, I, H\] tensor with E_l = 4 .*, got shape \[3, 128, 256\]"),
@@ -414,7 +479,14 @@ def test_fp8_block_dgrad_launchers_reject_mismatches(kernel_device):
         (lambda: down(d_out_q, d_out_s, inp.topk_weights, gate_up, wd_t_q, wd_t_s, tile_config=bad_tiles),
          r"^tile_config: expected BLOCK_K 128 and BLOCK_N a divisor of 128 for the fp8_block down dgrad GEMM"),
         (lambda: gate_up_dgrad(d_q, d_s, d_q.float(), d_s, wg_t_q, wg_t_s, wg_t_q, wg_t_s),
-         rf"^d_up_q: expected a contiguous float8_e4m3fn tensor of shape \[{rows}, 128\]"),
+         rf"^d_up_q: expected a row-contiguous float8_e4m3fn tensor of shape \[{rows}, 128\]"),
+        (lambda: gate_up_dgrad(d_q, d_s, misaligned_q, d_s, wg_t_q, wg_t_s, wg_t_q, wg_t_s),
+         rf"^d_up_q: expected a row-contiguous float8_e4m3fn tensor of shape \[{rows}, 128\] .* non-contiguous"),
+        (lambda: gate_up_dgrad(d_q, d_s, d_q, wide_s[:, 0], wg_t_q, wg_t_s, wg_t_q, wg_t_s),
+         r"^d_up_scale: expected d_gate_scale's row stride 1, got 2"),
+        (lambda: down(d_out_q, d_out_s, inp.topk_weights, gate_up, wd_t_q, wd_t_s, tile_config=narrow_tiles,
+                      quantize_d_gate_up=True),
+         r"^tile_config: quantizing d_gate_up needs BLOCK_N 128 \(one scale block\), got 64"),
         (lambda: gate_up_dgrad(d_q, d_s, d_q, d_s, wg_t_q, wg_t_s, wg_t_q.mT.contiguous().mT, wg_t_s),
          r"^w_up_t_q: expected a contiguous float8_e4m3fn tensor .* non-contiguous"),
         (lambda: gate_up_dgrad(d_q, d_s, d_q, d_s, wg_t_q, wg_t_s[:, :1], wg_t_q, wg_t_s),

@@ -64,7 +64,7 @@ def _scatter_signature(a_block, b_block, dtype: torch.dtype, meta: dict, y_type:
         "b_desc": _descriptor_type(b_block, dtype), "b2_desc": _descriptor_type(b_block, dtype), "y_ptr": y_type,
         "a_scale_ptr": "*fp32", "a2_scale_ptr": "*fp32", "b_scale_ptr": "*fp32", "b2_scale_ptr": "*fp32",
         "row_source_ptr": "*i32", "tile_expert_ptr": "*i32", "num_rows_ptr": "*i32", "m_dim": "i32", "n_dim": "i32",
-        "reduce_dim": "i32", "stride_y": "i32", **{name: "constexpr" for name in meta},
+        "reduce_dim": "i32", "stride_y": "i32", "stride_a_scale": "i32", **{name: "constexpr" for name in meta},
     }
 
 
