@@ -97,6 +97,8 @@ FP8_BLOCK_WGRADS_REQUANTIZE = True
 # gate/up dgrad's operands, bitwise what the per-token quantizer makes of its bf16 output), and
 # the gate/up wgrad's d_gᵀ, d_uᵀ are requantized from those e4m3 copies down the rows, as x, h and
 # w·dOut are with FP8_BLOCK_WGRADS_REQUANTIZE: no bf16 d_g, d_u, no separate quantizer launches.
+# H200 (record h200-20261203-ab-fp8-block-v32.json): forward+backward qwen3-30b 6.13 -> 5.95 ms,
+# deepseek-v3-slice 25.2 -> 24.9; the worst relative error (d_w_gate) 0.071 -> 0.074.
 FP8_BLOCK_D_GATE_UP_QUANTIZED = True
 
 

@@ -182,8 +182,8 @@ WARP_SPECIALIZED_FP8_BLOCK_DOWN_DGRAD_PRODUCT = True
 FP8_BLOCK_DOWN_DGRAD_PRODUCT_BF16 = True
 # Rows per step of the epilogue on a given product that quantizes d_g, d_u (PRODUCT_GIVEN and
 # QUANTIZED): each row's 128 columns together, so the chunk's d_g, d_u are all live at once. H200,
-# qwen3-30b profile (log h200-20261203-d-gate-up-quantized.log): 16 rows 0.330 ms (80 registers at 8
-# warps), 32 rows 0.465 (137), 64 rows 0.405 (236).
+# qwen3-30b profile (logs h200-20261203-d-gate-up-quantized.log, -ab-fp8-block-v32.log): 16 rows
+# 0.330-0.337 ms (80 registers at 8 warps), 8 rows 0.421 (64), 32 rows 0.465 (137), 64 rows 0.405 (236).
 _QUANTIZED_EPILOGUE_ROWS = 16
 
 
