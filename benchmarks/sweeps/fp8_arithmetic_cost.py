@@ -13,6 +13,12 @@ the JIT keys its cache by source, so a patched helper must be in place before th
         regstore  the kernel with its tiles stored from registers (FP8_ and BF16_WGRAD_TMA_STORE off)
         nostore   regstore, but each output tile reduced to one value and stored only if that
                   value is -1e-30 (never), so no tile is converted or written
+    python benchmarks/sweeps/fp8_arithmetic_cost.py scatter VARIANT [tune_gemm.py's options]
+        the warp-specialized fp8 scatter GEMMs (down, gate/up dgrad), whose epilogue stores each
+        row of a tile to its route's slot from registers:
+        full     the kernel as is
+        nostore  each output tile reduced to one value and stored only if that value is -1e-30
+                 (never): what the epilogue's conversion and stores cost
     python benchmarks/sweeps/fp8_arithmetic_cost.py quantizer VARIANT
         the transposing quantizers' per-element rule (`quant_fp8_block._quantize_elements`, in
         the Gluon kernel on the GPU) on the qwen3-30b and deepseek-v3-slice shapes:
@@ -57,12 +63,19 @@ def _stored_never(acc, out, out2_ptr, expert, first_row, n0, m_dim, n_dim, split
     gl.store(out + expert, total.to(gl.bfloat16), mask=total == -1.0e-30)
 
 
+@gluon.jit
+def _scatter_stored_never(acc, y_ptr, row_source_ptr, first_row, n0, m_dim, n_dim, stride_y, SCATTER: gl.constexpr):
+    total = gl.sum(gl.sum(acc, axis=1), axis=0)
+    gl.store(y_ptr + n0, total.to(y_ptr.dtype.element_ty), mask=total == -1.0e-30)
+
+
 @triton.jit
 def _converted_only(x, reciprocal, INTERPRETER: tl.constexpr):
     return x.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
 
 
 WGRAD = {"full": None, "col": _column_scaled, "row": _row_scaled, "none": _unscaled, "regstore": None, "nostore": None}
+SCATTER = {"full": None, "nostore": _scatter_stored_never}
 QUANTIZER = {"full": None, "copy": _converted_only}
 
 
@@ -76,15 +89,22 @@ def _time_quantizers(variant: str) -> None:
 
 def main() -> None:
     family, variant = sys.argv[1:3] if len(sys.argv) >= 3 else ("", "")
-    variants = {"wgrad": WGRAD, "quantizer": QUANTIZER}.get(family)
+    variants = {"wgrad": WGRAD, "scatter": SCATTER, "quantizer": QUANTIZER}.get(family)
     if variants is None or variant not in variants:
         raise SystemExit(f"usage: fp8_arithmetic_cost.py wgrad {{{','.join(WGRAD)}}} [tune_gemm options] | "
+                         f"scatter {{{','.join(SCATTER)}}} [tune_gemm options] | "
                          f"quantizer {{{','.join(QUANTIZER)}}}; got {sys.argv[1:3]}")
     del sys.argv[1:3]
     if family == "quantizer":
         if variants[variant] is not None:
             quant_fp8_block._quantize_elements = variants[variant]
         _time_quantizers(variant)
+        return
+    if family == "scatter":
+        if variants[variant] is not None:
+            warp_specialized._scatter_store = variants[variant]
+        tile = {kind: lambda p: warp_specialized.fp8_block_tile_config() for kind in ("down_fp8", "gate_up_dgrad_fp8")}
+        _time_gemms(variant, tile)
         return
     if variants[variant] is not None:
         warp_specialized._add_scaled = variants[variant]
@@ -96,7 +116,11 @@ def main() -> None:
             "gate_up_wgrad_fp8": lambda p: warp_specialized.fp8_block_tile_config(stacked=True),
             "down_wgrad": lambda p: wgrad.wgrad_config("down", p.hidden_size, p.intermediate_size),
             "gate_up_wgrad": lambda p: wgrad.wgrad_config("gate_up", p.intermediate_size, p.hidden_size)}
-    # each config timed twice
+    _time_gemms(variant, tile)
+
+
+def _time_gemms(variant: str, tile: dict) -> None:
+    """tune_gemm.py's main over the kernels of `tile` (kind -> preset -> config), each config timed twice."""
     tune_gemm.CONFIGS = {kind: (lambda p, config=config: [config(p)] * 2) for kind, config in tile.items()}
     print(f"== {variant}", flush=True)
     tune_gemm.main()

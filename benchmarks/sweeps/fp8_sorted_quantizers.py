@@ -5,9 +5,14 @@ the gathered wide ones' own tile switched off) and the Gluon kernel's rows per t
 every config timed in both orders (the GPU's clock falls under
 sustained load), each output checked against the first config's over the columns the schedule
 uses. GB/s counts each sorted row's bf16 read once (h: g and u) and its e4m3 bytes written.
+With `--e4m3` it sweeps the Gluon kernel on the operands the layer requantizes (the SCALED mode:
+x's and dOut's per-token e4m3 rows gathered, d_g|d_u's and h's e4m3 sorted rows, each with its
+1×128 row scales); GB/s then counts each sorted row's e4m3 bytes read once and written once.
 
-    python benchmarks/sweeps/fp8_sorted_quantizers.py
+    python benchmarks/sweeps/fp8_sorted_quantizers.py [--e4m3]
 """
+
+import sys
 
 import torch
 
@@ -21,6 +26,8 @@ from mok.testing.timing import time_ms
 # ("triton", columns per program, warps) or ("gluon", rows per thread, warps)
 CONFIGS = [("triton", 64, 4), ("triton", 32, 2), ("gluon", 16, 4), ("gluon", 8, 4), ("gluon", 16, 2), ("gluon", 8, 8),
            ("gluon", 4, 4)]
+E4M3_CONFIGS = [("gluon", 16, 2), ("gluon", 16, 1), ("gluon", 16, 4), ("gluon", 8, 2), ("gluon", 8, 1), ("gluon", 32, 1),
+                ("gluon", 32, 2)]
 SHAPES = ("qwen3-30b", "deepseek-v3-slice")
 
 
@@ -41,7 +48,26 @@ def quantizer_calls(name: str) -> tuple[int, dict]:
         "h from g, u": (lambda: quant_fp8_block.quantize_fp8_block_swiglu_sorted_t(gate_up, sched),
                         5 * p.intermediate_size),
     }
+    if "--e4m3" in sys.argv:
+        calls = _e4m3_calls(p, inp, sched, d_out, gate_up)
     return int(sched.num_rows), calls  # a host sync outside the timed calls
+
+
+def _e4m3_calls(p, inp, sched, d_out, gate_up) -> dict:
+    """The SCALED-mode calls, on operands quantized along their rows as the layer's forward keeps them."""
+    x_q, d_out_q = (quant_fp8_block.quantize_fp8_block_activations(t) for t in (inp.x, d_out))
+    d_gate_up_q = quant_fp8_block.quantize_fp8_block_activations(gate_up.flatten(1))
+    h_q = quant_fp8_block.quantize_fp8_block_activations(gate_up[:, 0])
+    hidden, inter = p.hidden_size, p.intermediate_size
+    return {
+        "x_q gathered": (lambda: quant_fp8_block.quantize_fp8_block_gathered_t(x_q[0], sched, p.topk,
+                                                                              a_scale=x_q[1]), 2 * hidden),
+        "w·dOut_q gathered": (lambda: quant_fp8_block.quantize_fp8_block_gathered_t(
+            d_out_q[0], sched, p.topk, inp.topk_weights, a_scale=d_out_q[1]), 2 * hidden),
+        "d_gate_up_q sorted": (lambda: quant_fp8_block.quantize_fp8_block_sorted_t(d_gate_up_q[0], sched,
+                                                                                  a_scale=d_gate_up_q[1]), 4 * inter),
+        "h_q sorted": (lambda: quant_fp8_block.quantize_fp8_block_sorted_t(h_q[0], sched, a_scale=h_q[1]), 2 * inter),
+    }
 
 
 def time_call(call, rows: int, row_bytes: int) -> str:
@@ -55,7 +81,8 @@ def main() -> None:
     for name in SHAPES:
         rows, calls = quantizer_calls(name)
         first = {}
-        for kernel, size, warps in CONFIGS + CONFIGS[::-1]:
+        configs = E4M3_CONFIGS if "--e4m3" in sys.argv else CONFIGS
+        for kernel, size, warps in configs + configs[::-1]:
             quant_fp8_block._SORTED_GLUON = kernel == "gluon"
             if kernel == "gluon":
                 quant_fp8_block._SORTED_GLUON_ROWS_PER_THREAD, quant_fp8_block._SORTED_GLUON_NUM_WARPS = size, warps

@@ -676,7 +676,11 @@ def _launch_quantize_sorted_t(
                  TILE_M=schedule.block_m)
     if _SORTED_GLUON and device.type == "cuda" and not interpreting() and scale_rows == FP8_BLOCK:
         rows_per_thread, num_warps = _SORTED_GLUON_ROWS_PER_THREAD, _SORTED_GLUON_NUM_WARPS
-        grid = (rows // FP8_BLOCK, triton.cdiv(width, _sorted_t_gluon_block_w(rows_per_thread, num_warps)))
+        block_w = _sorted_t_gluon_block_w(rows_per_thread, num_warps)
+        if scaled and FP8_BLOCK % block_w:
+            raise ValueError(f"_SORTED_GLUON_ROWS_PER_THREAD, _SORTED_GLUON_NUM_WARPS: with a_scale a program's "
+                             f"{block_w} columns must lie within one 128-column scale block")
+        grid = (rows // FP8_BLOCK, triton.cdiv(width, block_w))
         _quantize_sorted_t_gluon_kernel[grid](*args, **flags, ROWS_PER_THREAD=rows_per_thread, num_warps=num_warps)
         return q_t.view(torch.float8_e4m3fn), scale_t
     block_w, num_warps = _SORTED_BLOCK_W, _SORTED_NUM_WARPS
