@@ -100,6 +100,12 @@ FP8_BLOCK_WGRADS_REQUANTIZE = True
 # H200 (record h200-20261203-ab-fp8-block-v32.json): forward+backward qwen3-30b 6.13 -> 5.95 ms,
 # deepseek-v3-slice 25.2 -> 24.9; the worst relative error (d_w_gate) 0.071 -> 0.074.
 FP8_BLOCK_D_GATE_UP_QUANTIZED = True
+# fp8_block on one rank: the down GEMM and the gate/up dgrad write y and dx in the sorted layout
+# (each GEMM row at its own index, by TMA stores that run under the next tile's MMAs:
+# `warp_specialized.SORTED_TMA_STORE`) instead of scattering them to route slots from registers,
+# and the combines gather each route's row through `ops.route_rows`. The same bytes, read at
+# random rows instead of written there; out and d_x bitwise the same.
+FP8_BLOCK_SORTED_OUTPUTS = True
 
 
 class MoKError(RuntimeError):
@@ -477,9 +483,10 @@ def _dgrad_weight(w):
 
 
 def _expert_mlp(x, w_gate, w_up, w_down, routing, block_m, topk, num_slots, swiglu_limit, needs_backward,
-                peer_rows=None):
-    """y [num_slots, H] of the experts in `routing`, and what their backward reads (empty
-    without `needs_backward`): the pre-activations g, u and h of every sorted row.
+                peer_rows=None, sorted_rows=False):
+    """y [num_slots, H] of the experts in `routing` (fp8_block with `sorted_rows`: [capacity_rows,
+    H] in the sorted layout), and what their backward reads (empty without `needs_backward`):
+    the pre-activations g, u and h of every sorted row.
 
     With `_Fp8BlockWeight`s the GEMMs run in fp8_block: x quantized in 1×128 blocks along H,
     h quantized by the gate/up epilogue for the down GEMM. The backward then gets g, u, and
@@ -496,7 +503,8 @@ def _expert_mlp(x, w_gate, w_up, w_down, routing, block_m, topk, num_slots, swig
             x_q, x_scale, w_gate.q, w_gate.scale, w_up.q, w_up.scale, routing, block_m, topk, swiglu_limit,
             needs_backward,
         )
-        y = ops.down_scatter_fp8_block(h_q, h_scale, w_down.q, w_down.scale, routing, block_m, num_slots)
+        y = ops.down_scatter_fp8_block(h_q, h_scale, w_down.q, w_down.scale, routing, block_m, num_slots,
+                                       sorted_rows)
         saved = {"gate_up": gate_up} if needs_backward else {}
         if needs_backward and FP8_BLOCK_WGRADS_REQUANTIZE:
             saved.update(x_q=x_q, x_scale=x_scale, h_q=h_q, h_scale=h_scale)
@@ -518,16 +526,25 @@ def _expert_mlp(x, w_gate, w_up, w_down, routing, block_m, topk, num_slots, swig
 
 
 def _routed_forward(schedule, x, routed, topk, swiglu_limit, needs_backward):
-    """y [T·topk, H] of the routed experts in route slots, and what their backward reads.
-    Under expert parallelism the token rows travel to the experts' ranks, where each
-    received row is a token with topk = 1, and y comes back; the received rows are kept
-    for the gate/up weight gradient."""
+    """(y, route_row, what the backward reads): y [T·topk, H] of the routed experts in route
+    slots and route_row None, or with `_sorted_outputs` y [capacity_rows, H] in the sorted layout
+    and route_row [T·topk] each route's row of it (also kept for the backward's dx). Under expert
+    parallelism the token rows travel to the experts' ranks, where each received row is a
+    token with topk = 1, and y comes back; the received rows are kept for the gate/up weight
+    gradient."""
     dispatch = schedule.dispatch
     if dispatch is None:
+        num_slots = x.shape[0] * topk
+        sorted_rows = _sorted_outputs(routed)
         y, saved = _expert_mlp(
-            x, *routed, schedule.routing, schedule.block_m, topk, x.shape[0] * topk, swiglu_limit, needs_backward
+            x, *routed, schedule.routing, schedule.block_m, topk, num_slots, swiglu_limit, needs_backward,
+            sorted_rows=sorted_rows,
         )
-        return y, _routed_saved(saved, routed)
+        saved = _routed_saved(saved, routed)
+        route_row = ops.route_rows(schedule.routing, schedule.block_m, num_slots) if sorted_rows else None
+        if needs_backward and sorted_rows:
+            saved["route_row"] = route_row
+        return y, route_row, saved
     expert_x = dispatch.dispatch(x)  # [P·C, H]
     peer_rows = _epilogue_peer_rows(dispatch, "y", routed)
     y_rows, saved = _expert_mlp(
@@ -539,7 +556,13 @@ def _routed_forward(schedule, x, routed, topk, swiglu_limit, needs_backward):
         y = dispatch.combine(y_rows)
     else:
         y = dispatch.combined(ops.scatter_programs("down", schedule.routing, schedule.block_m, *_hidden_inter(routed)))
-    return y, {**saved, "expert_x": expert_x}
+    return y, None, {**saved, "expert_x": expert_x}
+
+
+def _sorted_outputs(routed) -> bool:
+    """Whether the routed experts on one rank leave y and dx in the sorted layout
+    (`FP8_BLOCK_SORTED_OUTPUTS`: fp8_block)."""
+    return FP8_BLOCK_SORTED_OUTPUTS and isinstance(routed[0], _Fp8BlockWeight)
 
 
 def _routed_saved(saved: dict, routed) -> dict:
@@ -581,7 +604,7 @@ def _triton_forward(schedule, x, topk_weights, shared, routed, swiglu_limit, nee
     the bf16 down wgrad reads w·h: `_reads_weighted_h`); nothing
     without `needs_backward`. `routed` as `_triton_routed_weights` gives them."""
     num_tokens, topk = topk_weights.shape
-    y, saved = _routed_forward(schedule, x, routed, topk, swiglu_limit, needs_backward)
+    y, route_row, saved = _routed_forward(schedule, x, routed, topk, swiglu_limit, needs_backward)
     y_shared = None
     if shared[0] is not None:
         ws_gate, ws_up, ws_down = (w.unsqueeze(0) for w in shared)  # one expert of the grouped GEMMs
@@ -589,7 +612,7 @@ def _triton_forward(schedule, x, topk_weights, shared, routed, swiglu_limit, nee
             x, ws_gate, ws_up, ws_down, schedule.shared_routing, schedule.block_m, 1, num_tokens, swiglu_limit, needs_backward
         )
         saved.update((name + "_shared", t) for name, t in shared_saved.items())
-    return ops.combine(y, topk_weights, y_shared), saved if needs_backward else {}
+    return ops.combine(y, topk_weights, y_shared, route_row), saved if needs_backward else {}
 
 
 def forward(
@@ -654,8 +677,9 @@ def recompute_forward_context(
 
 
 def _expert_mlp_backward(d_out, x, topk_weights, weights, saved, routing, block_m, topk, num_slots, swiglu_limit,
-                         main_grads=(None, None, None), *, token_order=False, peer_rows=None):
-    """dx_slots [num_slots, H] and the weight gradients of the experts in `routing` (plus
+                         main_grads=(None, None, None), *, token_order=False, peer_rows=None, sorted_rows=False):
+    """dx_slots [num_slots, H] (fp8_block with `sorted_rows`: [capacity_rows, H] in the sorted
+    layout) and the weight gradients of the experts in `routing` (plus
     d_topk_weights [T, topk] fp32 when `topk_weights` is given, else an empty tensor), from
     the forward's g,u ("gate_up") and h ("h"; none where the down wgrad reads the down dgrad's
     w·h, `_reads_weighted_h`), which it takes out of the dict `saved` as it reads them: a dict
@@ -681,7 +705,8 @@ def _expert_mlp_backward(d_out, x, topk_weights, weights, saved, routing, block_
     mxfp8 = isinstance(w_gate, _Mxfp8Weight)
     if isinstance(w_gate, _Fp8BlockWeight):
         return _fp8_block_backward_routed(
-            d_out, x, topk_weights, weights, main_grads, saved, routing, block_m, topk, num_slots, swiglu_limit
+            d_out, x, topk_weights, weights, main_grads, saved, routing, block_m, topk, num_slots, swiglu_limit,
+            sorted_rows,
         )
     # The down wgrad reduces (w·dOut)ᵀ·h over the rows; where w·h is the smaller operand it
     # reads dOutᵀ·(w·h) instead, w·h written by the down dgrad (no w·dOut copy, no saved h).
@@ -736,7 +761,7 @@ def _expert_mlp_backward(d_out, x, topk_weights, weights, saved, routing, block_
 
 
 def _fp8_block_backward_routed(d_out, x, topk_weights, weights, main_grads, saved, routing, block_m, topk, num_slots,
-                               swiglu_limit):
+                               swiglu_limit, sorted_rows):
     """`_expert_mlp_backward` with `_Fp8BlockWeight`s (routed experts only: the shared expert
     stays bf16). x and dOut are never copied in bf16: their sorted rows are gathered by the
     quantizers themselves (dOut's in 1×128 blocks along H for the down dgrad, or, where the
@@ -779,7 +804,8 @@ def _fp8_block_backward_routed(d_out, x, topk_weights, weights, main_grads, save
     else:
         d_gate_pair, d_up_pair = (ops.quantize_fp8_block_activations(d_gate_up[:, j], rows_in_use) for j in (0, 1))
     dx_slots = ops.gate_up_dgrad_scatter_fp8_block(
-        *d_gate_pair, *d_up_pair, w_gate.q_t, w_gate.scale_t, w_up.q_t, w_up.scale_t, routing, block_m, num_slots
+        *d_gate_pair, *d_up_pair, w_gate.q_t, w_gate.scale_t, w_up.q_t, w_up.scale_t, routing, block_m, num_slots,
+        sorted_rows,
     )
     del d_gate_pair, d_up_pair
     # Each wgrad's operands are quantized right before it runs: [W, rows] e4m3 and [rows / S, W] fp32 each.
@@ -833,16 +859,20 @@ def _weight_grads(fresh_op, accumulate_op, operands, main_grads, routing, block_
 
 
 def _routed_backward(schedule, saved, d_out, x, topk_weights, routed, swiglu_limit, main_grads):
-    """dx_slots [T·topk, H], d_topk_weights [T, topk] fp32 and the routed weight gradients.
-    Under expert parallelism the dOut rows and router weights travel to the experts' ranks
-    (which apply the weights in fp32), and dx rows and router-weight gradients come back."""
+    """(dx_slots [T·topk, H], route_row None), or where the forward kept one (`_routed_forward`)
+    (dx [capacity_rows, H] in the sorted layout, route_row); d_topk_weights [T, topk] fp32 and the
+    routed weight gradients. Under expert parallelism the dOut rows and router weights travel
+    to the experts' ranks (which apply the weights in fp32), and dx rows and router-weight
+    gradients come back."""
     num_tokens, topk = topk_weights.shape
     dispatch = schedule.dispatch
     if dispatch is None:
-        return _expert_mlp_backward(
+        route_row = saved.pop("route_row", None)
+        dx, d_topk_weights, grads = _expert_mlp_backward(
             d_out, x, topk_weights, routed, saved, schedule.routing, schedule.block_m,
-            topk, num_tokens * topk, swiglu_limit, main_grads,
+            topk, num_tokens * topk, swiglu_limit, main_grads, sorted_rows=route_row is not None,
         )
+        return dx, route_row, d_topk_weights, grads
     expert_x = dispatch.received_x(saved.pop("expert_x"), x)  # [P·C, H]
     expert_d_out, expert_weights = dispatch.dispatch_grad(d_out, topk_weights)  # [P·C, H], [P·C, 1]
     peer_rows = _epilogue_peer_rows(dispatch, "dx", routed)
@@ -851,9 +881,11 @@ def _routed_backward(schedule, saved, d_out, x, topk_weights, routed, swiglu_lim
         1, expert_x.shape[0], swiglu_limit, main_grads, peer_rows=peer_rows,
     )
     if peer_rows is None:
-        return (*dispatch.combine_grad(dx_rows, d_weight_rows), grads)
-    programs = ops.scatter_programs("gate_up_dgrad", schedule.routing, schedule.block_m, *_hidden_inter(routed))
-    return (*dispatch.combined_grad(d_weight_rows, programs), grads)
+        dx_slots, d_topk_weights = dispatch.combine_grad(dx_rows, d_weight_rows)
+    else:
+        programs = ops.scatter_programs("gate_up_dgrad", schedule.routing, schedule.block_m, *_hidden_inter(routed))
+        dx_slots, d_topk_weights = dispatch.combined_grad(d_weight_rows, programs)
+    return dx_slots, None, d_topk_weights, grads
 
 
 def _triton_backward(schedule, saved, d_out, x, topk_weights, shared, routed, swiglu_limit, main_grads) -> Gradients:
@@ -868,7 +900,7 @@ def _triton_backward(schedule, saved, d_out, x, topk_weights, shared, routed, sw
         raise ValueError("context: expected the pre-activations a forward with needs_backward=True saves")
     shared_saved = {"gate_up": saved.pop("gate_up_shared"), "h": saved.pop("h_shared")} if shared[0] is not None else {}
     d_out = d_out.to(torch.bfloat16)  # a GEMM operand (no copy when it already is bf16)
-    dx_slots, d_topk_weights, routed_grads = _routed_backward(
+    dx_slots, route_row, d_topk_weights, routed_grads = _routed_backward(
         schedule, saved, d_out, x, topk_weights, routed, swiglu_limit, tuple(main_grads.get(n) for n in _ROUTED)
     )
     dx_shared, shared_grads = None, (None, None, None)
@@ -882,7 +914,7 @@ def _triton_backward(schedule, saved, d_out, x, topk_weights, shared, routed, sw
         )
         shared_grads = tuple(g.squeeze(0) for g in grads)
     ones = torch.ones(num_tokens, topk, dtype=torch.float32, device=x.device)  # [T, topk]: unweighted sum
-    d_x = ops.combine(dx_slots, ones, dx_shared)
+    d_x = ops.combine(dx_slots, ones, dx_shared, route_row)
     return Gradients(d_x, d_topk_weights, *routed_grads, *shared_grads)
 
 

@@ -23,6 +23,7 @@ import torch
 from mok.fp8_block import FP8_BLOCK
 from mok.kernels import combine as combine_kernels
 from mok.kernels import grouped_gemm
+from mok.kernels import schedule as schedule_kernels
 from mok.kernels.schedule import RoutingSchedule, build_routing_schedule, capacity_rows
 
 
@@ -177,28 +178,45 @@ def down_scatter_fp8_block(
     schedule_tensors: list[torch.Tensor],
     block_m: int,
     num_slots: int,
+    sorted_rows: bool = False,
 ) -> torch.Tensor:
-    """y [num_slots, H] bf16 from the fp8_block h and w_down, each route's unweighted output in its slot."""
+    """y [num_slots, H] bf16 from the fp8_block h and w_down, each route's unweighted output in its
+    slot; `sorted_rows`: y [capacity_rows, H], each sorted row's at its own index."""
     routing = routing_from_tensors(schedule_tensors, block_m)
-    return grouped_gemm.down_scatter_fp8_block(h_q, h_scale, w_down_q, w_down_scale, routing, num_slots)
+    return grouped_gemm.down_scatter_fp8_block(h_q, h_scale, w_down_q, w_down_scale, routing, num_slots,
+                                               sorted_rows=sorted_rows)
 
 
 @down_scatter_fp8_block.op.register_fake
-def _(h_q, h_scale, w_down_q, w_down_scale, schedule_tensors, block_m, num_slots):
-    return h_scale.new_empty(num_slots, w_down_q.shape[1], dtype=torch.bfloat16)
+def _(h_q, h_scale, w_down_q, w_down_scale, schedule_tensors, block_m, num_slots, sorted_rows=False):
+    rows = schedule_tensors[0].shape[0] if sorted_rows else num_slots
+    return h_scale.new_empty(rows, w_down_q.shape[1], dtype=torch.bfloat16)
+
+
+@_custom_op("route_rows", ())
+def route_rows(schedule_tensors: list[torch.Tensor], block_m: int, num_slots: int) -> torch.Tensor:
+    """route_row [num_slots] int32: each route slot's row in the sorted layout, −1 for none."""
+    return schedule_kernels.route_rows(routing_from_tensors(schedule_tensors, block_m), num_slots)
+
+
+@route_rows.op.register_fake
+def _(schedule_tensors, block_m, num_slots):
+    return schedule_tensors[0].new_empty(num_slots)
 
 
 # --------------------------------------------------------------------------- combine
 
 
 @_custom_op("combine", ())
-def combine(y: torch.Tensor, topk_weights: torch.Tensor, y_shared: torch.Tensor | None) -> torch.Tensor:
-    """out [T, H] bf16 = y_shared + Σ_j w·y, fp32, ascending j."""
-    return combine_kernels.combine(y, topk_weights, y_shared)
+def combine(y: torch.Tensor, topk_weights: torch.Tensor, y_shared: torch.Tensor | None,
+            route_row: torch.Tensor | None = None) -> torch.Tensor:
+    """out [T, H] bf16 = y_shared + Σ_j w·y, fp32, ascending j (y's rows in route slots, or with
+    `route_row` in the sorted layout)."""
+    return combine_kernels.combine(y, topk_weights, y_shared, route_row)
 
 
 @combine.op.register_fake
-def _(y, topk_weights, y_shared):
+def _(y, topk_weights, y_shared, route_row=None):
     return y.new_empty(topk_weights.shape[0], y.shape[1])
 
 
@@ -350,20 +368,22 @@ def gate_up_dgrad_scatter_fp8_block(
     schedule_tensors: list[torch.Tensor],
     block_m: int,
     num_slots: int,
+    sorted_rows: bool = False,
 ) -> torch.Tensor:
     """dx_slots [num_slots, H] bf16 from d_g, d_u quantized in 1×128 blocks and the gate/up
-    weights' transposed fp8_block copies."""
+    weights' transposed fp8_block copies; `sorted_rows`: dx [capacity_rows, H] in the sorted layout."""
     routing = routing_from_tensors(schedule_tensors, block_m)
     return dgrad.gate_up_dgrad_scatter_fp8_block(
         d_gate_q, d_gate_scale, d_up_q, d_up_scale, w_gate_t_q, w_gate_t_scale, w_up_t_q, w_up_t_scale,
-        routing, num_slots,
+        routing, num_slots, sorted_rows=sorted_rows,
     )
 
 
 @gate_up_dgrad_scatter_fp8_block.op.register_fake
 def _(d_gate_q, d_gate_scale, d_up_q, d_up_scale, w_gate_t_q, w_gate_t_scale, w_up_t_q, w_up_t_scale,
-      schedule_tensors, block_m, num_slots):
-    return d_gate_scale.new_empty(num_slots, w_gate_t_q.shape[1], dtype=torch.bfloat16)
+      schedule_tensors, block_m, num_slots, sorted_rows=False):
+    rows = schedule_tensors[0].shape[0] if sorted_rows else num_slots
+    return d_gate_scale.new_empty(rows, w_gate_t_q.shape[1], dtype=torch.bfloat16)
 
 
 # --------------------------------------------------------------------------- backward: wgrad

@@ -557,6 +557,30 @@ def test_fp8_block_d_gate_up_quantized_in_the_epilogue(kernel_device, monkeypatc
         _assert_low_precision_within_bars("fp8_block", out, g, layer.inp, layer.d_out, layer.ctx)
 
 
+def test_fp8_block_sorted_outputs_are_bitwise_the_route_slots(kernel_device, monkeypatch):
+    """fp8_block with `functional.FP8_BLOCK_SORTED_OUTPUTS` (the default): the down GEMM and the
+    gate/up dgrad leave y and dx in the sorted layout and the combines gather them by route_row.
+    Against the flag off (route slots), out and every gradient are bitwise the same; the forward
+    keeps route_row (the inverse of row_source) for the backward, which consumes it."""
+    layer = _RecordedLayer(kernel_device, monkeypatch, "fp8_block", seed=13)
+    out, context = layer.forward()
+    route_row = context.saved["route_row"]
+    slots = torch.arange(route_row.numel(), device=route_row.device, dtype=torch.int32)
+    row_source = layer.sched.routing[0]
+    assert torch.equal(row_source[route_row.long()], slots), f"route_row is not row_source's inverse {layer.ctx}"
+    grads = layer.backward(context, release_context=True)
+    assert "route_row" not in context.saved, f"the backward leaves {set(context.saved)} {layer.ctx}"
+    monkeypatch.setattr(functional, "FP8_BLOCK_SORTED_OUTPUTS", False)
+    out_off, context_off = layer.forward()
+    assert "route_row" not in context_off.saved, layer.ctx
+    grads_off = layer.backward(context_off)
+    assert torch.equal(out, out_off), layer.ctx
+    for name, g in grads._asdict().items():
+        g_off = getattr(grads_off, name)
+        assert (g is None and g_off is None) or torch.equal(g, g_off), f"{name} {layer.ctx}"
+    _assert_low_precision_within_bars("fp8_block", out, grads, layer.inp, layer.d_out, layer.ctx)
+
+
 @pytest.mark.parametrize("precision", ["fp8_block", "mxfp8"])
 def test_backward_reads_the_forwards_weight_copies(kernel_device, monkeypatch, precision):
     """Where no copy is cached between forward and backward (a step captured in a CUDA graph or

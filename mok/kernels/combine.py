@@ -3,7 +3,9 @@
     out[t] = bf16( y_shared[t] + Σ_j w[t,j] · y[t·topk + j] )     fp32, ascending j
 
 Legend: T tokens, H hidden, topk routes per token. `y` holds one bf16 row per route
-slot (written by the down GEMM), `y_shared` the shared expert's bf16 output or nothing.
+slot (written by the down GEMM), or with `route_row` its rows in the schedule's sorted
+layout, route t·topk + j's at row route_row[t·topk + j] (none where −1); `y_shared` the
+shared expert's bf16 output or nothing.
 The sum runs in one program per (token block, hidden block) in a fixed order: the
 result is deterministic and equals SPEC §1's definition bit for bit at fp32.
 """
@@ -18,22 +20,29 @@ from mok.kernels.common import interpreting, round_to_bf16
 
 
 @triton.jit
-def weighted_route_sum(y_ptr, w_ptr, tokens, h_offs, mask, topk, stride_y_s, acc):
-    """acc + Σ_j w[t,j]·y[t·topk+j] over ascending j, for a [tokens, h_offs] block."""
+def weighted_route_sum(y_ptr, w_ptr, route_row_ptr, tokens, h_offs, mask, topk, stride_y_s, acc,
+                       SORTED: tl.constexpr):
+    """acc + Σ_j w[t,j]·y[t·topk+j] over ascending j, for a [tokens, h_offs] block; SORTED: y's
+    row route_row[t·topk+j] instead (a route without one adds nothing)."""
     for j in range(topk):
         w = tl.load(w_ptr + tokens * topk + j, mask=tokens >= 0, other=0.0)
-        slot = (tokens.to(tl.int64) * topk + j)[:, None]
-        y = tl.load(y_ptr + slot * stride_y_s + h_offs[None, :], mask=mask, other=0.0)
+        row = tokens.to(tl.int64) * topk + j
+        row_mask = mask
+        if SORTED:
+            row = tl.load(route_row_ptr + row, mask=tokens >= 0, other=-1).to(tl.int64)
+            row_mask = mask & (row >= 0)[:, None]
+        y = tl.load(y_ptr + row[:, None] * stride_y_s + h_offs[None, :], mask=row_mask, other=0.0)
         acc += w[:, None] * y.to(tl.float32)
     return acc
 
 
 @triton.jit
 def _combine_kernel(
-    y_ptr, topk_weights_ptr, y_shared_ptr, out_ptr,
+    y_ptr, topk_weights_ptr, y_shared_ptr, route_row_ptr, out_ptr,
     num_tokens, hidden, topk,
     stride_y_s, stride_shared_t, stride_out_t,
-    HAS_SHARED: tl.constexpr, INTERPRETER: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    HAS_SHARED: tl.constexpr, SORTED: tl.constexpr, INTERPRETER: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     h_offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -43,20 +52,29 @@ def _combine_kernel(
     acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
     if HAS_SHARED:
         acc += tl.load(y_shared_ptr + rows * stride_shared_t + h_offs[None, :], mask=mask, other=0.0).to(tl.float32)
-    acc = weighted_route_sum(y_ptr, topk_weights_ptr, tokens, h_offs, mask, topk, stride_y_s, acc)
+    acc = weighted_route_sum(y_ptr, topk_weights_ptr, route_row_ptr, tokens, h_offs, mask, topk, stride_y_s, acc,
+                             SORTED)
     tl.store(out_ptr + rows * stride_out_t + h_offs[None, :], round_to_bf16(acc, INTERPRETER), mask=mask)
 
 
 def combine(
-    y: torch.Tensor,  # [T·topk, H] bf16
+    y: torch.Tensor,  # [T·topk, H] bf16, or [rows, H] with route_row
     topk_weights: torch.Tensor,  # [T, topk] fp32
     y_shared: torch.Tensor | None = None,  # [T, H] bf16
+    route_row: torch.Tensor | None = None,  # [T·topk] int32: y's row of each route, −1 for none
 ) -> torch.Tensor:
     """out [T, H] bf16."""
     num_tokens, topk = topk_weights.shape
     hidden = y.shape[1]
-    if y.shape != (num_tokens * topk, hidden) or y.stride(1) != 1:
+    if route_row is None and (y.shape != (num_tokens * topk, hidden) or y.stride(1) != 1):
         raise ValueError(f"y: expected a [{num_tokens * topk}, H] tensor with unit column stride, got {list(y.shape)}")
+    if route_row is not None and (y.dim() != 2 or y.stride(1) != 1):
+        raise ValueError(f"y: expected a 2-D [rows, H] tensor with unit column stride, got {list(y.shape)}")
+    if route_row is not None and (
+        route_row.shape != (num_tokens * topk,) or route_row.dtype != torch.int32 or route_row.device != y.device
+    ):
+        raise ValueError(f"route_row: expected a [{num_tokens * topk}] int32 tensor on {y.device}, got "
+                         f"{route_row.dtype} {list(route_row.shape)} on {route_row.device}")
     if topk_weights.dtype != torch.float32 or not topk_weights.is_contiguous():
         raise ValueError(f"topk_weights: expected a contiguous fp32 tensor, got {topk_weights.dtype}")
     if y_shared is not None and (y_shared.shape != (num_tokens, hidden) or y_shared.stride(1) != 1):
@@ -65,9 +83,10 @@ def combine(
     block_t, block_h = 16, min(512, triton.next_power_of_2(hidden))
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(hidden, block_h))
     _combine_kernel[grid](
-        y, topk_weights, y if y_shared is None else y_shared, out,
+        y, topk_weights, y if y_shared is None else y_shared, topk_weights if route_row is None else route_row, out,
         num_tokens, hidden, topk,
         y.stride(0), 0 if y_shared is None else y_shared.stride(0), out.stride(0),
-        HAS_SHARED=y_shared is not None, INTERPRETER=interpreting(), BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4,
+        HAS_SHARED=y_shared is not None, SORTED=route_row is not None, INTERPRETER=interpreting(), BLOCK_T=block_t,
+        BLOCK_H=block_h, num_warps=4,
     )
     return out

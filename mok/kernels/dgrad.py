@@ -478,11 +478,12 @@ def _gate_up_dgrad_tile(
     d_gate_scale_ptr, d_up_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr,
     row_source_ptr, tile_expert_ptr, m_tile, n_tile, hidden, inter, stride_dx_s, stride_d_gu_scale_r,
     out_peer_ptrs, return_route_ptr, capacity, num_out_rows,
-    PRECISION: tl.constexpr, INTERPRETER: tl.constexpr, PEER: tl.constexpr,
+    PRECISION: tl.constexpr, INTERPRETER: tl.constexpr, PEER: tl.constexpr, SORTED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """One [BLOCK_M, BLOCK_N] tile of the gate/up dgrad, scattered to its rows' slots. Each
-    output row depends only on its own d_gate_up row: padding rows cannot leak."""
+    """One [BLOCK_M, BLOCK_N] tile of the gate/up dgrad, scattered to its rows' slots (SORTED:
+    stored at its rows). Each output row depends only on its own d_gate_up row: padding rows
+    cannot leak."""
     expert = tl.load(tile_expert_ptr + m_tile)
     rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     n_offs = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -502,7 +503,7 @@ def _gate_up_dgrad_tile(
         dx = sorted_rows_times_weight(d_gate_desc, m0, w_gate_desc, expert, n0, inter, dx, BLOCK_K, INTERPRETER)
         dx = sorted_rows_times_weight(d_up_desc, m0, w_up_desc, expert, n0, inter, dx, BLOCK_K, INTERPRETER)
     scatter_rows_to_slots(dx_ptr, dx, row_source_ptr, rows, n_offs, hidden, stride_dx_s,
-                          out_peer_ptrs, return_route_ptr, capacity, num_out_rows, PEER, INTERPRETER)
+                          out_peer_ptrs, return_route_ptr, capacity, num_out_rows, PEER, SORTED, INTERPRETER)
 
 
 @triton.jit
@@ -522,6 +523,7 @@ def _gate_up_dgrad_scatter_kernel(
     out_peer_ptrs, return_route_ptr, capacity, num_out_rows, arrivals_peer_ptrs, arrival_slot, num_ranks,
     # meta
     PRECISION: tl.constexpr, INTERPRETER: tl.constexpr, PEER: tl.constexpr, BLOCK_P: tl.constexpr,
+    SORTED: tl.constexpr,  # dx in the sorted layout [capacity_rows, H] instead of route slots
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PERSISTENT: tl.constexpr, SPLIT_LAST_WAVE: tl.constexpr,
 ):
@@ -535,7 +537,7 @@ def _gate_up_dgrad_scatter_kernel(
                 d_gate_scale_ptr, d_up_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr,
                 row_source_ptr, tile_expert_ptr, m_tile, n_tile, hidden, inter, stride_dx_s, stride_d_gu_scale_r,
                 out_peer_ptrs, return_route_ptr, capacity, num_out_rows,
-                PRECISION, INTERPRETER, PEER, BLOCK_M, BLOCK_N, BLOCK_K,
+                PRECISION, INTERPRETER, PEER, SORTED, BLOCK_M, BLOCK_N, BLOCK_K,
             )
     else:  # as the forward's down GEMM, the last wave in column halves with SPLIT_LAST_WAVE
         m_tile, n_tile, half = last_wave_tile_coordinates(
@@ -546,7 +548,7 @@ def _gate_up_dgrad_scatter_kernel(
                 d_gate_scale_ptr, d_up_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr,
                 row_source_ptr, tile_expert_ptr, m_tile, n_tile, hidden, inter, stride_dx_s, stride_d_gu_scale_r,
                 out_peer_ptrs, return_route_ptr, capacity, num_out_rows,
-                PRECISION, INTERPRETER, PEER, BLOCK_M, BLOCK_N, BLOCK_K,
+                PRECISION, INTERPRETER, PEER, SORTED, BLOCK_M, BLOCK_N, BLOCK_K,
             )
         if SPLIT_LAST_WAVE:
             if half >= 0:
@@ -556,7 +558,7 @@ def _gate_up_dgrad_scatter_kernel(
                     row_source_ptr, tile_expert_ptr, m_tile, 2 * n_tile + half, hidden, inter, stride_dx_s,
                     stride_d_gu_scale_r,
                     out_peer_ptrs, return_route_ptr, capacity, num_out_rows,
-                    PRECISION, INTERPRETER, PEER, BLOCK_M, BLOCK_N // 2, BLOCK_K,
+                    PRECISION, INTERPRETER, PEER, SORTED, BLOCK_M, BLOCK_N // 2, BLOCK_K,
                 )
     if PEER:
         signal_peers(arrivals_peer_ptrs, arrival_slot, num_ranks, BLOCK_P)  # the receivers count every program
@@ -795,18 +797,22 @@ def _launch_down_dgrad_epilogue(
 def _launch_gate_up_dgrad_scatter(
     precision: str, d_gate, d_gate_scale, d_up, d_up_scale, w_gate, w_gate_scale, w_up, w_up_scale,
     schedule: RoutingSchedule, num_slots: int, hidden: int, inter: int, cfg: dict, peer_rows: PeerRows | None = None,
+    sorted_rows: bool = False,
 ) -> torch.Tensor:
     """One launch of `_gate_up_dgrad_scatter_kernel` (the scales are None in bf16), or, for a tile
-    config with WARP_SPECIALIZED, of `warp_specialized`'s kernel (local slots)."""
+    config with WARP_SPECIALIZED, of `warp_specialized`'s kernel (local slots). `sorted_rows`:
+    dx [capacity_rows, H], each row at its own index."""
     if peer_rows is None:
-        dx = torch.empty(num_slots, hidden, dtype=torch.bfloat16, device=d_gate.device)  # [T·topk, H] bf16
+        rows = schedule.capacity_rows if sorted_rows else num_slots
+        dx = torch.empty(rows, hidden, dtype=torch.bfloat16, device=d_gate.device)  # [T·topk or capacity_rows, H]
     else:
         dx = peer_rows.checked_local_out(hidden, d_gate.device)
     if cfg.get("WARP_SPECIALIZED", False):
         if peer_rows is not None:
             raise ValueError("tile_config: WARP_SPECIALIZED is for the gate/up dgrad into local slots, got peer_rows")
         scales = None if d_gate_scale is None else (d_gate_scale, d_up_scale, w_gate_scale, w_up_scale)
-        warp_specialized.launch_gate_up_dgrad_scatter(d_gate, d_up, w_gate, w_up, dx, schedule, cfg, scales)
+        warp_specialized.launch_gate_up_dgrad_scatter(d_gate, d_up, w_gate, w_up, dx, schedule, cfg, scales,
+                                                      scatter=not sorted_rows)
         return dx
     programs = scatter_grid(schedule, hidden, cfg)
     cfg = {"PERSISTENT": False, "SPLIT_LAST_WAVE": False, **cfg}
@@ -822,7 +828,7 @@ def _launch_gate_up_dgrad_scatter(
         hidden, inter, num_sms(dx.device), programs,
         dx.stride(0), 0 if d_gate_scale is None else d_gate_scale.stride(0),
         *PeerRows.kernel_args(peer_rows, dx),
-        PRECISION=precision, INTERPRETER=interpreting(), **PeerRows.kernel_meta(peer_rows), **cfg,
+        PRECISION=precision, INTERPRETER=interpreting(), **PeerRows.kernel_meta(peer_rows), SORTED=sorted_rows, **cfg,
     )
     return dx
 
@@ -864,8 +870,10 @@ def gate_up_dgrad_scatter_fp8_block(
     schedule: RoutingSchedule,
     num_slots: int,
     tile_config: dict | None = None,
+    sorted_rows: bool = False,
 ) -> torch.Tensor:
-    """The fp8_block gate/up dgrad: dx_slots [num_slots, H] bf16, as `gate_up_dgrad_scatter`.
+    """The fp8_block gate/up dgrad: dx_slots [num_slots, H] bf16, as `gate_up_dgrad_scatter`
+    (`sorted_rows`: dx [capacity_rows, H] in the sorted layout, as `down_scatter_fp8_block`'s).
     Each (q, scale) pair of d_g, d_u comes from `quantize_fp8_block_activations(d_gate_up[:, j])`,
     or is a column range of `down_dgrad_swiglu_fp8_block(..., quantize_d_gate_up=True)`'s pair
     (rows further apart; d_g's and d_u's scales with one row stride). Each weight pair is `q_t,
@@ -887,5 +895,5 @@ def gate_up_dgrad_scatter_fp8_block(
     cfg = _dgrad_tiles("gate_up", hidden, inter, "fp8_block", tile_config, schedule)
     return _launch_gate_up_dgrad_scatter(
         "fp8_block", d_gate_q, d_gate_scale, d_up_q, d_up_scale, w_gate_t_q, w_gate_t_scale, w_up_t_q, w_up_t_scale,
-        schedule, num_slots, hidden, inter, cfg,
+        schedule, num_slots, hidden, inter, cfg, sorted_rows=sorted_rows,
     )

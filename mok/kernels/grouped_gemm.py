@@ -257,15 +257,19 @@ def gathered_rows_tile_fp8(
 def scatter_rows_to_slots(
     out_ptr, tile, row_source_ptr, rows, n_offs, n_dim, stride_out_s,
     out_peer_ptrs, return_route_ptr, capacity, num_out_rows,
-    PEER: tl.constexpr, INTERPRETER: tl.constexpr,
+    PEER: tl.constexpr, SORTED: tl.constexpr, INTERPRETER: tl.constexpr,
 ):
     """out[row_source[r], n_offs] = bf16(tile[r]) for each sorted row r of the tile; padding
     rows (source −1) and columns past n_dim store nothing. PEER (expert parallelism, the
     source is a received row i = p·C + c): the row goes to rank p's buffer at row
-    return_route[i] (`comm.PeerRows`), a store over NVLink for another rank."""
-    source = tl.load(row_source_ptr + rows)
+    return_route[i] (`comm.PeerRows`), a store over NVLink for another rank. SORTED: every
+    row to out[r] instead (padding rows too), the sorted layout that `combine` gathers."""
     values = round_to_bf16(tile, INTERPRETER)
     col_ok = (n_offs < n_dim)[None, :]
+    if SORTED:
+        tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_out_s + n_offs[None, :], values, mask=col_ok)
+        return
+    source = tl.load(row_source_ptr + rows)
     if PEER:
         route = tl.load(return_route_ptr + source, mask=source >= 0, other=-1)
         ok = (route >= 0) & (route < num_out_rows)
@@ -280,10 +284,11 @@ def scatter_rows_to_slots(
 def _down_tile(
     h_desc, w_down_desc, y_ptr, h_scale_ptr, w_down_scale_ptr, row_source_ptr, tile_expert_ptr, m_tile, n_tile,
     hidden, inter, stride_y_s, out_peer_ptrs, return_route_ptr, capacity, num_out_rows,
-    PRECISION: tl.constexpr, INTERPRETER: tl.constexpr, PEER: tl.constexpr,
+    PRECISION: tl.constexpr, INTERPRETER: tl.constexpr, PEER: tl.constexpr, SORTED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """One [BLOCK_M, BLOCK_N] tile of the down GEMM, scattered to its rows' slots."""
+    """One [BLOCK_M, BLOCK_N] tile of the down GEMM, scattered to its rows' slots (SORTED: stored
+    at its rows)."""
     expert = tl.load(tile_expert_ptr + m_tile)
     rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     n_offs = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -293,7 +298,7 @@ def _down_tile(
         INTERPRETER,
     )
     scatter_rows_to_slots(y_ptr, y, row_source_ptr, rows, n_offs, hidden, stride_y_s,
-                          out_peer_ptrs, return_route_ptr, capacity, num_out_rows, PEER, INTERPRETER)
+                          out_peer_ptrs, return_route_ptr, capacity, num_out_rows, PEER, SORTED, INTERPRETER)
 
 
 @triton.jit
@@ -313,6 +318,7 @@ def _down_scatter_kernel(
     out_peer_ptrs, return_route_ptr, capacity, num_out_rows, arrivals_peer_ptrs, arrival_slot, num_ranks,
     # meta
     PRECISION: tl.constexpr, INTERPRETER: tl.constexpr, PEER: tl.constexpr, BLOCK_P: tl.constexpr,
+    SORTED: tl.constexpr,  # y in the sorted layout [capacity_rows, H] instead of route slots
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PERSISTENT: tl.constexpr, SPLIT_LAST_WAVE: tl.constexpr,
 ):
@@ -326,20 +332,20 @@ def _down_scatter_kernel(
             m_tile, n_tile = tile_coordinates(tile, num_m_tiles, num_n_tiles, GROUP_M)
             _down_tile(h_desc, w_down_desc, y_ptr, h_scale_ptr, w_down_scale_ptr, row_source_ptr, tile_expert_ptr,
                        m_tile, n_tile, hidden, inter, stride_y_s, out_peer_ptrs, return_route_ptr, capacity,
-                       num_out_rows, PRECISION, INTERPRETER, PEER, BLOCK_M, BLOCK_N, BLOCK_K)
+                       num_out_rows, PRECISION, INTERPRETER, PEER, SORTED, BLOCK_M, BLOCK_N, BLOCK_K)
     else:
         m_tile, n_tile, half = last_wave_tile_coordinates(
             tl.program_id(0), num_m_tiles, num_n_tiles, num_sms, GROUP_M, SPLIT_LAST_WAVE)
         if (m_tile >= 0) & (half < 0):
             _down_tile(h_desc, w_down_desc, y_ptr, h_scale_ptr, w_down_scale_ptr, row_source_ptr, tile_expert_ptr,
                        m_tile, n_tile, hidden, inter, stride_y_s, out_peer_ptrs, return_route_ptr, capacity,
-                       num_out_rows, PRECISION, INTERPRETER, PEER, BLOCK_M, BLOCK_N, BLOCK_K)
+                       num_out_rows, PRECISION, INTERPRETER, PEER, SORTED, BLOCK_M, BLOCK_N, BLOCK_K)
         if SPLIT_LAST_WAVE:
             if half >= 0:
                 _down_tile(h_desc, w_down_half_desc, y_ptr, h_scale_ptr, w_down_scale_ptr, row_source_ptr,
                            tile_expert_ptr, m_tile, 2 * n_tile + half, hidden, inter, stride_y_s, out_peer_ptrs,
-                           return_route_ptr, capacity, num_out_rows, PRECISION, INTERPRETER, PEER, BLOCK_M,
-                           BLOCK_N // 2, BLOCK_K)
+                           return_route_ptr, capacity, num_out_rows, PRECISION, INTERPRETER, PEER, SORTED,
+                           BLOCK_M, BLOCK_N // 2, BLOCK_K)
     if PEER:
         signal_peers(arrivals_peer_ptrs, arrival_slot, num_ranks, BLOCK_P)  # the receivers count every program
 
@@ -706,15 +712,16 @@ def last_wave_config(cfg: dict) -> dict:
 
 def _launch_down_scatter(
     precision: str, h, h_scale, w_down, w_down_scale, y, schedule: RoutingSchedule, cfg: dict,
-    peer_rows: PeerRows | None = None,
+    peer_rows: PeerRows | None = None, sorted_rows: bool = False,
 ) -> None:
     """One launch of `_down_scatter_kernel` (the scales are None in bf16), or, for a tile config
-    with WARP_SPECIALIZED, of `warp_specialized`'s kernel (local slots)."""
+    with WARP_SPECIALIZED, of `warp_specialized`'s kernel (local slots). `sorted_rows`: y
+    [capacity_rows, H], each row at its own index."""
     if cfg.get("WARP_SPECIALIZED", False):
         if peer_rows is not None:
             raise ValueError("tile_config: WARP_SPECIALIZED is for the down GEMM into local slots, got peer_rows")
         scales = None if h_scale is None else (h_scale, w_down_scale)
-        warp_specialized.launch_down_scatter(h, w_down, y, schedule, cfg, scales)
+        warp_specialized.launch_down_scatter(h, w_down, y, schedule, cfg, scales, scatter=not sorted_rows)
         return
     hidden, inter = w_down.shape[1], w_down.shape[2]
     programs = scatter_grid(schedule, hidden, cfg)
@@ -730,7 +737,7 @@ def _launch_down_scatter(
         hidden, inter, num_sms(y.device), programs,
         y.stride(0),
         *PeerRows.kernel_args(peer_rows, y),
-        PRECISION=precision, INTERPRETER=interpreting(), **PeerRows.kernel_meta(peer_rows), **cfg,
+        PRECISION=precision, INTERPRETER=interpreting(), **PeerRows.kernel_meta(peer_rows), SORTED=sorted_rows, **cfg,
     )
 
 
@@ -769,10 +776,14 @@ def down_scatter_fp8_block(
     schedule: RoutingSchedule,
     num_slots: int,
     tile_config: dict | None = None,
+    sorted_rows: bool = False,
 ) -> torch.Tensor:
     """The fp8_block down GEMM: y [num_slots, H] bf16, each sorted row's unweighted output
     at its slot row_source[r], from `gate_up_swiglu_fp8_block`'s h_q, h_scale and
-    `mok.fp8_block_quantize(w_down)`'s q, scale. Slots no route points to are left unwritten."""
+    `mok.fp8_block_quantize(w_down)`'s q, scale. Slots no route points to are left unwritten.
+    `sorted_rows`: y [capacity_rows, H] in the sorted layout instead, row r's output at row r
+    (padding rows too; rows at or past num_rows unwritten), for `combine` with
+    `schedule.route_rows`."""
     _, hidden, inter = fp8_block_weight_shape("w_down_q", w_down_q, "[E_l, H, I]", schedule.num_local_experts)
     device = w_down_q.device
     check_fp8_block_pair("h_q", h_q, "h_scale", h_scale, (schedule.capacity_rows, inter), (1, FP8_BLOCK), device)
@@ -780,6 +791,7 @@ def down_scatter_fp8_block(
         "w_down_q", w_down_q, "w_down_scale", w_down_scale, tuple(w_down_q.shape), (FP8_BLOCK, FP8_BLOCK), device
     )
     cfg = _tile_config("down", hidden, inter, "fp8_block", tile_config, schedule)
-    y = torch.empty(num_slots, hidden, dtype=torch.bfloat16, device=device)  # [T·topk, H]
-    _launch_down_scatter("fp8_block", h_q, h_scale, w_down_q, w_down_scale, y, schedule, cfg)
+    rows = schedule.capacity_rows if sorted_rows else num_slots
+    y = torch.empty(rows, hidden, dtype=torch.bfloat16, device=device)  # [T·topk or capacity_rows, H]
+    _launch_down_scatter("fp8_block", h_q, h_scale, w_down_q, w_down_scale, y, schedule, cfg, sorted_rows=sorted_rows)
     return y

@@ -18,6 +18,9 @@ chunks of CHUNK_TOKENS tokens (about ROUTES_PER_CHUNK routes each):
    (expert, t·topk + j) and writes each route's source into its row (or, for
    `sorted_route_rows`, each route's row into its source: the inverse map).
 
+`route_rows` inverts a built schedule's row_source (route → its sorted row) for kernels
+that leave their rows in the sorted layout and a combine that gathers them.
+
 After the sort, the routes of expert e sit at positions [first_e, first_e + count_e) of
 the chunk, in ascending t·topk + j, so the route at position p goes to row
 expert_offsets[e] + (routes of e in earlier chunks) + p − first_e. The scan stores the
@@ -227,6 +230,24 @@ def _place_routes_kernel(
         tl.store(route_row_ptr + source, tl.where(is_placed, row, -1), mask=is_entry)
     else:
         tl.store(row_source_ptr + row, source, mask=is_placed)
+
+
+@triton.jit
+def _invert_row_source_kernel(row_source_ptr, num_rows_ptr, route_row_ptr, num_slots, BLOCK: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    source = tl.load(row_source_ptr + rows, mask=rows < tl.load(num_rows_ptr), other=-1)  # past num_rows: unset
+    tl.store(route_row_ptr + source, rows, mask=(source >= 0) & (source < num_slots))
+
+
+def route_rows(schedule: RoutingSchedule, num_slots: int) -> torch.Tensor:
+    """route_row [num_slots] int32: the sorted row r of each route slot row_source[r] = s, −1
+    for a slot no row holds (the routes of a token with a bad id)."""
+    route_row = torch.full((num_slots,), -1, dtype=torch.int32, device=schedule.row_source.device)  # [T·topk]
+    block = 1024
+    _invert_row_source_kernel[(triton.cdiv(schedule.capacity_rows, block),)](
+        schedule.row_source, schedule.num_rows, route_row, num_slots, BLOCK=block,
+    )
+    return route_row
 
 
 def capacity_rows(num_routes: int, num_local_experts: int, block_m: int) -> int:

@@ -137,6 +137,12 @@ FP8_WGRAD_TMA_STORE = True
 # qwen3-30b profile (log h200-20261203-ab-fp8-block-v31.log): the gate/up and the product's two
 # launches 1.318 -> 1.223 ms; the gate/up's outputs still bitwise the Triton kernel's (GPU tests).
 GATHERED_TMA_STORE = True
+# The fp8_block scatter GEMMs, where they write the sorted layout in bf16 (the down GEMM's y and
+# the gate/up dgrad's dx for `combine` to gather with `schedule.route_rows`; the down dgrad's
+# bf16 product over dOut's sorted rows), leave each consumer's two 128-column tiles the same way,
+# through buffers of their own (64 KB beside the 144 KB ring). Route slots stay register stores:
+# TMA cannot scatter rows on Hopper.
+SORTED_TMA_STORE = True
 # The same for the bf16 cooperative wgrads, whose ring then holds 3 stages (`wgrad_tile_config`)
 # so that the buffers fit. H200: their stores were 7–10% of mixtral-8x7b's and 6–7% of
 # deepseek-v3-slice's bf16 wgrads (`fp8_arithmetic_cost.py wgrad nostore --kernel down_wgrad
@@ -476,8 +482,8 @@ def _load_segment(step, a_desc, b_desc, m0, expert, n0, n_dim, reduce_dim, a_buf
 @gluon.jit
 def _scatter_producer(a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, empty, turn, y_ptr, a_scale_ptr,
                       a2_scale_ptr, b_scale_ptr, b2_scale_ptr, row_source_ptr, tile_expert_ptr, num_rows_ptr, m_dim,
-                      n_dim, reduce_dim, stride_y, stride_a_scale, CONSUMER: gl.constexpr, SCATTER: gl.constexpr,
-                      TWO_SEGMENTS: gl.constexpr, B_K_MAJOR: gl.constexpr, COOPERATIVE: gl.constexpr,
+                      n_dim, reduce_dim, stride_y, stride_a_scale, y_desc, out_bufs, CONSUMER: gl.constexpr,
+                      SCATTER: gl.constexpr, TMA_STORE: gl.constexpr, TWO_SEGMENTS: gl.constexpr, B_K_MAJOR: gl.constexpr, COOPERATIVE: gl.constexpr,
                       FP8: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                       GROUP_M: gl.constexpr, STAGES: gl.constexpr):
     num_m_tiles = gl.cdiv(gl.load(num_rows_ptr), BLOCK_M)
@@ -497,8 +503,8 @@ def _scatter_producer(a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, e
 @gluon.jit
 def _scatter_consumer(a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, empty, turn, y_ptr, a_scale_ptr,
                       a2_scale_ptr, b_scale_ptr, b2_scale_ptr, row_source_ptr, tile_expert_ptr, num_rows_ptr, m_dim,
-                      n_dim, reduce_dim, stride_y, stride_a_scale, CONSUMER: gl.constexpr, SCATTER: gl.constexpr,
-                      TWO_SEGMENTS: gl.constexpr, B_K_MAJOR: gl.constexpr, COOPERATIVE: gl.constexpr,
+                      n_dim, reduce_dim, stride_y, stride_a_scale, y_desc, out_bufs, CONSUMER: gl.constexpr,
+                      SCATTER: gl.constexpr, TMA_STORE: gl.constexpr, TWO_SEGMENTS: gl.constexpr, B_K_MAJOR: gl.constexpr, COOPERATIVE: gl.constexpr,
                       FP8: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                       GROUP_M: gl.constexpr, STAGES: gl.constexpr):
     ROWS: gl.constexpr = _consumer_rows(BLOCK_M, COOPERATIVE)
@@ -536,10 +542,20 @@ def _scatter_consumer(a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, e
             else:
                 acc = _mma_steps(acc, tile_count * k_steps, k_steps, tile_count, a_bufs, b_bufs, ready, empty, turn,
                                  CONSUMER, True, B_K_MAJOR, COOPERATIVE, STAGES)
-            _scatter_store(acc, y_ptr, row_source_ptr, first_row, n0, m_dim, n_dim, stride_y, SCATTER)
-            if MMA_N < BLOCK_N:
-                _scatter_store(acc_hi, y_ptr, row_source_ptr, first_row, n0 + MMA_N, m_dim, n_dim, stride_y, SCATTER)
+            if TMA_STORE:  # columns past n_dim clipped by TMA
+                tma.store_wait(0)  # the last tile's stores have read this consumer's buffers
+                _store_tile_async(acc.to(y_desc.dtype), out_bufs.index(2 * CONSUMER), y_desc, first_row, n0)
+                if MMA_N < BLOCK_N:
+                    _store_tile_async(acc_hi.to(y_desc.dtype), out_bufs.index(2 * CONSUMER + 1), y_desc, first_row,
+                                      n0 + MMA_N)
+            else:
+                _scatter_store(acc, y_ptr, row_source_ptr, first_row, n0, m_dim, n_dim, stride_y, SCATTER)
+                if MMA_N < BLOCK_N:
+                    _scatter_store(acc_hi, y_ptr, row_source_ptr, first_row, n0 + MMA_N, m_dim, n_dim, stride_y,
+                                   SCATTER)
         tile_count += 1
+    if TMA_STORE:
+        tma.store_wait(0)
 
 
 @gluon.jit
@@ -573,29 +589,39 @@ def _scatter_ws_kernel(
     row_source_ptr, tile_expert_ptr, num_rows_ptr,
     # sizes (m_dim: capacity_rows; K per segment), strides (FP8: the row stride of A's and A2's scales)
     m_dim, n_dim, reduce_dim, stride_y, stride_a_scale,
+    # TMA_STORE: y's TMA descriptor, in boxes of a consumer's rows × 128 (else unread)
+    y_desc,
     # meta
-    SCATTER: gl.constexpr, TWO_SEGMENTS: gl.constexpr, B_K_MAJOR: gl.constexpr, COOPERATIVE: gl.constexpr,
-    FP8: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-    STAGES: gl.constexpr,
+    SCATTER: gl.constexpr, TMA_STORE: gl.constexpr, TWO_SEGMENTS: gl.constexpr, B_K_MAJOR: gl.constexpr,
+    COOPERATIVE: gl.constexpr, FP8: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
 ):
     """down: a = h, b = w_down as [E_l·H, I] (K-major); fp8_block down dgrad's product (not
     SCATTER, y fp32): a = dOut's sorted rows, b = w_downᵀ as [E_l·I, H]; gate/up dgrad (TWO_SEGMENTS): a, a2 = d_g,
     d_u, b, b2 = w_gate, w_up as [E_l·I, H], or (FP8, cooperative) their transposed copies as
-    [E_l·H, I] (K-major, as FP8 wgmma needs)."""
+    [E_l·H, I] (K-major, as FP8 wgmma needs). TMA_STORE (FP8, not SCATTER, bf16 y): each
+    consumer's two tiles leave through buffers of its own by TMA stores, left in flight under
+    the next tile's MMAs."""
     a_bufs, b_bufs, ready, empty, turn = _allocate_ring(a_desc, b_desc, COOPERATIVE, STAGES, 1)
+    out_bufs = b_bufs  # unread without TMA_STORE
+    if TMA_STORE:
+        out_bufs = gl.allocate_shared_memory(y_desc.dtype, [4] + y_desc.block_type.shape, y_desc.layout)
     gl.warp_specialize([
         (_scatter_consumer, (a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, empty, turn, y_ptr, a_scale_ptr,
                              a2_scale_ptr, b_scale_ptr, b2_scale_ptr, row_source_ptr, tile_expert_ptr, num_rows_ptr,
-                             m_dim, n_dim, reduce_dim, stride_y, stride_a_scale, 0, SCATTER, TWO_SEGMENTS, B_K_MAJOR,
-                             COOPERATIVE, FP8, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
+                             m_dim, n_dim, reduce_dim, stride_y, stride_a_scale, y_desc, out_bufs, 0, SCATTER,
+                             TMA_STORE, TWO_SEGMENTS, B_K_MAJOR, COOPERATIVE, FP8, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                             STAGES)),
         (_scatter_consumer, (a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, empty, turn, y_ptr, a_scale_ptr,
                              a2_scale_ptr, b_scale_ptr, b2_scale_ptr, row_source_ptr, tile_expert_ptr, num_rows_ptr,
-                             m_dim, n_dim, reduce_dim, stride_y, stride_a_scale, 1, SCATTER, TWO_SEGMENTS, B_K_MAJOR,
-                             COOPERATIVE, FP8, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
+                             m_dim, n_dim, reduce_dim, stride_y, stride_a_scale, y_desc, out_bufs, 1, SCATTER,
+                             TMA_STORE, TWO_SEGMENTS, B_K_MAJOR, COOPERATIVE, FP8, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                             STAGES)),
         (_scatter_producer, (a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, empty, turn, y_ptr, a_scale_ptr,
                              a2_scale_ptr, b_scale_ptr, b2_scale_ptr, row_source_ptr, tile_expert_ptr, num_rows_ptr,
-                             m_dim, n_dim, reduce_dim, stride_y, stride_a_scale, 0, SCATTER, TWO_SEGMENTS, B_K_MAJOR,
-                             COOPERATIVE, FP8, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
+                             m_dim, n_dim, reduce_dim, stride_y, stride_a_scale, y_desc, out_bufs, 0, SCATTER,
+                             TMA_STORE, TWO_SEGMENTS, B_K_MAJOR, COOPERATIVE, FP8, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                             STAGES)),
     ], [4, 1], [_CONSUMER_REGISTERS, _PRODUCER_REGISTERS])
 
 
@@ -1057,23 +1083,28 @@ def _launch_scatter(a, a2, b, b2, y, schedule: RoutingSchedule, cfg: dict, b_k_m
     b_block = (block_n, block_k) if b_k_major else (block_k, block_n)
     a_desc, b_desc = _descriptor(a, a_block), _descriptor(b, b_block)
     n_dim = y.shape[1]
+    # the wide tile only: the 128-column one's six stages leave no room for the buffers
+    tma_store = SORTED_TMA_STORE and fp8 and not scatter and y.dtype == torch.bfloat16 and block_n == 2 * FP8_BLOCK
+    y_desc = _descriptor(y, (a_block[0], _mma_n(block_n, True))) if tma_store else a_desc  # else unread
     _scatter_ws_kernel[(num_sms(y.device),)](
         a_desc, _descriptor(a2, a_block) if two_segments else a_desc,
         b_desc, _descriptor(b2, b_block) if two_segments else b_desc, y,
         a_scale, a2_scale, b_scale, b2_scale,
         schedule.row_source, schedule.tile_expert, schedule.num_rows,
-        a.shape[0], n_dim, a.shape[1], y.stride(0), a_scale.stride(0) if fp8 else 0,
-        scatter, two_segments, b_k_major, cooperative, fp8, block_m, block_n, block_k, cfg.get("GROUP_M", 1),
-        cfg["num_stages"], num_warps=4,
+        a.shape[0], n_dim, a.shape[1], y.stride(0), a_scale.stride(0) if fp8 else 0, y_desc,
+        scatter, tma_store, two_segments, b_k_major, cooperative, fp8, block_m, block_n, block_k,
+        cfg.get("GROUP_M", 1), cfg["num_stages"], num_warps=4,
     )
 
 
 def launch_down_scatter(h: torch.Tensor, w_down: torch.Tensor, y: torch.Tensor, schedule: RoutingSchedule,
-                        cfg: dict, scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                        cfg: dict, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                        scatter: bool = True) -> None:
     """y[row_source[r]] = h[r] · w_down[e]ᵀ (`grouped_gemm.down_scatter`'s local case); with
     `scales` (h's, w_down's) the fp8_block one (`grouped_gemm.down_scatter_fp8_block`: h, w_down
-    e4m3). The caller has checked the operands."""
-    _launch_scatter(h, None, w_down, None, y, schedule, cfg, True, scales, "down GEMM")  # w_down read as [E_l·H, I]
+    e4m3). Without `scatter`, y[r] (the sorted layout). The caller has checked the operands."""
+    _launch_scatter(h, None, w_down, None, y, schedule, cfg, True, scales, "down GEMM",  # w_down as [E_l·H, I]
+                    scatter=scatter)
 
 
 def launch_down_dgrad_product_fp8_block(d_out_q: torch.Tensor, d_out_scale: torch.Tensor, w_down_t_q: torch.Tensor,
@@ -1096,13 +1127,15 @@ def launch_down_dgrad_product_fp8_block(d_out_q: torch.Tensor, d_out_scale: torc
 
 def launch_gate_up_dgrad_scatter(d_gate: torch.Tensor, d_up: torch.Tensor, w_gate: torch.Tensor,
                                  w_up: torch.Tensor, dx: torch.Tensor, schedule: RoutingSchedule, cfg: dict,
-                                 scales: tuple[torch.Tensor, ...] | None = None) -> None:
+                                 scales: tuple[torch.Tensor, ...] | None = None, scatter: bool = True) -> None:
     """dx[row_source[r]] = d_g[r] · w_gate[e] + d_u[r] · w_up[e] (`dgrad.gate_up_dgrad_scatter`'s
     local case: d_g, d_u the [rows, I] columns of d_gate_up, weights [E_l, I, H]). With `scales`
     (d_g's, d_u's, w_gate's, w_up's) the fp8_block one (`dgrad.gate_up_dgrad_scatter_fp8_block`:
-    e4m3 d_g, d_u and the weights' transposed copies [E_l, H, I]). The caller has checked the operands."""
+    e4m3 d_g, d_u and the weights' transposed copies [E_l, H, I]). Without `scatter`, dx[r] (the
+    sorted layout). The caller has checked the operands."""
     # bf16 weights read as [E_l·I, H]; the fp8 transposed copies as [E_l·H, I] (K-major)
-    _launch_scatter(d_gate, d_up, w_gate, w_up, dx, schedule, cfg, scales is not None, scales, "gate/up dgrad")
+    _launch_scatter(d_gate, d_up, w_gate, w_up, dx, schedule, cfg, scales is not None, scales, "gate/up dgrad",
+                    scatter=scatter)
 
 
 def launch_gate_up_swiglu_fp8_block(x_q: torch.Tensor, x_scale: torch.Tensor, w_gate_q: torch.Tensor,

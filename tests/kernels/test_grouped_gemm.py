@@ -210,6 +210,20 @@ def test_combine_is_the_fixed_order_sum(kernel_device, shared):
         assert_close_to_reference(out, acc, name="out", context=f"{shared=}")
     with pytest.raises(ValueError, match=r"^y: expected a \[87, H\]"):
         combine(y[:-1], w, y_shared)
+    # y's rows in another order, gathered by route_row: bitwise the same sum; a route without a row adds nothing
+    gen_perm = torch.Generator().manual_seed(5)
+    route_row = torch.randperm(T * topk + 7, generator=gen_perm)[: T * topk].int()
+    y_rows = torch.randn(T * topk + 7, H, generator=gen).bfloat16().to(kernel_device)
+    y_rows[route_row.long().to(kernel_device)] = y
+    route_row = route_row.to(kernel_device)
+    assert torch.equal(combine(y_rows, w, y_shared, route_row), out), f"{shared=}"
+    route_row[topk] = -1  # token 1's first route
+    dropped = combine(y_rows, w, y_shared, route_row)
+    w_dropped = w.clone()
+    w_dropped[1, 0] = 0.0
+    assert torch.equal(dropped, combine(y, w_dropped, y_shared)), f"{shared=}"
+    with pytest.raises(ValueError, match=r"^route_row: expected a \[87\] int32 tensor"):
+        combine(y_rows, w, y_shared, route_row.long())
 
 
 # --------------------------------------------------------------------------- fp8_block
@@ -342,8 +356,16 @@ def test_fp8_block_ops_and_run_twice(kernel_device):
     down_args = (h_q, h_scale, *w_down, routing, block_m, T * topk)
     y = ops.down_scatter_fp8_block(*down_args)
     assert torch.equal(y, down_scatter_fp8_block(h_q, h_scale, *w_down, sched, T * topk))
+    # sorted_rows: each route's row at its sorted row, bitwise the slot's
+    route_row = ops.route_rows(routing, block_m, T * topk)
+    y_sorted = ops.down_scatter_fp8_block(*down_args, True)
+    assert y_sorted.shape == (sched.capacity_rows, H) and torch.equal(y_sorted[route_row.long()], y)
     torch.library.opcheck(ops.gate_up_swiglu_fp8_block.op, gate_up_args, test_utils=("test_faketensor",))
-    torch.library.opcheck(ops.down_scatter_fp8_block.op, down_args, test_utils=("test_faketensor",))
+    for args in (down_args, (*down_args, True)):
+        torch.library.opcheck(ops.down_scatter_fp8_block.op, args, test_utils=("test_faketensor",))
+    torch.library.opcheck(ops.route_rows.op, (routing, block_m, T * topk), test_utils=("test_faketensor",))
+    torch.library.opcheck(ops.combine.op, (y_sorted, inp.topk_weights, None, route_row),
+                          test_utils=("test_faketensor",))
 
 
 def test_fp8_block_launchers_reject_mismatches(kernel_device):

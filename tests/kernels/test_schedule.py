@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mok.kernels.common import ERROR_BAD_EXPERT_ID
-from mok.kernels.schedule import build_routing_schedule, capacity_rows, sorted_route_rows
+from mok.kernels.schedule import build_routing_schedule, capacity_rows, route_rows, sorted_route_rows
 from mok.testing import make_topk_ids
 
 
@@ -125,6 +125,26 @@ def test_sorted_route_rows_bit_exact(kernel_device, T, E, topk):
     assert int(flag) & ERROR_BAD_EXPERT_ID, ctx
     bad = route_row.cpu().view(T, topk)[T // 2]
     assert (bad == -1).all(), ctx
+
+
+@pytest.mark.parametrize("T, E, topk, block_m", [(1, 4, 1, 16), (37, 5, 2, 16), (300, 12, 3, 128)])
+def test_route_rows_invert_row_source(kernel_device, T, E, topk, block_m):
+    """route_rows: each route slot's row of the padded sorted layout, so that
+    row_source[route_row[s]] = s for every slot; −1 for the slots of a token with a bad id."""
+    ids = make_topk_ids(T, E, topk, torch.Generator().manual_seed(T + 1), skew=1.0)
+    ids[T // 2, 0] = E  # a bad id: the token's routes get no row
+    flag = torch.zeros(1, dtype=torch.int32, device=kernel_device)
+    s = build_routing_schedule(ids.to(kernel_device), E, block_m, flag)
+    route_row = route_rows(s, T * topk).cpu()
+    row_source = s.row_source.cpu()
+    ctx = f"{T=} {E=} {topk=} {block_m=}"
+    bad = torch.zeros(T, topk, dtype=torch.bool)
+    bad[T // 2] = True
+    bad = bad.flatten()
+    assert (route_row[bad] == -1).all(), ctx
+    slots = torch.arange(T * topk, dtype=torch.int32)
+    assert (route_row[~bad] >= 0).all() and (route_row[~bad] < int(s.num_rows)).all(), ctx
+    assert torch.equal(row_source[route_row[~bad].long()], slots[~bad]), ctx
 
 
 def test_rejects_bad_arguments():

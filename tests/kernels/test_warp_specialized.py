@@ -32,7 +32,7 @@ from mok.kernels.quant_fp8_block import (
     quantize_fp8_block_sorted_t,
     quantize_fp8_block_swiglu_sorted_t,
 )
-from mok.kernels.schedule import build_routing_schedule
+from mok.kernels.schedule import build_routing_schedule, route_rows
 from mok.kernels.wgrad import (
     down_wgrad,
     down_wgrad_fp8_block,
@@ -59,12 +59,14 @@ def _descriptor_type(block_shape, dtype: torch.dtype = torch.bfloat16) -> str:
 
 
 def _scatter_signature(a_block, b_block, dtype: torch.dtype, meta: dict, y_type: str = "*bf16") -> dict:
+    y_desc = _descriptor_type((a_block[0], 128)) if meta["TMA_STORE"] else _descriptor_type(a_block, dtype)
     return {
         "a_desc": _descriptor_type(a_block, dtype), "a2_desc": _descriptor_type(a_block, dtype),
         "b_desc": _descriptor_type(b_block, dtype), "b2_desc": _descriptor_type(b_block, dtype), "y_ptr": y_type,
         "a_scale_ptr": "*fp32", "a2_scale_ptr": "*fp32", "b_scale_ptr": "*fp32", "b2_scale_ptr": "*fp32",
         "row_source_ptr": "*i32", "tile_expert_ptr": "*i32", "num_rows_ptr": "*i32", "m_dim": "i32", "n_dim": "i32",
-        "reduce_dim": "i32", "stride_y": "i32", "stride_a_scale": "i32", **{name: "constexpr" for name in meta},
+        "reduce_dim": "i32", "stride_y": "i32", "stride_a_scale": "i32", "y_desc": y_desc,
+        **{name: "constexpr" for name in meta},
     }
 
 
@@ -94,8 +96,8 @@ def test_kernels_compile_for_sm90a_without_spills(cooperative, two_operands):
     rows = ws._consumer_rows(block_m, cooperative)
     meta = dict(COOPERATIVE=cooperative, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=cfg["num_stages"])
     b_block = (block_k, block_n) if two_operands else (block_n, block_k)
-    scatter_meta = dict(meta, SCATTER=True, TWO_SEGMENTS=two_operands, B_K_MAJOR=not two_operands, FP8=False,
-                        GROUP_M=8)
+    scatter_meta = dict(meta, SCATTER=True, TMA_STORE=False, TWO_SEGMENTS=two_operands, B_K_MAJOR=not two_operands,
+                        FP8=False, GROUP_M=8)
     # the wgrad at its own stages, cooperative with its TMA stores
     wgrad_meta = dict(meta, TWO_OUTPUTS=two_operands, FP8=False, TMA_STORE=cooperative and ws.BF16_WGRAD_TMA_STORE,
                       GROUP_M=8, STAGES=ws.wgrad_tile_config(cooperative)["num_stages"])
@@ -116,15 +118,17 @@ def _fp8_tile(cfg: dict, wide: bool) -> dict:
 
 
 @pytest.mark.parametrize("wide", [False, True])
-@pytest.mark.parametrize("kernel", ["wgrad", "down", "down dgrad product", "gate/up dgrad"])
+@pytest.mark.parametrize("kernel", ["wgrad", "down", "down dgrad product", "gate/up dgrad", "down, sorted rows",
+                                    "gate/up dgrad, sorted rows"])
 def test_fp8_block_kernels_compile_for_sm90a_without_spills(kernel, wide):
     """The fp8_block tiles (each consumer's accumulator, two of them in the wide tile, and its
     step's fresh product, both K-major e4m3 operands) fit in the wgrads and in the scatter GEMMs
     (the gate/up dgrad's two K segments; the down dgrad's product, stored in fp32 to its own
-    rows): 168 registers per thread at launch, nothing spilled but,
+    rows; the down GEMM and the gate/up dgrad into the sorted layout, in the wide tile by TMA
+    stores): 168 registers per thread at launch, nothing spilled but,
     in the wide gate/up dgrad, a few per-tile values (56 bytes, in the SASS: stored before the
     first segment's K loop, reloaded between the segments and after the second; none in the
-    loops)."""
+    loops; 112 bytes with the TMA stores' descriptor and buffers beside them, the same way)."""
     cfg = _fp8_tile(ws.fp8_block_tile_config(stacked=kernel == "wgrad"), wide)
     block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     meta = dict(COOPERATIVE=True, FP8=True, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
@@ -134,12 +138,13 @@ def test_fp8_block_kernels_compile_for_sm90a_without_spills(kernel, wide):
         meta = dict(meta, TWO_OUTPUTS=False, TMA_STORE=ws.FP8_WGRAD_TMA_STORE)
         report = _ptxas_report("_wgrad_ws_kernel", _wgrad_signature(a_block, b_block, torch.float8_e4m3fn, meta), meta)
     else:
-        product = kernel == "down dgrad product"
-        meta = dict(meta, SCATTER=not product, TWO_SEGMENTS=kernel == "gate/up dgrad", B_K_MAJOR=True)
+        product, sorted_rows = kernel == "down dgrad product", kernel.endswith("sorted rows")
+        meta = dict(meta, SCATTER=not (product or sorted_rows), TMA_STORE=sorted_rows and wide,
+                    TWO_SEGMENTS=kernel.startswith("gate/up dgrad"), B_K_MAJOR=True)
         signature = _scatter_signature(a_block, b_block, torch.float8_e4m3fn, meta, "*fp32" if product else "*bf16")
         report = _ptxas_report("_scatter_ws_kernel", signature, meta)
     registers, spilled = report
-    allowed_spill = 56 if wide and kernel == "gate/up dgrad" else 0
+    allowed_spill = {"gate/up dgrad": 56, "gate/up dgrad, sorted rows": 112}.get(kernel, 0) if wide else 0
     assert registers == 168 and spilled <= allowed_spill, f"{kernel}, {wide=}: (registers, spilled bytes) {report}"
 
 
@@ -348,26 +353,37 @@ _FP8_CASES = [(T, -(-H // 128) * 128, -(-I // 128) * 128, E, topk, skewed) for T
 
 @hopper
 @pytest.mark.gpu
+@pytest.mark.parametrize("sorted_rows", [False, True])
 @pytest.mark.parametrize("wide", [False, True])
 @pytest.mark.parametrize("T, H, I, E, topk, skewed", _FP8_CASES)
-def test_fp8_block_scatter_gemms_are_bitwise_the_triton_kernel(T, H, I, E, topk, skewed, wide):
+def test_fp8_block_scatter_gemms_are_bitwise_the_triton_kernel(T, H, I, E, topk, skewed, wide, sorted_rows):
     """The fp8_block down GEMM and gate/up dgrad (two K segments over the weights' transposed
-    copies, each with its own row and weight scales), scattered to the slots."""
+    copies, each with its own row and weight scales), scattered to the slots, or with
+    `sorted_rows` stored in the sorted layout (by TMA stores, `SORTED_TMA_STORE`, at the wide
+    tile): the rows in use bitwise the Triton kernel's, and each route's row bitwise its slot's."""
     inp, sched = _inputs(T, H, I, E, topk, skewed, seed=6)
     h, d_gate, d_up = (quantize_fp8_block_activations(torch.randn(sched.capacity_rows, I, device="cuda"))
                        for _ in range(3))
     w_down = fp8_block_quantize(inp.w_down)[:2]  # [E, H, I] and its scales
     w_gate_t, w_up_t = (fp8_block_quantize(w)[2:] for w in (inp.w_gate, inp.w_up))  # [E, H, I] and their scales
     runs = {
-        "down": (lambda cfg: down_scatter_fp8_block(*h, *w_down, sched, T * topk, tile_config=cfg),
+        "down": (lambda cfg, rows: down_scatter_fp8_block(*h, *w_down, sched, T * topk, tile_config=cfg,
+                                                          sorted_rows=rows),
                  gemm_config("down", H, I, "fp8_block", allow_warp_specialized=False)),
-        "gate/up dgrad": (lambda cfg: gate_up_dgrad_scatter_fp8_block(*d_gate, *d_up, *w_gate_t, *w_up_t, sched,
-                                                                      T * topk, tile_config=cfg),
+        "gate/up dgrad": (lambda cfg, rows: gate_up_dgrad_scatter_fp8_block(
+            *d_gate, *d_up, *w_gate_t, *w_up_t, sched, T * topk, tile_config=cfg, sorted_rows=rows),
                           dgrad_config("gate_up", H, I, "fp8_block", allow_warp_specialized=False)),
     }
+    num_rows = int(sched.num_rows)
+    route_row = route_rows(sched, T * topk).long()
     for kind, (run, triton_config) in runs.items():
-        params = f"{kind} {T=} {H=} {I=} {E=} {topk=} {skewed=} {wide=}"
-        _check_bitwise(run(_fp8_tile(ws.fp8_block_tile_config(), wide)), run(triton_config), params)
+        params = f"{kind} {T=} {H=} {I=} {E=} {topk=} {skewed=} {wide=} {sorted_rows=}"
+        got = run(_fp8_tile(ws.fp8_block_tile_config(), wide), sorted_rows)
+        if sorted_rows:  # rows past num_rows are left unwritten
+            _check_bitwise(got[:num_rows], run(triton_config, True)[:num_rows], params)
+            _check_bitwise(got[route_row], run(triton_config, False), params)
+        else:
+            _check_bitwise(got, run(triton_config, False), params)
 
 
 @hopper
