@@ -18,15 +18,21 @@ import triton.language as tl
 
 from mok.kernels.common import interpreting, round_to_bf16
 
+# Tokens × hidden columns per program, and its warps (`benchmarks/sweeps/combine.py`).
+BLOCK_T = 16
+BLOCK_H = 512
+NUM_WARPS = 4
+
 
 @triton.jit
-def weighted_route_sum(y_ptr, w_ptr, route_row_ptr, tokens, h_offs, mask, topk, stride_y_s, acc,
-                       SORTED: tl.constexpr):
-    """acc + Σ_j w[t,j]·y[t·topk+j] over ascending j, for a [tokens, h_offs] block; SORTED: y's
-    row route_row[t·topk+j] instead (a route without one adds nothing)."""
-    for j in range(topk):
-        w = tl.load(w_ptr + tokens * topk + j, mask=tokens >= 0, other=0.0)
-        row = tokens.to(tl.int64) * topk + j
+def weighted_route_sum(y_ptr, w_ptr, route_row_ptr, tokens, h_offs, mask, stride_y_s, acc,
+                       TOPK: tl.constexpr, SORTED: tl.constexpr):
+    """acc + Σ_j w[t,j]·y[t·TOPK+j] over ascending j, for a [tokens, h_offs] block; SORTED: y's
+    row route_row[t·TOPK+j] instead (a route without one adds nothing). Unrolled over j, so that
+    every route's loads can be in flight at once (SORTED: each a load behind its route_row's)."""
+    for j in tl.static_range(TOPK):
+        w = tl.load(w_ptr + tokens * TOPK + j, mask=tokens >= 0, other=0.0)
+        row = tokens.to(tl.int64) * TOPK + j
         row_mask = mask
         if SORTED:
             row = tl.load(route_row_ptr + row, mask=tokens >= 0, other=-1).to(tl.int64)
@@ -39,10 +45,10 @@ def weighted_route_sum(y_ptr, w_ptr, route_row_ptr, tokens, h_offs, mask, topk, 
 @triton.jit
 def _combine_kernel(
     y_ptr, topk_weights_ptr, y_shared_ptr, route_row_ptr, out_ptr,
-    num_tokens, hidden, topk,
+    num_tokens, hidden,
     stride_y_s, stride_shared_t, stride_out_t,
-    HAS_SHARED: tl.constexpr, SORTED: tl.constexpr, INTERPRETER: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+    TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, SORTED: tl.constexpr, INTERPRETER: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     h_offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -52,7 +58,7 @@ def _combine_kernel(
     acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
     if HAS_SHARED:
         acc += tl.load(y_shared_ptr + rows * stride_shared_t + h_offs[None, :], mask=mask, other=0.0).to(tl.float32)
-    acc = weighted_route_sum(y_ptr, topk_weights_ptr, route_row_ptr, tokens, h_offs, mask, topk, stride_y_s, acc,
+    acc = weighted_route_sum(y_ptr, topk_weights_ptr, route_row_ptr, tokens, h_offs, mask, stride_y_s, acc, TOPK,
                              SORTED)
     tl.store(out_ptr + rows * stride_out_t + h_offs[None, :], round_to_bf16(acc, INTERPRETER), mask=mask)
 
@@ -80,13 +86,13 @@ def combine(
     if y_shared is not None and (y_shared.shape != (num_tokens, hidden) or y_shared.stride(1) != 1):
         raise ValueError(f"y_shared: expected a [{num_tokens}, {hidden}] tensor, got {list(y_shared.shape)}")
     out = torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=y.device)  # [T, H]
-    block_t, block_h = 16, min(512, triton.next_power_of_2(hidden))
+    block_t, block_h = BLOCK_T, min(BLOCK_H, triton.next_power_of_2(hidden))
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(hidden, block_h))
     _combine_kernel[grid](
         y, topk_weights, y if y_shared is None else y_shared, topk_weights if route_row is None else route_row, out,
-        num_tokens, hidden, topk,
+        num_tokens, hidden,
         y.stride(0), 0 if y_shared is None else y_shared.stride(0), out.stride(0),
-        HAS_SHARED=y_shared is not None, SORTED=route_row is not None, INTERPRETER=interpreting(), BLOCK_T=block_t,
-        BLOCK_H=block_h, num_warps=4,
+        TOPK=topk, HAS_SHARED=y_shared is not None, SORTED=route_row is not None, INTERPRETER=interpreting(),
+        BLOCK_T=block_t, BLOCK_H=block_h, num_warps=NUM_WARPS,
     )
     return out

@@ -483,9 +483,9 @@ def _load_segment(step, a_desc, b_desc, m0, expert, n0, n_dim, reduce_dim, a_buf
 def _scatter_producer(a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, empty, turn, y_ptr, a_scale_ptr,
                       a2_scale_ptr, b_scale_ptr, b2_scale_ptr, row_source_ptr, tile_expert_ptr, num_rows_ptr, m_dim,
                       n_dim, reduce_dim, stride_y, stride_a_scale, y_desc, out_bufs, CONSUMER: gl.constexpr,
-                      SCATTER: gl.constexpr, TMA_STORE: gl.constexpr, TWO_SEGMENTS: gl.constexpr, B_K_MAJOR: gl.constexpr, COOPERATIVE: gl.constexpr,
-                      FP8: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                      GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+                      SCATTER: gl.constexpr, TMA_STORE: gl.constexpr, TWO_SEGMENTS: gl.constexpr,
+                      B_K_MAJOR: gl.constexpr, COOPERATIVE: gl.constexpr, FP8: gl.constexpr, BLOCK_M: gl.constexpr,
+                      BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
     num_m_tiles = gl.cdiv(gl.load(num_rows_ptr), BLOCK_M)
     num_n_tiles = gl.cdiv(n_dim, BLOCK_N)
     step = 0
@@ -504,9 +504,9 @@ def _scatter_producer(a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, e
 def _scatter_consumer(a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, empty, turn, y_ptr, a_scale_ptr,
                       a2_scale_ptr, b_scale_ptr, b2_scale_ptr, row_source_ptr, tile_expert_ptr, num_rows_ptr, m_dim,
                       n_dim, reduce_dim, stride_y, stride_a_scale, y_desc, out_bufs, CONSUMER: gl.constexpr,
-                      SCATTER: gl.constexpr, TMA_STORE: gl.constexpr, TWO_SEGMENTS: gl.constexpr, B_K_MAJOR: gl.constexpr, COOPERATIVE: gl.constexpr,
-                      FP8: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                      GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+                      SCATTER: gl.constexpr, TMA_STORE: gl.constexpr, TWO_SEGMENTS: gl.constexpr,
+                      B_K_MAJOR: gl.constexpr, COOPERATIVE: gl.constexpr, FP8: gl.constexpr, BLOCK_M: gl.constexpr,
+                      BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
     ROWS: gl.constexpr = _consumer_rows(BLOCK_M, COOPERATIVE)
     TURNS: gl.constexpr = _takes_turns(COOPERATIVE)
     MMA_N: gl.constexpr = _mma_n(BLOCK_N, FP8)
