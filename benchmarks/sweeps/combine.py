@@ -44,7 +44,7 @@ def main() -> None:
                 first = out if first is None else first
                 ms = time_ms(call, warmup=3, reps=30)["median"]
                 print(f"{name:18s} {layout:6s} BLOCK_T={block_t:2d} BLOCK_H={block_h:4d} warps={warps}  {ms:.3f} ms "
-                      f"{gbytes / ms:5.0f} GB/s same={torch.equal(out, first)}", flush=True)
+                      f"{gbytes * 1e3 / ms:5.0f} GB/s same={torch.equal(out, first)}", flush=True)
 
 
 if __name__ == "__main__":

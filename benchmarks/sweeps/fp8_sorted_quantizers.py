@@ -85,7 +85,8 @@ def main() -> None:
         for kernel, size, warps in configs + configs[::-1]:
             quant_fp8_block._SORTED_GLUON = kernel == "gluon"
             if kernel == "gluon":
-                quant_fp8_block._SORTED_GLUON_ROWS_PER_THREAD, quant_fp8_block._SORTED_GLUON_NUM_WARPS = size, warps
+                quant_fp8_block._SORTED_GLUON_ROWS_PER_THREAD = size
+                quant_fp8_block._SORTED_GLUON_NUM_WARPS = quant_fp8_block._SORTED_GLUON_NUM_WARPS_E4M3 = warps
             else:
                 quant_fp8_block._SORTED_BLOCK_W, quant_fp8_block._SORTED_NUM_WARPS = size, warps
             config = f"{kernel} {'rows/thread' if kernel == 'gluon' else 'BLOCK_W'}={size:3d} warps={warps}"

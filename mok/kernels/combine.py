@@ -18,8 +18,11 @@ import triton.language as tl
 
 from mok.kernels.common import interpreting, round_to_bf16
 
-# Tokens × hidden columns per program, and its warps (`benchmarks/sweeps/combine.py`).
-BLOCK_T = 16
+# Tokens × hidden columns per program, and its warps. H200 (`benchmarks/sweeps/combine.py`, log
+# h200-20261203-combine-sweep.log; ms, y in route slots / in the sorted layout gathered by
+# route_row): qwen3-30b 8×512 0.142 / 0.149, 16×512 0.144 / 0.154, 4×2048 at 8 warps 0.141 / 0.154;
+# deepseek-v3-slice 0.247 / 0.255, 0.251 / 0.262, 0.245 / 0.276.
+BLOCK_T = 8
 BLOCK_H = 512
 NUM_WARPS = 4
 

@@ -148,9 +148,14 @@ _SORTED_BLOCK_W_INTERPRETER = 256
 # thread, 2 warps, 64 columns per program. Against 4 warps 3% faster over the four operands
 # of qwen3-30b and deepseek-v3-slice; 8 rows per thread up to 13% slower, 4 rows 30–50%
 # (H200, h200-20261202-gluon-sorted-t-sweep.log).
+# On e4m3 operands (a_scale given: the layer's requantized x, w·dOut, h and d_g|d_u), 4 warps
+# (128 columns): ms over the four operands, 16 rows × 2 / × 4 warps, qwen3-30b 0.172 / 0.172,
+# 0.179 / 0.177, 0.171 / 0.167, 0.131 / 0.127-0.131; deepseek-v3-slice 0.293 / 0.283, 0.294 /
+# 0.289, 0.224 / 0.199, 0.108 / 0.098 (log h200-20261203-e4m3-sorted-t-sweep.log).
 _SORTED_GLUON = True
 _SORTED_GLUON_ROWS_PER_THREAD = 16
 _SORTED_GLUON_NUM_WARPS = 2
+_SORTED_GLUON_NUM_WARPS_E4M3 = 4
 
 
 # --------------------------------------------------------------------------- helpers
@@ -675,10 +680,11 @@ def _launch_quantize_sorted_t(
                  HAS_WEIGHTS=topk_weights is not None, SCALED=scaled, FAST_SIGMOID=fast_sigmoid_here(),
                  TILE_M=schedule.block_m)
     if _SORTED_GLUON and device.type == "cuda" and not interpreting() and scale_rows == FP8_BLOCK:
-        rows_per_thread, num_warps = _SORTED_GLUON_ROWS_PER_THREAD, _SORTED_GLUON_NUM_WARPS
+        rows_per_thread = _SORTED_GLUON_ROWS_PER_THREAD
+        num_warps = _SORTED_GLUON_NUM_WARPS_E4M3 if scaled else _SORTED_GLUON_NUM_WARPS
         block_w = _sorted_t_gluon_block_w(rows_per_thread, num_warps)
         if scaled and FP8_BLOCK % block_w:
-            raise ValueError(f"_SORTED_GLUON_ROWS_PER_THREAD, _SORTED_GLUON_NUM_WARPS: with a_scale a program's "
+            raise ValueError(f"_SORTED_GLUON_ROWS_PER_THREAD, _SORTED_GLUON_NUM_WARPS_E4M3: with a_scale a program's "
                              f"{block_w} columns must lie within one 128-column scale block")
         grid = (rows // FP8_BLOCK, triton.cdiv(width, block_w))
         _quantize_sorted_t_gluon_kernel[grid](*args, **flags, ROWS_PER_THREAD=rows_per_thread, num_warps=num_warps)

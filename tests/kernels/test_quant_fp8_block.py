@@ -404,7 +404,9 @@ def test_sorted_t_gluon_compiles_for_sm90a_without_spills(variant):
                  else "fp32" if name == "swiglu_limit" else "i32" for name in kernel.arg_names}
     aligned = tuple(name for name in signature if name.endswith("_ptr")) + ("width", "capacity_rows", "stride_a_r")
     registers, spilled = gluon_ptxas_report("mok.kernels.quant_fp8_block", "_quantize_sorted_t_gluon_kernel",
-                                            signature, constants, aligned, num_warps=qf._SORTED_GLUON_NUM_WARPS)
+                                            signature, constants, aligned,
+                                            num_warps=qf._SORTED_GLUON_NUM_WARPS_E4M3 if flags["SCALED"]
+                                            else qf._SORTED_GLUON_NUM_WARPS)
     assert spilled == 0 and registers <= 168, f"{variant}: {registers} registers, {spilled} bytes spilled"
 
 
@@ -460,6 +462,7 @@ def test_sorted_t_gluon_is_bitwise_the_triton_kernel(monkeypatch, rows_per_threa
         monkeypatch.setattr(qf, "_SORTED_GLUON", True)
         monkeypatch.setattr(qf, "_SORTED_GLUON_ROWS_PER_THREAD", rows_per_thread)
         monkeypatch.setattr(qf, "_SORTED_GLUON_NUM_WARPS", num_warps)
+        monkeypatch.setattr(qf, "_SORTED_GLUON_NUM_WARPS_E4M3", num_warps)
         monkeypatch.setattr(qf, "_quantize_sorted_t_kernel", None)  # the Triton kernel must not run
         got_q, got_scale = call()
         monkeypatch.undo()
