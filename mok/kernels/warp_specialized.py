@@ -141,7 +141,8 @@ GATHERED_TMA_STORE = True
 # the gate/up dgrad's dx for `combine` to gather with `schedule.route_rows`; the down dgrad's
 # bf16 product over dOut's sorted rows), leave each consumer's two 128-column tiles the same way,
 # through buffers of their own (64 KB beside the 144 KB ring). Route slots stay register stores:
-# TMA cannot scatter rows on Hopper.
+# TMA cannot scatter rows on Hopper. H200, qwen3-30b profile (logs h200-20261203-sorted-outputs.log,
+# -e4m3-sorted-t-sweep.log): the two launches 1.346 ms into route slots, 1.235-1.274 sorted.
 SORTED_TMA_STORE = True
 # The same for the bf16 cooperative wgrads, whose ring then holds 3 stages (`wgrad_tile_config`)
 # so that the buffers fit. H200: their stores were 7–10% of mixtral-8x7b's and 6–7% of
