@@ -339,11 +339,18 @@ def _down_dgrad_epilogue(
 
 
 @triton.jit
-def _route_rows(rows, row_source_ptr):
-    """(whether each sorted row holds a route, its slot; 0 for padding)."""
+def _row_slots(rows, row_source_ptr):
+    """(whether each sorted row holds a route, its slot t·topk + j; 0 for padding)."""
     source = tl.load(row_source_ptr + rows)
     row_valid = source >= 0
     return row_valid, tl.where(row_valid, source, 0)
+
+
+@triton.jit
+def _load_product(product_ptr, rows64, columns, inter, stride_r):
+    """PRODUCT_GIVEN: the product's [rows, columns] in fp32, zeros past I."""
+    return tl.load(product_ptr + rows64[:, None] * stride_r + columns[None, :], mask=(columns < inter)[None, :],
+                   other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -387,11 +394,10 @@ def _down_dgrad_swiglu_kernel(
         # row's 128 columns (its scale block) together: only a chunk's d_g, d_u are live at once.
         for chunk in tl.static_range(BLOCK_M // EPILOGUE_ROWS):
             rows = m_tile * BLOCK_M + chunk * EPILOGUE_ROWS + tl.arange(0, EPILOGUE_ROWS)
-            row_valid, slot = _route_rows(rows, row_source_ptr)
+            row_valid, slot = _row_slots(rows, row_source_ptr)
             w = _router_weights(slot, row_valid, topk_weights_ptr, HAS_WEIGHTS)
             rows64 = rows.to(tl.int64)
-            d_out_wd = tl.load(d_out + rows64[:, None] * stride_d_out_t + columns[None, :],
-                               mask=(columns < inter)[None, :], other=0.0).to(tl.float32)
+            d_out_wd = _load_product(d_out, rows64, columns, inter, stride_d_out_t)
             partial = _down_dgrad_epilogue(
                 d_out_wd, w, row_valid, rows64, n0, gate_up_ptr, d_gate_up_ptr, d_gate_up_scale_ptr,
                 weighted_h_ptr, inter, swiglu_limit, stride_gu_r, stride_dgu_r, stride_dgu_scale_r, stride_wh_r,
@@ -402,12 +408,11 @@ def _down_dgrad_swiglu_kernel(
         return
     expert = tl.load(tile_expert_ptr + m_tile)
     rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_valid, slot = _route_rows(rows, row_source_ptr)
+    row_valid, slot = _row_slots(rows, row_source_ptr)
     # a = dOut[t] · Wd[e] over H, unweighted.
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if PRODUCT_GIVEN:  # columns past I read as zeros: h is zero there too (g = u = 0)
-        d_out_wd = tl.load(d_out + rows.to(tl.int64)[:, None] * stride_d_out_t + columns[None, :],
-                           mask=(columns < inter)[None, :], other=0.0).to(tl.float32)
+        d_out_wd = _load_product(d_out, rows.to(tl.int64), columns, inter, stride_d_out_t)
     elif GATHER_D_OUT:  # fp8_block; Wd[e]ᵀ is [I, H]: K-major, its rows the N dim
         d_out_wd = gathered_rows_tile_fp8(
             d_out, d_out_scale_ptr, slot // topk, row_valid, w_down_desc, w_down_scale_ptr, expert,
