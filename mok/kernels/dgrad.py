@@ -184,6 +184,10 @@ FP8_BLOCK_DOWN_DGRAD_PRODUCT_BF16 = True
 # QUANTIZED): each row's 128 columns together, so the chunk's d_g, d_u are all live at once. H200,
 # qwen3-30b profile (logs h200-20261203-d-gate-up-quantized.log, -ab-fp8-block-v32.log): 16 rows
 # 0.330-0.337 ms (80 registers at 8 warps), 8 rows 0.421 (64), 32 rows 0.465 (137), 64 rows 0.405 (236).
+# With each chunk's loads issued a chunk ahead of its work (ptxas, sm_90a, 8 warps: 106 registers,
+# two programs per SM), qwen3-30b profile (log h200-20261203-epilogue-loads-ahead.log): 16 rows
+# 0.322 ms, 8 rows 0.420; the same loads in turn, after the chunk before (84 registers): 0.422 and
+# 0.429.
 _QUANTIZED_EPILOGUE_ROWS = 16
 
 
@@ -300,23 +304,31 @@ def _store_row_blocks(values, q_ptrs, scale_ptrs, mask, INTERPRETER: tl.constexp
 
 
 @triton.jit
+def _load_gate_up(gate_up_ptr, rows64, n0, inter, stride_gu_r, BLOCK_N: tl.constexpr):
+    """The saved g, u [rows, BLOCK_N] bf16 of columns [n0, n0 + BLOCK_N), zeros past I."""
+    n_offs = n0 + tl.arange(0, BLOCK_N)
+    gu_ptrs = gate_up_ptr + rows64[:, None] * stride_gu_r + n_offs[None, :]
+    out_mask = (n_offs < inter)[None, :]
+    return tl.load(gu_ptrs, mask=out_mask, other=0.0), tl.load(gu_ptrs + inter, mask=out_mask, other=0.0)
+
+
+@triton.jit
 def _down_dgrad_epilogue(
-    d_out_wd, w, row_valid, rows64, n0, gate_up_ptr, d_gate_up_ptr, d_gate_up_scale_ptr, weighted_h_ptr, inter,
-    swiglu_limit, stride_gu_r, stride_dgu_r, stride_dgu_scale_r, stride_wh_r,
+    d_out_wd, w, row_valid, rows64, n0, gate, up, d_gate_up_ptr, d_gate_up_scale_ptr, weighted_h_ptr, inter,
+    swiglu_limit, stride_dgu_r, stride_dgu_scale_r, stride_wh_r,
     HAS_LIMIT: tl.constexpr, STORE_WEIGHTED_H: tl.constexpr, QUANTIZED: tl.constexpr, INTERPRETER: tl.constexpr,
     FAST_SIGMOID: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """The down dgrad's epilogue on columns [n0, n0 + BLOCK_N) of some rows: d_g, d_u from w·a
-    and the saved g, u, stored in bf16 (exact zeros in padding rows), or with QUANTIZED (BLOCK_N
-    is one 128-column scale block) those bf16 values quantized along I; w·h with
-    STORE_WEIGHTED_H; returns the router-weight partials ⟨a, h⟩ over these columns (columns
+    and the saved g, u (`_load_gate_up`'s), stored in bf16 (exact zeros in padding rows), or with
+    QUANTIZED (BLOCK_N is one 128-column scale block) those bf16 values quantized along I; w·h
+    with STORE_WEIGHTED_H; returns the router-weight partials ⟨a, h⟩ over these columns (columns
     past I are zero on both sides)."""
     n_offs = n0 + tl.arange(0, BLOCK_N)
     out_mask = (n_offs < inter)[None, :]
-    gu_ptrs = gate_up_ptr + rows64[:, None] * stride_gu_r + n_offs[None, :]
-    gate = tl.load(gu_ptrs, mask=out_mask, other=0.0).to(tl.float32)
-    up = tl.load(gu_ptrs + inter, mask=out_mask, other=0.0).to(tl.float32)
-    d_gate, d_up, h = swiglu_backward(w[:, None] * d_out_wd, gate, up, swiglu_limit, HAS_LIMIT, FAST_SIGMOID)
+    d_out_wd = d_out_wd.to(tl.float32)
+    d_gate, d_up, h = swiglu_backward(w[:, None] * d_out_wd, gate.to(tl.float32), up.to(tl.float32), swiglu_limit,
+                                      HAS_LIMIT, FAST_SIGMOID)
     # Padding rows: exact zeros whatever the saved g, u hold there.
     valid = row_valid[:, None]
     d_gate = round_to_bf16(tl.where(valid, d_gate, 0.0), INTERPRETER)
@@ -341,16 +353,33 @@ def _down_dgrad_epilogue(
 @triton.jit
 def _row_slots(rows, row_source_ptr):
     """(whether each sorted row holds a route, its slot t·topk + j; 0 for padding)."""
-    source = tl.load(row_source_ptr + rows)
+    return _slots_of(tl.load(row_source_ptr + rows))
+
+
+@triton.jit
+def _slots_of(source):
+    """`_row_slots` of row_source entries already loaded."""
     row_valid = source >= 0
     return row_valid, tl.where(row_valid, source, 0)
 
 
 @triton.jit
 def _load_product(product_ptr, rows64, columns, inter, stride_r):
-    """PRODUCT_GIVEN: the product's [rows, columns] in fp32, zeros past I."""
+    """PRODUCT_GIVEN: the product's [rows, columns] as stored (fp32 or bf16), zeros past I."""
     return tl.load(product_ptr + rows64[:, None] * stride_r + columns[None, :], mask=(columns < inter)[None, :],
-                   other=0.0).to(tl.float32)
+                   other=0.0)
+
+
+@triton.jit
+def _product_chunk_loads(source, rows, n0, product_ptr, topk_weights_ptr, gate_up_ptr, inter, stride_r,
+                         stride_gu_r, HAS_WEIGHTS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The loads of one chunk of rows of the epilogue on a given product, from its rows'
+    row_source entries: (row_valid, slot, router weight, product, g, u)."""
+    row_valid, slot = _slots_of(source)
+    rows64 = rows.to(tl.int64)
+    product = _load_product(product_ptr, rows64, n0 + tl.arange(0, BLOCK_N), inter, stride_r)
+    gate, up = _load_gate_up(gate_up_ptr, rows64, n0, inter, stride_gu_r, BLOCK_N)
+    return row_valid, slot, _router_weights(slot, row_valid, topk_weights_ptr, HAS_WEIGHTS), product, gate, up
 
 
 @triton.jit
@@ -392,15 +421,28 @@ def _down_dgrad_swiglu_kernel(
     if PRODUCT_GIVEN and QUANTIZED:
         # The product comes from memory, so the tile is taken EPILOGUE_ROWS rows at a time, each
         # row's 128 columns (its scale block) together: only a chunk's d_g, d_u are live at once.
-        for chunk in tl.static_range(BLOCK_M // EPILOGUE_ROWS):
-            rows = m_tile * BLOCK_M + chunk * EPILOGUE_ROWS + tl.arange(0, EPILOGUE_ROWS)
-            row_valid, slot = _row_slots(rows, row_source_ptr)
-            w = _router_weights(slot, row_valid, topk_weights_ptr, HAS_WEIGHTS)
-            rows64 = rows.to(tl.int64)
-            d_out_wd = _load_product(d_out, rows64, columns, inter, stride_d_out_t)
+        # Each chunk's loads are issued before the chunk ahead of it is worked (its rows'
+        # row_source two chunks ahead: the router weights' addresses wait on them), so that they
+        # are in flight during that work, not after it.
+        CHUNKS: tl.constexpr = BLOCK_M // EPILOGUE_ROWS
+        chunk_rows = m_tile * BLOCK_M + tl.arange(0, EPILOGUE_ROWS)
+        loads_next = _product_chunk_loads(tl.load(row_source_ptr + chunk_rows), chunk_rows, n0, d_out,
+                                          topk_weights_ptr, gate_up_ptr, inter, stride_d_out_t, stride_gu_r,
+                                          HAS_WEIGHTS, BLOCK_N)
+        if CHUNKS > 1:
+            sources_next = tl.load(row_source_ptr + chunk_rows + EPILOGUE_ROWS)
+        for chunk in tl.static_range(CHUNKS):
+            rows = chunk_rows + chunk * EPILOGUE_ROWS
+            row_valid, slot, w, d_out_wd, gate, up = loads_next
+            if chunk + 1 < CHUNKS:
+                loads_next = _product_chunk_loads(sources_next, rows + EPILOGUE_ROWS, n0, d_out, topk_weights_ptr,
+                                                  gate_up_ptr, inter, stride_d_out_t, stride_gu_r, HAS_WEIGHTS,
+                                                  BLOCK_N)
+            if chunk + 2 < CHUNKS:
+                sources_next = tl.load(row_source_ptr + rows + 2 * EPILOGUE_ROWS)
             partial = _down_dgrad_epilogue(
-                d_out_wd, w, row_valid, rows64, n0, gate_up_ptr, d_gate_up_ptr, d_gate_up_scale_ptr,
-                weighted_h_ptr, inter, swiglu_limit, stride_gu_r, stride_dgu_r, stride_dgu_scale_r, stride_wh_r,
+                d_out_wd, w, row_valid, rows.to(tl.int64), n0, gate, up, d_gate_up_ptr, d_gate_up_scale_ptr,
+                weighted_h_ptr, inter, swiglu_limit, stride_dgu_r, stride_dgu_scale_r, stride_wh_r,
                 HAS_LIMIT, STORE_WEIGHTED_H, True, INTERPRETER, FAST_SIGMOID, BLOCK_N,
             )
             if HAS_WEIGHTS:
@@ -437,9 +479,10 @@ def _down_dgrad_swiglu_kernel(
     w = _router_weights(slot, row_valid, topk_weights_ptr, HAS_WEIGHTS)
     rows64 = rows.to(tl.int64)
     if QUANTIZED:  # the whole tile at once: a row's 128 columns are its scale block
+        gate, up = _load_gate_up(gate_up_ptr, rows64, n0, inter, stride_gu_r, BLOCK_N)
         partial = _down_dgrad_epilogue(
-            d_out_wd, w, row_valid, rows64, n0, gate_up_ptr, d_gate_up_ptr, d_gate_up_scale_ptr, weighted_h_ptr,
-            inter, swiglu_limit, stride_gu_r, stride_dgu_r, stride_dgu_scale_r, stride_wh_r,
+            d_out_wd, w, row_valid, rows64, n0, gate, up, d_gate_up_ptr, d_gate_up_scale_ptr, weighted_h_ptr,
+            inter, swiglu_limit, stride_dgu_r, stride_dgu_scale_r, stride_wh_r,
             HAS_LIMIT, STORE_WEIGHTED_H, True, INTERPRETER, FAST_SIGMOID, BLOCK_N,
         )
     else:
@@ -453,11 +496,12 @@ def _down_dgrad_swiglu_kernel(
         for half in tl.static_range(2):
             quarters = column_halves(halves[half])
             for quarter in tl.static_range(2):
+                quarter_n0 = n0 + (2 * half + quarter) * (BLOCK_N // 4)
+                gate, up = _load_gate_up(gate_up_ptr, rows64, quarter_n0, inter, stride_gu_r, BLOCK_N // 4)
                 partial += _down_dgrad_epilogue(
-                    quarters[quarter], w, row_valid, rows64, n0 + (2 * half + quarter) * (BLOCK_N // 4),
-                    gate_up_ptr, d_gate_up_ptr, d_gate_up_scale_ptr, weighted_h_ptr, inter, swiglu_limit,
-                    stride_gu_r, stride_dgu_r, stride_dgu_scale_r, stride_wh_r, HAS_LIMIT, STORE_WEIGHTED_H, False,
-                    INTERPRETER, FAST_SIGMOID, BLOCK_N // 4,
+                    quarters[quarter], w, row_valid, rows64, quarter_n0, gate, up, d_gate_up_ptr,
+                    d_gate_up_scale_ptr, weighted_h_ptr, inter, swiglu_limit, stride_dgu_r, stride_dgu_scale_r,
+                    stride_wh_r, HAS_LIMIT, STORE_WEIGHTED_H, False, INTERPRETER, FAST_SIGMOID, BLOCK_N // 4,
                 )
     if HAS_WEIGHTS:
         tl.store(route_partials_ptr + slot.to(tl.int64) * num_n_tiles + n_tile, partial, mask=row_valid)

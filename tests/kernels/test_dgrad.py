@@ -279,14 +279,18 @@ def test_fp8_block_down_dgrad_swiglu(kernel_device, T, H, I, E, topk, limit, use
                 )
 
 
-@pytest.mark.parametrize("path", ["fused", "product given", "bf16 product given"])
+@pytest.mark.parametrize("path", ["fused", "product given", "bf16 product given", "bf16 product given, 4-row chunks"])
 @pytest.mark.parametrize("T, H, I, E, topk, limit", [(37, 256, 128, 4, 2, None), (45, 128, 384, 5, 3, 0.5)])
-def test_fp8_block_down_dgrad_quantizes_d_gate_up(kernel_device, T, H, I, E, topk, limit, path):
+def test_fp8_block_down_dgrad_quantizes_d_gate_up(kernel_device, monkeypatch, T, H, I, E, topk, limit, path):
     """With `quantize_d_gate_up` the epilogue's e4m3 d_g, d_u and their scales are bitwise what
     `quantize_fp8_block_activations` makes of the bf16 output of the same call without it (rows
     below num_rows; padding rows included), d_topk_weights to fp32 rounding: rows of very different
     magnitudes, a NaN in one route's g (its block's scale NaN, its bytes 0x7F), and the gate/up
-    dgrad reading the column views (rows 2·I bytes apart) bitwise as from contiguous copies."""
+    dgrad reading the column views (rows 2·I bytes apart) bitwise as from contiguous copies. The
+    epilogue on a given product also in chunks of 4 rows (several per tile wherever block_m > 4,
+    each chunk's loads issued a chunk ahead)."""
+    if "4-row chunks" in path:
+        monkeypatch.setattr(dgrad, "_QUANTIZED_EPILOGUE_ROWS", 4)
     inp, sched, rows, slots, experts, pad = _fp8_block_case(kernel_device, T, H, I, E, topk, E - 1)
     ctx = f"{T=} {H=} {I=} {E=} {topk=} {limit=} {path=}"
     gen = torch.Generator().manual_seed(2)
@@ -302,7 +306,7 @@ def test_fp8_block_down_dgrad_quantizes_d_gate_up(kernel_device, T, H, I, E, top
             return down_dgrad_swiglu_fp8_block(*d_out_pair, inp.topk_weights, gate_up, *w_down_t, sched, limit, **kw)
     else:
         product = torch.randn(sched.capacity_rows, I, generator=gen) * 4
-        product = product.bfloat16() if path == "bf16 product given" else product
+        product = product.bfloat16() if path.startswith("bf16") else product
         product = product.to(kernel_device)
 
         def run(**kw):

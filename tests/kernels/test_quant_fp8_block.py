@@ -397,7 +397,7 @@ def test_sorted_t_gluon_compiles_for_sm90a_without_spills(variant):
     resident per SM (≤ 168 registers)."""
     element, flags = _GLUON_VARIANTS[variant]
     kernel = qf._quantize_sorted_t_gluon_kernel
-    constants = dict(flags, FAST_SIGMOID=True, TILE_M=128, ROWS_PER_THREAD=qf._SORTED_GLUON_ROWS_PER_THREAD)
+    constants = dict(flags, FAST_SIGMOID=True, ROWS_PER_THREAD=qf._SORTED_GLUON_ROWS_PER_THREAD)
     pointer_types = {"a_ptr": f"*{element}", "q_t_ptr": "*u8", "scale_t_ptr": "*fp32", "topk_weights_ptr": "*fp32",
                      "a_scale_ptr": "*fp32"}
     signature = {name: "constexpr" if name in constants else pointer_types.get(name, "*i32") if name.endswith("_ptr")
