@@ -1,6 +1,9 @@
 """Host (Python) time to enqueue one mok forward+backward, against the GPU's time for it: is
 the layer's time the GPU's, or does the GPU wait for launches? The host time is taken while
-a long sleep kernel keeps the GPU busy ahead of the steps, so no step waits on the GPU.
+a long sleep kernel keeps the GPU busy ahead of the steps, so no step waits on the GPU. The
+host time is also split into the part inside Triton's launcher (`JITFunction.run`, Gluon's
+kernels included: argument binding, specialization, the driver call) and the rest (mok's code,
+autograd, PyTorch's own launches).
 
     python benchmarks/host_overhead.py --preset qwen3-30b [--precision fp8_block] [--steps 20] [--cprofile]
 
@@ -15,6 +18,7 @@ import pstats
 import time
 
 import torch
+from triton.runtime.jit import JITFunction
 
 import mok
 from mok.bench.presets import GPU_PRESETS
@@ -22,6 +26,32 @@ from mok.testing.timing import back_to_back_ms, percentile
 from profile_layer import layer_step  # benchmarks/, the script's own folder
 
 _SLEEP_CYCLES = int(2e9)  # about a second of GPU time at H200's clocks: longer than the enqueued steps
+
+
+class LaunchClock:
+    """Within the block: how many Triton kernels were launched and the host seconds spent inside
+    their launcher (`JITFunction.run`, which Gluon's kernels inherit)."""
+
+    def __init__(self):
+        self.launches, self.seconds = 0, 0.0
+
+    def __enter__(self) -> LaunchClock:
+        self._run = run = JITFunction.run
+        clock = self
+
+        def timed_run(fn, *args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return run(fn, *args, **kwargs)
+            finally:
+                clock.seconds += time.perf_counter() - start
+                clock.launches += 1
+
+        JITFunction.run = timed_run
+        return self
+
+    def __exit__(self, *exc) -> None:
+        JITFunction.run = self._run
 
 
 def main() -> None:
@@ -39,14 +69,17 @@ def main() -> None:
     torch.cuda.synchronize()
     torch.cuda._sleep(_SLEEP_CYCLES)
     host_ms = []
-    for _ in range(args.steps):
-        start = time.perf_counter()
-        step()
-        host_ms.append((time.perf_counter() - start) * 1e3)
+    with LaunchClock() as clock:
+        for _ in range(args.steps):
+            start = time.perf_counter()
+            step()
+            host_ms.append((time.perf_counter() - start) * 1e3)
     torch.cuda.synchronize()
     host_ms.sort()
     print(f"{args.preset} {args.precision} fwd+bwd: GPU {gpu_ms:.3f} ms per step back to back; host enqueue "
-          f"median {percentile(host_ms, 50):.3f} ms (min {host_ms[0]:.3f}, max {host_ms[-1]:.3f})")
+          f"median {percentile(host_ms, 50):.3f} ms (min {host_ms[0]:.3f}, max {host_ms[-1]:.3f}); of each step "
+          f"{clock.seconds / args.steps * 1e3:.3f} ms inside Triton's launcher over "
+          f"{clock.launches / args.steps:.1f} launches")
     if args.cprofile:
         torch.cuda._sleep(_SLEEP_CYCLES)
         profiler = cProfile.Profile()
