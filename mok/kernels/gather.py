@@ -76,13 +76,7 @@ def sorted_row_routes(rows, row_ok, row_source_ptr, topk):
     none), its token t = slot // topk, and whether the row has a route (padding rows, −1,
     and rows not `row_ok` have none and read nothing). Also the fp8_block quantizers'
     gathering loads (`quant_fp8_block`)."""
-    return source_routes(tl.load(row_source_ptr + rows, mask=row_ok, other=-1), topk)
-
-
-@triton.jit
-def source_routes(source, topk):
-    """`sorted_row_routes` of row_source entries already loaded (−1: none), for kernels that
-    load them a step ahead of their use."""
+    source = tl.load(row_source_ptr + rows, mask=row_ok, other=-1)
     valid = source >= 0
     slot = tl.where(valid, source, 0)
     return slot, slot // topk, valid

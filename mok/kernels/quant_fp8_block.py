@@ -92,7 +92,7 @@ from triton.experimental.gluon import language as gl
 
 from mok.fp8_block import FP8_BLOCK
 from mok.kernels.common import interpreting, round_to_bf16
-from mok.kernels.gather import gather_sorted_rows, source_routes
+from mok.kernels.gather import gather_sorted_rows, sorted_row_routes
 from mok.kernels.schedule import RoutingSchedule
 from mok.kernels.swiglu import fast_sigmoid_here, swiglu_forward
 from mok.mxfp8 import check_float_input
@@ -337,27 +337,17 @@ def _sorted_block(tile_expert_ptr, expert_offsets_ptr, num_rows_ptr,
 
 
 @triton.jit
-def _row_route_sources(rows, in_expert, row_source_ptr, GATHER: tl.constexpr):
-    """The first of a sorted tile's loads, which the others' addresses wait on: with GATHER each
-    row's route t·topk + j from row_source (−1 for padding and rows not in_expert), else the
-    rows themselves."""
-    if GATHER:
-        return tl.load(row_source_ptr + rows, mask=in_expert, other=-1)
-    return rows
-
-
-@triton.jit
-def _row_sources(rows, in_expert, route_sources, num_a_rows, topk_weights_ptr, a_scale_ptr, scale_column,
+def _row_sources(rows, in_expert, num_a_rows, row_source_ptr, topk_weights_ptr, a_scale_ptr, scale_column,
                  stride_a_scale_r, topk, GATHER: tl.constexpr, HAS_WEIGHTS: tl.constexpr, SCALED: tl.constexpr):
     """(row of a, whether it is read, its factor) of each sorted row in `rows`: the row itself,
-    or with GATHER the token row of gather.py's copy (none for padding), from
-    `_row_route_sources`. The factor: with HAS_WEIGHTS the route's router weight, with SCALED
-    (a holds e4m3 quantized along its rows) the row's scale of the 128-column block
-    `scale_column`, with both their product w · s; with neither it is not meant to be read."""
+    or with GATHER the token row of gather.py's copy (none for padding). The factor: with
+    HAS_WEIGHTS the route's router weight, with SCALED (a holds e4m3 quantized along its rows)
+    the row's scale of the 128-column block `scale_column`, with both their product w · s; with
+    neither it is not meant to be read."""
     sources, valid = rows, in_expert & (rows < num_a_rows)
     factor = valid.to(tl.float32)
     if GATHER:
-        slot, sources, valid = source_routes(route_sources, topk)
+        slot, sources, valid = sorted_row_routes(rows, in_expert, row_source_ptr, topk)
         if HAS_WEIGHTS:
             factor = tl.load(topk_weights_ptr + slot, mask=valid, other=0.0)
     if SCALED:
@@ -367,36 +357,23 @@ def _row_sources(rows, in_expert, route_sources, num_a_rows, topk_weights_ptr, a
 
 
 @triton.jit
-def _sorted_tile_pointers(a_ptr, sources, valid, cols, col_ok, stride_a_r):
-    """(pointers, mask) of a's elements in `_row_sources`' rows, in the layout of
-    `sources[:, None] + cols[None, :]`: read where the row is valid and the column in range."""
-    return a_ptr + sources.to(tl.int64)[:, None] * stride_a_r + cols[None, :], valid[:, None] & col_ok[None, :]
-
-
-@triton.jit
-def _load_sorted_raw(ptrs, mask, width, SWIGLU: tl.constexpr):
-    """(a, up): the elements at `_sorted_tile_pointers`' pointers as stored (e4m3 bytes, bf16 or
-    fp32), zeros where not read; with SWIGLU, a holds g and up holds u, else up is a."""
-    a = tl.load(ptrs, mask=mask, other=0)
-    up = a
-    if SWIGLU:
-        up = tl.load(ptrs + width, mask=mask, other=0)
-    return a, up
-
-
-@triton.jit
-def _dequantize_sorted_tile(a, up, factor, swiglu_limit, SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr,
-                            HAS_WEIGHTS: tl.constexpr, SCALED: tl.constexpr, FAST_SIGMOID: tl.constexpr,
-                            INTERPRETER: tl.constexpr):
-    """The fp32 operand tile of `_load_sorted_raw`'s elements and their rows' factors. SCALED:
-    e4m3 bytes times their row's factor (scale, or w · scale)."""
+def _load_sorted_tile(a_ptr, sources, valid, factor, cols, col_ok, width, swiglu_limit, stride_a_r,
+                      SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_WEIGHTS: tl.constexpr, SCALED: tl.constexpr,
+                      FAST_SIGMOID: tl.constexpr, INTERPRETER: tl.constexpr):
+    """The fp32 operand tile [rows, cols] of `_quantize_sorted_t_kernel` from `_row_sources`' rows
+    of a, in the layout of `sources[:, None] + cols[None, :]`; zeros where a row or column is
+    not read. SCALED: e4m3 bytes times their row's factor (scale, or w · scale)."""
+    mask = valid[:, None] & col_ok[None, :]
+    ptrs = a_ptr + sources.to(tl.int64)[:, None] * stride_a_r + cols[None, :]
     if SCALED:
-        return _e4m3_to_fp32(a, INTERPRETER) * factor[:, None]
+        return _e4m3_to_fp32(tl.load(ptrs, mask=mask, other=0), INTERPRETER) * factor[:, None]
+    a = tl.load(ptrs, mask=mask, other=0.0)
     if HAS_WEIGHTS:  # as gather.py's dy_sorted: one bf16 rounding of the fp32 product
         a = round_to_bf16(factor[:, None] * a.to(tl.float32), INTERPRETER)
     a = _to_fp32(a, INTERPRETER)
     if SWIGLU:  # h = swiglu(g, u) from the forward's pre-activations; masked entries give h = 0
-        a = swiglu_forward(a, _to_fp32(up, INTERPRETER), swiglu_limit, HAS_LIMIT, FAST_SIGMOID)
+        up = _to_fp32(tl.load(ptrs + width, mask=mask, other=0.0), INTERPRETER)
+        a = swiglu_forward(a, up, swiglu_limit, HAS_LIMIT, FAST_SIGMOID)
     return a
 
 
@@ -448,13 +425,10 @@ def _quantize_sorted_t_kernel(
     col0 = tl.program_id(1) * BLOCK_W
     cols = col0 + tl.arange(0, BLOCK_W)
     col_ok = cols < width
-    route_sources = _row_route_sources(rows, in_expert, row_source_ptr, GATHER)
-    sources, valid, factor = _row_sources(rows, in_expert, route_sources, num_a_rows, topk_weights_ptr, a_scale_ptr,
+    sources, valid, factor = _row_sources(rows, in_expert, num_a_rows, row_source_ptr, topk_weights_ptr, a_scale_ptr,
                                           col0 // _BLOCK, stride_a_scale_r, topk, GATHER, HAS_WEIGHTS, SCALED)
-    ptrs, mask = _sorted_tile_pointers(a_ptr, sources, valid, cols, col_ok, stride_a_r)
-    a, up = _load_sorted_raw(ptrs, mask, width, SWIGLU)
-    a = _dequantize_sorted_tile(a, up, factor, swiglu_limit, SWIGLU, HAS_LIMIT, HAS_WEIGHTS, SCALED, FAST_SIGMOID,
-                                INTERPRETER)  # [BLOCK_R, BLOCK_W] fp32
+    a = _load_sorted_tile(a_ptr, sources, valid, factor, cols, col_ok, width, swiglu_limit, stride_a_r, SWIGLU,
+                          HAS_LIMIT, HAS_WEIGHTS, SCALED, FAST_SIGMOID, INTERPRETER)  # [BLOCK_R, BLOCK_W] fp32
     # Each row of the transposed tile is one column block: the activations' rule applies as is.
     q, scale = quantize_row_blocks(tl.trans(a), INTERPRETER)  # [BLOCK_W, BLOCK_R] uint8, [BLOCK_W, 1] fp32
     _store_sorted_t(q_t_ptr, scale_t_ptr, q, rows, in_expert, cols, col_ok, tl.reshape(scale, (BLOCK_W,)), cols, row0,
@@ -489,52 +463,45 @@ def _sorted_t_layouts(rows_per_thread, num_warps):
 
 
 @gluon.jit
-def _sorted_t_routes(tile, num_row_blocks, row_source_ptr, GATHER: gl.constexpr, ROWS_PER_THREAD: gl.constexpr):
-    """A tile's first load (`_row_route_sources`), one element per thread. Tile t covers rows
-    (t mod num_row_blocks)·128 + [0, 128): row blocks first, so programs that run together read
-    the same column block."""
-    SPREAD: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    rows = (tile % num_row_blocks) * _BLOCK + gl.arange(0, _BLOCK, layout=SPREAD)
-    return _row_route_sources(rows, rows >= 0, row_source_ptr, GATHER)  # every row is in its expert
-
-
-@gluon.jit
-def _sorted_t_rows(tile, route_sources, num_row_blocks, topk_weights_ptr, a_scale_ptr, num_a_rows, topk,
-                   stride_a_scale_r, GATHER: gl.constexpr, HAS_WEIGHTS: gl.constexpr, SCALED: gl.constexpr,
-                   BLOCK_W: gl.constexpr):
-    """`_row_sources` of a tile's rows given its route_sources, one row per thread (every thread of
-    the tile's own layout would find them for each of its rows)."""
-    SPREAD: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    rows = (tile % num_row_blocks) * _BLOCK + gl.arange(0, _BLOCK, layout=SPREAD)
-    column_block = (tile // num_row_blocks) * BLOCK_W // _BLOCK
-    return _row_sources(rows, rows >= 0, route_sources, num_a_rows, topk_weights_ptr, a_scale_ptr, column_block,
-                        stride_a_scale_r, topk, GATHER, HAS_WEIGHTS, SCALED)
-
-
-@gluon.jit
-def _sorted_t_pointers(tile, num_row_blocks, sources, valid, a_ptr, width, stride_a_r, ROWS_PER_THREAD: gl.constexpr):
-    """`_sorted_tile_pointers` of a tile in its LOAD layout, given `_sorted_t_rows`' sources."""
-    LOAD: gl.constexpr = _sorted_t_layouts(ROWS_PER_THREAD, gl.num_warps())[0]
-    BLOCK_W: gl.constexpr = LOAD.shape[1]
-    cols = (tile // num_row_blocks) * BLOCK_W + gl.arange(0, BLOCK_W, layout=gl.SliceLayout(0, LOAD))
-    return _sorted_tile_pointers(a_ptr, gl.convert_layout(sources, gl.SliceLayout(1, LOAD)),
-                                 gl.convert_layout(valid, gl.SliceLayout(1, LOAD)), cols, cols < width, stride_a_r)
-
-
-@gluon.jit
-def _sorted_t_quantize_store(tile, num_row_blocks, factor, a, up, q_t_ptr, scale_t_ptr, width, capacity_rows,
-                             swiglu_limit, SWIGLU: gl.constexpr, HAS_LIMIT: gl.constexpr, HAS_WEIGHTS: gl.constexpr,
-                             SCALED: gl.constexpr, FAST_SIGMOID: gl.constexpr, ROWS_PER_THREAD: gl.constexpr):
-    """A tile from its loads (a, up in its LOAD layout, its rows' factors one per thread) to its
-    stores: `_quantize_sorted_t_kernel`'s device functions in the layouts of `_sorted_t_layouts`,
-    where the transpose moves no data."""
+def _quantize_sorted_t_gluon_kernel(
+    a_ptr, q_t_ptr, scale_t_ptr, topk_weights_ptr, a_scale_ptr,  # as `_quantize_sorted_t_kernel`'s
+    num_rows_ptr, row_source_ptr,
+    num_a_rows, width, capacity_rows, swiglu_limit, topk,
+    stride_a_r, stride_a_scale_r,
+    SWIGLU: gl.constexpr, HAS_LIMIT: gl.constexpr, GATHER: gl.constexpr, HAS_WEIGHTS: gl.constexpr,
+    SCALED: gl.constexpr, FAST_SIGMOID: gl.constexpr, ROWS_PER_THREAD: gl.constexpr,
+):
+    """`_quantize_sorted_t_kernel` on the GPU with the layouts of `_sorted_t_layouts`: the same
+    device functions, so the same bytes, without the shared-memory round trip that Triton's own
+    layouts need to turn column-contiguous loads into row-contiguous byte stores. For a schedule
+    of block_m % 128 == 0, one tile per program over the tiles below num_rows, row blocks first
+    (programs that run together read the same column block). There every 128-row block lies in
+    one expert, so a tile needs no lookup of its expert's rows: its loads wait only on num_rows
+    and, gathering, on its rows' routes. H200, qwen3-30b's four launches in the layer's profile:
+    0.62 ms with the lookup, 0.54-0.56 without (logs h200-20261203-sorted-t-prefetch.log,
+    -epilogue-loads-ahead.log). Each program prefetching its next tile by cp.async over a
+    persistent grid measured level with this (same logs; branch fp8-sorted-t-prefetch)."""
     LOAD: gl.constexpr = _sorted_t_layouts(ROWS_PER_THREAD, gl.num_warps())[0]
     STORE: gl.constexpr = _sorted_t_layouts(ROWS_PER_THREAD, gl.num_warps())[1]
     SPREAD: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
     BLOCK_W: gl.constexpr = LOAD.shape[1]
-    row0, col0 = (tile % num_row_blocks) * _BLOCK, (tile // num_row_blocks) * BLOCK_W
-    a = _dequantize_sorted_tile(a, up, gl.convert_layout(factor, gl.SliceLayout(1, LOAD)), swiglu_limit, SWIGLU,
-                                HAS_LIMIT, HAS_WEIGHTS, SCALED, FAST_SIGMOID, False)  # [128, BLOCK_W] fp32
+    num_row_blocks = gl.cdiv(gl.load(num_rows_ptr), _BLOCK)
+    tile = gl.program_id(0)
+    if tile >= num_row_blocks * gl.cdiv(width, BLOCK_W):
+        return
+    row0, col0 = tile % num_row_blocks * _BLOCK, tile // num_row_blocks * BLOCK_W
+    # Each row's source (a division by topk where gathering) and each column's scale once, in
+    # a layout that spreads the vector over the threads: in the tile's, every thread would
+    # compute them for each of its rows and columns.
+    rows = row0 + gl.arange(0, _BLOCK, layout=SPREAD)
+    in_expert = rows >= 0  # every row of the block
+    sources, valid, factor = _row_sources(rows, in_expert, num_a_rows, row_source_ptr, topk_weights_ptr, a_scale_ptr,
+                                          col0 // _BLOCK, stride_a_scale_r, topk, GATHER, HAS_WEIGHTS, SCALED)
+    cols = col0 + gl.arange(0, BLOCK_W, layout=gl.SliceLayout(0, LOAD))
+    a = _load_sorted_tile(a_ptr, gl.convert_layout(sources, gl.SliceLayout(1, LOAD)),
+                          gl.convert_layout(valid, gl.SliceLayout(1, LOAD)),
+                          gl.convert_layout(factor, gl.SliceLayout(1, LOAD)), cols, cols < width, width, swiglu_limit,
+                          stride_a_r, SWIGLU, HAS_LIMIT, HAS_WEIGHTS, SCALED, FAST_SIGMOID, False)  # [128, BLOCK_W]
     a_t = gl.convert_layout(gl.permute(a, (1, 0)), STORE, assert_trivial=True)  # [BLOCK_W, 128]
     amax_bits = gl.max(a_t.to(gl.int32, bitcast=True) & _FP32_ABS_MASK, axis=1)  # [BLOCK_W] int32
     scale_cols = col0 + gl.arange(0, BLOCK_W, layout=SPREAD)
@@ -545,36 +512,6 @@ def _sorted_t_quantize_store(tile, num_row_blocks, factor, a, up, q_t_ptr, scale
     cols_t = col0 + gl.arange(0, BLOCK_W, layout=gl.SliceLayout(1, STORE))
     _store_sorted_t(q_t_ptr, scale_t_ptr, q, rows_t, rows_t >= 0, cols_t, cols_t < width, scale, scale_cols, row0,
                     width, capacity_rows, _BLOCK, _BLOCK)
-
-
-@gluon.jit
-def _quantize_sorted_t_gluon_kernel(
-    a_ptr, q_t_ptr, scale_t_ptr, topk_weights_ptr, a_scale_ptr,  # as `_quantize_sorted_t_kernel`'s
-    num_rows_ptr, row_source_ptr,
-    num_a_rows, width, capacity_rows, swiglu_limit, topk,
-    stride_a_r, stride_a_scale_r,
-    SWIGLU: gl.constexpr, HAS_LIMIT: gl.constexpr, GATHER: gl.constexpr, HAS_WEIGHTS: gl.constexpr,
-    SCALED: gl.constexpr, FAST_SIGMOID: gl.constexpr, ROWS_PER_THREAD: gl.constexpr,
-):
-    """`_quantize_sorted_t_kernel` on the GPU for a schedule of block_m % 128 == 0, one tile per
-    program, the tiles below num_rows. There every 128-row block lies in one expert, so a tile
-    needs no lookup of its expert's rows: its loads wait only on num_rows and, gathering, on its
-    rows' routes. H200, qwen3-30b's four launches in the layer's profile: 0.62 ms with the lookup,
-    0.54-0.56 without (logs h200-20261203-sorted-t-prefetch.log, -epilogue-loads-ahead.log). Each
-    program prefetching its next tile by cp.async over a persistent grid measured level with this
-    (same logs; branch fp8-sorted-t-prefetch)."""
-    BLOCK_W: gl.constexpr = _sorted_t_layouts(ROWS_PER_THREAD, gl.num_warps())[0].shape[1]
-    num_row_blocks = gl.cdiv(gl.load(num_rows_ptr), _BLOCK)
-    tile = gl.program_id(0)
-    if tile >= num_row_blocks * gl.cdiv(width, BLOCK_W):
-        return
-    routes = _sorted_t_routes(tile, num_row_blocks, row_source_ptr, GATHER, ROWS_PER_THREAD)
-    sources, valid, factor = _sorted_t_rows(tile, routes, num_row_blocks, topk_weights_ptr, a_scale_ptr, num_a_rows,
-                                            topk, stride_a_scale_r, GATHER, HAS_WEIGHTS, SCALED, BLOCK_W)
-    ptrs, mask = _sorted_t_pointers(tile, num_row_blocks, sources, valid, a_ptr, width, stride_a_r, ROWS_PER_THREAD)
-    a, up = _load_sorted_raw(ptrs, mask, width, SWIGLU)
-    _sorted_t_quantize_store(tile, num_row_blocks, factor, a, up, q_t_ptr, scale_t_ptr, width, capacity_rows,
-                             swiglu_limit, SWIGLU, HAS_LIMIT, HAS_WEIGHTS, SCALED, FAST_SIGMOID, ROWS_PER_THREAD)
 
 
 @gluon.jit
