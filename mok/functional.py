@@ -103,7 +103,7 @@ FP8_BLOCK_D_GATE_UP_QUANTIZED = True
 # fp8_block on one rank: the down GEMM and the gate/up dgrad write y and dx in the sorted layout
 # (each GEMM row at its own index, by TMA stores that run under the next tile's MMAs:
 # `warp_specialized.SORTED_TMA_STORE`) instead of scattering them to route slots from registers,
-# and the combines gather each route's row through `ops.route_rows`. The same bytes, read at
+# and the combines gather each route's row through the schedule's route_row. The same bytes, read at
 # random rows instead of written there; out and d_x bitwise the same. H200, qwen3-30b profile:
 # the scatter kernels 1.346 -> 1.235 ms, the combines 0.301 -> 0.312; forward+backward level on
 # qwen3-30b, deepseek-v3-slice 0.08-0.16 ms faster (records h200-20261203-ab-fp8-block-v33/v34).
@@ -543,7 +543,7 @@ def _routed_forward(schedule, x, routed, topk, swiglu_limit, needs_backward):
             sorted_rows=sorted_rows,
         )
         saved = _routed_saved(saved, routed)
-        route_row = ops.route_rows(schedule.routing, schedule.block_m, num_slots) if sorted_rows else None
+        route_row = ops.routing_from_tensors(schedule.routing, schedule.block_m).route_row if sorted_rows else None
         if needs_backward and sorted_rows:
             saved["route_row"] = route_row
         return y, route_row, saved

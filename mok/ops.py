@@ -9,9 +9,9 @@ dispatcher costs tens of microseconds per op in Python, which a layer of a few s
 launches notices. Under `torch.compile` they call the registered op, so the compiled
 graph holds `mok::<name>` nodes.
 
-The schedule travels as one list of five tensors (row_source, tile_expert,
-expert_offsets, expert_counts, num_rows); `routing_tensors` / `routing_from_tensors`
-convert.
+The schedule travels as one list of six tensors (row_source, tile_expert,
+expert_offsets, expert_counts, num_rows, route_row); `routing_tensors` /
+`routing_from_tensors` convert.
 """
 
 from __future__ import annotations
@@ -23,19 +23,19 @@ import torch
 from mok.fp8_block import FP8_BLOCK
 from mok.kernels import combine as combine_kernels
 from mok.kernels import grouped_gemm
-from mok.kernels import schedule as schedule_kernels
 from mok.kernels.schedule import RoutingSchedule, build_routing_schedule, capacity_rows
 
 
 def routing_tensors(schedule: RoutingSchedule) -> list[torch.Tensor]:
-    """[row_source, tile_expert, expert_offsets, expert_counts, num_rows] of a schedule."""
-    return [schedule.row_source, schedule.tile_expert, schedule.expert_offsets, schedule.expert_counts, schedule.num_rows]
+    """[row_source, tile_expert, expert_offsets, expert_counts, num_rows, route_row] of a schedule."""
+    return [schedule.row_source, schedule.tile_expert, schedule.expert_offsets, schedule.expert_counts, schedule.num_rows,
+            schedule.route_row]
 
 
 def routing_from_tensors(schedule_tensors: list[torch.Tensor], block_m: int) -> RoutingSchedule:
-    row_source, tile_expert, expert_offsets, expert_counts, num_rows = schedule_tensors
+    row_source, tile_expert, expert_offsets, expert_counts, num_rows, route_row = schedule_tensors
     return RoutingSchedule(
-        row_source, tile_expert, expert_offsets, expert_counts, num_rows,
+        row_source, tile_expert, expert_offsets, expert_counts, num_rows, route_row,
         block_m=block_m, capacity_rows=row_source.shape[0], num_local_experts=expert_counts.shape[0],
     )
 
@@ -67,8 +67,8 @@ def _custom_op(name: str, mutates_args: tuple[str, ...] = ()):
 def routing_schedule(
     topk_ids: torch.Tensor, error_flag: torch.Tensor, num_local_experts: int, block_m: int,
     skip_empty_ids: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(row_source, tile_expert, expert_offsets, expert_counts, num_rows) of `schedule.py`;
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(row_source, tile_expert, expert_offsets, expert_counts, num_rows, route_row) of `schedule.py`;
     with `skip_empty_ids`, ids of −1 are empty entries (no route), not errors."""
     schedule = build_routing_schedule(topk_ids, num_local_experts, block_m, error_flag, skip_empty_ids)
     return tuple(routing_tensors(schedule))
@@ -84,6 +84,7 @@ def _(topk_ids, error_flag, num_local_experts, block_m, skip_empty_ids=False):
         new(num_local_experts + 1, dtype=torch.int32),
         new(num_local_experts, dtype=torch.int32),
         new(1, dtype=torch.int32),
+        new(topk_ids.shape[0] * topk_ids.shape[1], dtype=torch.int32),
     )
 
 
@@ -191,17 +192,6 @@ def down_scatter_fp8_block(
 def _(h_q, h_scale, w_down_q, w_down_scale, schedule_tensors, block_m, num_slots, sorted_rows=False):
     rows = schedule_tensors[0].shape[0] if sorted_rows else num_slots
     return h_scale.new_empty(rows, w_down_q.shape[1], dtype=torch.bfloat16)
-
-
-@_custom_op("route_rows", ())
-def route_rows(schedule_tensors: list[torch.Tensor], block_m: int, num_slots: int) -> torch.Tensor:
-    """route_row [num_slots] int32: each route slot's row in the sorted layout, −1 for none."""
-    return schedule_kernels.route_rows(routing_from_tensors(schedule_tensors, block_m), num_slots)
-
-
-@route_rows.op.register_fake
-def _(schedule_tensors, block_m, num_slots):
-    return schedule_tensors[0].new_empty(num_slots)
 
 
 # --------------------------------------------------------------------------- combine

@@ -41,7 +41,7 @@ of sorted rows loads each row's token. Consecutive sorted rows belong to one exp
 tokens far apart, so with topk routes per token every token row is read topk times, mostly
 from HBM (x and dOut together outgrow the L2). Token-major (`_scatter_token_rows_kernel`,
 bf16 and topk ≥ `TOKEN_MAJOR_MIN_TOPK`): a program per block of tokens reads each token
-once and stores it to its topk rows (the inverse of row_source, `_route_rows_kernel`);
+once and stores it to its topk rows (the schedule's route_row, the inverse of row_source);
 further programs, one per expert, zero its padding rows. mxfp8 keeps the row-major order:
 its copies round blocks of 32 consecutive sorted rows together.
 
@@ -127,15 +127,6 @@ def _gather_sorted_rows_kernel(
             tl.store(d_out_sorted_ptr + sorted_offs + offs, d_out, mask=store_mask)
             if HAS_WEIGHTS:
                 tl.store(dy_sorted_ptr + sorted_offs + offs, round_to_bf16(dy, INTERPRETER), mask=store_mask)
-
-
-@triton.jit
-def _route_rows_kernel(row_source_ptr, num_rows_ptr, route_row_ptr, ROWS: tl.constexpr):
-    """route_row[row_source[r]] = r for every placed row r below num_rows: the inverse map."""
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    in_schedule = rows < tl.load(num_rows_ptr)
-    source = tl.load(row_source_ptr + rows, mask=in_schedule, other=-1)
-    tl.store(route_row_ptr + source, rows, mask=source >= 0)
 
 
 @triton.jit
@@ -236,6 +227,9 @@ def gather_sorted_rows(
             raise ValueError("topk_weights: expected a contiguous tensor")
     if schedule.row_source.device != device:
         raise ValueError(f"schedule: expected tensors on {device}, got {schedule.row_source.device}")
+    if schedule.route_row.shape != (num_tokens * topk,):
+        raise ValueError(f"schedule: expected the schedule of x's {num_tokens} tokens × topk {topk} routes, got one of "
+                         f"{schedule.route_row.shape[0]} routes")
     if mxfp8 and (hidden % MX_BLOCK or schedule.block_m % MX_BLOCK):
         raise ValueError(f"x: mxfp8 needs H and the schedule's BLOCK_M multiples of {MX_BLOCK}, got H = {hidden}, "
                          f"BLOCK_M = {schedule.block_m}")
@@ -248,14 +242,9 @@ def gather_sorted_rows(
     meta = dict(HAS_D_OUT=d_out is not None, HAS_WEIGHTS=topk_weights is not None, INTERPRETER=interpreting(),
                 num_warps=4)
     if topk >= TOKEN_MAJOR_MIN_TOPK and not mxfp8:
-        route_row = torch.full((num_tokens * topk,), -1, dtype=torch.int32, device=device)  # [T·topk]; −1: not placed
-        rows_per_program = 1024  # of row_source, 4 bytes each
-        _route_rows_kernel[(triton.cdiv(schedule.capacity_rows, rows_per_program),)](
-            schedule.row_source, schedule.num_rows, route_row, ROWS=rows_per_program, num_warps=4,
-        )
         token_programs = triton.cdiv(num_tokens, TOKENS_PER_PROGRAM)
         _scatter_token_rows_kernel[(token_programs + schedule.num_local_experts,)](
-            *sources, *copies, route_row, schedule.expert_offsets, schedule.expert_counts,
+            *sources, *copies, schedule.route_row, schedule.expert_offsets, schedule.expert_counts,
             num_tokens, hidden, topk, token_programs, *strides,
             TOKENS=TOKENS_PER_PROGRAM, BLOCK_H=min(256, triton.next_power_of_2(hidden)), **meta,
         )

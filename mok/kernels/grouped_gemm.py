@@ -783,7 +783,7 @@ def down_scatter_fp8_block(
     `mok.fp8_block_quantize(w_down)`'s q, scale. Slots no route points to are left unwritten.
     `sorted_rows`: y [capacity_rows, H] in the sorted layout instead, row r's output at row r
     (padding rows too; rows at or past num_rows unwritten), for `combine` with
-    `schedule.route_rows`."""
+    the schedule's `route_row`."""
     _, hidden, inter = fp8_block_weight_shape("w_down_q", w_down_q, "[E_l, H, I]", schedule.num_local_experts)
     device = w_down_q.device
     check_fp8_block_pair("h_q", h_q, "h_scale", h_scale, (schedule.capacity_rows, inter), (1, FP8_BLOCK), device)

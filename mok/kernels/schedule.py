@@ -1,6 +1,7 @@
 """Schedule: where each route's row goes in the expert-sorted, tile-padded layout.
 
     row_source[r] = t·topk + j   for the route (t, j) placed at row r,   −1 for padding
+    route_row[t·topk + j] = r    its inverse: the row of each route, −1 for a route with none
 
 Legend: T tokens, topk routes per token, E_l local experts, BLOCK_M the GEMM's M tile.
 Rows are grouped by expert (ascending); each expert's rows are padded up to a multiple
@@ -15,11 +16,9 @@ chunks of CHUNK_TOKENS tokens (about ROUTES_PER_CHUNK routes each):
 2. `_scan_counts_kernel` (one program): prefix sums over chunks and experts, the
    per-expert offsets, the tile→expert table and the padding rows.
 3. `_place_routes_kernel` (one program per chunk): sorts the chunk's routes by the key
-   (expert, t·topk + j) and writes each route's source into its row (or, for
-   `sorted_route_rows`, each route's row into its source: the inverse map).
-
-`route_rows` inverts a built schedule's row_source (route → its sorted row) for kernels
-that leave their rows in the sorted layout and a combine that gathers them.
+   (expert, t·topk + j), writes each route's source into its row and each route's row
+   into its source (route_row, the inverse map: for kernels that leave their rows in the
+   sorted layout and a combine that gathers them; `sorted_route_rows` keeps only it).
 
 After the sort, the routes of expert e sit at positions [first_e, first_e + count_e) of
 the chunk, in ascending t·topk + j, so the route at position p goes to row
@@ -63,6 +62,7 @@ class RoutingSchedule:
     expert_offsets: torch.Tensor  # [E_l + 1] int32: first padded row of each expert
     expert_counts: torch.Tensor  # [E_l] int32: routes per expert (unpadded)
     num_rows: torch.Tensor  # [1] int32: padded rows in use (= expert_offsets[E_l])
+    route_row: torch.Tensor  # [T·topk] int32: the row of each route t·topk + j, −1 for none (a bad or empty id)
     block_m: int
     capacity_rows: int
     num_local_experts: int
@@ -203,11 +203,11 @@ def _place_routes_kernel(
     topk_ids_ptr,  # [T, topk]
     row_base_ptr,  # [num_chunks, EXPERTS_PAD] int32
     expert_offsets_ptr,  # [E_l + 1] int32
-    row_source_ptr,  # [capacity_rows] int32, out (unless STORE_ROUTE_ROW)
-    route_row_ptr,  # [T·topk] int32, out (with STORE_ROUTE_ROW)
+    row_source_ptr,  # [capacity_rows] int32, out (with STORE_ROW_SOURCE)
+    route_row_ptr,  # [T·topk] int32, out
     num_tokens, topk, num_experts,
     CHUNK_TOKENS: tl.constexpr, TOPK_PAD: tl.constexpr, ROUTES: tl.constexpr, EXPERTS_PAD: tl.constexpr,
-    SKIP_EMPTY_IDS: tl.constexpr, STORE_ROUTE_ROW: tl.constexpr, INTERPRETER: tl.constexpr,
+    SKIP_EMPTY_IDS: tl.constexpr, STORE_ROW_SOURCE: tl.constexpr, INTERPRETER: tl.constexpr,
 ):
     chunk = tl.program_id(0)
     ids, placed, _ = _chunk_routes(topk_ids_ptr, chunk, num_tokens, topk, num_experts,
@@ -225,29 +225,10 @@ def _place_routes_kernel(
     token = chunk * CHUNK_TOKENS + local // TOPK_PAD
     j = local % TOPK_PAD
     source = token * topk + j
-    if STORE_ROUTE_ROW:
-        is_entry = (token < num_tokens) & (j < topk)
-        tl.store(route_row_ptr + source, tl.where(is_placed, row, -1), mask=is_entry)
-    else:
+    is_entry = (token < num_tokens) & (j < topk)
+    tl.store(route_row_ptr + source, tl.where(is_placed, row, -1), mask=is_entry)  # every entry: no fill needed
+    if STORE_ROW_SOURCE:
         tl.store(row_source_ptr + row, source, mask=is_placed)
-
-
-@triton.jit
-def _invert_row_source_kernel(row_source_ptr, num_rows_ptr, route_row_ptr, num_slots, BLOCK: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    source = tl.load(row_source_ptr + rows, mask=rows < tl.load(num_rows_ptr), other=-1)  # past num_rows: unset
-    tl.store(route_row_ptr + source, rows, mask=(source >= 0) & (source < num_slots))
-
-
-def route_rows(schedule: RoutingSchedule, num_slots: int) -> torch.Tensor:
-    """route_row [num_slots] int32: the sorted row r of each route slot row_source[r] = s, −1
-    for a slot no row holds (the routes of a token with a bad id)."""
-    route_row = torch.full((num_slots,), -1, dtype=torch.int32, device=schedule.row_source.device)  # [T·topk]
-    block = 1024
-    _invert_row_source_kernel[(triton.cdiv(schedule.capacity_rows, block),)](
-        schedule.row_source, schedule.num_rows, route_row, num_slots, BLOCK=block,
-    )
-    return route_row
 
 
 def capacity_rows(num_routes: int, num_local_experts: int, block_m: int) -> int:
@@ -309,14 +290,16 @@ def build_routing_schedule(
     rows = capacity_rows(num_tokens * topk, num_local_experts, block_m)
     row_source = torch.empty(rows, dtype=torch.int32, device=topk_ids.device)  # [capacity_rows]
     tile_expert = torch.empty(rows // block_m, dtype=torch.int32, device=topk_ids.device)  # [max_tiles]
+    route_row = torch.empty(num_tokens * topk, dtype=torch.int32, device=topk_ids.device)  # [T·topk]
     row_base, expert_offsets, expert_counts, num_rows, meta = _count_and_scan(
         topk_ids, num_local_experts, block_m, row_source, tile_expert, error_flag, skip_empty_ids
     )
     _place_routes_kernel[(row_base.shape[0],)](
-        topk_ids, row_base, expert_offsets, row_source, row_source, num_tokens, topk, num_local_experts,
-        STORE_ROUTE_ROW=False, INTERPRETER=interpreting(), **meta,
+        topk_ids, row_base, expert_offsets, row_source, route_row, num_tokens, topk, num_local_experts,
+        STORE_ROW_SOURCE=True, INTERPRETER=interpreting(), **meta,
     )
-    return RoutingSchedule(row_source, tile_expert, expert_offsets, expert_counts, num_rows, block_m, rows, num_local_experts)
+    return RoutingSchedule(row_source, tile_expert, expert_offsets, expert_counts, num_rows, route_row, block_m, rows,
+                           num_local_experts)
 
 
 def sorted_route_rows(
@@ -338,6 +321,6 @@ def sorted_route_rows(
     )
     _place_routes_kernel[(row_base.shape[0],)](
         topk_ids, row_base, expert_offsets, no_rows, route_row, num_tokens, topk, num_experts,
-        STORE_ROUTE_ROW=True, INTERPRETER=interpreting(), **meta,
+        STORE_ROW_SOURCE=False, INTERPRETER=interpreting(), **meta,
     )
     return route_row, expert_offsets

@@ -138,7 +138,7 @@ FP8_WGRAD_TMA_STORE = True
 # launches 1.318 -> 1.223 ms; the gate/up's outputs still bitwise the Triton kernel's (GPU tests).
 GATHERED_TMA_STORE = True
 # The fp8_block scatter GEMMs, where they write the sorted layout in bf16 (the down GEMM's y and
-# the gate/up dgrad's dx for `combine` to gather with `schedule.route_rows`; the down dgrad's
+# the gate/up dgrad's dx for `combine` to gather with the schedule's `route_row`; the down dgrad's
 # bf16 product over dOut's sorted rows), leave each consumer's two 128-column tiles the same way,
 # through buffers of their own (64 KB beside the 144 KB ring). Route slots stay register stores:
 # TMA cannot scatter rows on Hopper. H200, qwen3-30b profile (logs h200-20261203-sorted-outputs.log,
@@ -1048,12 +1048,15 @@ def _wgrad_ws_kernel(
 _GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv, torch.float32: gl.float32}
 
 
-def _shared_layout(block_shape, dtype: torch.dtype = torch.bfloat16) -> gl.NVMMASharedLayout:
+@functools.cache
+def _shared_layout(block_shape: tuple[int, ...], dtype: torch.dtype = torch.bfloat16) -> gl.NVMMASharedLayout:
+    # Cached: a layout built anew runs Gluon's constexpr machinery on the host, about 25 times per
+    # fp8_block step (host time only; the benchmark's GPU time did not move: record ab-layout-cache).
     return gl.NVMMASharedLayout.get_default_for(list(block_shape), _GLUON_DTYPES[dtype])
 
 
 def _descriptor(t: torch.Tensor, block_shape):
-    return tma_descriptor(t, block_shape, _shared_layout(block_shape, t.dtype))
+    return tma_descriptor(t, block_shape, _shared_layout(tuple(block_shape), t.dtype))
 
 
 def _check_fp8_block_tile(cfg: dict, schedule: RoutingSchedule, what: str) -> None:

@@ -62,10 +62,13 @@ def receiver_schedule(
     block_m: int,
 ) -> tuple[torch.Tensor, ...]:
     """The schedule (the tensors of `ops.routing_schedule`) of the P·C received rows, each
-    a token with topk = 1, its row map pointing at p·C + c; ORs the sources' flags into
+    a token with topk = 1, its row maps over p·C + c; ORs the sources' flags into
     `error_flag`."""
     num_ranks, capacity = recv_ids.shape[0], recv_ids.shape[1] - 1
     expert_ids = ops.receive_expert_ids(recv_ids, error_flag)  # [C·P, 1], row c·P + p
-    interleaved, *tables = ops.routing_schedule(expert_ids, error_flag, num_local_experts, block_m, True)
+    interleaved, *tables, interleaved_route_row = ops.routing_schedule(
+        expert_ids, error_flag, num_local_experts, block_m, True
+    )
     row_source = torch.where(interleaved >= 0, interleaved % num_ranks * capacity + interleaved // num_ranks, interleaved)
-    return (row_source, *tables)
+    route_row = interleaved_route_row.view(capacity, num_ranks).t().reshape(-1)  # [P·C], received row p·C + c
+    return (row_source, *tables, route_row)

@@ -251,12 +251,16 @@ def _plan_worker(rank: int, world_size: int) -> list[str]:
         failures.append(f"token rows did not come back to their slots {ctx}")
     if int(ws.error_flag) != 0:
         failures.append(f"error flag {int(ws.error_flag)} {ctx}")
-    row_source, tile_expert, _, expert_counts, num_rows = schedule.routing
+    row_source, tile_expert, _, expert_counts, num_rows, route_row = schedule.routing
     capacity, block_m = dispatch.send_capacity, schedule.block_m
     row_source = row_source[: int(num_rows)]
     placed = (row_source >= 0).nonzero().flatten()
     if placed.numel() != int(expert_counts.sum()):
         failures.append(f"{placed.numel()} rows placed for {int(expert_counts.sum())} received routes {ctx}")
+    inverse = torch.full((world_size * capacity,), -1, dtype=torch.int32)  # [P·C]: each received row's sorted row
+    inverse[row_source[placed].long()] = placed.int()
+    if not torch.equal(route_row, inverse):
+        failures.append(f"route_row is not the inverse of row_source over the received rows p·C + c {ctx}")
     for expert in range(E_l):
         rows = placed[tile_expert[placed // block_m] == expert]
         sources = row_source[rows].long()

@@ -442,7 +442,7 @@ def test_fp8_block_dgrad_ops_and_run_twice(kernel_device):
     gate_up_args = (*grads, *weights, routing, block_m, T * topk)
     dx = ops.gate_up_dgrad_scatter_fp8_block(*gate_up_args)
     assert torch.equal(dx, gate_up_dgrad_scatter_fp8_block(*grads, *weights, sched, T * topk))
-    route_row = ops.route_rows(routing, block_m, T * topk)
+    route_row = sched.route_row
     dx_sorted = ops.gate_up_dgrad_scatter_fp8_block(*gate_up_args, True)  # sorted_rows
     assert dx_sorted.shape == (sched.capacity_rows, H) and torch.equal(dx_sorted[route_row.long()], dx)
     for args in (down_args, quantized_args):

@@ -357,13 +357,12 @@ def test_fp8_block_ops_and_run_twice(kernel_device):
     y = ops.down_scatter_fp8_block(*down_args)
     assert torch.equal(y, down_scatter_fp8_block(h_q, h_scale, *w_down, sched, T * topk))
     # sorted_rows: each route's row at its sorted row, bitwise the slot's
-    route_row = ops.route_rows(routing, block_m, T * topk)
+    route_row = sched.route_row
     y_sorted = ops.down_scatter_fp8_block(*down_args, True)
     assert y_sorted.shape == (sched.capacity_rows, H) and torch.equal(y_sorted[route_row.long()], y)
     torch.library.opcheck(ops.gate_up_swiglu_fp8_block.op, gate_up_args, test_utils=("test_faketensor",))
     for args in (down_args, (*down_args, True)):
         torch.library.opcheck(ops.down_scatter_fp8_block.op, args, test_utils=("test_faketensor",))
-    torch.library.opcheck(ops.route_rows.op, (routing, block_m, T * topk), test_utils=("test_faketensor",))
     torch.library.opcheck(ops.combine.op, (y_sorted, inp.topk_weights, None, route_row),
                           test_utils=("test_faketensor",))
 

@@ -4,24 +4,26 @@ import pytest
 import torch
 
 from mok.kernels.common import ERROR_BAD_EXPERT_ID
-from mok.kernels.schedule import build_routing_schedule, capacity_rows, route_rows, sorted_route_rows
+from mok.kernels.schedule import build_routing_schedule, capacity_rows, sorted_route_rows
 from mok.testing import make_topk_ids
 
 
 def schedule_in_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     """Experts ascending, each expert's routes by ascending t·topk+j, padded to block_m
-    (ids of −1, empty entries, are left out)."""
+    (ids of −1, empty entries, are left out); route_row the row of each route, −1 for none."""
     flat = topk_ids.reshape(-1).long().cpu()
     counts = torch.bincount(flat[flat >= 0], minlength=num_experts)
     padded = (counts + block_m - 1) // block_m * block_m
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), padded.cumsum(0)])
     rows = int(offsets[-1])
     row_source = torch.full((rows,), -1, dtype=torch.int32)
+    route_row = torch.full((flat.numel(),), -1, dtype=torch.int32)
     for e in range(num_experts):
         routes = (flat == e).nonzero().flatten()
         row_source[offsets[e] : offsets[e] + routes.numel()] = routes.int()
+        route_row[routes] = torch.arange(int(offsets[e]), int(offsets[e]) + routes.numel(), dtype=torch.int32)
     tile_expert = torch.repeat_interleave(torch.arange(num_experts), padded // block_m).int()
-    return counts.int(), offsets.int(), row_source, tile_expert
+    return counts.int(), offsets.int(), row_source, tile_expert, route_row
 
 
 CASES = [
@@ -41,7 +43,7 @@ def test_schedule_bit_exact(kernel_device, T, E, topk, skew, block_m):
     ids = make_topk_ids(T, E, topk, gen, skew=skew).to(kernel_device)
     flag = torch.zeros(1, dtype=torch.int32, device=kernel_device)
     s = build_routing_schedule(ids.int() if T % 2 else ids, E, block_m, flag)
-    counts, offsets, row_source, tile_expert = schedule_in_torch(ids, E, block_m)
+    counts, offsets, row_source, tile_expert, route_row = schedule_in_torch(ids, E, block_m)
     ctx = f"{T=} {E=} {topk=} {skew=} {block_m=}"
     num_rows = int(s.num_rows)
     assert int(flag) == 0, ctx
@@ -52,6 +54,7 @@ def test_schedule_bit_exact(kernel_device, T, E, topk, skew, block_m):
     assert torch.equal(s.row_source[:num_rows].cpu(), row_source), ctx
     assert torch.equal(s.tile_expert[: num_rows // block_m].cpu(), tile_expert), ctx
     assert (s.tile_expert[num_rows // block_m :] == -1).all(), ctx
+    assert torch.equal(s.route_row.cpu(), route_row), ctx
 
 
 def test_all_tokens_to_one_expert(kernel_device):
@@ -96,13 +99,14 @@ def test_empty_ids_are_skipped_bit_exact(kernel_device, T, E, topk):
     ids[-1] = -1  # a whole row empty, at the end
     flag = torch.zeros(1, dtype=torch.int32, device=kernel_device)
     s = build_routing_schedule(ids.int().to(kernel_device), E, 16, flag, skip_empty_ids=True)
-    counts, offsets, row_source, tile_expert = schedule_in_torch(ids, E, 16)
+    counts, offsets, row_source, tile_expert, route_row = schedule_in_torch(ids, E, 16)
     ctx = f"{T=} {E=} {topk=}"
     num_rows = int(s.num_rows)
     assert int(flag) == 0, ctx
     assert torch.equal(s.expert_counts.cpu(), counts) and torch.equal(s.expert_offsets.cpu(), offsets), ctx
     assert torch.equal(s.row_source[:num_rows].cpu(), row_source), ctx
     assert torch.equal(s.tile_expert[: num_rows // 16].cpu(), tile_expert), ctx
+    assert torch.equal(s.route_row.cpu(), route_row), ctx  # −1 for the empty entries
 
 
 @pytest.mark.parametrize("T, E, topk", [(1, 4, 1), (37, 5, 2), (300, 12, 3)])
@@ -128,14 +132,14 @@ def test_sorted_route_rows_bit_exact(kernel_device, T, E, topk):
 
 
 @pytest.mark.parametrize("T, E, topk, block_m", [(1, 4, 1, 16), (37, 5, 2, 16), (300, 12, 3, 128)])
-def test_route_rows_invert_row_source(kernel_device, T, E, topk, block_m):
-    """route_rows: each route slot's row of the padded sorted layout, so that
+def test_route_row_inverts_row_source(kernel_device, T, E, topk, block_m):
+    """route_row: each route slot's row of the padded sorted layout, so that
     row_source[route_row[s]] = s for every slot; −1 for the slots of a token with a bad id."""
     ids = make_topk_ids(T, E, topk, torch.Generator().manual_seed(T + 1), skew=1.0)
     ids[T // 2, 0] = E  # a bad id: the token's routes get no row
     flag = torch.zeros(1, dtype=torch.int32, device=kernel_device)
     s = build_routing_schedule(ids.to(kernel_device), E, block_m, flag)
-    route_row = route_rows(s, T * topk).cpu()
+    route_row = s.route_row.cpu()
     row_source = s.row_source.cpu()
     ctx = f"{T=} {E=} {topk=} {block_m=}"
     bad = torch.zeros(T, topk, dtype=torch.bool)

@@ -32,7 +32,7 @@ from mok.kernels.quant_fp8_block import (
     quantize_fp8_block_sorted_t,
     quantize_fp8_block_swiglu_sorted_t,
 )
-from mok.kernels.schedule import build_routing_schedule, route_rows
+from mok.kernels.schedule import build_routing_schedule
 from mok.kernels.wgrad import (
     down_wgrad,
     down_wgrad_fp8_block,
@@ -55,7 +55,7 @@ def _ptxas_report(kernel_name: str, signature: dict, constants: dict, aligned: t
 
 def _descriptor_type(block_shape, dtype: torch.dtype = torch.bfloat16) -> str:
     name = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8e4nv", torch.float32: "fp32"}[dtype]
-    return f"tensordesc<{name}[{block_shape[0]},{block_shape[1]}],{ws._shared_layout(block_shape, dtype)!r}>"
+    return f"tensordesc<{name}[{block_shape[0]},{block_shape[1]}],{ws._shared_layout(tuple(block_shape), dtype)!r}>"
 
 
 def _scatter_signature(a_block, b_block, dtype: torch.dtype, meta: dict, y_type: str = "*bf16") -> dict:
@@ -375,7 +375,7 @@ def test_fp8_block_scatter_gemms_are_bitwise_the_triton_kernel(T, H, I, E, topk,
                           dgrad_config("gate_up", H, I, "fp8_block", allow_warp_specialized=False)),
     }
     num_rows = int(sched.num_rows)
-    route_row = route_rows(sched, T * topk).long()
+    route_row = sched.route_row.long()
     for kind, (run, triton_config) in runs.items():
         params = f"{kind} {T=} {H=} {I=} {E=} {topk=} {skewed=} {wide=} {sorted_rows=}"
         got = run(_fp8_tile(ws.fp8_block_tile_config(), wide), sorted_rows)
