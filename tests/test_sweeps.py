@@ -1,5 +1,6 @@
 """The GPU sweeps of `benchmarks/sweeps/` build their config lists on any machine: every kind
-is one `tune_gemm.py` can time, and each list holds what its docstring says it compares."""
+is one `tune_gemm.py` can time, and each list holds what its docstring says it compares. Every
+script of `benchmarks/` imports on any machine."""
 
 import importlib.util
 import pathlib
@@ -12,15 +13,30 @@ from mok.bench.presets import GPU_PRESETS, PRESETS
 _BENCHMARKS = pathlib.Path(__file__).parents[1] / "benchmarks"
 
 
-def _sweep(name: str):
+def _script(path: pathlib.Path, module_name: str):
+    """Imports a script of `benchmarks/` (its own folder on the path, as when it runs)."""
     sys.path.insert(0, str(_BENCHMARKS))
     try:
-        spec = importlib.util.spec_from_file_location(f"sweep_{name}", _BENCHMARKS / "sweeps" / f"{name}.py")
+        spec = importlib.util.spec_from_file_location(module_name, path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     finally:
         sys.path.remove(str(_BENCHMARKS))
     return module
+
+
+def _sweep(name: str):
+    return _script(_BENCHMARKS / "sweeps" / f"{name}.py", f"sweep_{name}")
+
+
+_SCRIPTS = sorted([*_BENCHMARKS.glob("*.py"), *(_BENCHMARKS / "sweeps").glob("*.py")])
+
+
+@pytest.mark.parametrize("path", _SCRIPTS, ids=[str(p.relative_to(_BENCHMARKS)) for p in _SCRIPTS])
+def test_benchmark_scripts_import_on_any_machine(path):
+    """Every script's imports still name what the library has (the scripts run only on the
+    device, so nothing else would notice a name the library dropped)."""
+    _script(path, f"script_{path.stem}")
 
 
 @pytest.mark.parametrize("preset", GPU_PRESETS)

@@ -12,7 +12,7 @@ import torch
 from mok.bench.presets import PRESETS
 from mok.kernels import combine as combine_kernels
 from mok.kernels.grouped_gemm import routing_block_m
-from mok.kernels.schedule import build_routing_schedule, route_rows
+from mok.kernels.schedule import build_routing_schedule
 from mok.testing import make_inputs
 from mok.testing.timing import time_ms
 
@@ -29,7 +29,7 @@ def main() -> None:
         flag = torch.zeros(1, dtype=torch.int32, device="cuda")
         sched = build_routing_schedule(inp.topk_ids, p.num_experts, routing_block_m(), flag)
         num_slots = inp.topk_ids.numel()
-        route_row = route_rows(sched, num_slots)
+        route_row = sched.route_row
         y_slots = torch.randn(num_slots, p.hidden_size, device="cuda").bfloat16()
         y_sorted = torch.randn(sched.capacity_rows, p.hidden_size, device="cuda").bfloat16()
         y_sorted[route_row.long()] = y_slots
