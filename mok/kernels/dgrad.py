@@ -351,14 +351,9 @@ def _down_dgrad_epilogue(
 
 
 @triton.jit
-def _row_slots(rows, row_source_ptr):
-    """(whether each sorted row holds a route, its slot t·topk + j; 0 for padding)."""
-    return _slots_of(tl.load(row_source_ptr + rows))
-
-
-@triton.jit
 def _slots_of(source):
-    """`_row_slots` of row_source entries already loaded."""
+    """From sorted rows' row_source entries: (whether each row holds a route, its slot t·topk + j;
+    0 for padding)."""
     row_valid = source >= 0
     return row_valid, tl.where(row_valid, source, 0)
 
@@ -450,7 +445,7 @@ def _down_dgrad_swiglu_kernel(
         return
     expert = tl.load(tile_expert_ptr + m_tile)
     rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_valid, slot = _row_slots(rows, row_source_ptr)
+    row_valid, slot = _slots_of(tl.load(row_source_ptr + rows))
     # a = dOut[t] · Wd[e] over H, unweighted.
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if PRODUCT_GIVEN:  # columns past I read as zeros: h is zero there too (g = u = 0)
