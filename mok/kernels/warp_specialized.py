@@ -323,11 +323,11 @@ def _scaled_mma_steps(acc, acc_hi, first_step, steps, first_block, a_bufs, b_buf
     """Consumer, cooperative, fp8_block: acc += Σ over the ring steps [first_step, first_step +
     steps) of (A·B) · sa[m] · sb[n], each step's FP8 product fresh in fp32 and then scaled by
     the scales of its K block (`first_block + k`; the rows' at `scale_rows`, where `rows_valid`:
-    `_accumulator_rows`), in step order, as the Triton kernels do (`wgrad._wgrad_tile`, `grouped_gemm.sorted_rows_tile`). A
-    tiles [rows, K], B tiles [N, K]: FP8 wgmma reads both K-major. The row scales and the weight
-    blocks' scales (`b_scales`, `b_hi_scales`, `hi_valid`: `_block_scales`) are loaded a step
-    ahead; per-column scales (PER_COLUMN, the wgrads: `b_scales` the ring's column-scale slots)
-    come with the step's tiles. The product is waited
+    `_accumulator_rows`), in step order, as the Triton kernels do (`wgrad._wgrad_tile`,
+    `grouped_gemm.sorted_rows_tile`). A tiles [rows, K], B tiles [N, K]: FP8 wgmma reads both
+    K-major. The row scales and the weight blocks' scales (`b_scales`, `b_hi_scales`, `hi_valid`:
+    `_block_scales`) are loaded a step ahead; per-column scales (PER_COLUMN, the wgrads:
+    `b_scales` the ring's column-scale slots) come with the step's tiles. The product is waited
     for before it is scaled (ptxas serializes every wgmma of a loop that reads one product while
     the next MMA runs: C7514), so the scaling overlaps only the other consumer's MMAs. A B tile
     twice the accumulator's width (SPLIT_N) is multiplied a half at a time, its first half into
