@@ -48,7 +48,8 @@ def layer_step(preset: str, precision: str, backward: bool) -> Callable[[], obje
     inp = make_inputs(p.num_tokens, p.hidden_size, p.intermediate_size, p.num_experts, p.topk,
                       p.shared_intermediate_size, seed=0, device="cuda")
     leaves = [t.requires_grad_() for t in (inp.x, inp.topk_weights, *[w for w in inp.weights if w is not None])]
-    d_out = torch.randn_like(inp.x)
+    # seeded on the CPU: the CUDA generator's initial seed differs from one process to the next
+    d_out = torch.randn(inp.x.shape, generator=torch.Generator().manual_seed(1)).to(inp.x)
     config = mok.MoKConfig(precision=precision)
 
     def step():

@@ -11,6 +11,7 @@ import torch
 import mok
 from mok import functional, ops, reference
 from mok.testing import ODD_CASES, TOLERANCES, OddCase, assert_close_to_reference, make_inputs
+from mok.testing.memory import poison_free_memory
 from mok.testing.timing import capture_cuda_graph
 
 
@@ -267,16 +268,30 @@ def test_gpu_preset_low_precision_within_its_bar(preset, precision):
 
 
 @pytest.mark.gpu
+def test_poison_free_memory_fills_what_the_allocator_hands_out_next():
+    stale = torch.randn(3 << 20, device="cuda")  # a block the allocator keeps cached once freed
+    del stale
+    poison_free_memory(float("nan"))
+    # all allocated before any is checked: the checks' own temporaries reuse freed memory
+    fresh = {numel: torch.empty(numel, device="cuda") for numel in (3 << 20, 1000, 5 << 24, 10)}
+    for numel, tensor in fresh.items():
+        assert tensor.isnan().all(), f"{numel=}"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["bf16", "fp8_block", "mxfp8"])
 def test_gpu_ten_steps_bitwise_identical(precision):
     """Forward and backward ten times on the same inputs: every output and gradient equal bit
-    for bit to the first step's."""
+    for bit to the first step's, with the allocator's free memory filled with NaN before some
+    steps and with a large finite value before the others (a kernel that reads memory no one
+    wrote would otherwise see the previous step's bytes, the same each time)."""
     inp = make_inputs(4096, 1024, 512, 32, 4, 256, seed=2, device="cuda", signed_weights=True)
     d_out = torch.randn(4096, 1024, device="cuda").bfloat16()
     config = mok.MoKConfig(precision=precision, backend="triton")
     ws, sched, args = _functional(inp, config)
     first = None
     for step in range(10):
+        poison_free_memory(float("nan") if step % 2 else 3e38)
         out, ctx = mok.forward(config, ws, sched, *args)
         result = (out, *mok.backward(config, ws, sched, ctx, d_out, *args))
         if first is None:
