@@ -17,12 +17,10 @@ import struct
 import subprocess
 import tempfile
 
-import triton
 from triton import knobs
 
 YIELD_BIT = 1 << 45
 REUSE_BITS = 0xF << 58
-_BIN = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin")
 # a cuobjdump -sass line: /*offset*/ [@predicate] OPCODE ...
 _LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(\S+)")
 
@@ -48,7 +46,7 @@ def _instructions(cubin: bytes) -> list[tuple[int, str]]:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        sass = subprocess.run([os.path.join(_BIN, "cuobjdump"), "-sass", f.name], capture_output=True, text=True,
+        sass = subprocess.run([knobs.nvidia.cuobjdump.path, "-sass", f.name], capture_output=True, text=True,
                               check=True).stdout
     out = []
     for line in sass.splitlines():
@@ -117,7 +115,7 @@ def main() -> None:
         if os.path.isdir(base):
             shutil.copytree(base, cache, dirs_exist_ok=True)
             for entry in os.listdir(cache):
-                if any("_ws_kernel" in name for name in os.listdir(os.path.join(cache, entry))):
+                if any(name.startswith(KERNELS) for name in os.listdir(os.path.join(cache, entry))):
                     shutil.rmtree(os.path.join(cache, entry))
         os.environ["TRITON_CACHE_DIR"] = cache
         install(args.mode)
