@@ -108,6 +108,15 @@ FP8_BLOCK_D_GATE_UP_QUANTIZED = True
 # the scatter kernels 1.346 -> 1.235 ms, the combines 0.301 -> 0.312; forward+backward level on
 # qwen3-30b, deepseek-v3-slice 0.08-0.16 ms faster (records h200-20261203-ab-fp8-block-v33/v34).
 FP8_BLOCK_SORTED_OUTPUTS = True
+# fp8_block, a memory option: the forward keeps g, u for the backward in e4m3, 1×128 blocks along I
+# (quantized from the fp32 accumulators by the gate/up epilogue, as h is), instead of bf16:
+# DeepSeek-V3's SwiGLU input cached in FP8. 2·I bytes less per route kept from forward to backward
+# (qwen3-30b: 0.2 GB per layer, a third of what the layer keeps), for time: H200, qwen3-30b profile,
+# the gate/up 1.29 -> 1.35 ms and the down dgrad's epilogue 0.33 -> 0.38 (quantizing and
+# dequantizing cost more than the bytes saved; log h200-20261204-gate-up-e4m3.log). Off by default.
+# With FP8_BLOCK_WGRADS_REQUANTIZE only (the other way recomputes h from bf16 g, u), and without a
+# swiglu_limit (its clamps' zero gradients need g, u exactly).
+FP8_BLOCK_GATE_UP_E4M3 = False
 
 
 class MoKError(RuntimeError):
@@ -491,7 +500,8 @@ def _expert_mlp(x, w_gate, w_up, w_down, routing, block_m, topk, num_slots, swig
     the pre-activations g, u and h of every sorted row.
 
     With `_Fp8BlockWeight`s the GEMMs run in fp8_block: x quantized in 1×128 blocks along H,
-    h quantized by the gate/up epilogue for the down GEMM. The backward then gets g, u, and
+    h quantized by the gate/up epilogue for the down GEMM. The backward then gets g, u (in
+    e4m3 with their scales, "gate_up_scale", where `FP8_BLOCK_GATE_UP_E4M3` applies), and
     with `FP8_BLOCK_WGRADS_REQUANTIZE` these e4m3 copies of x and h and their scales too (for
     the wgrads, which requantize them down the rows); without it, it quantizes h down the rows
     from g, u, and x from its bf16 rows.
@@ -501,13 +511,18 @@ def _expert_mlp(x, w_gate, w_up, w_down, routing, block_m, topk, num_slots, swig
     The backward gets h unrounded (its wgrad rounds it along the rows)."""
     if isinstance(w_gate, _Fp8BlockWeight):
         x_q, x_scale = ops.quantize_fp8_block_activations(x)  # [T, H] e4m3, [T, H/128] fp32
-        h_q, h_scale, gate_up = ops.gate_up_swiglu_fp8_block(
+        gate_up_e4m3 = (needs_backward and FP8_BLOCK_GATE_UP_E4M3 and FP8_BLOCK_WGRADS_REQUANTIZE
+                        and swiglu_limit is None)
+        # g, u: [rows, 2, I] bf16, or e4m3 with scales [rows, 2, I/128]
+        h_q, h_scale, gate_up, gate_up_scale = ops.gate_up_swiglu_fp8_block(
             x_q, x_scale, w_gate.q, w_gate.scale, w_up.q, w_up.scale, routing, block_m, topk, swiglu_limit,
-            needs_backward,
+            needs_backward, gate_up_e4m3,
         )
         y = ops.down_scatter_fp8_block(h_q, h_scale, w_down.q, w_down.scale, routing, block_m, num_slots,
                                        sorted_rows)
         saved = {"gate_up": gate_up} if needs_backward else {}
+        if gate_up_e4m3:
+            saved["gate_up_scale"] = gate_up_scale
         if needs_backward and FP8_BLOCK_WGRADS_REQUANTIZE:
             saved.update(x_q=x_q, x_scale=x_scale, h_q=h_q, h_scale=h_scale)
         return y, saved
@@ -602,8 +617,9 @@ def _hidden_inter(routed) -> tuple[int, int]:
 
 def _triton_forward(schedule, x, topk_weights, shared, routed, swiglu_limit, needs_backward):
     """out and what the backward reads: the pre-activations g, u and h of every routed row
-    (and of the shared expert), 6·I bytes per route (g, u only, 4·I, in fp8_block and where
-    the bf16 down wgrad reads w·h: `_reads_weighted_h`); nothing
+    (and of the shared expert), 6·I bytes per route (g, u only, 4·I, where the bf16 down wgrad
+    reads w·h: `_reads_weighted_h`; in fp8_block 4·I or, with `FP8_BLOCK_GATE_UP_E4M3`, 2·I, beside
+    the e4m3 copies of h and x); nothing
     without `needs_backward`. `routed` as `_triton_routed_weights` gives them."""
     num_tokens, topk = topk_weights.shape
     y, route_row, saved = _routed_forward(schedule, x, routed, topk, swiglu_limit, needs_backward)
@@ -783,10 +799,12 @@ def _fp8_block_backward_routed(d_out, x, topk_weights, weights, main_grads, save
     else:  # [rows, H] e4m3, [rows, H/128] fp32
         d_out_pair = ops.quantize_fp8_block_gathered(d_out, routing, block_m, topk)
     gate_up = saved.pop("gate_up")
+    gate_up_scale = saved.pop("gate_up_scale", None)  # with FP8_BLOCK_GATE_UP_E4M3
     # d_g, d_u: [rows, 2, I] bf16 (and an empty scale), or e4m3 with its 1×128 scales [rows, 2, I/128]
     quantized = FP8_BLOCK_D_GATE_UP_QUANTIZED
     d_gate_up, d_gate_up_scale, d_topk_weights = ops.down_dgrad_swiglu_fp8_block(
-        *d_out_pair, topk_weights, gate_up, w_down.q_t, w_down.scale_t, routing, block_m, swiglu_limit, quantized
+        *d_out_pair, topk_weights, gate_up, w_down.q_t, w_down.scale_t, routing, block_m, swiglu_limit, quantized,
+        gate_up_scale,
     )
     # The wgrads' operands down the rows: with the forward's e4m3 copies, x and h requantized from them and w·dOut
     # from dOut's per-token copy (where the down dgrad read one); else x and w·dOut from their bf16 token rows and
@@ -800,7 +818,7 @@ def _fp8_block_backward_routed(d_out, x, topk_weights, weights, main_grads, save
         h_t = ops.quantize_fp8_block_sorted_t(saved.pop("h_q"), routing, block_m, saved.pop("h_scale"))  # [I, rows]
     else:
         h_t = ops.quantize_fp8_block_swiglu_sorted_t(gate_up, routing, block_m, swiglu_limit)  # [I, rows]
-    del gate_up
+    del gate_up, gate_up_scale
     if quantized:
         d_gate_pair, d_up_pair = ((d_gate_up[:, j], d_gate_up_scale[:, j]) for j in (0, 1))
     else:

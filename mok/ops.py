@@ -147,26 +147,38 @@ def gate_up_swiglu_fp8_block(
     topk: int,
     swiglu_limit: float | None,
     store_gate_up: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """h_q [rows, I] e4m3, h_scale [rows, I/128] fp32 (h in 1×128 blocks) and gate_up
-    [rows, 2, I] bf16 (an empty [0, 2, I] when not stored)."""
+    gate_up_e4m3: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """h_q [rows, I] e4m3, h_scale [rows, I/128] fp32 (h in 1×128 blocks), gate_up [rows, 2, I]
+    bf16 (an empty [0, 2, I] when not stored) and an empty [0] fp32; with `gate_up_e4m3`, gate_up
+    [rows, 2, I] e4m3 and its scales [rows, 2, I/128] fp32 (1×128 blocks along I)."""
     routing = routing_from_tensors(schedule_tensors, block_m)
     h_q, h_scale, gate_up = grouped_gemm.gate_up_swiglu_fp8_block(
-        x_q, x_scale, w_gate_q, w_gate_scale, w_up_q, w_up_scale, routing, topk, swiglu_limit, store_gate_up
+        x_q, x_scale, w_gate_q, w_gate_scale, w_up_q, w_up_scale, routing, topk, swiglu_limit, store_gate_up,
+        gate_up_e4m3=gate_up_e4m3,
     )
     if gate_up is None:
         gate_up = h_scale.new_empty(0, 2, h_q.shape[1], dtype=torch.bfloat16)
-    return h_q, h_scale, gate_up
+    gate_up, gate_up_scale = gate_up if gate_up_e4m3 else (gate_up, h_scale.new_empty(0))
+    return h_q, h_scale, gate_up, gate_up_scale
 
 
 @gate_up_swiglu_fp8_block.op.register_fake
 def _(x_q, x_scale, w_gate_q, w_gate_scale, w_up_q, w_up_scale, schedule_tensors, block_m, topk, swiglu_limit,
-      store_gate_up):
+      store_gate_up, gate_up_e4m3=False):
     rows, inter = schedule_tensors[0].shape[0], w_gate_q.shape[1]
+    stored_rows = rows if store_gate_up else 0
+    if gate_up_e4m3:
+        gate_up = x_q.new_empty(stored_rows, 2, inter)
+        gate_up_scale = x_scale.new_empty(stored_rows, 2, w_gate_scale.shape[1])  # [rows, 2, I/128]
+    else:
+        gate_up = x_scale.new_empty(stored_rows, 2, inter, dtype=torch.bfloat16)
+        gate_up_scale = x_scale.new_empty(0)
     return (
         x_q.new_empty(rows, inter),
         x_scale.new_empty(rows, w_gate_scale.shape[1]),  # I/128
-        x_scale.new_empty(rows if store_gate_up else 0, 2, inter, dtype=torch.bfloat16),
+        gate_up,
+        gate_up_scale,
     )
 
 
@@ -279,7 +291,7 @@ def _empty_if_none(d_topk_weights: torch.Tensor | None, like: torch.Tensor) -> t
 
 def _fake_down_dgrad(gate_up: torch.Tensor, topk_weights: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     shape = (0,) if topk_weights is None else tuple(topk_weights.shape)
-    return gate_up.new_empty(gate_up.shape), gate_up.new_empty(shape, dtype=torch.float32)
+    return gate_up.new_empty(gate_up.shape, dtype=torch.bfloat16), gate_up.new_empty(shape, dtype=torch.float32)
 
 
 @down_dgrad_swiglu.op.register_fake
@@ -318,15 +330,19 @@ def down_dgrad_swiglu_fp8_block(
     block_m: int,
     swiglu_limit: float | None,
     quantize_d_gate_up: bool = False,
+    gate_up_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`down_dgrad_swiglu` on dOut quantized in 1×128 blocks (its token rows, gathered by the
     GEMM, or its sorted rows: `dgrad.fp8_block_down_dgrad_gathers`) and w_down's transposed
-    fp8_block copy: d_gate_up [rows, 2, I] bf16 and an empty [0] fp32, or with
+    fp8_block copy, reading the forward's g, u as gate_up [rows, 2, I] bf16, or with
+    `gate_up_scale` e4m3 in 1×128 blocks (`gate_up_swiglu_fp8_block`'s with gate_up_e4m3):
+    d_gate_up [rows, 2, I] bf16 and an empty [0] fp32, or with
     `quantize_d_gate_up` d_gate_up [rows, 2, I] e4m3 and its scales [rows, 2, I/128] fp32 (1×128
     blocks along I); d_topk_weights [T, topk] fp32 (empty [0] without topk_weights)."""
     routing = routing_from_tensors(schedule_tensors, block_m)
+    saved = gate_up if gate_up_scale is None else (gate_up, gate_up_scale)
     d_gate_up, d_topk_weights = dgrad.down_dgrad_swiglu_fp8_block(
-        d_out_q, d_out_scale, topk_weights, gate_up, w_down_t_q, w_down_t_scale, routing, swiglu_limit,
+        d_out_q, d_out_scale, topk_weights, saved, w_down_t_q, w_down_t_scale, routing, swiglu_limit,
         quantize_d_gate_up=quantize_d_gate_up,
     )
     if not quantize_d_gate_up:
@@ -336,7 +352,7 @@ def down_dgrad_swiglu_fp8_block(
 
 @down_dgrad_swiglu_fp8_block.op.register_fake
 def _(d_out_q, d_out_scale, topk_weights, gate_up, w_down_t_q, w_down_t_scale, schedule_tensors, block_m, swiglu_limit,
-      quantize_d_gate_up=False):
+      quantize_d_gate_up=False, gate_up_scale=None):
     d_gate_up, d_topk_weights = _fake_down_dgrad(gate_up, topk_weights)
     if not quantize_d_gate_up:
         return d_gate_up, gate_up.new_empty(0, dtype=torch.float32), d_topk_weights

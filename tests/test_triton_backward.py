@@ -491,8 +491,8 @@ class _RecordedLayer:
                                         has_shared_expert=False)
         self.args = (inp.x, inp.topk_weights, None, None, None, inp.w_gate, inp.w_up, inp.w_down)
 
-    def forward(self):
-        return mok.forward(self.config, self.ws, self.sched, *self.args)
+    def forward(self, **kwargs):
+        return mok.forward(self.config, self.ws, self.sched, *self.args, **kwargs)
 
     def backward(self, context, **kwargs):
         return mok.backward(self.config, self.ws, self.sched, context, self.d_out, *self.args, **kwargs)
@@ -551,6 +551,33 @@ def test_fp8_block_wgrads_requantize_the_forwards_copies(kernel_device, monkeypa
         assert not torch.equal(getattr(grads, name), getattr(grads_off, name)), f"{name}: the same {layer.ctx}"
     for g in (grads, grads_off):
         _assert_low_precision_within_bars("fp8_block", out, g, layer.inp, layer.d_out, layer.ctx)
+
+
+def test_fp8_block_gate_up_saved_in_e4m3(kernel_device, monkeypatch):
+    """fp8_block with `functional.FP8_BLOCK_GATE_UP_E4M3` (off by default): the forward's context
+    holds g, u in e4m3 with their 1×128 scales, half the bytes of bf16; against the flag off, out
+    and d_w_down are bitwise the same (neither reads g, u), d_x, d_topk_weights and the gate/up
+    weight gradients differ, both ways within SPEC's bars. With a swiglu_limit g, u stay bf16."""
+    layer = _RecordedLayer(kernel_device, monkeypatch, "fp8_block", seed=14)
+    monkeypatch.setattr(functional, "FP8_BLOCK_GATE_UP_E4M3", True)
+    out, context = layer.forward()
+    gate_up, gate_up_scale = context.saved["gate_up"], context.saved["gate_up_scale"]
+    rows, _, inter = gate_up.shape
+    assert gate_up.dtype == torch.float8_e4m3fn and gate_up_scale.shape == (rows, 2, inter // 128), layer.ctx
+    grads = layer.backward(context)
+    monkeypatch.setattr(functional, "FP8_BLOCK_GATE_UP_E4M3", False)
+    out_off, context_off = layer.forward()
+    assert context_off.saved["gate_up"].dtype == torch.bfloat16 and "gate_up_scale" not in context_off.saved
+    assert context_off.saved["gate_up"].nbytes == 2 * gate_up.nbytes, layer.ctx
+    grads_off = layer.backward(context_off)
+    assert torch.equal(out, out_off) and torch.equal(grads.d_w_down, grads_off.d_w_down), layer.ctx
+    for name in ("d_x", "d_topk_weights", "d_w_gate", "d_w_up"):
+        assert not torch.equal(getattr(grads, name), getattr(grads_off, name)), f"{name}: the same {layer.ctx}"
+    for g in (grads, grads_off):
+        _assert_low_precision_within_bars("fp8_block", out, g, layer.inp, layer.d_out, layer.ctx)
+    monkeypatch.setattr(functional, "FP8_BLOCK_GATE_UP_E4M3", True)
+    _, context_limit = layer.forward(swiglu_limit=0.5)
+    assert context_limit.saved["gate_up"].dtype == torch.bfloat16 and "gate_up_scale" not in context_limit.saved
 
 
 def test_fp8_block_d_gate_up_quantized_in_the_epilogue(kernel_device, monkeypatch):

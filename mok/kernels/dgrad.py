@@ -111,9 +111,11 @@ from mok.kernels.grouped_gemm import (
     scatter_rows_to_slots,
     sorted_rows_tile,
 )
-from mok.kernels.quant_fp8_block import quantize_row_blocks
+from mok.kernels.quant_fp8_block import dequantize_row_blocks, quantize_row_blocks
 from mok.kernels.schedule import RoutingSchedule
 from mok.kernels.swiglu import fast_sigmoid_here, swiglu_backward
+
+_SCALE_BLOCK = tl.constexpr(FP8_BLOCK)  # kernels read only constexpr globals
 
 # --------------------------------------------------------------------------- configs
 
@@ -304,12 +306,21 @@ def _store_row_blocks(values, q_ptrs, scale_ptrs, mask, INTERPRETER: tl.constexp
 
 
 @triton.jit
-def _load_gate_up(gate_up_ptr, rows64, n0, inter, stride_gu_r, BLOCK_N: tl.constexpr):
-    """The saved g, u [rows, BLOCK_N] bf16 of columns [n0, n0 + BLOCK_N), zeros past I."""
+def _load_gate_up(gate_up_ptr, gate_up_scale_ptr, rows64, n0, inter, stride_gu_r, GATE_UP_E4M3: tl.constexpr,
+                  INTERPRETER: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The saved g, u [rows, BLOCK_N] of columns [n0, n0 + BLOCK_N), zeros past I: bf16, or with
+    GATE_UP_E4M3 fp32 from e4m3 bytes in 1×128 blocks along I (scales [rows, 2, I/128]; the
+    columns within one block)."""
     n_offs = n0 + tl.arange(0, BLOCK_N)
     gu_ptrs = gate_up_ptr + rows64[:, None] * stride_gu_r + n_offs[None, :]
     out_mask = (n_offs < inter)[None, :]
-    return tl.load(gu_ptrs, mask=out_mask, other=0.0), tl.load(gu_ptrs + inter, mask=out_mask, other=0.0)
+    gate, up = tl.load(gu_ptrs, mask=out_mask, other=0), tl.load(gu_ptrs + inter, mask=out_mask, other=0)
+    if GATE_UP_E4M3:
+        tl.static_assert(BLOCK_N <= _SCALE_BLOCK)
+        scale_ptrs = gate_up_scale_ptr + rows64 * (2 * inter // _SCALE_BLOCK) + n0 // _SCALE_BLOCK
+        gate = dequantize_row_blocks(gate, tl.load(scale_ptrs), INTERPRETER)
+        up = dequantize_row_blocks(up, tl.load(scale_ptrs + inter // _SCALE_BLOCK), INTERPRETER)
+    return gate, up
 
 
 @triton.jit
@@ -366,14 +377,16 @@ def _load_product(product_ptr, rows64, columns, inter, stride_r):
 
 
 @triton.jit
-def _product_chunk_loads(source, rows, n0, product_ptr, topk_weights_ptr, gate_up_ptr, inter, stride_r,
-                         stride_gu_r, HAS_WEIGHTS: tl.constexpr, BLOCK_N: tl.constexpr):
+def _product_chunk_loads(source, rows, n0, product_ptr, topk_weights_ptr, gate_up_ptr, gate_up_scale_ptr, inter,
+                         stride_r, stride_gu_r, HAS_WEIGHTS: tl.constexpr, GATE_UP_E4M3: tl.constexpr,
+                         INTERPRETER: tl.constexpr, BLOCK_N: tl.constexpr):
     """The loads of one chunk of rows of the epilogue on a given product, from its rows'
     row_source entries: (row_valid, slot, router weight, product, g, u)."""
     row_valid, slot = _slots_of(source)
     rows64 = rows.to(tl.int64)
     product = _load_product(product_ptr, rows64, n0 + tl.arange(0, BLOCK_N), inter, stride_r)
-    gate, up = _load_gate_up(gate_up_ptr, rows64, n0, inter, stride_gu_r, BLOCK_N)
+    gate, up = _load_gate_up(gate_up_ptr, gate_up_scale_ptr, rows64, n0, inter, stride_gu_r, GATE_UP_E4M3,
+                             INTERPRETER, BLOCK_N)
     return row_valid, slot, _router_weights(slot, row_valid, topk_weights_ptr, HAS_WEIGHTS), product, gate, up
 
 
@@ -390,11 +403,12 @@ def _down_dgrad_swiglu_kernel(
     # pointers (d_out's sorted rows through a TMA descriptor, GATHER_D_OUT: its token rows [T, H],
     # PRODUCT_GIVEN: the product a itself, fp32 or bf16 [capacity_rows, I], w_down unread; bf16: w_down
     # [E_l, H, I]; fp8_block: e4m3, w_down as its transposed copy [E_l, I, H]; d_gate_up [capacity_rows, 2, I]
-    # bf16, QUANTIZED: uint8 e4m3 bytes; weighted_h: bf16 [capacity_rows, I], written with STORE_WEIGHTED_H)
+    # bf16, QUANTIZED: uint8 e4m3 bytes; weighted_h: bf16 [capacity_rows, I], written with STORE_WEIGHTED_H;
+    # gate_up [capacity_rows, 2, I] bf16, GATE_UP_E4M3: uint8 e4m3 bytes)
     d_out, topk_weights_ptr, gate_up_ptr, w_down_desc, d_gate_up_ptr, route_partials_ptr, weighted_h_ptr,
     # fp8_block scales (unused in bf16): d_out [rows or T, H/128], w_downᵀ [E_l, I/128, H/128]; QUANTIZED:
-    # d_gate_up's, written [capacity_rows, 2, I/128]
-    d_out_scale_ptr, w_down_scale_ptr, d_gate_up_scale_ptr,
+    # d_gate_up's, written [capacity_rows, 2, I/128]; GATE_UP_E4M3: g's and u's [capacity_rows, 2, I/128]
+    d_out_scale_ptr, w_down_scale_ptr, d_gate_up_scale_ptr, gate_up_scale_ptr,
     # schedule
     row_source_ptr, tile_expert_ptr, num_rows_ptr,
     # sizes
@@ -403,9 +417,9 @@ def _down_dgrad_swiglu_kernel(
     stride_gu_r, stride_dgu_r, stride_dgu_scale_r, stride_d_out_t, stride_wh_r,
     # meta
     PRECISION: tl.constexpr, GATHER_D_OUT: tl.constexpr, PRODUCT_GIVEN: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
-    HAS_LIMIT: tl.constexpr, STORE_WEIGHTED_H: tl.constexpr, QUANTIZED: tl.constexpr, INTERPRETER: tl.constexpr,
-    FAST_SIGMOID: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, PREFETCH_GATE_UP: tl.constexpr, EPILOGUE_ROWS: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, STORE_WEIGHTED_H: tl.constexpr, QUANTIZED: tl.constexpr, GATE_UP_E4M3: tl.constexpr,
+    INTERPRETER: tl.constexpr, FAST_SIGMOID: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PREFETCH_GATE_UP: tl.constexpr, EPILOGUE_ROWS: tl.constexpr,
 ):
     num_n_tiles = tl.cdiv(inter, BLOCK_N)
     m_tile, n_tile = tile_coordinates(tl.program_id(0), max_m_tiles, num_n_tiles, GROUP_M)
@@ -422,8 +436,8 @@ def _down_dgrad_swiglu_kernel(
         CHUNKS: tl.constexpr = BLOCK_M // EPILOGUE_ROWS
         chunk_rows = m_tile * BLOCK_M + tl.arange(0, EPILOGUE_ROWS)
         loads_next = _product_chunk_loads(tl.load(row_source_ptr + chunk_rows), chunk_rows, n0, d_out,
-                                          topk_weights_ptr, gate_up_ptr, inter, stride_d_out_t, stride_gu_r,
-                                          HAS_WEIGHTS, BLOCK_N)
+                                          topk_weights_ptr, gate_up_ptr, gate_up_scale_ptr, inter, stride_d_out_t,
+                                          stride_gu_r, HAS_WEIGHTS, GATE_UP_E4M3, INTERPRETER, BLOCK_N)
         if CHUNKS > 1:
             sources_next = tl.load(row_source_ptr + chunk_rows + EPILOGUE_ROWS)
         for chunk in tl.static_range(CHUNKS):
@@ -431,8 +445,8 @@ def _down_dgrad_swiglu_kernel(
             row_valid, slot, w, d_out_wd, gate, up = loads_next
             if chunk + 1 < CHUNKS:
                 loads_next = _product_chunk_loads(sources_next, rows + EPILOGUE_ROWS, n0, d_out, topk_weights_ptr,
-                                                  gate_up_ptr, inter, stride_d_out_t, stride_gu_r, HAS_WEIGHTS,
-                                                  BLOCK_N)
+                                                  gate_up_ptr, gate_up_scale_ptr, inter, stride_d_out_t, stride_gu_r,
+                                                  HAS_WEIGHTS, GATE_UP_E4M3, INTERPRETER, BLOCK_N)
             if chunk + 2 < CHUNKS:
                 sources_next = tl.load(row_source_ptr + rows + 2 * EPILOGUE_ROWS)
             partial = _down_dgrad_epilogue(
@@ -464,17 +478,19 @@ def _down_dgrad_swiglu_kernel(
         d_out_wd = sorted_rows_times_weight(
             d_out, m_tile * BLOCK_M, w_down_desc, expert, n0, hidden, acc, BLOCK_K, INTERPRETER,
         )
-    if PREFETCH_GATE_UP and BLOCK_N >= 64 and not INTERPRETER:  # whole 128-byte lines of g, u
+    LINE: tl.constexpr = 128 if GATE_UP_E4M3 else 64  # columns of g per 128-byte line
+    if PREFETCH_GATE_UP and BLOCK_N >= LINE and not INTERPRETER:  # whole lines of g, u
         # The epilogue waits on its g, u loads a quarter at a time; asked for at once here, every
         # quarter but the first finds its lines in L2 (`DOWN_DGRAD_PREFETCH_GATE_UP`).
-        line_cols = n0 + tl.arange(0, BLOCK_N // 64) * 64  # one per 128-byte line of g
+        line_cols = n0 + tl.arange(0, BLOCK_N // LINE) * LINE  # one per line of g
         line_ptrs = gate_up_ptr + rows.to(tl.int64)[:, None] * stride_gu_r + line_cols[None, :]
         line_ok = (line_cols < inter)[None, :] & row_valid[:, None]
         prefetch_to_l2(tl.join(line_ptrs, line_ptrs + inter), tl.join(line_ok, line_ok))
     w = _router_weights(slot, row_valid, topk_weights_ptr, HAS_WEIGHTS)
     rows64 = rows.to(tl.int64)
     if QUANTIZED:  # the whole tile at once: a row's 128 columns are its scale block
-        gate, up = _load_gate_up(gate_up_ptr, rows64, n0, inter, stride_gu_r, BLOCK_N)
+        gate, up = _load_gate_up(gate_up_ptr, gate_up_scale_ptr, rows64, n0, inter, stride_gu_r, GATE_UP_E4M3,
+                                 INTERPRETER, BLOCK_N)
         partial = _down_dgrad_epilogue(
             d_out_wd, w, row_valid, rows64, n0, gate, up, d_gate_up_ptr, d_gate_up_scale_ptr, weighted_h_ptr,
             inter, swiglu_limit, stride_dgu_r, stride_dgu_scale_r, stride_wh_r,
@@ -492,7 +508,8 @@ def _down_dgrad_swiglu_kernel(
             quarters = column_halves(halves[half])
             for quarter in tl.static_range(2):
                 quarter_n0 = n0 + (2 * half + quarter) * (BLOCK_N // 4)
-                gate, up = _load_gate_up(gate_up_ptr, rows64, quarter_n0, inter, stride_gu_r, BLOCK_N // 4)
+                gate, up = _load_gate_up(gate_up_ptr, gate_up_scale_ptr, rows64, quarter_n0, inter, stride_gu_r,
+                                         GATE_UP_E4M3, INTERPRETER, BLOCK_N // 4)
                 partial += _down_dgrad_epilogue(
                     quarters[quarter], w, row_valid, rows64, quarter_n0, gate, up, d_gate_up_ptr,
                     d_gate_up_scale_ptr, weighted_h_ptr, inter, swiglu_limit, stride_dgu_r, stride_dgu_scale_r,
@@ -619,6 +636,16 @@ def _check_bf16(name: str, t: torch.Tensor, shape: tuple[int, ...], device: torc
         )
 
 
+def _check_gate_up(gate_up, capacity_rows: int, inter: int, device: torch.device) -> None:
+    """The forward's g, u: bf16 [capacity_rows, 2, I], or in fp8_block the pair (e4m3 [capacity_rows,
+    2, I], fp32 scales [capacity_rows, 2, I/128]) of `gate_up_swiglu_fp8_block(..., gate_up_e4m3=True)`."""
+    if isinstance(gate_up, tuple):
+        check_fp8_block_pair("gate_up[0]", gate_up[0], "gate_up[1]", gate_up[1], (capacity_rows, 2, inter),
+                             (1, FP8_BLOCK), device)
+    else:
+        _check_bf16("gate_up", gate_up, (capacity_rows, 2, inter), device)
+
+
 def _check_topk_weights(topk_weights: torch.Tensor | None, device: torch.device) -> None:
     if topk_weights is not None and (
         topk_weights.dtype != torch.float32 or topk_weights.dim() != 2 or not topk_weights.is_contiguous()
@@ -653,7 +680,10 @@ def _launch_down_dgrad_swiglu(
     `gathered` (fp8_block): d_out is dOut's token rows, gathered by the loads. With
     `product_given`, d_out is the product a [capacity_rows, I] fp32 and the weight unread.
     `weighted_h`: checked by the caller, receives w·h. With `quantize` (fp8_block, tiles of
-    128 columns) d_gate_up is the pair (e4m3, scales) of `down_dgrad_swiglu_fp8_block`'s."""
+    128 columns) d_gate_up is the pair (e4m3, scales) of `down_dgrad_swiglu_fp8_block`'s. gate_up:
+    as `_check_gate_up` takes it."""
+    gate_up_e4m3 = isinstance(gate_up, tuple)
+    gate_up, gate_up_scale = (gate_up[0].view(torch.uint8), gate_up[1]) if gate_up_e4m3 else (gate_up, None)
     device = gate_up.device
     num_n_tiles = triton.cdiv(inter, cfg["BLOCK_N"])
     if quantize:
@@ -664,7 +694,7 @@ def _launch_down_dgrad_swiglu(
         # [capacity_rows, 2, I/128] fp32: flattened, each row's 1×128 blocks along [2·I]
         d_gate_up_scale = torch.empty(*gate_up.shape[:2], inter // FP8_BLOCK, dtype=torch.float32, device=device)
     else:
-        d_gate_up = torch.empty_like(gate_up)  # [capacity_rows, 2, I] bf16
+        d_gate_up = torch.empty(gate_up.shape, dtype=torch.bfloat16, device=device)  # [capacity_rows, 2, I]
         d_gate_up_scale = d_gate_up  # unwritten stand-in
     epilogue_rows = min(_QUANTIZED_EPILOGUE_ROWS, cfg["BLOCK_M"])
     weighted = topk_weights is not None
@@ -679,7 +709,7 @@ def _launch_down_dgrad_swiglu(
         route_partials if weighted else d_gate_up,  # unused without weights (HAS_WEIGHTS=False)
         d_gate_up if weighted_h is None else weighted_h,  # d_gate_up: unwritten without STORE_WEIGHTED_H
         *(d_gate_up if s is None else s for s in (d_out_scale, w_down_scale)),  # d_gate_up: an unread stand-in
-        d_gate_up_scale,
+        d_gate_up_scale, d_gate_up if gate_up_scale is None else gate_up_scale,  # d_gate_up: an unread stand-in
         schedule.row_source, schedule.tile_expert, schedule.num_rows,
         hidden, inter, schedule.max_tiles, 0.0 if swiglu_limit is None else float(swiglu_limit),
         topk_weights.shape[1] if weighted else 1,
@@ -687,7 +717,8 @@ def _launch_down_dgrad_swiglu(
         0 if weighted_h is None else weighted_h.stride(0),
         PRECISION=precision, GATHER_D_OUT=gathered, PRODUCT_GIVEN=product_given, HAS_WEIGHTS=weighted,
         HAS_LIMIT=swiglu_limit is not None, STORE_WEIGHTED_H=weighted_h is not None, QUANTIZED=quantize,
-        INTERPRETER=interpreting(), FAST_SIGMOID=fast_sigmoid_here(), EPILOGUE_ROWS=epilogue_rows,
+        GATE_UP_E4M3=gate_up_e4m3, INTERPRETER=interpreting(), FAST_SIGMOID=fast_sigmoid_here(),
+        EPILOGUE_ROWS=epilogue_rows,
         **{"PREFETCH_GATE_UP": False, **cfg},
     )
     if quantize:
@@ -744,7 +775,7 @@ def down_dgrad_swiglu_fp8_block(
     #                         `fp8_block_down_dgrad_gathers(H)`, else [capacity_rows, H] sorted rows
     d_out_scale: torch.Tensor,  # [T or capacity_rows, H/128] fp32
     topk_weights: torch.Tensor | None,  # [T, topk] fp32; None: unweighted, one route per token
-    gate_up: torch.Tensor,  # [capacity_rows, 2, I] bf16, the forward's g, u
+    gate_up,  # the forward's g, u: [capacity_rows, 2, I] bf16, or its e4m3 pair (`_check_gate_up`)
     w_down_t_q: torch.Tensor,  # [E_l, I, H] float8_e4m3fn, w_down's transposed copy
     w_down_t_scale: torch.Tensor,  # [E_l, I/128, H/128] fp32
     schedule: RoutingSchedule,
@@ -786,7 +817,7 @@ def down_dgrad_swiglu_fp8_block(
         "w_down_t_q", w_down_t_q, "w_down_t_scale", w_down_t_scale, tuple(w_down_t_q.shape),
         (FP8_BLOCK, FP8_BLOCK), device,
     )
-    _check_bf16("gate_up", gate_up, (schedule.capacity_rows, 2, inter), device)
+    _check_gate_up(gate_up, schedule.capacity_rows, inter, device)
     cfg = _dgrad_tiles("down", inter, hidden, "fp8_block", tile_config, schedule)
     if cfg.get("WARP_SPECIALIZED", False):
         dtype = torch.bfloat16 if FP8_BLOCK_DOWN_DGRAD_PRODUCT_BF16 else torch.float32
@@ -805,7 +836,7 @@ def down_dgrad_swiglu_fp8_block(
 def down_dgrad_swiglu_epilogue(
     product: torch.Tensor,  # [capacity_rows, I] fp32 or bf16, a[r] = dOut[src(r) // topk] · Wd[e], unweighted
     topk_weights: torch.Tensor | None,  # [T, topk] fp32; None: unweighted
-    gate_up: torch.Tensor,  # [capacity_rows, 2, I] bf16, the forward's g, u
+    gate_up,  # the forward's g, u: [capacity_rows, 2, I] bf16, or its e4m3 pair (`_check_gate_up`)
     schedule: RoutingSchedule,
     swiglu_limit: float | None = None,
     quantize_d_gate_up: bool = False,
@@ -814,8 +845,8 @@ def down_dgrad_swiglu_epilogue(
     `down_dgrad_swiglu` from a, in the fp8_block tiles (BLOCK_N 128: the router-weight partials
     per 128 columns, as the fused kernel's). Only the rows of M tiles below `num_rows` are read.
     `quantize_d_gate_up`: as `down_dgrad_swiglu_fp8_block`'s."""
-    device = gate_up.device
-    inter = gate_up.shape[-1]
+    saved_g = gate_up[0] if isinstance(gate_up, tuple) else gate_up  # [capacity_rows, 2, I]
+    device, inter = saved_g.device, saved_g.shape[-1]
     if product.dtype not in (torch.float32, torch.bfloat16) or tuple(product.shape) != (
         schedule.capacity_rows, inter
     ) or product.stride(1) != 1 or product.device != device:
@@ -823,7 +854,7 @@ def down_dgrad_swiglu_epilogue(
                          f"unit column stride on {device}, got {product.dtype} {list(product.shape)} on "
                          f"{product.device}")
     _check_topk_weights(topk_weights, device)
-    _check_bf16("gate_up", gate_up, (schedule.capacity_rows, 2, inter), device)
+    _check_gate_up(gate_up, schedule.capacity_rows, inter, device)
     return _launch_down_dgrad_epilogue(product, topk_weights, gate_up, schedule, swiglu_limit, quantize_d_gate_up)
 
 
@@ -833,7 +864,7 @@ def _launch_down_dgrad_epilogue(
     """`down_dgrad_swiglu_epilogue` on checked operands."""
     cfg = dict(BLOCK_M=schedule.block_m, **_FP8_BLOCK_TILES["interpreter" if interpreting() else "down"])
     return _launch_down_dgrad_swiglu(
-        "fp8_block", product, None, topk_weights, gate_up, None, None, schedule, 0, gate_up.shape[-1], swiglu_limit,
+        "fp8_block", product, None, topk_weights, gate_up, None, None, schedule, 0, product.shape[-1], swiglu_limit,
         cfg, product_given=True, quantize=quantize,
     )
 

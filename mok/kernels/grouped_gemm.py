@@ -158,10 +158,12 @@ def gather_gate_up_tile(
 
 @triton.jit
 def _gate_up_swiglu_kernel(
-    # pointers (h: bf16, or e4m3 bytes with h_scale in fp8_block)
+    # pointers (h: bf16, or e4m3 bytes with h_scale in fp8_block; gate_up [rows, 2, I]: bf16, or e4m3
+    # bytes with GATE_UP_E4M3)
     x_ptr, w_gate_desc, w_up_desc, h_ptr, gate_up_ptr,
-    # fp8_block scales (unused in bf16): x [T, H/128], weights [E_l, I/128, H/128], h [rows, I/128]
-    x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr, h_scale_ptr,
+    # fp8_block scales (unused in bf16): x [T, H/128], weights [E_l, I/128, H/128], h [rows, I/128];
+    # GATE_UP_E4M3: g's and u's, written [rows, 2, I/128]
+    x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr, h_scale_ptr, gate_up_scale_ptr,
     # schedule
     row_source_ptr, tile_expert_ptr, num_rows_ptr,
     # sizes
@@ -169,9 +171,9 @@ def _gate_up_swiglu_kernel(
     # strides
     stride_x_t, stride_h_r, stride_gu_r,
     # meta
-    PRECISION: tl.constexpr, HAS_LIMIT: tl.constexpr, STORE_GATE_UP: tl.constexpr, INTERPRETER: tl.constexpr,
-    FAST_SIGMOID: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, X_SORTED: tl.constexpr, PACKED: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_LIMIT: tl.constexpr, STORE_GATE_UP: tl.constexpr, GATE_UP_E4M3: tl.constexpr,
+    INTERPRETER: tl.constexpr, FAST_SIGMOID: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, X_SORTED: tl.constexpr, PACKED: tl.constexpr,
 ):
     m_tile, n_tile = tile_coordinates(tl.program_id(0), max_m_tiles, tl.cdiv(inter, BLOCK_N), GROUP_M)
     if m_tile * BLOCK_M >= tl.load(num_rows_ptr):
@@ -198,8 +200,17 @@ def _gate_up_swiglu_kernel(
         tl.store(h_ptr + rows64 * stride_h_r + n_offs[None, :], round_to_bf16(h, INTERPRETER), mask=out_mask)
     if STORE_GATE_UP:
         gu_ptrs = gate_up_ptr + rows64 * stride_gu_r + n_offs[None, :]
-        tl.store(gu_ptrs, round_to_bf16(gate, INTERPRETER), mask=out_mask)
-        tl.store(gu_ptrs + inter, round_to_bf16(up, INTERPRETER), mask=out_mask)
+        if GATE_UP_E4M3:  # as h: each tile row one 1×128 block of g and one of u
+            gate_q, gate_scale = quantize_row_blocks(gate, INTERPRETER)
+            up_q, up_scale = quantize_row_blocks(up, INTERPRETER)
+            tl.store(gu_ptrs, gate_q, mask=out_mask)
+            tl.store(gu_ptrs + inter, up_q, mask=out_mask)
+            gu_scale_ptrs = gate_up_scale_ptr + rows64 * (2 * inter // _SCALE_BLOCK) + n_tile
+            tl.store(gu_scale_ptrs, gate_scale)
+            tl.store(gu_scale_ptrs + inter // _SCALE_BLOCK, up_scale)
+        else:
+            tl.store(gu_ptrs, round_to_bf16(gate, INTERPRETER), mask=out_mask)
+            tl.store(gu_ptrs + inter, round_to_bf16(up, INTERPRETER), mask=out_mask)
 
 
 @triton.jit
@@ -586,7 +597,8 @@ def _launch_gate_up_swiglu(
     precision: str, x, x_scale, w_gate, w_gate_scale, w_up, w_up_scale, h, h_scale, gate_up,
     schedule: RoutingSchedule, topk: int, swiglu_limit: float | None, cfg: dict,
 ) -> None:
-    """One launch of `_gate_up_swiglu_kernel`; the scales are None in bf16. bf16 only:
+    """One launch of `_gate_up_swiglu_kernel`; the scales are None in bf16. gate_up: None, bf16
+    [rows, 2, I], or (fp8_block) the pair (e4m3 bytes [rows, 2, I], scales [rows, 2, I/128]). bf16 only:
     cfg["X_SORTED"]: x is first copied to the sorted layout and read through TMA;
     cfg["PACKED"]: the weights, one [2, E_l, I, H] tensor (`gate_up_packed`), are read as such."""
     inter, hidden = w_gate.shape[1], w_gate.shape[2]
@@ -604,7 +616,9 @@ def _launch_gate_up_swiglu(
         w_gate_desc = w_up_desc = tma_descriptor_pair(w_gate, (2, 1, cfg["BLOCK_N"], cfg["BLOCK_K"]))
     else:
         w_gate_desc, w_up_desc = (tma_descriptor(w, (cfg["BLOCK_N"], cfg["BLOCK_K"])) for w in (w_gate, w_up))
-    scales = (x if s is None else s for s in (x_scale, w_gate_scale, w_up_scale, h_scale))  # x: an unread stand-in
+    gate_up_e4m3 = isinstance(gate_up, tuple)
+    gate_up, gate_up_scale = gate_up if gate_up_e4m3 else (gate_up, None)
+    scales = (x if s is None else s for s in (x_scale, w_gate_scale, w_up_scale, h_scale, gate_up_scale))  # x: unread
     _gate_up_swiglu_kernel[grid](
         x_operand, w_gate_desc, w_up_desc, h, h if gate_up is None else gate_up,
         *scales,
@@ -612,6 +626,7 @@ def _launch_gate_up_swiglu(
         hidden, inter, topk, schedule.max_tiles, 0.0 if swiglu_limit is None else float(swiglu_limit),
         x.stride(0), h.stride(0), 2 * inter,
         PRECISION=precision, HAS_LIMIT=swiglu_limit is not None, STORE_GATE_UP=gate_up is not None,
+        GATE_UP_E4M3=gate_up_e4m3,
         INTERPRETER=interpreting(), FAST_SIGMOID=fast_sigmoid_here(), X_SORTED=x_sorted, PACKED=packed, **cfg,
     )
 
@@ -656,10 +671,14 @@ def gate_up_swiglu_fp8_block(
     swiglu_limit: float | None = None,
     store_gate_up: bool = False,
     tile_config: dict | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    gate_up_e4m3: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None]:
     """The fp8_block gate/up GEMM: (h_q [capacity_rows, I] float8_e4m3fn, h_scale
     [capacity_rows, I/128] fp32), h quantized in 1×128 blocks for `down_scatter_fp8_block`,
-    and g,u [capacity_rows, 2, I] bf16 when `store_gate_up`. x_q, x_scale come from
+    and g,u [capacity_rows, 2, I] bf16 when `store_gate_up`; with `gate_up_e4m3` too, g,u in
+    1×128 blocks along I as h is, the pair (float8_e4m3fn [capacity_rows, 2, I], fp32
+    [capacity_rows, 2, I/128]): DeepSeek-V3's SwiGLU input cached in FP8 for the backward, half
+    the bytes (without a swiglu_limit: its clamps' zero gradients need g, u exactly). x_q, x_scale come from
     `quantize_fp8_block_activations(x)`, each weight pair from `mok.fp8_block_quantize`
     (its q, scale). Rows past the schedule's `num_rows` are left unwritten."""
     _, inter, hidden = fp8_block_weight_shape("w_gate_q", w_gate_q, "[E_l, I, H]", schedule.num_local_experts)
@@ -675,7 +694,15 @@ def gate_up_swiglu_fp8_block(
     rows = schedule.capacity_rows
     h_q = torch.empty(rows, inter, dtype=torch.uint8, device=device)  # [capacity_rows, I] e4m3 bytes
     h_scale = torch.empty(rows, inter // FP8_BLOCK, dtype=torch.float32, device=device)  # [capacity_rows, I/128]
-    gate_up = torch.empty(rows, 2, inter, dtype=torch.bfloat16, device=device) if store_gate_up else None
+    if gate_up_e4m3 and (not store_gate_up or swiglu_limit is not None):
+        raise ValueError(f"gate_up_e4m3: expected store_gate_up=True and no swiglu_limit, got store_gate_up="
+                         f"{store_gate_up}, swiglu_limit={swiglu_limit}")
+    gate_up = None
+    if gate_up_e4m3:  # [capacity_rows, 2, I] e4m3 bytes, [capacity_rows, 2, I/128] fp32
+        gate_up = (torch.empty(rows, 2, inter, dtype=torch.uint8, device=device),
+                   torch.empty(rows, 2, inter // FP8_BLOCK, dtype=torch.float32, device=device))
+    elif store_gate_up:  # [capacity_rows, 2, I] bf16
+        gate_up = torch.empty(rows, 2, inter, dtype=torch.bfloat16, device=device)
     if cfg.get("WARP_SPECIALIZED", False):
         warp_specialized.launch_gate_up_swiglu_fp8_block(x_q, x_scale, w_gate_q, w_gate_scale, w_up_q, w_up_scale, h_q,
                                                          h_scale, gate_up, schedule, topk, swiglu_limit, cfg)
@@ -684,6 +711,8 @@ def gate_up_swiglu_fp8_block(
             "fp8_block", x_q, x_scale, w_gate_q, w_gate_scale, w_up_q, w_up_scale, h_q, h_scale, gate_up,
             schedule, topk, swiglu_limit, cfg,
         )
+    if gate_up_e4m3:
+        gate_up = (gate_up[0].view(torch.float8_e4m3fn), gate_up[1])
     return h_q.view(torch.float8_e4m3fn), h_scale, gate_up
 
 

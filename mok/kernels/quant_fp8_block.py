@@ -252,6 +252,14 @@ def quantize_row_blocks(x, INTERPRETER: tl.constexpr):
     return _quantize_tile(x, amax_bits[:, None], INTERPRETER)
 
 
+@triton.jit
+def dequantize_row_blocks(q, scale, INTERPRETER: tl.constexpr):
+    """uint8 E4M3 tile [R, C] of 1×128 row blocks and each row's scale [R] (a tile within one
+    block column) -> fp32 [R, C], exactly (`quantize_row_blocks`' inverse up to its rounding).
+    The fp8_block down dgrad's read of the forward's g, u."""
+    return _e4m3_to_fp32(q, INTERPRETER) * scale[:, None]
+
+
 # --------------------------------------------------------------------------- kernels
 
 

@@ -659,11 +659,12 @@ def _copy_gathered_rows(x_ptr, row_offsets, rows_valid, k0, buf, BLOCK_K: gl.con
 
 @gluon.jit
 def _gathered_producer(x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, empty, h_ptr, h_scale_ptr, gate_up_ptr,
-                       x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr, row_source_ptr, tile_expert_ptr, num_rows_ptr,
-                       topk, hidden, inter, swiglu_limit, h_desc, gate_up_desc, out_bufs, h_bufs,
-                       CONSUMER: gl.constexpr,
+                       gate_up_scale_ptr, x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr, row_source_ptr,
+                       tile_expert_ptr, num_rows_ptr, topk, hidden, inter, swiglu_limit, h_desc, gate_up_desc,
+                       out_bufs, h_bufs, CONSUMER: gl.constexpr,
                        HAS_LIMIT: gl.constexpr, FAST_SIGMOID: gl.constexpr, STORE_GATE_UP: gl.constexpr,
-                       PRODUCT: gl.constexpr, TMA_STORE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
+                       GATE_UP_E4M3: gl.constexpr, PRODUCT: gl.constexpr, TMA_STORE: gl.constexpr,
+                       BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
                        GROUP_M: gl.constexpr, STAGES: gl.constexpr):
     """Each step: the two A halves gathered from x's token rows (every producer thread's
     cp.async copies arrive on the slot's `ready` once landed), the gate and up tiles by TMA
@@ -697,11 +698,12 @@ def _gathered_producer(x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, emp
 
 @gluon.jit
 def _gathered_consumer(x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, empty, h_ptr, h_scale_ptr, gate_up_ptr,
-                       x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr, row_source_ptr, tile_expert_ptr, num_rows_ptr,
-                       topk, hidden, inter, swiglu_limit, h_desc, gate_up_desc, out_bufs, h_bufs,
-                       CONSUMER: gl.constexpr,
+                       gate_up_scale_ptr, x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr, row_source_ptr,
+                       tile_expert_ptr, num_rows_ptr, topk, hidden, inter, swiglu_limit, h_desc, gate_up_desc,
+                       out_bufs, h_bufs, CONSUMER: gl.constexpr,
                        HAS_LIMIT: gl.constexpr, FAST_SIGMOID: gl.constexpr, STORE_GATE_UP: gl.constexpr,
-                       PRODUCT: gl.constexpr, TMA_STORE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
+                       GATE_UP_E4M3: gl.constexpr, PRODUCT: gl.constexpr, TMA_STORE: gl.constexpr,
+                       BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
                        GROUP_M: gl.constexpr, STAGES: gl.constexpr):
     HALF_N: gl.constexpr = w_gate_desc.block_type.shape[0]
     HALVES: gl.constexpr = 2 if PRODUCT else 1  # the weight's 128-column blocks per tile
@@ -739,22 +741,24 @@ def _gathered_consumer(x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, emp
                 _scatter_store(gate, h_ptr, row_source_ptr, first_row, n0, num_rows, inter, inter, False)
                 _scatter_store(up, h_ptr, row_source_ptr, first_row, n0 + HALF_N, num_rows, inter, inter, False)
         else:
-            _gate_up_epilogue(gate, up, h_ptr, h_scale_ptr, gate_up_ptr, first_row, n_tile, inter, swiglu_limit,
-                              h_desc, gate_up_desc, out_bufs, h_bufs, CONSUMER, HAS_LIMIT, FAST_SIGMOID,
-                              STORE_GATE_UP, TMA_STORE)
+            _gate_up_epilogue(gate, up, h_ptr, h_scale_ptr, gate_up_ptr, gate_up_scale_ptr, first_row, n_tile, inter,
+                              swiglu_limit, h_desc, gate_up_desc, out_bufs, h_bufs, CONSUMER, HAS_LIMIT, FAST_SIGMOID,
+                              STORE_GATE_UP, GATE_UP_E4M3, TMA_STORE)
         tile_count += 1
     if TMA_STORE:
         tma.store_wait(0)
 
 
 @gluon.jit
-def _gate_up_epilogue(gate, up, h_ptr, h_scale_ptr, gate_up_ptr, first_row, n_tile, inter, swiglu_limit, h_desc,
-                      gate_up_desc, out_bufs, h_bufs, CONSUMER: gl.constexpr, HAS_LIMIT: gl.constexpr,
-                      FAST_SIGMOID: gl.constexpr, STORE_GATE_UP: gl.constexpr, TMA_STORE: gl.constexpr):
+def _gate_up_epilogue(gate, up, h_ptr, h_scale_ptr, gate_up_ptr, gate_up_scale_ptr, first_row, n_tile, inter,
+                      swiglu_limit, h_desc, gate_up_desc, out_bufs, h_bufs, CONSUMER: gl.constexpr,
+                      HAS_LIMIT: gl.constexpr, FAST_SIGMOID: gl.constexpr, STORE_GATE_UP: gl.constexpr,
+                      GATE_UP_E4M3: gl.constexpr, TMA_STORE: gl.constexpr):
     """`grouped_gemm._gate_up_swiglu_kernel`'s fp8_block epilogue on the consumer's rows from
     first_row and columns [n0, n0 + 128), n0 = n_tile · 128: h = SwiGLU(g, u) quantized as one
     1×128 block per row (h_q [rows, I] e4m3 bytes, h_scale [rows, I/128]), and with
-    STORE_GATE_UP g, u in bf16 ([rows, 2, I]); the same device functions, so the same bits.
+    STORE_GATE_UP g, u in bf16 ([rows, 2, I]), or with GATE_UP_E4M3 quantized as h is (bytes, and
+    scales [rows, 2, I/128]); the same device functions, so the same bits.
     The tiles leave the accumulator's layout, where a thread holds pairs of columns, for rows of
     16-byte runs (`_store_rows`): 20 stores per thread instead of 96 of 2 and 4 bytes; or with
     TMA_STORE through this consumer's buffers (h's in `h_bufs`, g's and u's in `out_bufs`) by
@@ -764,20 +768,32 @@ def _gate_up_epilogue(gate, up, h_ptr, h_scale_ptr, gate_up_ptr, first_row, n_ti
     h = swiglu_forward(gate, up, swiglu_limit, HAS_LIMIT, FAST_SIGMOID)
     h_q, h_scale = quantize_row_blocks(h, False)  # [rows, 128] uint8, [rows, 1] fp32
     scale_rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, gate.type.layout))
+    scale_offsets = scale_rows.to(gl.int64) * (inter // COLUMNS) + n_tile
     # one scale per row: reduced over the tile's single column, not stored once per held column
-    gl.store(h_scale_ptr + scale_rows.to(gl.int64) * (inter // COLUMNS) + n_tile, gl.max(h_scale, axis=1))
+    gl.store(h_scale_ptr + scale_offsets, gl.max(h_scale, axis=1))
+    if STORE_GATE_UP:
+        if GATE_UP_E4M3:
+            gate, gate_scale = quantize_row_blocks(gate, False)
+            up, up_scale = quantize_row_blocks(up, False)
+            gate_up_scales = gate_up_scale_ptr + scale_offsets + scale_rows.to(gl.int64) * (inter // COLUMNS)
+            gl.store(gate_up_scales, gl.max(gate_scale, axis=1))
+            gl.store(gate_up_scales + inter // COLUMNS, gl.max(up_scale, axis=1))
+        else:
+            gate, up = round_to_bf16(gate, False), round_to_bf16(up, False)
     n0 = n_tile * COLUMNS
     if TMA_STORE:
         _store_tile_async(h_q.to(h_desc.dtype, bitcast=True), h_bufs.index(CONSUMER), h_desc, first_row, n0)
         if STORE_GATE_UP:
-            _store_tile_async(round_to_bf16(gate, False), out_bufs.index(2 * CONSUMER), gate_up_desc, first_row, n0)
-            _store_tile_async(round_to_bf16(up, False), out_bufs.index(2 * CONSUMER + 1), gate_up_desc, first_row,
-                              inter + n0)
+            _store_tile_async(gate.to(gate_up_desc.dtype, bitcast=True), out_bufs.index(2 * CONSUMER), gate_up_desc,
+                              first_row, n0)
+            _store_tile_async(up.to(gate_up_desc.dtype, bitcast=True), out_bufs.index(2 * CONSUMER + 1), gate_up_desc,
+                              first_row, inter + n0)
     else:
         _store_rows(h_q, h_ptr, first_row, n0, inter, _BYTE_ROWS_LAYOUT)
         if STORE_GATE_UP:
-            _store_rows(round_to_bf16(gate, False), gate_up_ptr, first_row, n0, 2 * inter, _STORE_LAYOUT)
-            _store_rows(round_to_bf16(up, False), gate_up_ptr + inter, first_row, n0, 2 * inter, _STORE_LAYOUT)
+            layout: gl.constexpr = _BYTE_ROWS_LAYOUT if GATE_UP_E4M3 else _STORE_LAYOUT
+            _store_rows(gate, gate_up_ptr, first_row, n0, 2 * inter, layout)
+            _store_rows(up, gate_up_ptr + inter, first_row, n0, 2 * inter, layout)
 
 
 @gluon.jit
@@ -810,6 +826,8 @@ def _gathered_ws_kernel(
     # [capacity_rows, 2, I] bf16 (STORE_GATE_UP); with TMA_STORE, TMA descriptors of h_q's e4m3 (or
     # the bf16 product) and of g, u as [capacity_rows, 2·I], in boxes of a consumer's rows × 128
     h_ptr, h_scale_ptr, gate_up_ptr, h_desc, gate_up_desc,
+    # GATE_UP_E4M3: g, u as e4m3 bytes (gate_up_ptr) with their scales [capacity_rows, 2, I/128]
+    gate_up_scale_ptr,
     # scales: x's [T, H/128], the weights' [E_l, I/128, H/128]
     x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr,
     # schedule
@@ -817,9 +835,9 @@ def _gathered_ws_kernel(
     # sizes
     topk, hidden, inter, swiglu_limit,
     # meta
-    HAS_LIMIT: gl.constexpr, FAST_SIGMOID: gl.constexpr, STORE_GATE_UP: gl.constexpr, PRODUCT: gl.constexpr,
-    TMA_STORE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-    STAGES: gl.constexpr,
+    HAS_LIMIT: gl.constexpr, FAST_SIGMOID: gl.constexpr, STORE_GATE_UP: gl.constexpr, GATE_UP_E4M3: gl.constexpr,
+    PRODUCT: gl.constexpr, TMA_STORE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
+    GROUP_M: gl.constexpr, STAGES: gl.constexpr,
 ):
     """h = SwiGLU(x·Wgᵀ, x·Wuᵀ) of each sorted row, cooperative: a tile is 128 rows × 128
     columns of h, its A tiles gathered from x's token rows by the producer warp group, its B
@@ -846,20 +864,20 @@ def _gathered_ws_kernel(
                                                  gate_up_desc.layout)
     gl.warp_specialize([
         (_gathered_consumer, (x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, empty, h_ptr, h_scale_ptr,
-                              gate_up_ptr, x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr, row_source_ptr,
-                              tile_expert_ptr, num_rows_ptr, topk, hidden, inter, swiglu_limit, h_desc, gate_up_desc,
-                              out_bufs, h_bufs, 0, HAS_LIMIT, FAST_SIGMOID, STORE_GATE_UP, PRODUCT, TMA_STORE, BLOCK_M,
-                              BLOCK_K, GROUP_M, STAGES)),
+                              gate_up_ptr, gate_up_scale_ptr, x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr,
+                              row_source_ptr, tile_expert_ptr, num_rows_ptr, topk, hidden, inter, swiglu_limit, h_desc,
+                              gate_up_desc, out_bufs, h_bufs, 0, HAS_LIMIT, FAST_SIGMOID, STORE_GATE_UP, GATE_UP_E4M3,
+                              PRODUCT, TMA_STORE, BLOCK_M, BLOCK_K, GROUP_M, STAGES)),
         (_gathered_consumer, (x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, empty, h_ptr, h_scale_ptr,
-                              gate_up_ptr, x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr, row_source_ptr,
-                              tile_expert_ptr, num_rows_ptr, topk, hidden, inter, swiglu_limit, h_desc, gate_up_desc,
-                              out_bufs, h_bufs, 1, HAS_LIMIT, FAST_SIGMOID, STORE_GATE_UP, PRODUCT, TMA_STORE, BLOCK_M,
-                              BLOCK_K, GROUP_M, STAGES)),
+                              gate_up_ptr, gate_up_scale_ptr, x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr,
+                              row_source_ptr, tile_expert_ptr, num_rows_ptr, topk, hidden, inter, swiglu_limit, h_desc,
+                              gate_up_desc, out_bufs, h_bufs, 1, HAS_LIMIT, FAST_SIGMOID, STORE_GATE_UP, GATE_UP_E4M3,
+                              PRODUCT, TMA_STORE, BLOCK_M, BLOCK_K, GROUP_M, STAGES)),
         (_gathered_producer, (x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, empty, h_ptr, h_scale_ptr,
-                              gate_up_ptr, x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr, row_source_ptr,
-                              tile_expert_ptr, num_rows_ptr, topk, hidden, inter, swiglu_limit, h_desc, gate_up_desc,
-                              out_bufs, h_bufs, 0, HAS_LIMIT, FAST_SIGMOID, STORE_GATE_UP, PRODUCT, TMA_STORE, BLOCK_M,
-                              BLOCK_K, GROUP_M, STAGES)),
+                              gate_up_ptr, gate_up_scale_ptr, x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr,
+                              row_source_ptr, tile_expert_ptr, num_rows_ptr, topk, hidden, inter, swiglu_limit, h_desc,
+                              gate_up_desc, out_bufs, h_bufs, 0, HAS_LIMIT, FAST_SIGMOID, STORE_GATE_UP, GATE_UP_E4M3,
+                              PRODUCT, TMA_STORE, BLOCK_M, BLOCK_K, GROUP_M, STAGES)),
     ], [4, _GATHER_THREADS // 32], [_CONSUMER_REGISTERS, _PRODUCER_REGISTERS])
 
 
@@ -1144,12 +1162,14 @@ def launch_gate_up_dgrad_scatter(d_gate: torch.Tensor, d_up: torch.Tensor, w_gat
 
 def launch_gate_up_swiglu_fp8_block(x_q: torch.Tensor, x_scale: torch.Tensor, w_gate_q: torch.Tensor,
                                     w_gate_scale: torch.Tensor, w_up_q: torch.Tensor, w_up_scale: torch.Tensor,
-                                    h_q: torch.Tensor, h_scale: torch.Tensor, gate_up: torch.Tensor | None,
+                                    h_q: torch.Tensor, h_scale: torch.Tensor,
+                                    gate_up: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None,
                                     schedule: RoutingSchedule, topk: int, swiglu_limit: float | None,
                                     cfg: dict) -> None:
     """`grouped_gemm.gate_up_swiglu_fp8_block`'s kernel here: x_q, x_scale per token ([T, H]
     e4m3 and [T, H/128], `quantize_fp8_block_activations`), h_q (uint8 bytes), h_scale and,
-    unless None, gate_up written for every row below the schedule's num_rows. The caller has
+    unless None, gate_up (bf16, or the pair of e4m3 bytes and scales) written for every row below
+    the schedule's num_rows. The caller has
     checked the operands and the outputs."""
     _launch_gathered(x_q, x_scale, (w_gate_q, w_gate_scale), (w_up_q, w_up_scale), h_q, h_scale, gate_up, schedule,
                      topk, swiglu_limit, cfg, product=False)
@@ -1174,20 +1194,23 @@ def _launch_gathered(x_q, x_scale, w_gate: tuple[torch.Tensor, torch.Tensor], w_
     # TMA stores (`GATHERED_TMA_STORE`): an fp32 product's buffers would not fit beside the ring
     tma_store = GATHERED_TMA_STORE and out.dtype != torch.float32
     h_desc = gate_up_desc = w_gate_desc  # unread without tma_store
+    gate_up_e4m3 = isinstance(gate_up, tuple)
+    gate_up, gate_up_scale = gate_up if gate_up_e4m3 else (gate_up, None)
     if tma_store:
         box = (_consumer_rows(cfg["BLOCK_M"], True), FP8_BLOCK)
         h_desc = _descriptor(out if product else out.view(torch.float8_e4m3fn), box)  # [capacity_rows, I]
-        if gate_up is not None:
-            gate_up_desc = _descriptor(gate_up.view(gate_up.shape[0], -1), box)  # g, u as [capacity_rows, 2·I]
+        if gate_up is not None:  # g, u as [capacity_rows, 2·I], bf16 or e4m3
+            stored = gate_up.view(torch.float8_e4m3fn) if gate_up_e4m3 else gate_up
+            gate_up_desc = _descriptor(stored.view(gate_up.shape[0], -1), box)
     _gathered_ws_kernel[(min(num_tiles, num_sms(x_q.device)),)](
         x_q, w_gate_desc, _descriptor(w_up[0], half),
         out, out if h_scale is None else h_scale, out if gate_up is None else gate_up,  # out: an unread stand-in
-        h_desc, gate_up_desc,
+        h_desc, gate_up_desc, out if gate_up_scale is None else gate_up_scale,
         x_scale, w_gate[1], w_up[1],
         schedule.row_source, schedule.tile_expert, schedule.num_rows,
         topk, hidden, inter, 0.0 if swiglu_limit is None else float(swiglu_limit),
-        swiglu_limit is not None, fast_sigmoid_here(), gate_up is not None, product, tma_store, cfg["BLOCK_M"],
-        cfg["BLOCK_K"], cfg.get("GROUP_M", 1), cfg["num_stages"], num_warps=4,
+        swiglu_limit is not None, fast_sigmoid_here(), gate_up is not None, gate_up_e4m3, product, tma_store,
+        cfg["BLOCK_M"], cfg["BLOCK_K"], cfg.get("GROUP_M", 1), cfg["num_stages"], num_warps=4,
     )
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mok import reference
-from mok.fp8_block import fp8_block_dequantize, fp8_block_quantize
+from mok.fp8_block import fp8_block_dequantize, fp8_block_quantize, fp8_block_quantize_activations
 from mok.kernels.dgrad import (
     dgrad_config,
     down_dgrad_swiglu,
@@ -50,6 +50,19 @@ def _sorted(rows, values, capacity):
     out = torch.full((capacity, *values.shape[1:]), float("nan"), dtype=torch.bfloat16)
     out[rows] = values.bfloat16()
     return out
+
+
+def _sorted_e4m3(rows, gate_up_rows, capacity):
+    """g, u [n, 2, I] as the fp8_block forward saves them with gate_up_e4m3: the pair (e4m3
+    [capacity, 2, I], scales [capacity, 2, I/128]) of their 1×128 blocks along I at `rows`, NaN
+    everywhere else; and the values the pair holds, [n, 2, I] fp32."""
+    n, _, inter = gate_up_rows.shape
+    q, scale = fp8_block_quantize_activations(gate_up_rows.reshape(2 * n, inter))
+    out_q = torch.full((capacity, 2, inter), 0x7F, dtype=torch.uint8)
+    out_q[rows] = q.view(torch.uint8).view(n, 2, inter)
+    out_scale = torch.full((capacity, 2, inter // 128), float("nan"))
+    out_scale[rows] = scale.view(n, 2, inter // 128)
+    return (out_q.view(torch.float8_e4m3fn), out_scale), fp8_block_dequantize(q, scale).view(n, 2, inter)
 
 
 @pytest.mark.parametrize("T, H, I, E, topk, limit", [(37, 64, 48, 5, 2, None), (11, 40, 72, 3, 3, 0.5)])
@@ -212,33 +225,44 @@ def _fp8_block_case(kernel_device, T, H, I, E, topk, used_experts):
     return inp, *_schedule(inp, E)
 
 
-@pytest.mark.parametrize("path", ["fused", "product given", "bf16 product given"])
+_FP8_DGRAD_CASES = [(37, 256, 128, 4, 2, None, 3), (19, 128, 256, 3, 1, 0.5, 3)]
+
+
 @pytest.mark.parametrize(
-    "T, H, I, E, topk, limit, used_experts",
-    [(37, 256, 128, 4, 2, None, 3), (19, 128, 256, 3, 1, 0.5, 3)],
+    "T, H, I, E, topk, limit, used_experts, path, saved",
+    # g, u in e4m3 only without a limit, as the forward saves them (near the limit their rounding
+    # would move the clamps' zero gradients)
+    [(*case, path, "bf16") for case in _FP8_DGRAD_CASES for path in ("fused", "product given", "bf16 product given")]
+    + [(*_FP8_DGRAD_CASES[0], path, "e4m3") for path in ("fused", "bf16 product given")],
 )
-def test_fp8_block_down_dgrad_swiglu(kernel_device, T, H, I, E, topk, limit, used_experts, path):
+def test_fp8_block_down_dgrad_swiglu(kernel_device, T, H, I, E, topk, limit, used_experts, path, saved):
     """Against the same quantized math in torch (fp32 accumulation-order tolerance) and against
     the fp32 reference on the unquantized operands (SPEC's fp8_block bars). "product given": the
     epilogue alone (`down_dgrad_swiglu_epilogue`) on that math's product, NaN in every row no
     route uses; "bf16 product given": on that product rounded to bf16 (the torch math then starts
-    from the rounded product too)."""
+    from the rounded product too). saved "e4m3": g, u read as the forward saves them with
+    gate_up_e4m3 (the torch math on the values they hold, the reference on g, u themselves)."""
     inp, sched, rows, slots, experts, pad = _fp8_block_case(kernel_device, T, H, I, E, topk, used_experts)
-    ctx = f"{T=} {H=} {I=} {E=} {topk=} {limit=} {used_experts=} {path=}"
+    ctx = f"{T=} {H=} {I=} {E=} {topk=} {limit=} {used_experts=} {path=} {saved=}"
     assert dgrad.fp8_block_down_dgrad_gathers(H), f"the test wants the gathering path {ctx}"
     slack = _FP8_ORDER_SLACK[kernel_device]
     gen = torch.Generator().manual_seed(1)
-    gate_up = _sorted(rows, torch.randn(rows.numel(), 2, I, generator=gen) * 1.5, sched.capacity_rows)
+    gate_up_rows = (torch.randn(rows.numel(), 2, I, generator=gen) * 1.5).bfloat16().float()  # [n, 2, I]
+    if saved == "e4m3":
+        gate_up, read_rows = _sorted_e4m3(rows, gate_up_rows, sched.capacity_rows)
+        gate_up = tuple(t.to(kernel_device) for t in gate_up)
+    else:
+        gate_up, read_rows = _sorted(rows, gate_up_rows, sched.capacity_rows).to(kernel_device), gate_up_rows
     d_out = torch.randn(T, H, generator=gen).bfloat16().to(kernel_device)
     d_out_q, d_out_scale = quantize_fp8_block_activations(d_out)  # token rows: the kernel gathers them
     _, _, w_down_t_q, w_down_t_scale = fp8_block_quantize(inp.w_down)  # [E, I, H], [E, I/128, H/128]
     tokens = slots // topk
     d_out_deq = fp8_block_dequantize(d_out_q.cpu(), d_out_scale.cpu())[tokens]  # [n, H] fp32
     w_down_deq = fp8_block_dequantize(w_down_t_q.cpu(), w_down_t_scale.cpu(), (128, 128))[experts]  # [n, I, H]
-    if path == "fused":
+    if path == "fused":  # the Triton kernel (on Hopper the default is the warp-specialized product, bf16)
+        fused = dgrad.dgrad_config("down", I, H, "fp8_block", allow_warp_specialized=False)
         d_gate_up, d_topk_weights = down_dgrad_swiglu_fp8_block(
-            d_out_q, d_out_scale, inp.topk_weights, gate_up.to(kernel_device), w_down_t_q, w_down_t_scale, sched,
-            limit,
+            d_out_q, d_out_scale, inp.topk_weights, gate_up, w_down_t_q, w_down_t_scale, sched, limit, fused,
         )
     else:
         product = torch.full((sched.capacity_rows, I), float("nan"))
@@ -246,21 +270,21 @@ def test_fp8_block_down_dgrad_swiglu(kernel_device, T, H, I, E, topk, limit, use
         if path == "bf16 product given":
             product = product.bfloat16()
         d_gate_up, d_topk_weights = down_dgrad_swiglu_epilogue(
-            product.to(kernel_device), inp.topk_weights, gate_up.to(kernel_device), sched, limit
+            product.to(kernel_device), inp.topk_weights, gate_up, sched, limit
         )
     assert d_gate_up.dtype == torch.bfloat16 and d_gate_up.shape == (sched.capacity_rows, 2, I), ctx
     assert pad.numel() > 0, f"the test wants padding rows {ctx}"
     assert torch.equal(d_gate_up[pad].cpu(), torch.zeros(pad.numel(), 2, I, dtype=torch.bfloat16)), ctx
 
-    g, u = gate_up[rows].float().unbind(1)  # [n, I] each
     w = inp.topk_weights.cpu().view(-1)[slots]  # [n]
-    g_c, u_c = (g, u) if limit is None else (g.clamp(max=limit), u.clamp(-limit, limit))
-    h = torch.nn.functional.silu(g_c) * u_c  # [n, I]
     operands = {
-        "statement": (d_out_deq, w_down_deq),  # the kernel's quantized math
-        "reference": (d_out.cpu().float()[tokens], inp.w_down.cpu().float()[experts].mT),  # unquantized
+        "statement": (d_out_deq, w_down_deq, read_rows),  # the kernel's quantized math
+        "reference": (d_out.cpu().float()[tokens], inp.w_down.cpu().float()[experts].mT, gate_up_rows),  # unquantized
     }
-    for kind, (d_out_rows, w_down_rows) in operands.items():
+    for kind, (d_out_rows, w_down_rows, g_u) in operands.items():
+        g, u = g_u.unbind(1)  # [n, I] each
+        g_c, u_c = (g, u) if limit is None else (g.clamp(max=limit), u.clamp(-limit, limit))
+        h = torch.nn.functional.silu(g_c) * u_c  # [n, I]
         d_out_wd = torch.einsum("nh,nih->ni", d_out_rows, w_down_rows)  # [n, I], unweighted
         if kind == "statement" and path == "bf16 product given":
             d_out_wd = d_out_wd.bfloat16().float()
@@ -279,25 +303,36 @@ def test_fp8_block_down_dgrad_swiglu(kernel_device, T, H, I, E, topk, limit, use
                 )
 
 
-@pytest.mark.parametrize("path", ["fused", "product given", "bf16 product given", "bf16 product given, 4-row chunks"])
-@pytest.mark.parametrize("T, H, I, E, topk, limit", [(37, 256, 128, 4, 2, None), (45, 128, 384, 5, 3, 0.5)])
-def test_fp8_block_down_dgrad_quantizes_d_gate_up(kernel_device, monkeypatch, T, H, I, E, topk, limit, path):
+_QUANTIZING_CASES = [(37, 256, 128, 4, 2, None), (45, 128, 384, 5, 3, 0.5)]
+_QUANTIZING_PATHS = ("fused", "product given", "bf16 product given", "bf16 product given, 4-row chunks")
+
+
+@pytest.mark.parametrize(
+    "T, H, I, E, topk, limit, path, saved",
+    [(*case, path, "bf16") for case in _QUANTIZING_CASES for path in _QUANTIZING_PATHS]
+    + [(*_QUANTIZING_CASES[0], path, "e4m3") for path in ("fused", "bf16 product given, 4-row chunks")],
+)
+def test_fp8_block_down_dgrad_quantizes_d_gate_up(kernel_device, monkeypatch, T, H, I, E, topk, limit, path, saved):
     """With `quantize_d_gate_up` the epilogue's e4m3 d_g, d_u and their scales are bitwise what
     `quantize_fp8_block_activations` makes of the bf16 output of the same call without it (rows
     below num_rows; padding rows included), d_topk_weights to fp32 rounding: rows of very different
     magnitudes, a NaN in one route's g (its block's scale NaN, its bytes 0x7F), and the gate/up
     dgrad reading the column views (rows 2·I bytes apart) bitwise as from contiguous copies. The
     epilogue on a given product also in chunks of 4 rows (several per tile wherever block_m > 4,
-    each chunk's loads issued a chunk ahead)."""
+    each chunk's loads issued a chunk ahead). saved "e4m3": g, u read as the forward saves them with
+    gate_up_e4m3 (the NaN then fills its whole 128-column block of g)."""
     if "4-row chunks" in path:
         monkeypatch.setattr(dgrad, "_QUANTIZED_EPILOGUE_ROWS", 4)
     inp, sched, rows, slots, experts, pad = _fp8_block_case(kernel_device, T, H, I, E, topk, E - 1)
-    ctx = f"{T=} {H=} {I=} {E=} {topk=} {limit=} {path=}"
+    ctx = f"{T=} {H=} {I=} {E=} {topk=} {limit=} {path=} {saved=}"
     gen = torch.Generator().manual_seed(2)
     magnitudes = torch.logspace(-3, 3, rows.numel())[torch.randperm(rows.numel(), generator=gen)]
     gate_up_rows = torch.randn(rows.numel(), 2, I, generator=gen) * magnitudes[:, None, None].sqrt()
     gate_up_rows[5, 0, I - 3] = float("nan")
-    gate_up = _sorted(rows, gate_up_rows, sched.capacity_rows).to(kernel_device)
+    if saved == "e4m3":
+        gate_up = tuple(t.to(kernel_device) for t in _sorted_e4m3(rows, gate_up_rows, sched.capacity_rows)[0])
+    else:
+        gate_up = _sorted(rows, gate_up_rows, sched.capacity_rows).to(kernel_device)
     d_out = (torch.randn(T, H, generator=gen) * torch.logspace(-2, 2, T)[:, None]).bfloat16().to(kernel_device)
     d_out_pair = quantize_fp8_block_activations(d_out)
     w_down_t = fp8_block_quantize(inp.w_down)[2:]
@@ -436,6 +471,15 @@ def test_fp8_block_dgrad_ops_and_run_twice(kernel_device):
                                                             0.5, quantize_d_gate_up=True)
     assert torch.equal(d_gate_up_q[:rows].view(torch.uint8), again_q[:rows].view(torch.uint8))
     assert torch.equal(d_gate_up_scale[:rows], again_scale[:rows])
+    # g, u saved in e4m3 (the forward's gate_up_e4m3; no limit)
+    saved_q, saved_scale = quantize_fp8_block_activations(gate_up.view(-1, I))
+    saved_pair = (saved_q.view(gate_up.shape), saved_scale.view(sched.capacity_rows, 2, I // 128))
+    e4m3_args = (*d_out_pair, inp.topk_weights, saved_pair[0], *w_down_t, routing, block_m, None, True, saved_pair[1])
+    e4m3_q, e4m3_scale, e4m3_d_topk_weights = ops.down_dgrad_swiglu_fp8_block(*e4m3_args)
+    (again_q, again_scale), again_d_topk_weights = down_dgrad_swiglu_fp8_block(
+        *d_out_pair, inp.topk_weights, saved_pair, *w_down_t, sched, None, quantize_d_gate_up=True)
+    assert torch.equal(e4m3_q[:rows].view(torch.uint8), again_q[:rows].view(torch.uint8))
+    assert torch.equal(e4m3_scale[:rows], again_scale[:rows]) and torch.equal(e4m3_d_topk_weights, again_d_topk_weights)
 
     grads = [x for j in (0, 1) for x in quantize_fp8_block_activations(d_gate_up[:, j])]
     weights = [x for w in (inp.w_gate, inp.w_up) for x in fp8_block_quantize(w)[2:]]
@@ -445,7 +489,7 @@ def test_fp8_block_dgrad_ops_and_run_twice(kernel_device):
     route_row = sched.route_row
     dx_sorted = ops.gate_up_dgrad_scatter_fp8_block(*gate_up_args, True)  # sorted_rows
     assert dx_sorted.shape == (sched.capacity_rows, H) and torch.equal(dx_sorted[route_row.long()], dx)
-    for args in (down_args, quantized_args):
+    for args in (down_args, quantized_args, e4m3_args, e4m3_args[:-2] + (False, saved_pair[1])):
         torch.library.opcheck(ops.down_dgrad_swiglu_fp8_block.op, args, test_utils=("test_faketensor",))
     for args in (gate_up_args, (*gate_up_args, True)):
         torch.library.opcheck(ops.gate_up_dgrad_scatter_fp8_block.op, args, test_utils=("test_faketensor",))
@@ -484,6 +528,8 @@ def test_fp8_block_dgrad_launchers_reject_mismatches(kernel_device):
          r"^topk_weights: expected a contiguous fp32 \[T, topk\] tensor"),
         (lambda: down(d_out_q, d_out_s, inp.topk_weights, gate_up.float(), wd_t_q, wd_t_s),
          rf"^gate_up: expected a contiguous bf16 tensor of shape \[{rows}, 2, 128\]"),
+        (lambda: down(d_out_q, d_out_s, inp.topk_weights, (gate_up.to(torch.float8_e4m3fn), d_out_s), wd_t_q, wd_t_s),
+         rf"^gate_up\[1\]: expected a contiguous float32 tensor of shape \[{rows}, 2, 1\]"),
         (lambda: down(d_out_q, d_out_s, inp.topk_weights, gate_up, wd_t_q, wd_t_s, tile_config=bad_tiles),
          r"^tile_config: expected BLOCK_K 128 and BLOCK_N a divisor of 128 for the fp8_block down dgrad GEMM"),
         (lambda: gate_up_dgrad(d_q, d_s, d_q.float(), d_s, wg_t_q, wg_t_s, wg_t_q, wg_t_s),

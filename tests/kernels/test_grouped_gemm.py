@@ -246,11 +246,12 @@ def _fp8_block_operands(inp):
     return x_pair, *(fp8_block_quantize(w)[:2] for w in (inp.w_gate, inp.w_up, inp.w_down))
 
 
-def _fp8_block_forward(inp, sched, topk, limit):
+def _fp8_block_forward(inp, sched, topk, limit, gate_up_e4m3=False):
     """(the quantized operands, (h_q, h_scale, gate_up, y)) of the two fp8_block GEMMs."""
     operands = _fp8_block_operands(inp)
     (x_q, x_scale), w_gate, w_up, w_down = operands
-    h_q, h_scale, gate_up = gate_up_swiglu_fp8_block(x_q, x_scale, *w_gate, *w_up, sched, topk, limit, True)
+    h_q, h_scale, gate_up = gate_up_swiglu_fp8_block(x_q, x_scale, *w_gate, *w_up, sched, topk, limit, True,
+                                                     gate_up_e4m3=gate_up_e4m3)
     y = down_scatter_fp8_block(h_q, h_scale, *w_down, sched, inp.x.shape[0] * topk)
     return operands, (h_q, h_scale, gate_up, y)
 
@@ -263,20 +264,40 @@ def _assert_order_close(actual, expected, slack, name, ctx):
     )
 
 
+def _assert_row_blocks(q, scale, expected, slack, name, ctx):
+    """E4M3 rows q [n, W] in 1×128 blocks with their scales [n, W/128] against the fp32 values they
+    quantize: scale = amax / 448, so each block's largest element is exactly ±448; elements within
+    E4M3 rounding (half an ulp: 2^-4 relative, 2^-10·scale in the subnormals) plus `slack` of the
+    largest |expected| (the values themselves differ from `expected` by accumulation order, as
+    `_assert_order_close` allows)."""
+    blocks = lambda t: t.reshape(t.shape[0], -1, 128)  # noqa: E731
+    amax = blocks(expected).abs().amax(-1)  # [n, W/128]
+    order = slack * expected.abs().max().item()
+    assert torch.all(blocks(q.float()).abs().amax(-1) == 448.0), f"{name} {ctx}"
+    torch.testing.assert_close(scale, amax / 448.0, rtol=slack, atol=order / 448.0,
+                               msg=lambda m: f"{name} scales {ctx}: {m}")
+    dequantized = fp8_block_dequantize(q, scale)
+    half_ulp = torch.maximum(2.0**-4 * expected.abs(), 2.0**-10 * scale.repeat_interleave(128, dim=1))
+    excess = (dequantized - expected).abs() - half_ulp - order
+    worst = divmod(int(excess.argmax()), q.shape[1])
+    assert excess.max() <= 0, f"{name} off by more than E4M3 rounding at {worst} {ctx}"
+
+
 @pytest.mark.parametrize(
-    "T, H, I, E, topk, limit, used_experts",
-    [(37, 256, 128, 4, 2, None, 3), (19, 128, 256, 3, 1, 0.5, 3), (9, 128, 128, 4, 4, None, 4)],
+    "T, H, I, E, topk, limit, used_experts, gate_up_e4m3",
+    [(37, 256, 128, 4, 2, None, 3, False), (19, 128, 256, 3, 1, 0.5, 3, False), (9, 128, 128, 4, 4, None, 4, False),
+     (37, 256, 256, 4, 2, None, 3, True)],
 )
-def test_fp8_block_gate_up_and_down(kernel_device, T, H, I, E, topk, limit, used_experts):
+def test_fp8_block_gate_up_and_down(kernel_device, T, H, I, E, topk, limit, used_experts, gate_up_e4m3):
     """Against the same quantized math in torch (fp32 accumulation-order tolerance) and against
-    the fp32 reference (SPEC's fp8_block bars); h's quantization against its rule.
-    used_experts < E leaves the last expert without tokens."""
+    the fp32 reference (SPEC's fp8_block bars); h's quantization against its rule, and with
+    gate_up_e4m3 g's and u's. used_experts < E leaves the last expert without tokens."""
     ids = make_topk_ids(T, used_experts, topk, torch.Generator().manual_seed(T))
     inp = make_inputs(T, H, I, E, topk, seed=T, device=kernel_device, topk_ids=ids)
     sched = _schedule(inp, E)
-    operands, (h_q, h_scale, gate_up, y) = _fp8_block_forward(inp, sched, topk, limit)
+    operands, (h_q, h_scale, gate_up, y) = _fp8_block_forward(inp, sched, topk, limit, gate_up_e4m3)
     rows, slots, experts = _routes(inp, sched)
-    ctx = f"{T=} {H=} {I=} {E=} {topk=} {limit=} {used_experts=}"
+    ctx = f"{T=} {H=} {I=} {E=} {topk=} {limit=} {used_experts=} {gate_up_e4m3=}"
     slack = _FP8_ORDER_SLACK[kernel_device]
     assert h_q.dtype == torch.float8_e4m3fn and h_q.shape == (sched.capacity_rows, I), ctx
     assert h_scale.dtype == torch.float32 and h_scale.shape == (sched.capacity_rows, I // 128), ctx
@@ -301,21 +322,20 @@ def test_fp8_block_gate_up_and_down(kernel_device, T, H, I, E, topk, limit, used
         stmt["y"][mine] = h_deq[mine] @ w_down[e].T  # the down GEMM on the h the kernel quantized
         ref["y"][mine] = acts.y
 
-    _assert_order_close(gate_up[rows, 0].cpu(), stmt["gate"], slack, "gate", ctx)
-    _assert_order_close(gate_up[rows, 1].cpu(), stmt["up"], slack, "up", ctx)
-    _assert_order_close(y[slots].cpu(), stmt["y"], slack, "y", ctx)
-
-    # h's 1×128 blocks: scale = amax / 448, so each block's largest element is exactly ±448;
-    # elements within E4M3 rounding (half an ulp: 2^-4 relative, 2^-10·scale in the subnormals).
-    blocks = lambda t: t.reshape(routes, I // 128, 128)  # noqa: E731
-    amax = blocks(stmt["h"]).abs().amax(-1)  # [routes, I/128]
-    assert torch.all(blocks(h_q.cpu()[rows].float()).abs().amax(-1) == 448.0), ctx
-    torch.testing.assert_close(h_scale.cpu()[rows], amax / 448.0, rtol=slack, atol=0.0)
-    scale = h_scale.cpu()[rows].repeat_interleave(128, dim=1)  # [routes, I]
-    half_ulp = torch.maximum(2.0**-4 * stmt["h"].abs(), 2.0**-10 * scale)
-    excess = (h_deq - stmt["h"]).abs() - half_ulp - slack * amax.repeat_interleave(128, dim=1)
-    assert excess.max() <= 0, f"h_q off by more than E4M3 rounding at {divmod(int(excess.argmax()), I)} {ctx}"
     padding = (sched.row_source.cpu()[: int(sched.num_rows)] < 0).nonzero().flatten()
+    if gate_up_e4m3:  # (bytes [rows, 2, I], scales [rows, 2, I/128]): each of g, u as h is
+        gate_up_q, gate_up_scale = (t.cpu() for t in gate_up)
+        assert gate_up_q.dtype == torch.float8_e4m3fn and gate_up_q.shape == (sched.capacity_rows, 2, I), ctx
+        assert gate_up_scale.dtype == torch.float32 and gate_up_scale.shape == (sched.capacity_rows, 2, I // 128), ctx
+        for j, name in enumerate(("gate", "up")):
+            _assert_row_blocks(gate_up_q[rows, j], gate_up_scale[rows, j], stmt[name], slack, name, ctx)
+        assert torch.all(gate_up_q[padding].float() == 0) and torch.all(gate_up_scale[padding] == 2.0**-126), ctx
+        gate_up = fp8_block_dequantize(gate_up_q.flatten(0, 1), gate_up_scale.flatten(0, 1)).view(-1, 2, I)
+    else:
+        _assert_order_close(gate_up[rows, 0].cpu(), stmt["gate"], slack, "gate", ctx)
+        _assert_order_close(gate_up[rows, 1].cpu(), stmt["up"], slack, "up", ctx)
+    _assert_order_close(y[slots].cpu(), stmt["y"], slack, "y", ctx)
+    _assert_row_blocks(h_q.cpu()[rows], h_scale.cpu()[rows], stmt["h"], slack, "h", ctx)
     assert torch.all(h_q.cpu()[padding].float() == 0) and torch.all(h_scale.cpu()[padding] == 2.0**-126), ctx
 
     for name, actual in (("gate", gate_up[rows, 0]), ("up", gate_up[rows, 1]), ("h", h_deq), ("y", y[slots])):
@@ -348,11 +368,18 @@ def test_fp8_block_ops_and_run_twice(kernel_device):
     sched = ops.routing_from_tensors(routing, block_m)
     (x_q, x_scale), w_gate, w_up, w_down = _fp8_block_operands(inp)
     gate_up_args = (x_q, x_scale, *w_gate, *w_up, routing, block_m, topk, 0.5, True)
-    h_q, h_scale, gate_up = ops.gate_up_swiglu_fp8_block(*gate_up_args)
+    h_q, h_scale, gate_up, no_scale = ops.gate_up_swiglu_fp8_block(*gate_up_args)
     again = gate_up_swiglu_fp8_block(x_q, x_scale, *w_gate, *w_up, sched, topk, 0.5, True)
     rows = int(sched.num_rows)
+    assert no_scale.shape == (0,)
     for a, b in zip((h_q, h_scale, gate_up), again):
         assert torch.equal(a[:rows].view(torch.uint8), b[:rows].view(torch.uint8))
+    e4m3_args = (*gate_up_args[:-2], None, True, True)  # g, u in e4m3 (no swiglu_limit)
+    *_, gate_up_q, gate_up_scale = ops.gate_up_swiglu_fp8_block(*e4m3_args)
+    _, _, (again_q, again_scale) = gate_up_swiglu_fp8_block(x_q, x_scale, *w_gate, *w_up, sched, topk, None, True,
+                                                            gate_up_e4m3=True)
+    assert torch.equal(gate_up_q[:rows].view(torch.uint8), again_q[:rows].view(torch.uint8))
+    assert torch.equal(gate_up_scale[:rows], again_scale[:rows])
     down_args = (h_q, h_scale, *w_down, routing, block_m, T * topk)
     y = ops.down_scatter_fp8_block(*down_args)
     assert torch.equal(y, down_scatter_fp8_block(h_q, h_scale, *w_down, sched, T * topk))
@@ -360,7 +387,8 @@ def test_fp8_block_ops_and_run_twice(kernel_device):
     route_row = sched.route_row
     y_sorted = ops.down_scatter_fp8_block(*down_args, True)
     assert y_sorted.shape == (sched.capacity_rows, H) and torch.equal(y_sorted[route_row.long()], y)
-    torch.library.opcheck(ops.gate_up_swiglu_fp8_block.op, gate_up_args, test_utils=("test_faketensor",))
+    for args in (gate_up_args, e4m3_args):
+        torch.library.opcheck(ops.gate_up_swiglu_fp8_block.op, args, test_utils=("test_faketensor",))
     for args in (down_args, (*down_args, True)):
         torch.library.opcheck(ops.down_scatter_fp8_block.op, args, test_utils=("test_faketensor",))
     torch.library.opcheck(ops.combine.op, (y_sorted, inp.topk_weights, None, route_row),
@@ -393,6 +421,9 @@ def test_fp8_block_launchers_reject_mismatches(kernel_device):
          r"^w_up_q: expected a contiguous float8_e4m3fn tensor .* non-contiguous"),
         (lambda: gate_up(x_q, x_scale, wg_q, wg_s, wu_q, wu_s, tile_config=bad_tiles),
          r"^tile_config: expected BLOCK_K 128 and BLOCK_N 128 for the fp8_block gate_up GEMM"),
+        (lambda: gate_up(x_q, x_scale, wg_q, wg_s, wu_q, wu_s, swiglu_limit=0.5, store_gate_up=True,
+                         gate_up_e4m3=True),
+         r"^gate_up_e4m3: expected store_gate_up=True and no swiglu_limit, got store_gate_up=True, swiglu_limit=0.5"),
         (lambda: down(h_q[:-1], h_scale, wd_q, wd_s),
          r"^h_q: expected a contiguous float8_e4m3fn tensor of shape"),
         (lambda: down(h_q, h_scale, wd_q, wd_s[:, :1]),
