@@ -33,6 +33,12 @@ def num_sms(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def gate_up_parts(gate_up):
+    """The forward's saved g, u as (data, scales): an fp8_block pair (e4m3 [rows, 2, I], fp32
+    [rows, 2, I/128], with `FP8_BLOCK_GATE_UP_E4M3`) as it is, a bf16 tensor or None with scales None."""
+    return gate_up if isinstance(gate_up, tuple) else (gate_up, None)
+
+
 def launch_programs(tiles: int, cfg: dict, device) -> int:
     """Programs of a launch over `tiles` tiles: one per tile, or with the tile-config flag
     cfg["PERSISTENT"] one per SM (at most one per tile), each walking several."""

@@ -91,6 +91,7 @@ from mok.kernels import grouped_gemm, warp_specialized
 from mok.kernels.comm import PeerRows, signal_peers
 from mok.kernels.common import (
     column_halves,
+    gate_up_parts,
     interpreting,
     last_wave_tile_coordinates,
     num_sms,
@@ -639,11 +640,12 @@ def _check_bf16(name: str, t: torch.Tensor, shape: tuple[int, ...], device: torc
 def _check_gate_up(gate_up, capacity_rows: int, inter: int, device: torch.device) -> None:
     """The forward's g, u: bf16 [capacity_rows, 2, I], or in fp8_block the pair (e4m3 [capacity_rows,
     2, I], fp32 scales [capacity_rows, 2, I/128]) of `gate_up_swiglu_fp8_block(..., gate_up_e4m3=True)`."""
-    if isinstance(gate_up, tuple):
-        check_fp8_block_pair("gate_up[0]", gate_up[0], "gate_up[1]", gate_up[1], (capacity_rows, 2, inter),
-                             (1, FP8_BLOCK), device)
+    data, scales = gate_up_parts(gate_up)
+    if scales is None:
+        _check_bf16("gate_up", data, (capacity_rows, 2, inter), device)
     else:
-        _check_bf16("gate_up", gate_up, (capacity_rows, 2, inter), device)
+        check_fp8_block_pair("gate_up[0]", data, "gate_up[1]", scales, (capacity_rows, 2, inter), (1, FP8_BLOCK),
+                             device)
 
 
 def _check_topk_weights(topk_weights: torch.Tensor | None, device: torch.device) -> None:
@@ -682,8 +684,10 @@ def _launch_down_dgrad_swiglu(
     `weighted_h`: checked by the caller, receives w·h. With `quantize` (fp8_block, tiles of
     128 columns) d_gate_up is the pair (e4m3, scales) of `down_dgrad_swiglu_fp8_block`'s. gate_up:
     as `_check_gate_up` takes it."""
-    gate_up_e4m3 = isinstance(gate_up, tuple)
-    gate_up, gate_up_scale = (gate_up[0].view(torch.uint8), gate_up[1]) if gate_up_e4m3 else (gate_up, None)
+    gate_up, gate_up_scale = gate_up_parts(gate_up)
+    gate_up_e4m3 = gate_up_scale is not None
+    if gate_up_e4m3:
+        gate_up = gate_up.view(torch.uint8)  # the kernel reads bytes
     device = gate_up.device
     num_n_tiles = triton.cdiv(inter, cfg["BLOCK_N"])
     if quantize:
@@ -845,8 +849,8 @@ def down_dgrad_swiglu_epilogue(
     `down_dgrad_swiglu` from a, in the fp8_block tiles (BLOCK_N 128: the router-weight partials
     per 128 columns, as the fused kernel's). Only the rows of M tiles below `num_rows` are read.
     `quantize_d_gate_up`: as `down_dgrad_swiglu_fp8_block`'s."""
-    saved_g = gate_up[0] if isinstance(gate_up, tuple) else gate_up  # [capacity_rows, 2, I]
-    device, inter = saved_g.device, saved_g.shape[-1]
+    saved = gate_up_parts(gate_up)[0]  # [capacity_rows, 2, I]
+    device, inter = saved.device, saved.shape[-1]
     if product.dtype not in (torch.float32, torch.bfloat16) or tuple(product.shape) != (
         schedule.capacity_rows, inter
     ) or product.stride(1) != 1 or product.device != device:

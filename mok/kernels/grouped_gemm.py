@@ -67,6 +67,7 @@ from mok.kernels import warp_specialized
 from mok.kernels.comm import PeerRows, peer_row_starts, signal_peers
 from mok.kernels.common import (
     column_halves,
+    gate_up_parts,
     interpreting,
     last_wave_tile_coordinates,
     launch_programs,
@@ -616,8 +617,8 @@ def _launch_gate_up_swiglu(
         w_gate_desc = w_up_desc = tma_descriptor_pair(w_gate, (2, 1, cfg["BLOCK_N"], cfg["BLOCK_K"]))
     else:
         w_gate_desc, w_up_desc = (tma_descriptor(w, (cfg["BLOCK_N"], cfg["BLOCK_K"])) for w in (w_gate, w_up))
-    gate_up_e4m3 = isinstance(gate_up, tuple)
-    gate_up, gate_up_scale = gate_up if gate_up_e4m3 else (gate_up, None)
+    gate_up, gate_up_scale = gate_up_parts(gate_up)
+    gate_up_e4m3 = gate_up_scale is not None
     scales = (x if s is None else s for s in (x_scale, w_gate_scale, w_up_scale, h_scale, gate_up_scale))  # x: unread
     _gate_up_swiglu_kernel[grid](
         x_operand, w_gate_desc, w_up_desc, h, h if gate_up is None else gate_up,

@@ -88,6 +88,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from mok.fp8_block import FP8_BLOCK
 from mok.kernels.common import (
     expert_tile_coordinates,
+    gate_up_parts,
     interpreting,
     num_sms,
     round_to_bf16,
@@ -775,6 +776,7 @@ def _gate_up_epilogue(gate, up, h_ptr, h_scale_ptr, gate_up_ptr, gate_up_scale_p
         if GATE_UP_E4M3:
             gate, gate_scale = quantize_row_blocks(gate, False)
             up, up_scale = quantize_row_blocks(up, False)
+            # [rows, 2, I/128]: h's offsets plus rows · I/128 (rows · 2·I/128 + n_tile spilled 40 bytes, sm_90a)
             gate_up_scales = gate_up_scale_ptr + scale_offsets + scale_rows.to(gl.int64) * (inter // COLUMNS)
             gl.store(gate_up_scales, gl.max(gate_scale, axis=1))
             gl.store(gate_up_scales + inter // COLUMNS, gl.max(up_scale, axis=1))
@@ -1194,8 +1196,8 @@ def _launch_gathered(x_q, x_scale, w_gate: tuple[torch.Tensor, torch.Tensor], w_
     # TMA stores (`GATHERED_TMA_STORE`): an fp32 product's buffers would not fit beside the ring
     tma_store = GATHERED_TMA_STORE and out.dtype != torch.float32
     h_desc = gate_up_desc = w_gate_desc  # unread without tma_store
-    gate_up_e4m3 = isinstance(gate_up, tuple)
-    gate_up, gate_up_scale = gate_up if gate_up_e4m3 else (gate_up, None)
+    gate_up, gate_up_scale = gate_up_parts(gate_up)
+    gate_up_e4m3 = gate_up_scale is not None
     if tma_store:
         box = (_consumer_rows(cfg["BLOCK_M"], True), FP8_BLOCK)
         h_desc = _descriptor(out if product else out.view(torch.float8_e4m3fn), box)  # [capacity_rows, I]
