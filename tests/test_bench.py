@@ -63,7 +63,8 @@ def test_torch_eager_matches_reference(grouped, shared, topk):
 
 
 def _run(tmp_path, *args):
-    rc = cli.main([*args, *FAST, "--out", str(tmp_path)])
+    """The CLI in-process on the CPU (also on a machine with a GPU), its record read back."""
+    rc = cli.main([*args, *FAST, "--device", "cpu", "--out", str(tmp_path)])
     (path,) = tmp_path.glob("*.json")
     return rc, json.loads(path.read_text()), path
 
@@ -173,7 +174,8 @@ def test_bad_arguments_are_argparse_errors(argv, capsys):
     assert "error:" in capsys.readouterr().err
 
 
-def test_settings_defaults_on_cpu():
+def test_settings_defaults_on_cpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a machine without a GPU
     settings, _ = cli.parse_settings(["--precision", "bf16,mxfp8", "--preset", "tiny", "--preset", "tiny"])
     assert settings.device == "cpu" and [p.name for p in settings.presets] == ["tiny"]
     assert settings.impls == ("mok", "torch-eager") and settings.passes == ("fwd", "fwd+bwd")
@@ -307,6 +309,25 @@ def test_timing_helpers_on_cpu():
     assert mem.peak_gb is None and mem.delta_gb is None
     with pytest.raises(ValueError, match="warmup"):  # checked before any CUDA call
         capture_cuda_graph(lambda: None, warmup=-1)
+
+
+def _sin_of_double(x: torch.Tensor) -> runner.Impl:
+    """An Impl whose forward keeps one tensor for its backward: sin's input, 2·x (x's size)."""
+    return runner.Impl(lambda: (x * 2).sin(), (x,), lambda grads: grads)
+
+
+def test_kept_for_backward_is_cuda_only():
+    assert runner._kept_extra(_sin_of_double(torch.randn(8, 8, requires_grad=True)), "cpu", None) == {}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_kept_for_backward_is_what_autograd_saves():
+    x = torch.randn(1024, 1024, device="cuda", requires_grad=True)  # 4 MiB, a whole allocator block
+    kept = runner._kept_extra(_sin_of_double(x), "cuda", None)["kept_gb"]
+    assert kept == x.numel() * 4 / 1e9, kept
+    with torch.no_grad():
+        assert runner._kept_extra(_sin_of_double(x), "cuda", None)["kept_gb"] == 0
 
 
 def test_gpu_slug():

@@ -340,6 +340,7 @@ def _report(results, info: dict, title: str, settings: Settings, args: argparse.
                   "`rounds` rounds; fwd = training forward with autograd on; "
                   "fwd+bwd = forward + torch.autograd.grad(out, leaves, d_out)",
         "peak_mem_gb": "inputs resident + the pass's own peak (CUDA allocator)",
+        "kept_gb": "in extra: what one training forward leaves allocated beside its output, for its backward",
     }
     launcher = "python -m mok.bench"
     if settings.ep > 1:

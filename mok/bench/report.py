@@ -186,6 +186,8 @@ def result_line(r: Result) -> str:
         return f"{what}: {r.status}" + (f": {first}" if first else "")
     speedup = "" if r.speedup is None else f" ({r.speedup:.2f}×{_round_range(r)})"
     peak = "" if r.peak_mem_gb is None else f", peak {r.peak_mem_gb:.2f} GB"
+    if "kept_gb" in r.extra:
+        peak += f", {r.extra['kept_gb']:.2f} GB kept for the backward"
     update = ""
     if "weight_update_ms" in r.extra:
         update = f", +{_num(r.extra['weight_update_ms'])} ms per weight update"

@@ -546,6 +546,22 @@ def _weight_update_extra(impl: Impl, device) -> dict:
                                                           device=device))["median"]}
 
 
+def _kept_extra(impl: Impl, device, group) -> dict:
+    """{"kept_gb": GB} that one training forward leaves allocated for its backward beside its
+    output (under expert parallelism the largest over ranks): what each layer of a model holds
+    until its backward runs. {} off CUDA."""
+    if torch.device(device).type != "cuda":
+        return {}
+    with patched(impl.patches):
+        impl.forward()  # whatever a first call caches (workspaces, weight copies) is not kept per layer
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        out = impl.forward()
+        kept = torch.cuda.memory_allocated(device) - before - out.untyped_storage().nbytes()
+        del out
+    return {"kept_gb": max(_gather(kept / 1e9, group))}
+
+
 def _free(device) -> None:
     gc.collect()
     if torch.device(device).type == "cuda":
@@ -677,16 +693,16 @@ def run(
                 t.times += times
                 t.round_sizes.append(len(times))
                 t.delta_gb = delta_gb if t.delta_gb is None else max(t.delta_gb, delta_gb)
-        weight_updates = {}  # id(impl) -> its `_weight_update_extra`, timed once for all its passes
+        per_impl = {}  # id(impl) -> its `_weight_update_extra` and `_kept_extra`, once for all its passes
         for t in timed:
             if t.error is not None:
                 results.append(Result(pass_=t.pass_, status="error", message=t.error, extra=t.impl.extra, **t.row))
                 continue
             timing = _timing(t.times, t.round_sizes, t.delta_gb, inputs_gb, group)
             stats = timing.stats
-            if id(t.impl) not in weight_updates:
-                weight_updates[id(t.impl)] = _weight_update_extra(t.impl, device)
-            extra = t.impl.extra | _timing_extra(t.impl, t.pass_, timing) | weight_updates[id(t.impl)]
+            if id(t.impl) not in per_impl:
+                per_impl[id(t.impl)] = _weight_update_extra(t.impl, device) | _kept_extra(t.impl, device, group)
+            extra = t.impl.extra | _timing_extra(t.impl, t.pass_, timing) | per_impl[id(t.impl)]
             results.append(Result(
                 pass_=t.pass_, status="ok", ms=stats["median"],
                 tflops=preset.flops(t.pass_) / (stats["median"] * 1e-3) / 1e12,
