@@ -1,5 +1,6 @@
 """`python -m mok.bench` in-process on CPU, and the torch baseline against the reference."""
 
+import dataclasses
 import json
 import sys
 import types
@@ -62,9 +63,9 @@ def test_torch_eager_matches_reference(grouped, shared, topk):
     assert grads[1].dtype == torch.float32 and grads[0].dtype == torch.bfloat16, ctx
 
 
-def _run(tmp_path, *args):
-    """The CLI in-process on the CPU (also on a machine with a GPU), its record read back."""
-    rc = cli.main([*args, *FAST, "--device", "cpu", "--out", str(tmp_path)])
+def _run(tmp_path, *args, device="cpu"):
+    """The CLI in-process on `device` (the CPU also on a machine with a GPU), its record read back."""
+    rc = cli.main([*args, *FAST, "--device", device, "--out", str(tmp_path)])
     (path,) = tmp_path.glob("*.json")
     return rc, json.loads(path.read_text()), path
 
@@ -94,16 +95,36 @@ def test_cli_writes_record_and_plot(tmp_path, args):
         assert dims == (37, 64, 2, 0)
 
 
-def test_low_precision_rows_time_a_weight_update(tmp_path, capsys):
-    """mok's low-precision rows carry what an update of the routed weights adds to the next step
-    (their copies, which the timed steps find cached), in the record and the printed table; bf16
-    rows have no such cost."""
-    rc, rec, _ = _run(tmp_path, "--preset", "tiny", "--impl", "mok", "--precision", "bf16,fp8_block", "--pass", "fwd")
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_low_precision_rows_time_a_weight_update(tmp_path, capsys, device):
+    """On CUDA, mok's low-precision rows carry what an update of the routed weights adds to the
+    next step (the triton backend's copies, which the timed steps find cached), in the record and
+    the printed table, and every mok row what its forward keeps for the backward; bf16 rows have
+    no update cost. On the CPU the layer runs the reference backend, which keeps no copies."""
+    rc, rec, _ = _run(tmp_path, "--preset", "tiny", "--impl", "mok", "--precision", "bf16,fp8_block", "--pass", "fwd",
+                      device=device)
     assert rc == 0
     rows = {r["precision"]: r for r in rec["results"]}
-    assert rows["fp8_block"]["status"] == "ok" and rows["fp8_block"]["extra"]["weight_update_ms"] > 0
+    assert rows["fp8_block"]["status"] == rows["bf16"]["status"] == "ok", rows
     assert "weight_update_ms" not in rows["bf16"]["extra"]
-    assert "each in-place update of the routed weights adds" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    if device == "cuda":
+        assert rows["fp8_block"]["extra"]["weight_update_ms"] > 0
+        assert "each in-place update of the routed weights adds" in printed
+        assert all(r["extra"]["kept_gb"] > 0 for r in rows.values()), rows
+    else:
+        assert not any("weight_update_ms" in r["extra"] or "kept_gb" in r["extra"] for r in rows.values()), rows
+        assert "each in-place update" not in printed
+
+
+def test_result_line_shows_weight_updates_and_what_is_kept():
+    row = runner.Result(preset="tiny", pass_="fwd", impl="mok", precision="fp8_block", status="ok", ms=1.5,
+                        ms_p20=1.4, ms_p80=1.6, peak_mem_gb=2.0, max_rel_err=0.05,
+                        extra={"weight_update_ms": 0.25, "kept_gb": 0.125})
+    line = report.result_line(row)
+    assert "peak 2.00 GB, 0.12 GB kept for the backward, +0.25 ms per weight update" in line, line
+    assert "kept" not in report.result_line(dataclasses.replace(row, extra={})), row
 
 
 def test_wrong_impl_is_reported_fail_and_not_timed(tmp_path, monkeypatch):

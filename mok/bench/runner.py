@@ -160,7 +160,9 @@ def _make_mok(inp: MoEInputs, precision: str) -> Impl:
         _leaves(inp),
         _pad_gradients,
         extra={"config": dataclasses.asdict(config)},
-        per_weight_update=None if precision == "bf16" else lambda: routed_weight_copies(routed, precision),
+        # the copies are the triton backend's, which `auto` runs on CUDA (elsewhere the reference)
+        per_weight_update=(None if precision == "bf16" or not inp.x.is_cuda
+                           else lambda: routed_weight_copies(routed, precision)),
     )
 
 
