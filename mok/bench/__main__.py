@@ -307,8 +307,9 @@ def _run(settings: Settings, group, show_progress: bool) -> tuple[list[runner.Re
                 for r in results:
                     log_line(report.result_line(r))
 
-        results = runner.run(cases, warmup=settings.warmup, reps=settings.reps, rounds=settings.rounds, seed=settings.seed,
-                             device=settings.device, progress=step, group=group, preset_done=preset_done)
+        results = runner.run(cases, warmup=settings.warmup, reps=settings.reps, rounds=settings.rounds,
+                             seed=settings.seed, device=settings.device, progress=step, group=group,
+                             preset_done=preset_done)
     return results, info, title
 
 

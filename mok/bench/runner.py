@@ -180,7 +180,8 @@ EP_CAPACITY_MULTIPLIER = 1.25
 
 
 def _make_mok_ep(inp: MoEInputs, precision: str, group: dist.ProcessGroup, transport: str = "auto") -> Impl:
-    config = mok.MoKConfig(precision=precision, schedule_capacity_multiplier=EP_CAPACITY_MULTIPLIER, transport=transport)
+    config = mok.MoKConfig(precision=precision, schedule_capacity_multiplier=EP_CAPACITY_MULTIPLIER,
+                           transport=transport)
     (num_tokens, hidden), topk = inp.x.shape, inp.topk_ids.shape[1]
     workspace = mok.get_workspace(config, group, device=inp.x.device, num_local_tokens=num_tokens,
                                   hidden_size=hidden, topk=topk)
