@@ -43,7 +43,7 @@ kept). Each operand arrives transposed, aqᵀ [W, capacity_rows] with its scales
 [capacity_rows / S, W], so both MMA operands are K-major (rows contiguous), and each K step
 of BLOCK_K rows lies inside one block b of one expert:
 
-    out[e, m, n] = Σ_steps  sa[b, m] · sb[b, n] · Σ_{r in step} aqᵀ[m, r] · bqᵀ[n, r]     (fp32)
+    out[e, m, n] = Σ_steps  (Σ_{r in step} aqᵀ[m, r] · bqᵀ[n, r]) · sa[b, m] · sb[b, n]     (fp32)
 
 Both scales are per output row / column here (no scalar weight scale), applied to each
 step's fresh FP8 `tl.dot` as the forward's main loop does. BLOCK_K divides S = gcd(block_m,
@@ -220,11 +220,12 @@ def _wgrad_tile(
             scale_n = n0 + tl.arange(0, BLOCK_N)
             a_scale = tl.load(a_scale_ptr + slot * stride_a_scale + scale_m, mask=scale_m < m_dim, other=0.0)
             b_scale = tl.load(b_scale_ptr + slot * stride_b_scale + scale_n, mask=scale_n < n_dim, other=0.0)
-            acc += tl.dot(a, b) * (a_scale[:, None] * b_scale[None, :])
+            # Row scales first (`warp_specialized._add_scaled`'s ROW_FIRST), the column scales in the FMA.
+            acc += (tl.dot(a, b) * a_scale[:, None]) * b_scale[None, :]
             if TWO_OUTPUTS:
                 a2 = a2_desc.load([m0, r0])
                 a2_scale = tl.load(a2_scale_ptr + slot * stride_a_scale + scale_m, mask=scale_m < m_dim, other=0.0)
-                acc2 += tl.dot(a2, b) * (a2_scale[:, None] * b_scale[None, :])
+                acc2 += (tl.dot(a2, b) * a2_scale[:, None]) * b_scale[None, :]
         else:
             a = a_desc.load([r0, m0]).T  # aᵀ [BLOCK_M, BLOCK_K rows]
             b = b_desc.load([r0, n0])  # b [BLOCK_K rows, BLOCK_N]
