@@ -6,7 +6,7 @@ the JIT keys its cache by source, so a patched helper must be in place before th
         the warp-specialized fp8 wgrads' per-step scaling (`warp_specialized._add_scaled`), and
         their epilogue (regstore, nostore: also for the bf16 wgrads, `--kernel down_wgrad
         --kernel gate_up_wgrad`, each at the library's tile config for the preset):
-        full  acc + P · (sa[m] · sb[n])   the kernel as is
+        full  acc + (P · sa[m]) · sb[n]   the kernel as is
         col   acc + P · sb[n]              the column scales' loads kept, the outer product cut
         row   acc + P · sa[m]              as the scatter GEMMs (one scale per row)
         none  acc + P
@@ -42,17 +42,17 @@ from mok.kernels import quant_fp8_block, warp_specialized, wgrad  # noqa: E402
 
 
 @gluon.jit
-def _column_scaled(acc, product, a_scale, b_scale):
+def _column_scaled(acc, product, a_scale, b_scale, PER_COLUMN: gl.constexpr):
     return acc + product * b_scale
 
 
 @gluon.jit
-def _row_scaled(acc, product, a_scale, b_scale):
+def _row_scaled(acc, product, a_scale, b_scale, PER_COLUMN: gl.constexpr):
     return acc + product * a_scale[:, None]
 
 
 @gluon.jit
-def _unscaled(acc, product, a_scale, b_scale):
+def _unscaled(acc, product, a_scale, b_scale, PER_COLUMN: gl.constexpr):
     return acc + product
 
 
