@@ -220,7 +220,7 @@ def _wgrad_tile(
             scale_n = n0 + tl.arange(0, BLOCK_N)
             a_scale = tl.load(a_scale_ptr + slot * stride_a_scale + scale_m, mask=scale_m < m_dim, other=0.0)
             b_scale = tl.load(b_scale_ptr + slot * stride_b_scale + scale_n, mask=scale_n < n_dim, other=0.0)
-            # Row scales first (`warp_specialized._add_scaled`'s ROW_FIRST), the column scales in the FMA.
+            # Row scales first, the column scales in the FMA (`warp_specialized._add_scaled`'s PER_COLUMN).
             acc += (tl.dot(a, b) * a_scale[:, None]) * b_scale[None, :]
             if TWO_OUTPUTS:
                 a2 = a2_desc.load([m0, r0])
