@@ -691,13 +691,13 @@ def gate_up_swiglu_fp8_block(
         check_fp8_block_pair(
             f"{name}_q", q, f"{name}_scale", scale, tuple(w_gate_q.shape), (FP8_BLOCK, FP8_BLOCK), device
         )
+    if gate_up_e4m3 and (not store_gate_up or swiglu_limit is not None):
+        raise ValueError(f"gate_up_e4m3: expected store_gate_up=True and no swiglu_limit, got store_gate_up="
+                         f"{store_gate_up}, swiglu_limit={swiglu_limit}")
     cfg = _tile_config("gate_up", inter, hidden, "fp8_block", tile_config, schedule)
     rows = schedule.capacity_rows
     h_q = torch.empty(rows, inter, dtype=torch.uint8, device=device)  # [capacity_rows, I] e4m3 bytes
     h_scale = torch.empty(rows, inter // FP8_BLOCK, dtype=torch.float32, device=device)  # [capacity_rows, I/128]
-    if gate_up_e4m3 and (not store_gate_up or swiglu_limit is not None):
-        raise ValueError(f"gate_up_e4m3: expected store_gate_up=True and no swiglu_limit, got store_gate_up="
-                         f"{store_gate_up}, swiglu_limit={swiglu_limit}")
     gate_up = None
     if gate_up_e4m3:  # [capacity_rows, 2, I] e4m3 bytes, [capacity_rows, 2, I/128] fp32
         gate_up = (torch.empty(rows, 2, inter, dtype=torch.uint8, device=device),
