@@ -11,6 +11,8 @@ gathering quantizers against quantizing `gather_sorted_rows`' bf16 copies.
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from mok.fp8_block import fp8_block_quantize, fp8_block_quantize_activations
 from mok.kernels import quant_fp8_block as qf
@@ -18,6 +20,7 @@ from mok.kernels.common import interpreting
 from mok.kernels.grouped_gemm import routing_block_m
 from mok.kernels.gather import gather_sorted_rows
 from mok.kernels.quant_fp8_block import (
+    _abs_max_bits,
     quantize_fp8_block_activations,
     quantize_fp8_block_gathered,
     quantize_fp8_block_gathered_t,
@@ -107,6 +110,34 @@ def test_activation_edge_cases(kernel_device):
     _assert_same(quantize_fp8_block_activations(x.to(kernel_device)), want, f"{kernel_device=} fp32 edges")
     xb = x.bfloat16()
     _assert_same(quantize_fp8_block_activations(xb.to(kernel_device)), fp8_block_quantize_activations(xb), "bf16 edges")
+
+
+@triton.jit
+def _abs_max_bits_kernel(x_ptr, out_ptr, ROWS: tl.constexpr, COLS: tl.constexpr):
+    offsets = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
+    tl.store(out_ptr + tl.arange(0, ROWS), _abs_max_bits(tl.load(x_ptr + offsets), 1))
+
+
+def test_abs_max_bits_is_the_integer_amax(kernel_device):
+    """The float amax (a NaN-propagating max of |x|) gives the bits the integer amax gives: max |x|
+    exactly, subnormals and −0 included, the Inf's bits for an Inf row and NaN bits, above them,
+    wherever a NaN is, whatever else the row holds."""
+    rows, cols = 16, 128
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(rows, cols, generator=gen) * torch.logspace(-30, 30, rows)[:, None]
+    x[1], x[2] = 0.0, -0.0
+    x[3] = torch.randn(cols, generator=gen) * 1e-40  # subnormals only
+    x[4, 7], x[5, 100], x[6, 0] = float("inf"), float("-inf"), float("nan")
+    x[7, 3], x[7, 90] = float("nan"), float("inf")
+    x[8, 127] = -3.4e38
+    out = torch.empty(rows, dtype=torch.int32, device=kernel_device)
+    _abs_max_bits_kernel[(1,)](x.to(kernel_device), out, ROWS=rows, COLS=cols)
+    got, want = out.cpu(), (x.view(torch.int32) & 0x7FFFFFFF).amax(1)  # the integer amax
+    nan_rows = x.isnan().any(1)
+    ctx = f"{kernel_device=} rows with NaN: {nan_rows.nonzero().flatten().tolist()}"
+    assert torch.equal(got[~nan_rows], want[~nan_rows]), f"{ctx}: {got.tolist()} against {want.tolist()}"
+    assert (got[nan_rows] > 0x7F800000).all(), f"{ctx}: {got[nan_rows].tolist()}"
+    assert got[3] > 0 and got[4] == got[5] == 0x7F800000, f"{ctx}: subnormal {got[3]}, Inf {got[4]} {got[5]}"
 
 
 def test_e4m3_ties_at_unit_scale(kernel_device):
