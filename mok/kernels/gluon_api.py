@@ -8,10 +8,10 @@ every Gluon name from here, so a rename is absorbed in this one module:
   `async_copy.async_load`; 3.9 removed the old names (`async_copy_global_to_shared`,
   `async_copy_shared_to_global`). We take the new name where it exists.
 
-Where Gluon cannot be imported, or a probe kernel that uses every construct mok needs does
-not compile for the GPU at hand (an older or a future Triton), `usable()` is False and the
-callers run their plain Triton kernels instead; `usable()` warns once, naming the Triton
-version and what falls back. Without Gluon the kernel modules still import: the names here
+Where Gluon cannot be imported, or (for the Hopper GEMMs) a probe kernel that uses every
+construct they need does not compile for the GPU at hand (an older or a future Triton),
+`usable()` is False and the callers run their plain Triton kernels instead; it warns once,
+naming the Triton version and what falls back. Without Gluon the kernel modules still import: the names here
 then stand for `_Absent`, which lets a module define its Gluon kernels and refuses any launch.
 """
 
@@ -107,10 +107,13 @@ if _IMPORT_ERROR is None:
         tma.store_wait(0)
 
 
-def unavailable_reason(device: torch.device) -> str | None:
-    """Why mok's Gluon kernels cannot run on `device` with this Triton (None: they can)."""
+def unavailable_reason(device: torch.device, hopper_kernels: bool) -> str | None:
+    """Why mok's Gluon kernels cannot run on `device` with this Triton (None: they can). The
+    Hopper GEMMs (`hopper_kernels`) also need the probe to compile for the device."""
     if _IMPORT_ERROR is not None:
         return f"Gluon does not import ({_IMPORT_ERROR})"
+    if not hopper_kernels:
+        return None
     index = torch.cuda.current_device() if device.index is None else device.index
     return _probe(torch.cuda.get_device_capability(index))
 
@@ -133,10 +136,10 @@ def _probe(capability: tuple[int, int]) -> str | None:
     return None
 
 
-def usable(device: torch.device, what: str) -> bool:
-    """Whether the Gluon kernel for `what` can run on `device` (a Hopper-class CUDA GPU is the
+def usable(device: torch.device, what: str, hopper_kernels: bool = False) -> bool:
+    """Whether the Gluon kernel for `what` can run on `device` (that it is the right GPU is the
     caller's check). If not, warns once per reason, naming the Triton version and `what`."""
-    reason = unavailable_reason(device)
+    reason = unavailable_reason(device, hopper_kernels)
     if reason is not None:
         _warn_once(reason, what)
     return reason is None

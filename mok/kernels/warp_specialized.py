@@ -177,7 +177,7 @@ def warp_specialized_available(device: torch.device) -> bool:
     if device.type != "cuda" or interpreting():
         return False
     index = torch.cuda.current_device() if device.index is None else device.index
-    return _hopper(index) and gluon_api.usable(device, "the warp-specialized Hopper GEMMs")
+    return _hopper(index) and gluon_api.usable(device, "the warp-specialized Hopper GEMMs", hopper_kernels=True)
 
 
 def available_here() -> bool:

@@ -28,7 +28,7 @@ _WITHOUT_GLUON = textwrap.dedent("""
     import mok
     from mok.kernels import gluon_api
     from mok.testing import make_inputs, assert_close_to_reference
-    assert gluon_api.unavailable_reason(torch.device("cpu")).startswith("Gluon does not import"), "Gluon still imports"
+    assert gluon_api.unavailable_reason(torch.device("cpu"), False).startswith("Gluon does not import"), "Gluon still imports"
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -62,7 +62,7 @@ def test_probe_compiles_for_hopper_with_this_triton():
 
 def test_a_failing_probe_falls_back_with_one_warning(monkeypatch):
     reason = "a Gluon probe kernel does not compile (CompilationError: test)"
-    monkeypatch.setattr(gluon_api, "unavailable_reason", lambda device: reason)
+    monkeypatch.setattr(gluon_api, "unavailable_reason", lambda device, hopper_kernels: reason)
     gluon_api._warn_once.cache_clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -77,7 +77,7 @@ def test_a_failing_probe_falls_back_with_one_warning(monkeypatch):
 
 @pytest.mark.gpu
 def test_a_failing_probe_keeps_hopper_on_the_triton_gemms(monkeypatch):
-    monkeypatch.setattr(gluon_api, "unavailable_reason", lambda device: "test")
+    monkeypatch.setattr(gluon_api, "unavailable_reason", lambda device, hopper_kernels: "test")
     gluon_api._warn_once.cache_clear()
     with pytest.warns(RuntimeWarning, match="falls back"):
         assert not warp_specialized.warp_specialized_available(torch.device("cuda"))
