@@ -43,7 +43,7 @@ from mok.fp8_block import FP8_BLOCK, fp8_block_round
 from mok.mxfp8 import mxfp8_dequantize, mxfp8_quantize
 from mok.reference import Gradients
 from mok.transport import Dispatch, Transport, check_same_across_ranks, create_transport
-from mok.validation import check_layer_inputs, check_tensor, check_topk_ids_values
+from mok.validation import check_layer_inputs, check_tensor, check_topk_ids_values, flatten_tokens
 
 __all__ = [
     "Workspace",
@@ -151,6 +151,7 @@ class Workspace:
     error_flag: torch.Tensor  # [1] int32, bits ERROR_*; zeroed by check_errors
     buffers: dict = field(default_factory=dict)
     transport: Transport | None = None  # moves rows between the ranks of the group (P > 1)
+    error_copy: _ErrorCopy = field(default_factory=lambda: _ErrorCopy())  # the flag as the host last saw it
 
 
 _WORKSPACE_CACHE: dict[tuple, Workspace] = {}
@@ -236,15 +237,73 @@ def clear_workspace_cache() -> None:
     _WORKSPACE_CACHE.clear()
 
 
-def check_errors(workspace: Workspace) -> None:
-    """Raises MoKError for any error flag the device set, then clears the flag (a host sync).
-    Under expert parallelism on the triton backend the flag also holds every other rank's
-    routing errors (they travel with the dispatch), so all ranks raise alike."""
-    flags = int(workspace.error_flag.item())
+class _ErrorCopy:
+    """The error flag as of the last triton-backend call, copied into pinned host memory
+    behind that call's work (a non_blocking copy and an event, no sync). Once the event has
+    completed the host reads the copy for free, so the next call can raise a bad routing
+    without ever waiting for the device."""
+
+    def __init__(self):
+        self.host: torch.Tensor | None = None  # [1] int32, pinned; allocated on the first copy
+        self.copied: torch.cuda.Event | None = None
+
+    @staticmethod
+    def _skipped(error_flag: torch.Tensor) -> bool:
+        # A captured graph would replay the copy with no host read in step with it, and a query
+        # of an event is not allowed while a stream captures; torch.compile cannot trace either.
+        return torch.compiler.is_compiling() or not error_flag.is_cuda or _capturing_cuda_graph()
+
+    def take(self, error_flag: torch.Tensor) -> None:
+        """Queues the copy on the current stream, after everything queued so far."""
+        if self._skipped(error_flag):
+            return
+        if self.host is None:
+            self.host = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+            self.copied = torch.cuda.Event()
+        stream = torch.cuda.current_stream(error_flag.device)
+        self.host.copy_(error_flag, non_blocking=True)
+        self.copied.record(stream)
+
+    def landed_flags(self, error_flag: torch.Tensor) -> int:
+        """The copied bits if the last copy has landed, else 0. Never waits."""
+        if self.copied is None or self._skipped(error_flag) or not self.copied.query():
+            return 0
+        return int(self.host[0])
+
+    def clear(self) -> None:
+        if self.host is not None:
+            self.host.zero_()
+
+
+def _raise_flags(workspace: Workspace, flags: int) -> None:
     if flags:
         workspace.error_flag.zero_()
+        workspace.error_copy.clear()
         messages = [msg for bit, msg in _ERROR_MESSAGES.items() if flags & bit]
         raise MoKError("mok: " + "; ".join(messages))
+
+
+def check_errors(workspace: Workspace, *, blocking: bool = True) -> None:
+    """Raises MoKError for any error flag the device set, then clears the flag.
+    `blocking=True` reads the flag itself (a host sync); `blocking=False` reads only the copy
+    the last triton-backend call left in host memory, if it has landed (no sync, may be one
+    call behind). Under expert parallelism on the triton backend the flag also holds every
+    other rank's routing errors (they travel with the dispatch), so all ranks raise alike."""
+    if not isinstance(blocking, bool):
+        raise TypeError(f"blocking: expected a bool, got {type(blocking).__name__}")
+    if not blocking:
+        _raise_flags(workspace, workspace.error_copy.landed_flags(workspace.error_flag))
+        return
+    _raise_flags(workspace, int(workspace.error_flag.item()))
+
+
+def _raise_landed_errors(workspace: Workspace) -> None:
+    """At the start of a triton-backend call on one rank: raises what an earlier call's copied
+    flag shows, without a sync. Under expert parallelism the ranks' copies land at different
+    times, and one rank raising here would leave the others waiting in the next exchange, so
+    there the caller runs `check_errors` at a point every rank reaches."""
+    if workspace.world_size == 1:
+        _raise_flags(workspace, workspace.error_copy.landed_flags(workspace.error_flag))
 
 
 # --------------------------------------------------------------------------- backend choice
@@ -322,6 +381,7 @@ def build_schedule(
     if backend == "reference":
         check_topk_ids_values(topk_ids, num_experts)
         return Schedule(topk_ids.long(), num_local_experts, num_experts, backend)
+    _raise_landed_errors(workspace)
     block_m = routing_block_m()
     dispatch = None
     if workspace.transport is None:
@@ -665,6 +725,7 @@ def _forward_checked(config, workspace, schedule, x, topk_weights, shared, route
         out, saved = _triton_forward(schedule, x, topk_weights, shared, routed, swiglu_limit, needs_backward)
         if config.strict:
             check_errors(workspace)
+        workspace.error_copy.take(workspace.error_flag)
         copies = routed if needs_backward and config.precision != "bf16" else ()
         return out, ForwardContext(schedule.backend, config.precision, saved, routed_weights=copies)
     out = _reference_call(
@@ -990,9 +1051,11 @@ def backward(
         if release_context:
             context.routed_weights = ()
         saved = context.saved if release_context else dict(context.saved)  # taken from as the backward reads
-        return _triton_backward(
+        grads = _triton_backward(
             schedule, saved, d_out, x, topk_weights, (ws_gate, ws_up, ws_down), routed, swiglu_limit, main_grads
         )
+        workspace.error_copy.take(workspace.error_flag)
+        return grads
     grads = _reference_call(
         reference.moe_backward, config, workspace, schedule, x, topk_weights, ws_gate, ws_up, ws_down,
         w_gate, w_up, w_down, swiglu_limit, d_out,
@@ -1092,10 +1155,13 @@ def moe(
     group: dist.ProcessGroup | None = None,
     workspace_cache: dict | None = None,
 ) -> torch.Tensor:
-    """The whole layer as one autograd-aware call: out [T, H] bf16. `workspace_cache`:
-    where its workspace is cached (`get_workspace`'s `cache`)."""
+    """The whole layer as one autograd-aware call: x [..., H] bf16, topk_ids and topk_weights
+    [..., topk] -> out [..., H] bf16 (leading dims flattened into tokens and restored).
+    `workspace_cache`: where its workspace is cached (`get_workspace`'s `cache`)."""
     config = MoKConfig() if config is None else config
     if not isinstance(config, MoKConfig):
         raise TypeError(f"config: expected a MoKConfig or None, got {type(config).__name__}")
+    x, topk_ids, topk_weights, lead = flatten_tokens(x, topk_ids, topk_weights)
     check_layer_inputs(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, precision=config.precision)
-    return _MoELayer.apply(config, group, swiglu_limit, workspace_cache, x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
+    out = _MoELayer.apply(config, group, swiglu_limit, workspace_cache, x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
+    return out.view(*lead, out.shape[-1])
