@@ -116,6 +116,14 @@ def test_low_precision_rows_time_a_weight_update(tmp_path, capsys, device):
     else:
         assert not any("weight_update_ms" in r["extra"] or "kept_gb" in r["extra"] for r in rows.values()), rows
         assert "each in-place update" not in printed
+        assert "On the CPU mok runs its fp32 reference" in printed and "say nothing about" in printed
+
+
+def test_records_go_to_an_untracked_folder_by_default():
+    """`python -m mok.bench` writes to bench-results/ (in .gitignore); the repository's records
+    are written on purpose, with --out benchmarks/results."""
+    assert cli.build_parser().parse_args([]).out.as_posix() == "bench-results"
+    assert cli.build_parser().parse_args(["--out", "benchmarks/results"]).out.as_posix() == "benchmarks/results"
 
 
 def test_result_line_shows_weight_updates_and_what_is_kept():

@@ -218,6 +218,9 @@ def print_table(results: Sequence[Result], console: Console, title: str = "", cu
             _fmt(r.peak_mem_gb, ".2f"), _fmt(r.max_rel_err, ".2e"), _status(r),
         )
     console.print(table)
+    if not cuda:
+        console.print("On the CPU mok runs its fp32 reference (mok.reference), not its GPU kernels: "
+                      "these times say nothing about mok's speed on a GPU.", highlight=False)
     updates = {(r.preset, _label(r)): r.extra["weight_update_ms"] for r in results if "weight_update_ms" in r.extra}
     for (preset, label), ms in updates.items():
         console.print(f"[dim]{preset} {label}: each in-place update of the routed weights adds {_num(ms)} ms to the "
