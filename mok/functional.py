@@ -1,4 +1,4 @@
-"""The functional API (SPEC §3.2): workspace, schedule, forward, backward, recompute.
+"""The functional API: workspace, schedule, forward, backward, recompute.
 
 A call runs in four steps, each usable alone:
 
@@ -16,7 +16,7 @@ through `torch.distributed` collectives); "triton" runs the fused GPU kernels wh
 support the call, under expert parallelism with rows moved by `mok.transport`.
 `MoKConfig.backend="auto"` picks triton when it can.
 
-Outputs follow SPEC §1: `out` and the gradients of x and of the weights are bf16, the
+Outputs: `out` and the gradients of x and of the weights are bf16, the
 router-weight gradient fp32. Errors found on the device (bad expert ids, capacity
 overflow) set the workspace's error flag; `check_errors(workspace)` raises them (a host
 sync), and `MoKConfig(strict=True)` calls it after every step.
@@ -421,7 +421,7 @@ def _fp8_round(t: torch.Tensor, precision: str, is_weight: bool) -> torch.Tensor
     """t [..., N, K] rounded through `precision`'s FP8 format, in fp32. K, the last dim, is
     the forward GEMM's reduction dim for x [T, H] and for every routed weight (H for
     w_gate/w_up [E_l, I, H], I for w_down [E_l, H, I]). mxfp8: blocks of 32 along K;
-    fp8_block: 1×128 blocks for an activation, 128×128 for a weight (SPEC §2)."""
+    fp8_block: 1×128 blocks for an activation, 128×128 for a weight."""
     if precision == "mxfp8":
         q, scale, _, _ = mxfp8_quantize(t, rowwise=True, colwise=False)
         return mxfp8_dequantize(q, scale)
@@ -970,7 +970,7 @@ def _routed_backward(schedule, saved, d_out, x, topk_weights, routed, swiglu_lim
 
 
 def _triton_backward(schedule, saved, d_out, x, topk_weights, shared, routed, swiglu_limit, main_grads) -> Gradients:
-    """DESIGN §3's backward on one GPU, no host sync: per expert group, down dgrad + SwiGLU
+    """The backward on one GPU, no host sync: per expert group, down dgrad + SwiGLU
     backward + router-weight gradient, gate/up dgrad into route slots, wgrad GEMMs; then
     d_x = dx_shared + Σ_j dx_slots (the combine with unit weights, ascending j). Reads the
     forward's g,u and, where it saved one, h (not y: the router-weight gradient is ⟨dOut·Wd, h⟩
@@ -1018,7 +1018,7 @@ def backward(
     main_grads: dict[str, torch.Tensor] | None = None,
     release_context: bool = False,
 ) -> Gradients:
-    """Every gradient in SPEC §1's order: d_x, d_topk_weights, routed then shared weights.
+    """Every gradient in the layer's order: d_x, d_topk_weights, routed then shared weights.
 
     `main_grads` maps weight names ("w_gate", "w_up", "w_down", "ws_gate", "ws_up",
     "ws_down") to fp32 or bf16 buffers of the weight's shape: those gradients are added

@@ -19,7 +19,7 @@ class MoKMoE(nn.Module):
 
     forward(x [..., H] bf16, topk_ids [..., topk], topk_weights [..., topk] fp32) -> [..., H] bf16
 
-    Parameters follow `nn.Linear`'s [out, in] layout and SPEC §1's names: `w_gate`,
+    Parameters follow `nn.Linear`'s [out, in] layout and the layer's names: `w_gate`,
     `w_up` [E_l, I, H], `w_down` [E_l, H, I] for this rank's E_l = num_experts / P local
     experts, and `ws_gate`, `ws_up` [I_s, H], `ws_down` [H, I_s] with a shared expert.
     Under `ep_group`, `topk_ids` hold global expert ids and tokens travel to the ranks

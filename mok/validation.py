@@ -3,7 +3,7 @@
 Shape, dtype, device and layout checks cost no device work. The value checks on
 `topk_ids` (range, repeats within a row) need the data: the reference backend runs them
 on the host; the fast backend runs them inside its schedule kernel and raises through the
-workspace's error flag (SPEC §4).
+workspace's error flag.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What a benchmark run leaves behind: a rich table, a JSON record, a PNG plot (DESIGN §7).
+"""What a benchmark run leaves behind: a rich table, a JSON record, a PNG plot.
 
 Record: `<out>/<gpu-slug>-<yyyymmdd>-<what>.json` with the machine, versions, date and
 command, and one entry per (preset, pass, impl, precision); the plot of the speedup over
@@ -73,7 +73,7 @@ def _clean(value):
 
 
 def record(results: Sequence[Result], info: dict, command: str, settings: dict, date: datetime.date) -> dict:
-    """DESIGN §7's record: machine and versions, date, command, settings, results."""
+    """The benchmark's record: machine and versions, date, command, settings, results."""
     return _clean({
         **info,
         "date": date.isoformat(),

@@ -32,7 +32,7 @@ w·dOut (2·H bytes per route) and the forward its saved h (2·I bytes per route
 of 2·I bytes per route here. `down_wgrad_reads_weighted_h` says where (I < H). h here is
 recomputed from the saved bf16 g, u, as the router-weight partials use it; the forward's h
 came from the fp32 accumulators, so wh differs from bf16(w · h_forward) by about one bf16
-rounding, inside SPEC's bf16 bar.
+rounding, inside the bf16 accuracy bar.
 
 Padding rows (src = −1) get exact zeros in d_gate_up: the wgrad kernels read it through
 TMA without masks and rely on it. Rows past the schedule's
@@ -46,7 +46,7 @@ nothing (for finite weights). A sorted operand with fewer rows than the schedule
 reads zeros past its end: the shared expert's sorted layout is the token order itself, so
 it passes x and dOut as they are.
 
-fp8_block (SPEC §2; the constexpr PRECISION, launchers `*_fp8_block`): the same kernels and
+fp8_block (the constexpr PRECISION, launchers `*_fp8_block`): the same kernels and
 epilogues on E4M3 operands with fp32 block scales, one per 1×128 block of a sorted row along
 the reduction dim (dOut's along H, d_g's and d_u's along I) and one per 128×128 block of a
 weight, applied per 128-wide K step by the forward's main loop (`grouped_gemm.sorted_rows_tile`):
@@ -291,7 +291,7 @@ def sorted_rows_times_weight(
     for k0 in range(0, reduce_dim, BLOCK_K):
         a = a_desc.load([m0, k0])
         b = w_desc.load([w_row + k0, n0])
-        if INTERPRETER:  # the interpreter's bf16 tl.dot is wrong (DESIGN §6); fp32 is exact
+        if INTERPRETER:  # the interpreter's bf16 tl.dot is wrong (Triton 3.6-3.9); fp32 is exact
             a, b = a.to(tl.float32), b.to(tl.float32)
         acc = tl.dot(a, b, acc)
     return acc

@@ -22,7 +22,7 @@ forms the router-weight gradient ⟨dOut·Wd, h⟩ and applies w in fp32), the d
 w·dOut as a plain TMA operand. Where I < H the down dgrad's epilogue writes w·h instead
 (`dgrad.down_wgrad_reads_weighted_h`, 2·I bytes per route against w·dOut's 2·H), and the
 caller asks for no dy (`topk_weights=None`). dy carries one bf16 rounding of w·dOut
-(relative 2^-9 per element, far inside SPEC's bf16 bar).
+(relative 2^-9 per element, far inside the bf16 accuracy bar).
 
 mxfp8 (`mxfp8=True`): each copy comes out rounded to the MXFP8 grid of the GEMM that reads it
 (`quant.mxfp8_round`): d_out_sorted in blocks of 32 along H (the down dgrad reduces over H),

@@ -25,7 +25,7 @@ halves (`SPLIT_LAST_WAVE`, `common.last_wave_tile_coordinates`): the number of M
 follows the routing, and a last wave of a few tiles would otherwise cost a whole tile's time
 with most SMs idle. Each element keeps its K order, so the output is bitwise the same.
 
-fp8_block (SPEC §2; the constexpr PRECISION, launchers `*_fp8_block`): the same kernels
+fp8_block (the constexpr PRECISION, launchers `*_fp8_block`): the same kernels
 on E4M3 operands aq, wq with fp32 block scales, one per 1×128 block of an activation row
 (sa: x's or h's) and one per 128×128 block of a weight (sw), applied per 128-wide K step:
 
@@ -40,7 +40,7 @@ bit-exact rule of `mok.fp8_block`): BLOCK_N = 128, so each row of a tile is exac
 1×128 block of h. h_q [rows, I] e4m3 and h_scale [rows, I/128] fp32 replace the bf16 h;
 the down GEMM reads h_q through TMA. Hopper's FP8 MMA needs both operands K-major in
 shared memory: gathered x rows, h rows and the [N, K] weight tiles all have K contiguous.
-H and I must be multiples of 128 (SPEC §4), so no K step or h block is ragged.
+H and I must be multiples of 128, so no K step or h block is ragged.
 
 What the fp8_block backward needs from this forward: g and u (`store_gate_up`, bf16, as in
 bf16 mode) to recompute h and the SwiGLU derivative; h_q is not kept (the down wgrad
@@ -131,7 +131,7 @@ def gather_gate_up_tile(
             a = tl.load(a_ptrs + k0, mask=row_valid[:, None] & (k0 + k_offs < hidden)[None, :], other=0.0)
         if PACKED:
             b = w_gate_desc.load([0, expert, n0, k0]).reshape(2 * BLOCK_N, BLOCK_K).T  # [BLOCK_K, gate | up]
-            if INTERPRETER:  # the interpreter's bf16 tl.dot is wrong (DESIGN §6); fp32 is exact
+            if INTERPRETER:  # the interpreter's bf16 tl.dot is wrong (Triton 3.6-3.9); fp32 is exact
                 a, b = a.to(tl.float32), b.to(tl.float32)
             acc_gate_up = tl.dot(a, b, acc_gate_up)
         else:

@@ -1,4 +1,4 @@
-"""FP8 block quantization kernels (SPEC §2 `fp8_block`), bit-exact with `mok.fp8_block`.
+"""FP8 block quantization kernels (`fp8_block`), bit-exact with `mok.fp8_block`.
 
     scale_b = max(amax_b, 448 · 2^-126) / 448,    q[i] = e4m3_rne_saturate(x[i] · (1 / scale_b))
 

@@ -33,7 +33,7 @@ Caller contract: the schedule was built for these rows; every row in
 [expert_offsets[e], expert_offsets[e+1]) of each operand holds its data (zeros at
 padding: the forward's h is zero there because its gathered x rows are).
 
-fp8_block (SPEC §2; the constexpr PRECISION, launchers `*_fp8_block`): the reduction runs
+fp8_block (the constexpr PRECISION, launchers `*_fp8_block`): the reduction runs
 over rows, so both operands are quantized in 1×128 blocks along the rows, per expert
 (a separate launch per operand ahead of these GEMMs: x and w·dOut gathered from the token
 rows by `quant_fp8_block.quantize_fp8_block_gathered_t`, d_gate_up viewed as [rows, 2·I] by
@@ -211,7 +211,7 @@ def _wgrad_tile(
     acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for r0 in range(row_start, row_end, BLOCK_K):
         if PRECISION == "fp8_block":
-            # No upcast: the interpreter's fp8 tl.dot is right (DESIGN §6 concerns bf16).
+            # No upcast: the interpreter's fp8 tl.dot is right (only its bf16 one is wrong).
             a = a_desc.load([m0, r0])  # aᵀ [BLOCK_M, BLOCK_K rows], K-major
             b = b_desc.load([n0, r0]).T  # b [BLOCK_K rows, BLOCK_N] from K-major bᵀ
             # The scale row of the 128-row block (counted from the expert's first row) holding r0.
@@ -229,7 +229,7 @@ def _wgrad_tile(
         else:
             a = a_desc.load([r0, m0]).T  # aᵀ [BLOCK_M, BLOCK_K rows]
             b = b_desc.load([r0, n0])  # b [BLOCK_K rows, BLOCK_N]
-            if INTERPRETER:  # the interpreter's bf16 tl.dot is wrong (DESIGN §6); fp32 is exact
+            if INTERPRETER:  # the interpreter's bf16 tl.dot is wrong (Triton 3.6-3.9); fp32 is exact
                 a, b = a.to(tl.float32), b.to(tl.float32)
             acc = tl.dot(a, b, acc)
             if TWO_OUTPUTS:
