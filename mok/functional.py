@@ -89,31 +89,27 @@ def pack_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> tuple[torch.Tensor
 # w·dOut from dOut's per-token copy), instead of quantizing x's and dOut's bf16 token rows and
 # recomputing h from g, u: DeepSeek-V3's recipe for the activations it caches in FP8. The
 # transposing quantizers then read e4m3 rows instead of bf16 ones (and h's, not g's and u's);
-# the wgrads' x, w·dOut and h are quantized twice. H200, profile per forward+backward (log
-# h200-20261203-fp8-requantize.log): the transposing quantizers 0.683 -> 0.613-0.622 ms on
-# qwen3-30b, 1.066 -> 0.994-0.995 on deepseek-v3-slice. The forward keeps T·H + rows·I more bytes.
+# the wgrads' x, w·dOut and h are quantized twice. Kept because the transposing quantizers run
+# faster on e4m3 rows (log h200-20261203-fp8-requantize.log); the forward keeps T·H + rows·I more bytes.
 FP8_BLOCK_WGRADS_REQUANTIZE = True
 # fp8_block: the down dgrad's epilogue quantizes d_g, d_u in 1×128 blocks along I itself (the
 # gate/up dgrad's operands, bitwise what the per-token quantizer makes of its bf16 output), and
 # the gate/up wgrad's d_gᵀ, d_uᵀ are requantized from those e4m3 copies down the rows, as x, h and
 # w·dOut are with FP8_BLOCK_WGRADS_REQUANTIZE: no bf16 d_g, d_u, no separate quantizer launches.
-# H200 (record h200-20261203-ab-fp8-block-v32.json): forward+backward qwen3-30b 6.13 -> 5.95 ms,
-# deepseek-v3-slice 25.2 -> 24.9; the worst relative error (d_w_gate) 0.071 -> 0.074.
+# Faster on both presets, its worst error still well inside the fp8 bar (record h200-20261203-ab-fp8-block-v32.json).
 FP8_BLOCK_D_GATE_UP_QUANTIZED = True
 # fp8_block on one rank: the down GEMM and the gate/up dgrad write y and dx in the sorted layout
 # (each GEMM row at its own index, by TMA stores that run under the next tile's MMAs:
 # `warp_specialized.SORTED_TMA_STORE`) instead of scattering them to route slots from registers,
 # and the combines gather each route's row through the schedule's route_row. The same bytes, read at
-# random rows instead of written there; out and d_x bitwise the same. H200, qwen3-30b profile:
-# the scatter kernels 1.346 -> 1.235 ms, the combines 0.301 -> 0.312; forward+backward level on
-# qwen3-30b, deepseek-v3-slice 0.08-0.16 ms faster (records h200-20261203-ab-fp8-block-v33/v34).
+# random rows instead of written there; out and d_x bitwise the same. Level on qwen3-30b, faster on
+# deepseek-v3-slice (records h200-20261203-ab-fp8-block-v33/v34).
 FP8_BLOCK_SORTED_OUTPUTS = True
 # fp8_block, a memory option: the forward keeps g, u for the backward in e4m3, 1×128 blocks along I
 # (quantized from the fp32 accumulators by the gate/up epilogue, as h is), instead of bf16:
 # DeepSeek-V3's SwiGLU input cached in FP8. 2·I bytes less per route kept from forward to backward
-# (qwen3-30b: 0.2 GB per layer, a third of what the layer keeps), for time: H200, qwen3-30b profile,
-# the gate/up 1.29 -> 1.35 ms and the down dgrad's epilogue 0.33 -> 0.38 (quantizing and
-# dequantizing cost more than the bytes saved; log h200-20261204-gate-up-e4m3.log). Off by default.
+# (qwen3-30b: 0.2 GB per layer, a third of what the layer keeps), for time: quantizing and dequantizing
+# cost more than the bytes saved (log h200-20261204-gate-up-e4m3.log). Off by default.
 # With FP8_BLOCK_WGRADS_REQUANTIZE only (the other way recomputes h from bf16 g, u), and without a
 # swiglu_limit (its clamps' zero gradients need g, u exactly).
 FP8_BLOCK_GATE_UP_E4M3 = False
