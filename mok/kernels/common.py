@@ -47,8 +47,9 @@ def launch_programs(tiles: int, cfg: dict, device) -> int:
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor  # noqa: E402
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
+
+from mok.kernels.gluon_api import GluonTensorDescriptor  # noqa: E402
 
 
 @triton.jit

@@ -89,12 +89,12 @@ import math
 import torch
 import triton
 import triton.language as tl
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
 
 from mok.fp8_block import FP8_BLOCK
 from mok.kernels.common import interpreting, round_to_bf16
+from mok.kernels import gluon_api
 from mok.kernels.gather import gather_sorted_rows, sorted_row_routes
+from mok.kernels.gluon_api import gl, gluon
 from mok.kernels.schedule import RoutingSchedule
 from mok.kernels.swiglu import fast_sigmoid_here, swiglu_forward
 from mok.mxfp8 import check_float_input
@@ -683,13 +683,18 @@ def quantize_fp8_block_weights(
     scale_t = torch.empty(E, kb, nb, dtype=torch.float32, device=w.device)  # [E, ⌈K/128⌉, ⌈N/128⌉]
     args = (w3, q, scale, q_t, scale_t, N, K, nb, kb, w3.stride(0), w3.stride(1))
     if E > 0 and N > 0 and K > 0:
-        if _WEIGHTS_GLUON and w.device.type == "cuda" and not interpreting():
+        if _WEIGHTS_GLUON and _gluon_here(w.device, "the fp8_block weight quantizer"):
             _quantize_weight_128x128_gluon_kernel[(nb, kb, E)](*args, num_warps=_WEIGHT_GLUON_NUM_WARPS)
         else:
             _quantize_weight_128x128_kernel[(nb, kb, E)](*args, INTERPRETER=interpreting(), BLOCK=_WEIGHT_BLOCK,
                                                          num_warps=8)
     outs = (q.view(torch.float8_e4m3fn), scale, q_t.view(torch.float8_e4m3fn), scale_t)
     return tuple(t.squeeze(0) for t in outs) if squeeze else outs
+
+
+def _gluon_here(device: torch.device, what: str) -> bool:
+    """The Gluon quantizers run on NVIDIA GPUs (no interpreter) where this Triton builds Gluon."""
+    return device.type == "cuda" and not interpreting() and gluon_api.usable(device, what)
 
 
 def sorted_scale_rows(block_m: int) -> int:
@@ -721,7 +726,7 @@ def _launch_quantize_sorted_t(
              a.stride(0), a_scale.stride(0) if scaled else 0)
     flags = dict(SWIGLU=swiglu, HAS_LIMIT=swiglu_limit is not None, GATHER=gathered_topk is not None,
                  HAS_WEIGHTS=topk_weights is not None, SCALED=scaled, FAST_SIGMOID=fast_sigmoid_here())
-    if _SORTED_GLUON and device.type == "cuda" and not interpreting() and scale_rows == FP8_BLOCK:
+    if _SORTED_GLUON and scale_rows == FP8_BLOCK and _gluon_here(device, "the fp8_block transposing quantizer"):
         rows_per_thread = _SORTED_GLUON_ROWS_PER_THREAD
         num_warps = _SORTED_GLUON_NUM_WARPS_E4M3 if scaled else _SORTED_GLUON_NUM_WARPS
         block_w = _sorted_t_gluon_block_w(rows_per_thread, num_warps)

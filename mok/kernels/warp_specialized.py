@@ -74,16 +74,6 @@ import functools
 
 import torch
 import triton
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
-    mbarrier,
-    tma,
-    warpgroup_mma,
-    warpgroup_mma_wait,
-)
 
 from mok.fp8_block import FP8_BLOCK
 from mok.kernels.common import (
@@ -96,6 +86,20 @@ from mok.kernels.common import (
     tma_descriptor,
 )
 from mok.kernels.gather import sorted_row_routes
+from mok.kernels import gluon_api
+from mok.kernels.gluon_api import (
+    async_copy,
+    cp_async_load,
+    fence_async_shared,
+    gl,
+    gluon,
+    mbarrier,
+    tma,
+    tma_load,
+    tma_store,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 from mok.kernels.quant_fp8_block import quantize_row_blocks
 from mok.kernels.schedule import RoutingSchedule
 from mok.kernels.swiglu import fast_sigmoid_here, swiglu_forward
@@ -168,10 +172,12 @@ def _hopper(device_index: int) -> bool:
 
 
 def warp_specialized_available(device: torch.device) -> bool:
-    """These kernels need Hopper's wgmma and TMA and a real GPU (no interpreter)."""
+    """These kernels need Hopper's wgmma and TMA, a real GPU (no interpreter) and a Triton
+    whose Gluon builds them (`gluon_api.usable`; else the Triton GEMMs run)."""
     if device.type != "cuda" or interpreting():
         return False
-    return _hopper(torch.cuda.current_device() if device.index is None else device.index)
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return _hopper(index) and gluon_api.usable(device, "the warp-specialized Hopper GEMMs")
 
 
 def available_here() -> bool:
@@ -233,11 +239,11 @@ def _load_step(step, a_desc, a_coords, a2_desc, a2_coords, b_desc, b_coords, a_b
     slot, bar = _claim_slot(step, ready, empty,
                             A_TILES * a_desc.block_type.nbytes + b_desc.block_type.nbytes + extra_bytes, STAGES)
     if COOPERATIVE:
-        tma.async_copy_global_to_shared(a_desc, a_coords, bar, a_bufs.index(2 * slot))
-        tma.async_copy_global_to_shared(a2_desc, a2_coords, bar, a_bufs.index(2 * slot + 1))
+        tma_load(a_desc, a_coords, bar, a_bufs.index(2 * slot))
+        tma_load(a2_desc, a2_coords, bar, a_bufs.index(2 * slot + 1))
     else:
-        tma.async_copy_global_to_shared(a_desc, a_coords, bar, a_bufs.index(slot))
-    tma.async_copy_global_to_shared(b_desc, b_coords, bar, b_bufs.index(slot))
+        tma_load(a_desc, a_coords, bar, a_bufs.index(slot))
+    tma_load(b_desc, b_coords, bar, b_bufs.index(slot))
     return slot, bar
 
 
@@ -661,8 +667,7 @@ def _copy_gathered_rows(x_ptr, row_offsets, rows_valid, k0, buf, BLOCK_K: gl.con
     cols = k0 + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, _BYTE_ROWS_LAYOUT))
     # 16-byte copies: the row offsets and k0 are multiples of 128 (H is, in fp8_block)
     cols = gl.max_contiguous(gl.multiple_of(cols, BLOCK_K), BLOCK_K)
-    async_copy.async_copy_global_to_shared(buf, x_ptr + row_offsets[:, None] + cols[None, :],
-                                           mask=rows_valid[:, None])
+    cp_async_load(buf, x_ptr + row_offsets[:, None] + cols[None, :], mask=rows_valid[:, None])
 
 
 @gluon.jit
@@ -699,8 +704,8 @@ def _gathered_producer(x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, emp
             _copy_gathered_rows(x_ptr, offsets_2, valid_2, k0, a_bufs.index(2 * slot + 1), BLOCK_K)
             async_copy.mbarrier_arrive(bar, increment_count=False)
             b = b_bufs.index(slot)  # the gate tile in its first HALF_N rows, the up tile in the rest
-            tma.async_copy_global_to_shared(w_gate_desc, [w_row, k0], bar, b.slice(0, HALF_N))
-            tma.async_copy_global_to_shared(w_up_desc, [w_hi_row, k0], bar, b.slice(HALF_N, HALF_N))
+            tma_load(w_gate_desc, [w_row, k0], bar, b.slice(0, HALF_N))
+            tma_load(w_up_desc, [w_hi_row, k0], bar, b.slice(HALF_N, HALF_N))
             step += 1
 
 
@@ -811,7 +816,7 @@ def _store_tile_async(tile, buf, desc, row, column):
     left in flight: the caller waits (`tma.store_wait`) before it writes `buf` again."""
     buf.store(tile)
     fence_async_shared()
-    tma.async_copy_shared_to_global(desc, [row, column], buf)
+    tma_store(desc, [row, column], buf)
 
 
 @gluon.jit
@@ -930,7 +935,7 @@ def _wgrad_producer(a_desc, a2_desc, b_desc, b_scale_desc, a_bufs, b_bufs, b_sca
                 slot, bar = _load_step(step, a_desc, [m0, r0], a2_desc, [m0 + A2_OFFSET, r0], b_desc, [n0, r0],
                                        a_bufs, b_bufs, ready, empty, b_scale_desc.block_type.nbytes, COOPERATIVE,
                                        STAGES)
-                tma.async_copy_global_to_shared(b_scale_desc, [r0 // BLOCK_K, n0], bar, b_scale_bufs.index(slot))
+                tma_load(b_scale_desc, [r0 // BLOCK_K, n0], bar, b_scale_bufs.index(slot))
             else:
                 _load_step(step, a_desc, [r0, m0], a2_desc, [r0, m0 + A2_OFFSET], b_desc, [r0, n0], a_bufs, b_bufs,
                            ready, empty, 0, COOPERATIVE, STAGES)

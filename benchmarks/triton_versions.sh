@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# mok under a second Triton release beside the installed one, on one GPU machine.
+#   usage: TRITON_TARBALL=path.tar.xz bash benchmarks/triton_versions.sh STEP...
+#   STEPS: tests  the GPU suite under the second release (four pytest processes side by side);
+#          bench  the layer under both releases in alternating processes (BENCH_ARGS, ROUNDS),
+#                 then one record of both with the ratios (benchmarks/compare_triton.py).
+# TRITON_TARBALL holds a release's `triton` package folder (and its dist-info), e.g. a wheel's
+# contents less what mok does not use (the AMD backend, CUPTI), so that it fits a device call.
+# Writes logs and records under $OUT (or ./bench_out).
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET
+OUT=${OUT:-bench_out}
+mkdir -p "$OUT"
+SITE=/tmp/triton-other
+if [ ! -d $SITE/triton ]; then
+  mkdir -p $SITE && tar xJf "${TRITON_TARBALL:?name a tarball of the second Triton}" -C $SITE || exit 1
+fi
+base() { PYTHONPATH=$PWD TRITON_CACHE_DIR=/tmp/triton-cache-base "$@"; }
+other() { PYTHONPATH=$SITE:$PWD TRITON_CACHE_DIR=/tmp/triton-cache-other "$@"; }
+for run in base other; do
+  $run python3 -c "import torch, triton; print('$run: torch', torch.__version__, 'triton', triton.__version__)" \
+    | tee -a "$OUT/versions.txt"
+done
+T=${STEP_TIMEOUT:-540}
+for step in "$@"; do
+  echo "== $step ($(date +%T))"
+  case $step in
+    tests)
+      pytest_args="-q -p no:cacheprovider -rfE"
+      other timeout $T python3 -m pytest $pytest_args tests/kernels/test_warp_specialized.py tests/kernels/test_gluon_api.py \
+        -k "not compile" > "$OUT/tests-g1.log" 2>&1 &
+      other timeout $T python3 -m pytest $pytest_args tests/test_triton_backward.py tests/test_gpu_forward.py \
+        > "$OUT/tests-g2.log" 2>&1 &
+      other timeout $T python3 -m pytest $pytest_args tests/kernels --ignore=tests/kernels/test_warp_specialized.py \
+        --ignore=tests/kernels/test_gluon_api.py > "$OUT/tests-g3.log" 2>&1 &
+      other timeout $T python3 -m pytest $pytest_args tests --ignore=tests/kernels --ignore=tests/dist \
+        --ignore=tests/test_triton_backward.py --ignore=tests/test_gpu_forward.py > "$OUT/tests-g4.log" 2>&1 &
+      wait
+      for g in 1 2 3 4; do echo "-- g$g"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests-g$g.log" | tail -12; done ;;
+    bench)
+      for round in $(seq ${ROUNDS:-2}); do
+        for run in base other; do
+          $run timeout $T python3 -m mok.bench ${BENCH_ARGS:---preset qwen3-30b,deepseek-v3-slice --pass fwd+bwd \
+            --precision bf16,fp8_block --impl mok --rounds 2} --no-plot --out "$OUT/$run-$round" \
+            > "$OUT/bench-$run-$round.log" 2>&1
+          tail -8 "$OUT/bench-$run-$round.log"
+        done
+      done
+      python3 benchmarks/compare_triton.py "$OUT" --command "TRITON_TARBALL=... bash benchmarks/triton_versions.sh $*" ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
