@@ -599,8 +599,8 @@ ROUND_WARMUP = 2
 def _round_order(timed: list, round_: int) -> list:
     """The order the (impl, pass) pairs take in round `round_`: as given in even rounds,
     reversed in odd ones. On the H200 a pair's time depends on its place in the round: in one
-    run, deepseek-v3-slice's fp8_block layer took 0.6–0.7 ms (3%) less in the place before
-    another build than in the one after it, whichever build sat where (BENCHMARKS.md, "Which
+    run, deepseek-v3-slice's fp8_block layer took about 3% less in the place before
+    another build than in the one after it, whichever build sat where (benchmarks/LOG.md, "Which
     place in the round"). Reversing every other round gives each pair both neighbours'
     places alike, so the bias falls out of the medians of an even number of rounds."""
     return timed if round_ % 2 == 0 else timed[::-1]
