@@ -125,7 +125,7 @@ COOPERATIVE_TILE = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_stages=4)
 FP8_BLOCK_TILE = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_stages=3, GROUP_M=8)
 # The fp8_block wgrads store each consumer's output tile through shared memory by TMA, left in
 # flight while the next tile's MMAs run (`_wgrad_store_async`); False stores it from registers
-# (`_wgrad_store`), as the bf16 wgrads do. The register stores were a tenth of the fp8 wgrads' time
+# (`_wgrad_store`), as the bf16 wgrads do. The register stores took up to an eighth of the fp8 wgrads' time
 # (log h200-20261202-fp8-wgrad-nostore.log), and by TMA they run under the MMAs (record
 # h200-20261202-ab-fp8-wgrad-tma-store.json).
 FP8_WGRAD_TMA_STORE = True
