@@ -36,7 +36,7 @@ def _grouped_modes():
 @pytest.mark.parametrize("shared", [0, 32])
 @pytest.mark.parametrize("topk", [1, 2])
 def test_torch_eager_matches_reference(grouped, shared, topk):
-    T, H, I, E = 37, 64, 32, 5  # noqa: E741 (SPEC's names)
+    T, H, I, E = 37, 64, 32, 5  # noqa: E741 (the layer's names)
     # Ids drawn from E-1 experts and shifted: expert 0 gets no token.
     ids = make_topk_ids(T, E - 1, topk, torch.Generator().manual_seed(3)) + 1
     inp = make_inputs(T, H, I, E, topk, shared, seed=7, topk_ids=ids, signed_weights=True)

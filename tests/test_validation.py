@@ -1,4 +1,4 @@
-"""Every bad input of SPEC §4 raises a ValueError/TypeError that names the argument."""
+"""Every bad input raises a ValueError/TypeError that names the argument."""
 
 import pytest
 import torch
