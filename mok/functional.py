@@ -262,7 +262,7 @@ class _ErrorCopy:
 
     def landed_flags(self, error_flag: torch.Tensor) -> int:
         """The copied bits if the last copy has landed, else 0. Never waits."""
-        if self.copied is None or self._skipped(error_flag) or not self.copied.query():
+        if self._skipped(error_flag) or self.copied is None or not self.copied.query():
             return 0
         return int(self.host[0])
 
