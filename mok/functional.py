@@ -1160,4 +1160,4 @@ def moe(
     x, topk_ids, topk_weights, lead = flatten_tokens(x, topk_ids, topk_weights)
     check_layer_inputs(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, precision=config.precision)
     out = _MoELayer.apply(config, group, swiglu_limit, workspace_cache, x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
-    return out.view(*lead, out.shape[-1])
+    return out if len(lead) == 1 else out.view(*lead, out.shape[-1])  # [T, H] in, the layer's own output out
