@@ -24,7 +24,7 @@ the return trip needs: no route index travels.
 
 On the receiving rank, rows arrive source-major (source p's rows at p·C + c). The
 receiver's schedule is built over the interleaved order c·P + p, so that inside each
-expert, ascending order takes the sources round-robin (DESIGN §3.1); `receive_expert_ids`
+expert, ascending order takes the sources round-robin; `receive_expert_ids`
 writes the ids in that order. Each source appends its error flag to the ids it sends, so
 every rank's flag ends up holding every rank's routing errors and all ranks raise alike.
 

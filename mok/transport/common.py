@@ -7,7 +7,7 @@ token's expert ids are distinct, so at most min(topk, E_l) of its routes go to o
 
 Receiver's schedule: the rows from source p sit at p·C + c of the received buffers; the
 schedule is built over the interleaved order c·P + p, so that inside each expert,
-ascending order takes the sources round-robin (DESIGN §3.1), then mapped back to the
+ascending order takes the sources round-robin, then mapped back to the
 rows where the exchange put them.
 """
 

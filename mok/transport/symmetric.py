@@ -33,7 +33,7 @@ and the returning rows land in their slots, so nothing is unpacked. Routes past 
 capacity set ERROR_CAPACITY_OVERFLOW (every rank learns it through the plan); they move
 nothing and their slots are zeroed by the dispatch that would have sent them.
 
-Safe to overwrite (DESIGN §4's third sync pattern) follows from the order of the calls,
+Safe to overwrite (the third sync pattern of `kernels/comm.py`) follows from the order of the calls,
 checked for every region: a rank pushes into a peer's region only after a wait that
 needs a push the peer made after its last read of that region. E.g. rank a's next push
 into b's recv_x follows a's wait for b's y rows, which b pushed after its gate/up GEMM
