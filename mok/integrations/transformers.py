@@ -168,16 +168,24 @@ def _mok_experts_forward(self, hidden_states, top_k_index, top_k_weights):
 
 
 _original_get_correct_experts_implementation = PreTrainedModel.get_correct_experts_implementation
+_original_post_init = PreTrainedModel.post_init
 
 
+# transformers validates an implementation's name only (and at `__init__`'s start, before the
+# modules exist); these two hooks add mok's check of the model's experts modules, so that
+# `from_pretrained(..., experts_implementation="mok")` (checked once the modules are built,
+# by `post_init`) and `set_experts_implementation("mok")` fail at once, not at a forward.
 def _get_correct_experts_implementation(self, requested_experts):
-    # transformers validates an implementation's name only; this adds mok's check of the
-    # model's experts modules, so that `from_pretrained(..., experts_implementation="mok")`
-    # and `set_experts_implementation("mok")` fail at once instead of at the first forward.
     applicable = _original_get_correct_experts_implementation(self, requested_experts)
     if applicable == NAME:
         check_model(self)
     return applicable
+
+
+def _post_init(self):
+    _original_post_init(self)
+    if getattr(self.config, "_experts_implementation", None) == NAME:
+        check_model(self)
 
 
 def register(config: MoKConfig | None = None) -> None:
@@ -188,6 +196,7 @@ def register(config: MoKConfig | None = None) -> None:
     _CONFIGS[NAME] = MoKConfig() if config is None else config
     ExpertsInterface.register(NAME, _mok_experts_forward)
     PreTrainedModel.get_correct_experts_implementation = _get_correct_experts_implementation
+    PreTrainedModel.post_init = _post_init
 
 
 register()
