@@ -14,6 +14,8 @@ from mok.integrations.torchtitan import MoKGroupedExperts, MoKRoutedExperts, use
 from mok.testing import relative_error  # noqa: E402
 
 D, F, E, K = 64, 32, 8, 2  # dim, hidden_dim, experts, top-k
+# torchtitan's router asks for an fp32 autocast, which the CPU does not have (it warns).
+pytestmark = pytest.mark.filterwarnings("ignore:In CPU autocast:UserWarning")
 
 
 def _moe_config(top_k: int = K) -> MoE.Config:

@@ -166,3 +166,17 @@ def test_registered_name_and_config():
     assert mok_hf.NAME in ALL_EXPERTS_FUNCTIONS
     with pytest.raises(TypeError, match="config"):
         mok_hf.register(config="bf16")
+
+
+def test_register_another_precision():
+    import mok
+
+    experts, x, ids, weights = _experts_call("cpu")
+    expected = experts(x, ids, weights)
+    mok_hf.register(mok.MoKConfig(precision="mxfp8"))
+    try:
+        out = experts(x, ids, weights)
+    finally:
+        mok_hf.register()
+    err = relative_error(out.float(), expected.float())
+    assert 0 < err < 0.1, f"mxfp8 output {err=} from bf16's"
