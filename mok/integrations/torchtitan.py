@@ -74,15 +74,16 @@ class MoKGroupedExperts(GroupedExperts):
         rows = x_RD.shape[0]
         if rows == 0:
             return x_RD.clone()
+        weights = _swiglu_weights(self)
+        num_local_experts = weights[0].shape[0]  # E / EP under torchtitan's expert parallelism
         row = torch.arange(rows, device=x_RD.device)  # [R]
-        ends = torch.cumsum(num_tokens_per_expert_E.to(device=x_RD.device, dtype=torch.long), dim=0)  # [E]
-        expert = torch.bucketize(row, ends, right=True)  # [R]: the expert of each row, E past the counts
-        weight = (expert < self.num_experts).float()  # [R]
+        ends = torch.cumsum(num_tokens_per_expert_E.to(device=x_RD.device, dtype=torch.long), dim=0)  # [E_l]
+        expert = torch.bucketize(row, ends, right=True)  # [R]: the local expert of each row, E_l past the counts
         out = moe(
             _bf16(x_RD).contiguous(),
-            expert.clamp(max=self.num_experts - 1)[:, None].contiguous(),  # [R, 1]
-            weight[:, None].contiguous(),  # [R, 1]
-            *_swiglu_weights(self),
+            expert.clamp(max=num_local_experts - 1)[:, None].contiguous(),  # [R, 1]
+            (expert < num_local_experts).float()[:, None].contiguous(),  # [R, 1]: padding rows weigh 0
+            *weights,
             config=self.mok_config,
             workspace_cache=_workspace_cache(self),
         )
