@@ -127,3 +127,60 @@ def test_use_mok_errors_and_idempotence():
         use_mok(Linear.Config(in_features=D, out_features=E))
     with pytest.raises(ValueError, match="count_tokens"):
         use_mok(_moe_config(), whole_layer=False, count_tokens=True)
+
+
+def _routed_experts(num_experts: int, world_size: int = 1) -> MoKRoutedExperts:
+    config = MoKRoutedExperts.Config(
+        inner_experts=GroupedExperts.Config(dim=D, hidden_dim=F, num_experts=num_experts),
+        token_dispatcher=LocalTokenDispatcher.Config(num_experts=num_experts, top_k=K),
+    )
+    return config.build()
+
+
+def _ep_rank(rank: int, world_size: int) -> dict[str, float]:
+    """MoKRoutedExperts holding this rank's experts under an EP group, against the whole
+    layer on one process over every rank's tokens: relative errors of out, d_x, weight grads,
+    and whether the global token counts differ from a plain count of every rank's ids."""
+    import torch.distributed as dist
+
+    from mok.testing import make_topk_ids
+
+    T, E_l = 6, E // world_size
+    torch.manual_seed(0)  # every rank draws the same full weights and every rank's tokens
+    full = _routed_experts(E)
+    with torch.no_grad():
+        for param in full.parameters():
+            param.normal_(0, 0.1)
+    x = torch.randn(world_size, 1, T, D, dtype=torch.bfloat16)
+    ids = torch.stack([make_topk_ids(T, E, K) for _ in range(world_size)]).view(world_size, 1, T, K)
+    scores = torch.rand(world_size, 1, T, K)
+    counts = torch.zeros(E)  # unread by mok
+    local = _routed_experts(E)
+    local.inner_experts.w1_EFD = torch.nn.Parameter(full.inner_experts.w1_EFD[rank * E_l:(rank + 1) * E_l].clone())
+    local.inner_experts.w2_EDF = torch.nn.Parameter(full.inner_experts.w2_EDF[rank * E_l:(rank + 1) * E_l].clone())
+    local.inner_experts.w3_EFD = torch.nn.Parameter(full.inner_experts.w3_EFD[rank * E_l:(rank + 1) * E_l].clone())
+    local.ep_group, local.count_tokens = dist.group.WORLD, True
+    results = []
+    for module, x_in, ids_in, scores_in in (
+        (local, x[rank], ids[rank], scores[rank]),
+        (full, x.view(1, world_size * T, D), ids.view(1, world_size * T, K), scores.view(1, world_size * T, K)),
+    ):
+        x_in = x_in.clone().requires_grad_()
+        out = module(x_in, scores_in, ids_in, counts)
+        out.float().square().sum().backward()
+        results.append((out.detach().float(), x_in.grad.float(), module.inner_experts))
+    (out, d_x, ours), (full_out, full_d_x, theirs) = results
+    rows = slice(rank * T, (rank + 1) * T)
+    errors = {"out": relative_error(out, full_out[:, rows]), "d_x": relative_error(d_x, full_d_x[:, rows])}
+    for name in ("w1_EFD", "w2_EDF", "w3_EFD"):
+        errors[name] = relative_error(getattr(ours, name).grad.float(),
+                                      getattr(theirs, name).grad[rank * E_l:(rank + 1) * E_l].float())
+    counted = torch.equal(local.global_tokens_per_expert_E, torch.bincount(ids.flatten(), minlength=E))
+    return {**errors, "counts differ": float(not counted)}
+
+
+def test_routed_experts_under_an_ep_group():
+    from mok.testing.distributed import run_distributed
+
+    for rank, errors in enumerate(run_distributed(_ep_rank, 2, timeout_s=180)):
+        assert all(err < 0.01 for err in errors.values()), f"{rank=}: {errors}"
