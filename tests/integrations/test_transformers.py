@@ -180,3 +180,32 @@ def test_register_another_precision():
         mok_hf.register()
     err = relative_error(out.float(), expected.float())
     assert 0 < err < 0.1, f"mxfp8 output {err=} from bf16's"
+
+
+def test_gradient_checkpointing_and_no_grad():
+    """Activation checkpointing reruns mok's forward inside the backward: the same loss and
+    gradients; under no_grad (generation, evaluation) the same logits."""
+    config = CONFIGS["qwen3_moe"]
+    model = _model(config, "mok", "cpu")
+    input_ids = torch.randint(0, config.vocab_size, (2, 16))
+    loss, logits, grads = _loss_and_grads(model, input_ids)
+    model.gradient_checkpointing_enable()
+    model.train()
+    ckpt_loss, _, ckpt_grads = _loss_and_grads(model, input_ids)
+    assert torch.equal(loss, ckpt_loss)
+    assert all(torch.equal(grads[name], ckpt_grads[name]) for name in grads), "gradients under checkpointing"
+    with torch.no_grad():
+        assert torch.equal(model(input_ids).logits.float(), logits)
+
+
+@pytest.mark.gpu
+def test_experts_call_needs_no_host_sync():
+    experts, x, ids, weights = _experts_call("cuda")
+    x.requires_grad_()
+    experts(x, ids, weights).sum().backward()  # first call: compiles, builds the workspace
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        experts(x, ids, weights).sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
