@@ -70,7 +70,7 @@ def unsupported_features(experts: nn.Module) -> list[str]:
     if not missing and not all(isinstance(w, torch.Tensor) and w.dim() == 3 for w in weights):
         missing.append("3-D gate_up_proj and down_proj parameters")
     elif not missing:
-        num_experts, two_inter, hidden = experts.gate_up_proj.shape
+        _, two_inter, hidden = experts.gate_up_proj.shape
         if two_inter % (2 * _ALIGNMENT) or hidden % _ALIGNMENT:
             missing.append(f"hidden size {hidden} and intermediate size {two_inter // 2} as multiples of {_ALIGNMENT}")
     return missing
