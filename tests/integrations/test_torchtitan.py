@@ -184,3 +184,27 @@ def test_routed_experts_under_an_ep_group():
 
     for rank, errors in enumerate(run_distributed(_ep_rank, 2, timeout_s=180)):
         assert all(err < 0.01 for err in errors.values()), f"{rank=}: {errors}"
+
+
+@pytest.mark.parametrize("whole_layer", [True, False])
+def test_triton_backend_matches_the_reference_backend(whole_layer):
+    from mok import MoKConfig
+    from mok.kernels.common import interpreting
+
+    if not interpreting() and not torch.cuda.is_available():
+        pytest.skip("the triton backend needs TRITON_INTERPRET=1 or a CUDA device")
+    device = "cpu" if interpreting() else "cuda"
+    torch.manual_seed(0)
+    with torch.device(device):
+        moe = use_mok(_moe_config(), whole_layer=whole_layer).build()
+    with torch.no_grad():
+        for param in moe.parameters():
+            param.normal_(0, 0.1)
+    moe.bfloat16()
+    mok_module = moe.routed_experts if whole_layer else moe.routed_experts.inner_experts
+    x = torch.randn(2, 9, D, dtype=torch.bfloat16, device=device)
+    results = []
+    for backend in ("triton", "reference"):
+        mok_module.mok_config = MoKConfig(backend=backend)
+        results.append(_run(moe, x))
+    _assert_matches(*results, f"triton vs reference {whole_layer=}")
