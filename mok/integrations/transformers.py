@@ -33,13 +33,11 @@ from transformers.activations import SiLUActivation
 from transformers.integrations.moe import ExpertsInterface, _default_apply_gate
 from transformers.modeling_utils import PreTrainedModel
 
-from mok.config import MoKConfig
+from mok.config import SIZE_ALIGNMENT, MoKConfig
 from mok.functional import _autograd_keeps_graph, backward, build_schedule, forward, get_workspace
 
 NAME = "mok"
 _CONFIGS: dict[str, MoKConfig] = {}
-# bf16: the routed experts' operands; H and I must be multiples of this (SPEC's bf16 alignment).
-_ALIGNMENT = 8
 
 
 def is_experts_module(module: nn.Module) -> bool:
@@ -48,7 +46,8 @@ def is_experts_module(module: nn.Module) -> bool:
 
 
 def unsupported_features(experts: nn.Module) -> list[str]:
-    """What this experts module needs that mok's math does not have (empty when it can run)."""
+    """What this experts module needs that mok's math does not have, under the registered
+    config's precision (empty when it can run)."""
     missing = []
     if not experts.has_gate:
         missing.append("ungated experts (mok runs SwiGLU: silu(x·Wg)·(x·Wu))")
@@ -71,8 +70,11 @@ def unsupported_features(experts: nn.Module) -> list[str]:
         missing.append("3-D gate_up_proj and down_proj parameters")
     elif not missing:
         _, two_inter, hidden = experts.gate_up_proj.shape
-        if two_inter % (2 * _ALIGNMENT) or hidden % _ALIGNMENT:
-            missing.append(f"hidden size {hidden} and intermediate size {two_inter // 2} as multiples of {_ALIGNMENT}")
+        precision = _CONFIGS[NAME].precision
+        align = SIZE_ALIGNMENT[precision]
+        if two_inter % (2 * align) or hidden % align:
+            missing.append(f"hidden size {hidden} and intermediate size {two_inter // 2} as multiples of {align} "
+                           f"(mok's {precision} alignment)")
     return missing
 
 

@@ -243,3 +243,13 @@ def test_triton_backend_matches_the_reference_backend():
     for name, ours, reference in zip(names, *results.values()):
         err = relative_error(ours.float(), reference.float())
         assert err < 0.01, f"{name}: triton backend {err=:.4g} from the reference backend"
+
+
+def test_unaligned_sizes_raise_when_set():
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(**_COMMON, head_dim=16, intermediate_size=64, moe_intermediate_size=12, num_experts=4,
+                            num_experts_per_tok=2)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"Qwen3MoeExperts.*intermediate size 12 as multiples of 8"):
+        model.set_experts_implementation("mok")
