@@ -61,6 +61,7 @@ __all__ = [
     "check_errors",
     "moe",
     "pack_gate_up",
+    "expert_counts",
 ]
 
 
@@ -437,7 +438,8 @@ def _reference_operands(config: MoKConfig, x, w_gate, w_up, w_down):
 
 def _check_call(config, workspace, schedule, x, topk_weights, ws_gate, ws_up, ws_down, w_gate, w_up, w_down):
     num_tokens, hidden, _, num_local_experts, topk = check_layer_inputs(
-        x, schedule.topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, precision=config.precision
+        x, schedule.topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, precision=config.precision,
+        strided_weights=schedule.backend == "reference" and config.precision == "bf16",
     )
     if hidden != workspace.hidden_size:
         raise ValueError(f"x: expected hidden size {workspace.hidden_size} (the workspace's), got {hidden}")
@@ -1161,3 +1163,37 @@ def moe(
     check_layer_inputs(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, precision=config.precision)
     out = _MoELayer.apply(config, group, swiglu_limit, workspace_cache, x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
     return out if len(lead) == 1 else out.view(*lead, out.shape[-1])  # [T, H] in, the layer's own output out
+
+
+# --------------------------------------------------------------------------- load statistics
+
+
+def expert_counts(
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    *,
+    group: dist.ProcessGroup | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Routes each global expert received in this call: [num_experts] on topk_ids' device,
+    for load-balancing losses and aux-loss-free expert biases, with no host sync.
+
+    Counted from this rank's topk_ids [T, topk] by an integer scatter-add (exact and
+    deterministic; ids outside [0, num_experts) count nowhere, the layer raises on them).
+    Under expert parallelism (`group`) the counts are summed over the group's ranks by an
+    all-reduce: a collective every rank calls, stream-ordered on NCCL (no host sync).
+    `out`: an int32/int64 [num_experts] tensor the counts are written into (and returned);
+    by default a new int32 tensor."""
+    check_tensor("topk_ids", topk_ids, dtypes=(torch.int32, torch.int64), shape=(None, None))
+    if not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts: expected a positive int, got {num_experts!r}")
+    if out is None:
+        out = torch.empty(num_experts, dtype=torch.int32, device=topk_ids.device)
+    else:
+        check_tensor("out", out, dtypes=(torch.int32, torch.int64), shape=(num_experts,), device=topk_ids.device)
+    ids = topk_ids.reshape(-1)
+    valid = (ids >= 0) & (ids < num_experts)  # [T*topk]: a bad id must not index out of bounds
+    out.zero_().scatter_add_(0, ids.clamp(0, num_experts - 1).long(), valid.to(out.dtype))
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(out, group=group)
+    return out

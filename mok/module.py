@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mok.config import PRECISIONS, MoKConfig
-from mok.functional import check_errors, moe, pack_gate_up
+from mok.functional import check_errors, expert_counts, moe, pack_gate_up
 from mok.kernels.grouped_gemm import gate_up_packed
 from mok.validation import check_alignment
 
@@ -122,7 +122,17 @@ class MoKMoE(nn.Module):
             bound = 1.0 / math.sqrt(weight.shape[-1])
             weight.uniform_(-bound, bound)
 
-    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        *,
+        expert_counts_out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`expert_counts_out`: an int32/int64 [num_experts] device tensor that receives the
+        routes each global expert got in this call (summed over the EP group), with no host
+        sync (`mok.expert_counts`)."""
         for name, t in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -146,6 +156,10 @@ class MoKMoE(nn.Module):
             group=self.ep_group,
             workspace_cache=self._workspaces,
         )
+        if expert_counts_out is not None:
+            expert_counts(
+                topk_ids.reshape(-1, topk_ids.shape[-1]), self.num_experts, group=self.ep_group, out=expert_counts_out
+            )
         return out.view(*lead, self.hidden_size)
 
     def check_errors(self, *, blocking: bool = True) -> None:

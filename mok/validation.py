@@ -24,8 +24,11 @@ def check_tensor(
     dtypes: tuple[torch.dtype, ...],
     shape: tuple[int | None, ...],
     device: torch.device | None = None,
+    row_strided: bool = False,
 ) -> None:
-    """Type, dtype, rank, shape (None = any size), contiguity and device of one argument."""
+    """Type, dtype, rank, shape (None = any size), contiguity and device of one argument.
+    `row_strided` also accepts a view whose last dim is contiguous (e.g. one half of a fused
+    [E, 2·I, H] gate/up weight), for code that indexes it with torch ops."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
@@ -34,7 +37,7 @@ def check_tensor(
     if t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape)):
         expected = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
         raise ValueError(f"{name}: expected shape {expected}, got {_fmt_shape(t)}")
-    if not t.is_contiguous():
+    if not (t.is_contiguous() or row_strided and t.stride(-1) == 1):
         raise ValueError(f"{name}: expected a contiguous tensor (call .contiguous()), got strides {t.stride()}")
     if device is not None and t.device != device:
         raise ValueError(f"{name}: expected a tensor on {device} (where x is), got {t.device}")
@@ -75,8 +78,11 @@ def check_layer_inputs(
     ws_down=None,
     *,
     precision: str = "bf16",
+    strided_weights: bool = False,
 ) -> tuple[int, int, int, int, int]:
-    """Checks every layer input; returns (T, H, I, E_l, topk)."""
+    """Checks every layer input; returns (T, H, I, E_l, topk). `strided_weights`: the routed
+    gate and up weights may be views with a contiguous last dim (the reference backend's
+    torch ops read them as they are; the triton kernels need contiguous weights)."""
     check_tensor("x", x, dtypes=(torch.bfloat16,), shape=(None, None))
     num_tokens, hidden = x.shape
     device = x.device
@@ -85,9 +91,11 @@ def check_layer_inputs(
     check_tensor("topk_ids", topk_ids, dtypes=(torch.int32, torch.int64), shape=(num_tokens, None), device=device)
     topk = topk_ids.shape[1]
     check_tensor("topk_weights", topk_weights, dtypes=(torch.float32,), shape=(num_tokens, topk), device=device)
-    check_tensor("w_gate", w_gate, dtypes=(torch.bfloat16,), shape=(None, None, hidden), device=device)
+    check_tensor("w_gate", w_gate, dtypes=(torch.bfloat16,), shape=(None, None, hidden), device=device,
+                 row_strided=strided_weights)
     num_local_experts, inter = w_gate.shape[:2]
-    check_tensor("w_up", w_up, dtypes=(torch.bfloat16,), shape=(num_local_experts, inter, hidden), device=device)
+    check_tensor("w_up", w_up, dtypes=(torch.bfloat16,), shape=(num_local_experts, inter, hidden), device=device,
+                 row_strided=strided_weights)
     check_tensor("w_down", w_down, dtypes=(torch.bfloat16,), shape=(num_local_experts, hidden, inter), device=device)
     if num_local_experts < 1:
         raise ValueError(f"w_gate: expected at least one local expert, got shape {_fmt_shape(w_gate)}")

@@ -93,3 +93,20 @@ def test_config_validation(kwargs, match):
 def test_config_capacity():
     assert mok.MoKConfig().receive_capacity(100, 8, 4) == 3200
     assert mok.MoKConfig(schedule_capacity_multiplier=1.5).receive_capacity(100, 8, 4) == 1200
+
+
+def test_reference_backend_reads_fused_gate_up_halves():
+    """The halves of one [E, 2·I, H] gate/up weight (transformers' layout) are views the
+    reference backend reads as they are; `moe` and the triton kernels want contiguous ones."""
+    inp = _inputs()
+    fused = torch.cat([inp.w_gate, inp.w_up], dim=1)  # [E, 2I, H]
+    w_gate, w_up = fused[:, :I], fused[:, I:]
+    config = mok.MoKConfig()
+    workspace = mok.get_workspace(config, None, device="cpu", num_local_tokens=T, hidden_size=H, topk=inp.topk_ids.shape[1])
+    schedule = mok.build_schedule(workspace, config, inp.topk_ids, num_local_experts=E)
+    args = (inp.x, inp.topk_weights, inp.ws_gate, inp.ws_up, inp.ws_down)
+    out, _ = mok.forward(config, workspace, schedule, *args, w_gate, w_up, inp.w_down)
+    expected, _ = mok.forward(config, workspace, schedule, *args, inp.w_gate, inp.w_up, inp.w_down)
+    assert torch.equal(out, expected)
+    with pytest.raises(ValueError, match=r"^w_gate: expected a contiguous"):
+        _call(w_gate=w_gate, w_up=w_up)
