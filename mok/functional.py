@@ -255,7 +255,7 @@ class _ErrorCopy:
         if self._skipped(error_flag):
             return
         if self.host is None:
-            self.host = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+            self.host = torch.zeros(1, dtype=torch.int32, device="cpu", pin_memory=True)
             self.copied = torch.cuda.Event()
         stream = torch.cuda.current_stream(error_flag.device)
         self.host.copy_(error_flag, non_blocking=True)

@@ -128,3 +128,13 @@ def test_graph_capture_takes_no_host_copy():
     torch.cuda.synchronize()
     assert ws.error_copy.copied is copied and torch.isfinite(out.float()).all()
     mok.check_errors(ws)
+
+
+@pytest.mark.gpu
+def test_host_copy_of_the_flag_under_a_cuda_default_device():
+    """Model code that builds under `with torch.device("cuda")` (torchtitan's does) still gets
+    its flag copied into pinned host memory, not a CUDA tensor."""
+    inp = make_inputs(16, 64, 32, 4, 2, device="cuda")
+    with torch.device("cuda"):
+        out = mok.moe(inp.x, inp.topk_ids, inp.topk_weights, *inp.weights, config=mok.MoKConfig(backend="triton"))
+    assert out.shape == inp.x.shape and torch.isfinite(out).all()
