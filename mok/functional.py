@@ -24,6 +24,7 @@ sync), and `MoKConfig(strict=True)` calls it after every step.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -42,7 +43,7 @@ from mok.kernels.common import ERROR_BAD_EXPERT_ID, ERROR_CAPACITY_OVERFLOW, ERR
 from mok.fp8_block import FP8_BLOCK, fp8_block_round
 from mok.mxfp8 import mxfp8_dequantize, mxfp8_quantize
 from mok.reference import Gradients
-from mok.transport import Dispatch, Transport, check_same_across_ranks, create_transport
+from mok.transport import Dispatch, NcclDispatch, Transport, check_same_across_ranks, create_transport
 from mok.validation import check_layer_inputs, check_tensor, check_topk_ids_values
 
 __all__ = [
@@ -117,6 +118,12 @@ FP8_BLOCK_SORTED_OUTPUTS = True
 # With FP8_BLOCK_WGRADS_REQUANTIZE only (the other way recomputes h from bf16 g, u), and without a
 # swiglu_limit (its clamps' zero gradients need g, u exactly).
 FP8_BLOCK_GATE_UP_E4M3 = False
+# fp8_block under expert parallelism (NCCL transport): x is quantized in 1×128 blocks along H
+# before the dispatch and travels as e4m3 + fp32 scales (H + H/32 bytes a row instead of 2·H),
+# dOut too where the down dgrad reads its per-token quantization. Blocks lie inside one row, so
+# the received rows are bitwise what quantizing after the exchange gives. Needs
+# FP8_BLOCK_WGRADS_REQUANTIZE: the backward then reads no bf16 x rows.
+FP8_BLOCK_ON_THE_WIRE = True
 
 
 class MoKError(RuntimeError):
@@ -328,6 +335,9 @@ def build_schedule(
         routing = ops.routing_schedule(topk_ids, workspace.error_flag, num_local_experts, block_m)
     else:  # `routing` then covers the rows this rank's experts receive
         dispatch, routing = workspace.transport.plan(topk_ids, num_local_experts, workspace.error_flag, block_m)
+        if isinstance(dispatch, NcclDispatch) and config.precision == "fp8_block" and FP8_BLOCK_ON_THE_WIRE \
+                and FP8_BLOCK_WGRADS_REQUANTIZE:
+            dispatch = dataclasses.replace(dispatch, fp8_wire=True)
     shared_routing = None
     if has_shared_expert:
         all_tokens = torch.zeros(num_tokens, 1, dtype=torch.int32, device=topk_ids.device)  # [T, 1]: one expert
@@ -510,7 +520,8 @@ def _expert_mlp(x, w_gate, w_up, w_down, routing, block_m, topk, num_slots, swig
     `quant.mxfp8_round`): x and h in blocks of 32 along H and I, the weights' `rows` copies.
     The backward gets h unrounded (its wgrad rounds it along the rows)."""
     if isinstance(w_gate, _Fp8BlockWeight):
-        x_q, x_scale = ops.quantize_fp8_block_activations(x)  # [T, H] e4m3, [T, H/128] fp32
+        # [T, H] e4m3, [T, H/128] fp32 (x arrives quantized from the dispatch: `FP8_BLOCK_ON_THE_WIRE`)
+        x_q, x_scale = x if isinstance(x, tuple) else ops.quantize_fp8_block_activations(x)
         gate_up_e4m3 = (needs_backward and FP8_BLOCK_GATE_UP_E4M3 and FP8_BLOCK_WGRADS_REQUANTIZE
                         and swiglu_limit is None)
         # g, u: [rows, 2, I] bf16, or e4m3 with scales [rows, 2, I/128]
@@ -542,14 +553,14 @@ def _expert_mlp(x, w_gate, w_up, w_down, routing, block_m, topk, num_slots, swig
     return y, ({"gate_up": gate_up, "h": h} if needs_backward else {})
 
 
-def _routed_forward(schedule, x, routed, topk, swiglu_limit, needs_backward):
-    """(y, route_row, what the backward reads): y [T·topk, H] of the routed experts in route
-    slots and route_row None, or with `_sorted_outputs` y [capacity_rows, H] in the sorted layout
-    and route_row [T·topk] each route's row of it (also kept for the backward's dx). Under expert
-    parallelism the token rows travel to the experts' ranks, where each received row is a
-    token with topk = 1, and y comes back; the received rows are kept for the gate/up weight
-    gradient."""
+def _routed_forward(schedule, x, topk_weights, routed, swiglu_limit, needs_backward):
+    """(y, route_row, combine weights, what the backward reads): y [T·topk, H] of the routed
+    experts in route slots and route_row None, or with `_sorted_outputs` y [capacity_rows, H] in
+    the sorted layout and route_row [T·topk] each route's row of it (also kept for the backward's
+    dx); the weights are topk_weights. Under expert parallelism the token rows travel to the
+    experts' ranks and y comes back (`_per_rank_forward`, `_per_route_forward`)."""
     dispatch = schedule.dispatch
+    topk = topk_weights.shape[1]
     if dispatch is None:
         num_slots = x.shape[0] * topk
         sorted_rows = _sorted_outputs(routed)
@@ -561,7 +572,38 @@ def _routed_forward(schedule, x, routed, topk, swiglu_limit, needs_backward):
         route_row = ops.routing_from_tensors(schedule.routing, schedule.block_m).route_row if sorted_rows else None
         if needs_backward and sorted_rows:
             saved["route_row"] = route_row
-        return y, route_row, saved
+        return y, route_row, topk_weights, saved
+    if isinstance(dispatch, NcclDispatch):
+        return _per_rank_forward(schedule, x, topk_weights, routed, swiglu_limit, needs_backward)
+    y, saved = _per_route_forward(schedule, x, routed, swiglu_limit, needs_backward)
+    return y, None, topk_weights, saved
+
+
+def _per_rank_forward(schedule, x, topk_weights, routed, swiglu_limit, needs_backward):
+    """`_routed_forward` with each token row sent once per (token, rank) (`NcclDispatch`): each
+    received row is a token with topk = k_l, whose routes the expert's rank sums (Σ_q w·y,
+    ascending q, fp32, one bf16 row); y is [P·C, H] of those partial rows back at the source,
+    route_row the pairs' rows (token_slot [T·P]) and the combine weights ones [T, P]."""
+    dispatch = schedule.dispatch
+    sent = ops.quantize_fp8_block_activations(x) if dispatch.fp8_wire else x  # `FP8_BLOCK_ON_THE_WIRE`
+    expert_x, expert_weights = dispatch.dispatch(sent, topk_weights)  # [P·C, H] (or e4m3 and scales), [P·C, k_l]
+    k_l = dispatch.routes_per_row
+    y_routes, saved = _expert_mlp(
+        expert_x, *routed, schedule.routing, schedule.block_m, k_l, dispatch.num_expert_rows * k_l, swiglu_limit,
+        needs_backward,
+    )
+    saved = _routed_saved(saved, routed)
+    parts = ops.combine(y_routes, expert_weights, None, dispatch.received_routes)  # [P·C, H]
+    y = dispatch.combine(parts)
+    ones = torch.ones(x.shape[0], dispatch.world_size, dtype=torch.float32, device=x.device)  # [T, P]
+    return y, dispatch.token_slot, ones, {**saved, "expert_x": expert_x, "expert_weights": expert_weights}
+
+
+def _per_route_forward(schedule, x, routed, swiglu_limit, needs_backward):
+    """`_routed_forward` with one row per route (`SymmetricDispatch`): each received row is a
+    token with topk = 1, y [T·topk, H] comes back into route slots; the received rows are kept
+    for the gate/up weight gradient."""
+    dispatch = schedule.dispatch
     expert_x = dispatch.dispatch(x)  # [P·C, H]
     peer_rows = _epilogue_peer_rows(dispatch, "y", routed)
     y_rows, saved = _expert_mlp(
@@ -573,7 +615,7 @@ def _routed_forward(schedule, x, routed, topk, swiglu_limit, needs_backward):
         y = dispatch.combine(y_rows)
     else:
         y = dispatch.combined(ops.scatter_programs("down", schedule.routing, schedule.block_m, *_hidden_inter(routed)))
-    return y, None, {**saved, "expert_x": expert_x}
+    return y, {**saved, "expert_x": expert_x}
 
 
 def _sorted_outputs(routed) -> bool:
@@ -622,7 +664,7 @@ def _triton_forward(schedule, x, topk_weights, shared, routed, swiglu_limit, nee
     the e4m3 copies of h and x); nothing
     without `needs_backward`. `routed` as `_triton_routed_weights` gives them."""
     num_tokens, topk = topk_weights.shape
-    y, route_row, saved = _routed_forward(schedule, x, routed, topk, swiglu_limit, needs_backward)
+    y, route_row, weights, saved = _routed_forward(schedule, x, topk_weights, routed, swiglu_limit, needs_backward)
     y_shared = None
     if shared[0] is not None:
         ws_gate, ws_up, ws_down = (w.unsqueeze(0) for w in shared)  # one expert of the grouped GEMMs
@@ -630,7 +672,7 @@ def _triton_forward(schedule, x, topk_weights, shared, routed, swiglu_limit, nee
             x, ws_gate, ws_up, ws_down, schedule.shared_routing, schedule.block_m, 1, num_tokens, swiglu_limit, needs_backward
         )
         saved.update((name + "_shared", t) for name, t in shared_saved.items())
-    return ops.combine(y, topk_weights, y_shared, route_row), saved if needs_backward else {}
+    return ops.combine(y, weights, y_shared, route_row), saved if needs_backward else {}
 
 
 def forward(
@@ -793,8 +835,10 @@ def _fp8_block_backward_routed(d_out, x, topk_weights, weights, main_grads, save
     w_gate, w_up, w_down = weights
     main_gate, main_up, main_down = main_grads
     rows_in_use = routing[4]  # [1] int32: the schedule's num_rows; the quantizers skip the rest
-    per_token_d_out = fp8_block_down_dgrad_gathers(d_out.shape[1])
-    if per_token_d_out:  # [T, H] e4m3, [T, H/128] fp32: the down dgrad gathers
+    if isinstance(d_out, tuple):  # quantized per token before the dispatch (`FP8_BLOCK_ON_THE_WIRE`)
+        per_token_d_out, d_out_pair = True, d_out
+    elif per_token_d_out := fp8_block_down_dgrad_gathers(d_out.shape[1]):
+        # [T, H] e4m3, [T, H/128] fp32: the down dgrad gathers
         d_out_pair = ops.quantize_fp8_block_activations(d_out)
     else:  # [rows, H] e4m3, [rows, H/128] fp32
         d_out_pair = ops.quantize_fp8_block_gathered(d_out, routing, block_m, topk)
@@ -893,6 +937,8 @@ def _routed_backward(schedule, saved, d_out, x, topk_weights, routed, swiglu_lim
             topk, num_tokens * topk, swiglu_limit, main_grads, sorted_rows=route_row is not None,
         )
         return dx, route_row, d_topk_weights, grads
+    if isinstance(dispatch, NcclDispatch):
+        return _per_rank_backward(schedule, saved, d_out, x, routed, swiglu_limit, main_grads)
     expert_x = dispatch.received_x(saved.pop("expert_x"), x)  # [P·C, H]
     expert_d_out, expert_weights = dispatch.dispatch_grad(d_out, topk_weights)  # [P·C, H], [P·C, 1]
     peer_rows = _epilogue_peer_rows(dispatch, "dx", routed)
@@ -906,6 +952,30 @@ def _routed_backward(schedule, saved, d_out, x, topk_weights, routed, swiglu_lim
         programs = ops.scatter_programs("gate_up_dgrad", schedule.routing, schedule.block_m, *_hidden_inter(routed))
         dx_slots, d_topk_weights = dispatch.combined_grad(d_weight_rows, programs)
     return dx_slots, None, d_topk_weights, grads
+
+
+def _per_rank_backward(schedule, saved, d_out, x, routed, swiglu_limit, main_grads):
+    """`_routed_backward` with dOut rows sent once per (token, rank) (`_per_rank_forward`): the
+    expert's rank runs the backward of each received row's k_l routes (their router weights
+    kept from the forward), sums the row's dx over them (ascending q, fp32, one bf16 row) and
+    returns it with the routes' router-weight gradients. (dx [P·C, H] partial rows, route_row
+    token_slot [T·P], d_topk_weights [T, topk], grads)."""
+    dispatch = schedule.dispatch
+    expert_x = dispatch.received_x(saved.pop("expert_x"), x)  # [P·C, H]
+    expert_weights = saved.pop("expert_weights")  # [P·C, k_l]
+    quantized = dispatch.d_out_on_fp8_wire(d_out.shape[1])  # `FP8_BLOCK_ON_THE_WIRE`
+    expert_d_out = dispatch.dispatch_grad(ops.quantize_fp8_block_activations(d_out) if quantized else d_out)
+    k_l = dispatch.routes_per_row
+    dx_routes, d_weights, grads = _expert_mlp_backward(
+        expert_d_out, expert_x, expert_weights, routed, saved, schedule.routing, schedule.block_m,
+        k_l, dispatch.num_expert_rows * k_l, swiglu_limit, main_grads,
+    )
+    received = dispatch.received_routes.view(-1, k_l) >= 0  # [P·C, k_l]
+    dx_parts = ops.combine(dx_routes, received.float(), None, dispatch.received_routes)  # [P·C, H]
+    # empty routes have no row, so nothing wrote their gradient
+    d_weights = torch.where(received, d_weights, 0.0)
+    dx, d_topk_weights = dispatch.combine_grad(dx_parts, d_weights)
+    return dx, dispatch.token_slot, d_topk_weights, grads
 
 
 def _triton_backward(schedule, saved, d_out, x, topk_weights, shared, routed, swiglu_limit, main_grads) -> Gradients:
@@ -933,7 +1003,9 @@ def _triton_backward(schedule, saved, d_out, x, topk_weights, shared, routed, sw
             token_order=True,
         )
         shared_grads = tuple(g.squeeze(0) for g in grads)
-    ones = torch.ones(num_tokens, topk, dtype=torch.float32, device=x.device)  # [T, topk]: unweighted sum
+    # unweighted sum over the routes (or, under expert parallelism once per rank, the P partial rows)
+    num_parts = topk if route_row is None else route_row.shape[0] // num_tokens
+    ones = torch.ones(num_tokens, num_parts, dtype=torch.float32, device=x.device)  # [T, topk or P]
     d_x = ops.combine(dx_slots, ones, dx_shared, route_row)
     return Gradients(d_x, d_topk_weights, *routed_grads, *shared_grads)
 
