@@ -504,7 +504,7 @@ def _dgrad_weight(w):
 
 
 def _expert_mlp(x, w_gate, w_up, w_down, routing, block_m, topk, num_slots, swiglu_limit, needs_backward,
-                peer_rows=None, sorted_rows=False):
+                sorted_rows=False):
     """y [num_slots, H] of the experts in `routing` (fp8_block with `sorted_rows`: [capacity_rows,
     H] in the sorted layout), and what their backward reads (empty without `needs_backward`):
     the pre-activations g, u and h of every sorted row.
@@ -545,11 +545,7 @@ def _expert_mlp(x, w_gate, w_up, w_down, routing, block_m, topk, num_slots, swig
     )
     h_operand = ops.mxfp8_round(h, True, False, routing, block_m)[0] if mxfp8 else h  # [rows, I]
     w_down_operand = _forward_weight(w_down)
-    if peer_rows is None:
-        y = ops.down_scatter(h_operand, w_down_operand, routing, block_m, num_slots)
-    else:  # the rows go to the sources' slots on their ranks (`Dispatch.peer_rows`)
-        ops.down_scatter_to_peers(h_operand, w_down_operand, routing, block_m, *_peer_op_args(peer_rows))
-        y = None
+    y = ops.down_scatter(h_operand, w_down_operand, routing, block_m, num_slots)
     return y, ({"gate_up": gate_up, "h": h} if needs_backward else {})
 
 
@@ -558,7 +554,7 @@ def _routed_forward(schedule, x, topk_weights, routed, swiglu_limit, needs_backw
     experts in route slots and route_row None, or with `_sorted_outputs` y [capacity_rows, H] in
     the sorted layout and route_row [T·topk] each route's row of it (also kept for the backward's
     dx); the weights are topk_weights. Under expert parallelism the token rows travel to the
-    experts' ranks and y comes back (`_per_rank_forward`, `_per_route_forward`)."""
+    experts' ranks and y comes back (`_per_rank_forward`)."""
     dispatch = schedule.dispatch
     topk = topk_weights.shape[1]
     if dispatch is None:
@@ -573,14 +569,11 @@ def _routed_forward(schedule, x, topk_weights, routed, swiglu_limit, needs_backw
         if needs_backward and sorted_rows:
             saved["route_row"] = route_row
         return y, route_row, topk_weights, saved
-    if isinstance(dispatch, NcclDispatch):
-        return _per_rank_forward(schedule, x, topk_weights, routed, swiglu_limit, needs_backward)
-    y, saved = _per_route_forward(schedule, x, routed, swiglu_limit, needs_backward)
-    return y, None, topk_weights, saved
+    return _per_rank_forward(schedule, x, topk_weights, routed, swiglu_limit, needs_backward)
 
 
 def _per_rank_forward(schedule, x, topk_weights, routed, swiglu_limit, needs_backward):
-    """`_routed_forward` with each token row sent once per (token, rank) (`NcclDispatch`): each
+    """`_routed_forward` with each token row sent once per (token, rank) (`mok.transport`): each
     received row is a token with topk = k_l, whose routes the expert's rank sums (Σ_q w·y,
     ascending q, fp32, one bf16 row); y is [P·C, H] of those partial rows back at the source,
     route_row the pairs' rows (token_slot [T·P]) and the combine weights ones [T, P]."""
@@ -597,25 +590,6 @@ def _per_rank_forward(schedule, x, topk_weights, routed, swiglu_limit, needs_bac
     y = dispatch.combine(parts)
     ones = torch.ones(x.shape[0], dispatch.world_size, dtype=torch.float32, device=x.device)  # [T, P]
     return y, dispatch.token_slot, ones, {**saved, "expert_x": expert_x, "expert_weights": expert_weights}
-
-
-def _per_route_forward(schedule, x, routed, swiglu_limit, needs_backward):
-    """`_routed_forward` with one row per route (`SymmetricDispatch`): each received row is a
-    token with topk = 1, y [T·topk, H] comes back into route slots; the received rows are kept
-    for the gate/up weight gradient."""
-    dispatch = schedule.dispatch
-    expert_x = dispatch.dispatch(x)  # [P·C, H]
-    peer_rows = _epilogue_peer_rows(dispatch, "y", routed)
-    y_rows, saved = _expert_mlp(
-        expert_x, *routed, schedule.routing, schedule.block_m, 1, expert_x.shape[0], swiglu_limit, needs_backward,
-        peer_rows,
-    )
-    saved = _routed_saved(saved, routed)
-    if peer_rows is None:
-        y = dispatch.combine(y_rows)
-    else:
-        y = dispatch.combined(ops.scatter_programs("down", schedule.routing, schedule.block_m, *_hidden_inter(routed)))
-    return y, {**saved, "expert_x": expert_x}
 
 
 def _sorted_outputs(routed) -> bool:
@@ -636,25 +610,6 @@ def _reads_weighted_h(routed) -> bool:
     no h and the backward makes no w·dOut copy."""
     w_down = routed[2]
     return isinstance(w_down, torch.Tensor) and down_wgrad_reads_weighted_h(*w_down.shape[1:])
-
-
-def _epilogue_peer_rows(dispatch, kind: str, routed):
-    """Where the GEMM epilogue producing `kind` ("y" or "dx") stores its rows: on the
-    sources' ranks where the transport allows it (symmetric memory) and the GEMM supports
-    it (bf16), else None (the rows come back through `combine` / `combine_grad`)."""
-    return None if isinstance(routed[0], _Fp8BlockWeight) else dispatch.peer_rows(kind)
-
-
-def _peer_op_args(peer_rows) -> tuple:
-    """A `comm.PeerRows` as the `*_to_peers` ops take it."""
-    return (peer_rows.local_out, peer_rows.out_peer_ptrs, peer_rows.return_route, peer_rows.arrivals_peer_ptrs,
-            peer_rows.capacity, peer_rows.arrival_slot)
-
-
-def _hidden_inter(routed) -> tuple[int, int]:
-    """(H, I) of the routed weights (bf16, or their mxfp8 copies)."""
-    _, hidden, inter = _forward_weight(routed[2]).shape  # w_down [E_l, H, I]
-    return hidden, inter
 
 
 def _triton_forward(schedule, x, topk_weights, shared, routed, swiglu_limit, needs_backward):
@@ -737,7 +692,7 @@ def recompute_forward_context(
 
 
 def _expert_mlp_backward(d_out, x, topk_weights, weights, saved, routing, block_m, topk, num_slots, swiglu_limit,
-                         main_grads=(None, None, None), *, token_order=False, peer_rows=None, sorted_rows=False):
+                         main_grads=(None, None, None), *, token_order=False, sorted_rows=False):
     """dx_slots [num_slots, H] (fp8_block with `sorted_rows`: [capacity_rows, H] in the sorted
     layout) and the weight gradients of the experts in `routing` (plus
     d_topk_weights [T, topk] fp32 when `topk_weights` is given, else an empty tensor), from
@@ -800,20 +755,12 @@ def _expert_mlp_backward(d_out, x, topk_weights, weights, saved, routing, block_
         d_gate_up_dgrad, d_gate_up_wgrad = rows.view_as(d_gate_up), cols.view_as(d_gate_up)
     del d_gate_up
     dgrad_weights = (_dgrad_weight(w_gate), _dgrad_weight(w_up))
-    if peer_rows is not None:  # the rows go to the sources' slots on their ranks (`Dispatch.peer_rows`),
-        # while this rank's weight gradient runs
-        ops.gate_up_dgrad_scatter_to_peers(
-            d_gate_up_dgrad, *dgrad_weights, routing, block_m, *_peer_op_args(peer_rows)
-        )
     d_w_gate, d_w_up = _weight_grads(
         ops.gate_up_wgrad, ops.gate_up_wgrad_accumulate, (d_gate_up_wgrad, x_sorted), (main_gate, main_up),
         routing, block_m,
     )
     del x_sorted, d_gate_up_wgrad  # dx_slots comes after them: the two never coexist
-    dx_slots = (
-        ops.gate_up_dgrad_scatter(d_gate_up_dgrad, *dgrad_weights, routing, block_m, num_slots)
-        if peer_rows is None else None
-    )
+    dx_slots = ops.gate_up_dgrad_scatter(d_gate_up_dgrad, *dgrad_weights, routing, block_m, num_slots)
     del d_gate_up_dgrad
     if down_wgrad_last:
         d_w_down = _down_weight_grad(dy_sorted, h, main_down, routing, block_m)
@@ -937,21 +884,7 @@ def _routed_backward(schedule, saved, d_out, x, topk_weights, routed, swiglu_lim
             topk, num_tokens * topk, swiglu_limit, main_grads, sorted_rows=route_row is not None,
         )
         return dx, route_row, d_topk_weights, grads
-    if isinstance(dispatch, NcclDispatch):
-        return _per_rank_backward(schedule, saved, d_out, x, routed, swiglu_limit, main_grads)
-    expert_x = dispatch.received_x(saved.pop("expert_x"), x)  # [P·C, H]
-    expert_d_out, expert_weights = dispatch.dispatch_grad(d_out, topk_weights)  # [P·C, H], [P·C, 1]
-    peer_rows = _epilogue_peer_rows(dispatch, "dx", routed)
-    dx_rows, d_weight_rows, grads = _expert_mlp_backward(
-        expert_d_out, expert_x, expert_weights, routed, saved, schedule.routing, schedule.block_m,
-        1, expert_x.shape[0], swiglu_limit, main_grads, peer_rows=peer_rows,
-    )
-    if peer_rows is None:
-        dx_slots, d_topk_weights = dispatch.combine_grad(dx_rows, d_weight_rows)
-    else:
-        programs = ops.scatter_programs("gate_up_dgrad", schedule.routing, schedule.block_m, *_hidden_inter(routed))
-        dx_slots, d_topk_weights = dispatch.combined_grad(d_weight_rows, programs)
-    return dx_slots, None, d_topk_weights, grads
+    return _per_rank_backward(schedule, saved, d_out, x, routed, swiglu_limit, main_grads)
 
 
 def _per_rank_backward(schedule, saved, d_out, x, routed, swiglu_limit, main_grads):
