@@ -257,7 +257,7 @@ def moe_backward(
 
 # --------------------------------------------------------------------------- expert parallelism
 #
-# The same layer with the E experts split over the P ranks of `group` (SPEC §1): each rank
+# The same layer with the E experts split over the P ranks of `group`: each rank
 # holds its T tokens and its E_l = E/P local experts; global expert e lives on rank e // E_l
 # as local expert e % E_l. Each token row travels once to each rank holding at least one of
 # its experts (ascending t per destination), with a [topk] row of the local expert ids

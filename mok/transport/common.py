@@ -1,23 +1,22 @@
-"""What both transports share: the send capacity C and the receiver's schedule; and the
-once-per-(token, rank) plan of the NCCL transport.
+"""What both transports share: the token capacity C, the once-per-(token, rank) plan and
+the receiver's schedule.
 
-Capacity: each rank may send each peer C = min(T_max·min(topk, E_l), ⌈R / P⌉) rows,
-T_max the largest `num_local_tokens` of the ranks' workspaces (one C for all), R =
-`MoKConfig.receive_capacity` (None: the exact worst case, which never overflows). A
-token's expert ids are distinct, so at most min(topk, E_l) of its routes go to one rank.
+Capacity: each rank may send each peer C = min(T_max, ⌈R / P⌉) token rows, T_max the largest
+`num_local_tokens` of the ranks' workspaces (one C for all), R = `MoKConfig.receive_capacity`
+(the routes one rank may receive; None: the exact worst case, which never overflows). Every
+row carries at least one route, so R bounds the rows too.
 
-Receiver's schedule: the rows from source p sit at p·C + c of the received buffers; the
-schedule is built over the interleaved order c·P + p, so that inside each expert,
-ascending order takes the sources round-robin (DESIGN §3.1), then mapped back to the
-rows where the exchange put them.
+Plan (`token_plan`): a token's row goes once to each rank holding ≥ 1 of its experts, with
+the k_l = min(topk, E_l) slots of local expert ids (−1: empty) and router weights of its
+routes there. Rows of source p sit at p·C + c (c: the token's place among this rank's tokens
+to p, ascending t); route q of row i (its q-th route to that rank, ascending j) is received
+route i·k_l + q.
 
-Once per (token, rank) (`token_plan`, `token_receiver_schedule`): a token's row goes once to
-each rank holding ≥ 1 of its experts, with the k_l = min(topk, E_l) slots of local expert ids
-(−1: empty) and router weights of its routes there. Rows of source p sit at p·C + c (c: the
-token's place among this rank's tokens to p, ascending t; C = `RouteCapacity.token_capacity`);
-route q of row i (its q-th route to that rank, ascending j) is received route i·k_l + q. The
-receiver sees every received row as a token with topk = k_l, so the single-GPU kernels run
-unchanged; its schedule is built over the interleaved rows c·P + p as above.
+Receiver's schedule (`token_receiver_schedule`): every received row is a token with
+topk = k_l, so the single-GPU kernels run unchanged on the received rows. The schedule is
+built over the interleaved order c·P + p, so that inside each expert, ascending order takes
+the sources round-robin (every stretch of an expert's rows draws evenly from the peers), then
+mapped back to the rows where the exchange put them.
 """
 
 from __future__ import annotations
@@ -60,34 +59,10 @@ class RouteCapacity:
         self.topk = topk
         self.receive_capacity = config.receive_capacity(self.max_local_tokens, topk, self.world_size)
 
-    def send_capacity(self, num_local_experts: int) -> int:
-        """C: rows one rank may send one peer."""
-        worst_case = self.max_local_tokens * min(self.topk, num_local_experts)
-        return min(worst_case, -(-self.receive_capacity // self.world_size))
-
     def token_capacity(self) -> int:
         """C of the once-per-(token, rank) plan: token rows one rank may send one peer. Each
         row carries ≥ 1 route, so the routes a rank may receive bound its rows too."""
         return min(self.max_local_tokens, -(-self.receive_capacity // self.world_size))
-
-
-def receiver_schedule(
-    recv_ids: torch.Tensor,  # [P, C + 1] int32: each source's local expert ids, then its error flag
-    error_flag: torch.Tensor,  # [1] int32
-    num_local_experts: int,
-    block_m: int,
-) -> tuple[torch.Tensor, ...]:
-    """The schedule (the tensors of `ops.routing_schedule`) of the P·C received rows, each
-    a token with topk = 1, its row maps over p·C + c; ORs the sources' flags into
-    `error_flag`."""
-    num_ranks, capacity = recv_ids.shape[0], recv_ids.shape[1] - 1
-    expert_ids = ops.receive_expert_ids(recv_ids, error_flag)  # [C·P, 1], row c·P + p
-    interleaved, *tables, interleaved_route_row = ops.routing_schedule(
-        expert_ids, error_flag, num_local_experts, block_m, True
-    )
-    row_source = torch.where(interleaved >= 0, interleaved % num_ranks * capacity + interleaved // num_ranks, interleaved)
-    route_row = interleaved_route_row.view(capacity, num_ranks).t().reshape(-1)  # [P·C], received row p·C + c
-    return (row_source, *tables, route_row)
 
 
 def _or_flags(flags: torch.Tensor) -> torch.Tensor:

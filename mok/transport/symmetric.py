@@ -33,8 +33,8 @@ Only rows that exist travel (no padding to capacity as with equal-split collecti
 Pairs past the capacity set ERROR_CAPACITY_OVERFLOW (every rank learns it through the plan);
 they move nothing and their routes contribute zeros.
 
-Safe to overwrite (DESIGN §4's third sync pattern) follows from the order of the calls,
-checked for every region: a rank pushes into a peer's region only after a wait that
+Safe to overwrite (the third sync pattern of `mok/kernels/comm.py`) follows from the order
+of the calls, checked for every region: a rank pushes into a peer's region only after a wait that
 needs a push the peer made after its last read of that region. E.g. rank a's next push
 into b's recv_x follows a's wait for b's partial y rows, which b pushed after its gate/up
 GEMM read recv_x (and, with a backward, a's wait for b's dx rows, pushed after b's backward

@@ -1,5 +1,5 @@
-"""Peer-pointer row pushes, the bounded arrival wait (`mok/kernels/comm.py`), and the GEMM
-epilogues that store rows on the peers (`PeerRows`).
+"""Peer-pointer row pushes and the bounded arrival wait (`mok/kernels/comm.py`), as the
+symmetric transport uses them.
 
 P ranks are simulated in one process: each "rank" owns plain tensors standing in for its
 symmetric-memory regions, and the peer-pointer tables hold their addresses (the kernels
@@ -15,12 +15,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mok.kernels.comm import PeerRows, push_rows, wait_arrivals
+from mok.kernels.comm import push_rows, wait_arrivals
 from mok.kernels.common import ERROR_CAPACITY_OVERFLOW, ERROR_PEER_TIMEOUT
-from mok.kernels.dgrad import dgrad_config, gate_up_dgrad_scatter
-from mok.kernels.grouped_gemm import down_scatter, gate_up_swiglu, gemm_config, routing_block_m, scatter_grid
-from mok.kernels.schedule import build_routing_schedule
-from mok.testing import make_inputs, make_topk_ids
+from mok.kernels.grouped_gemm import routing_block_m
+from mok.testing import make_topk_ids
 from mok.transport.common import token_plan, token_receiver_schedule
 from mok.transport.symmetric import SymmetricDispatch
 
@@ -193,53 +191,8 @@ def test_comm_launchers_reject_bad_arguments():
         push_rows(rows, index.long(), ptrs, 8, ptrs, 0, flag, num_dst_rows=4, my_rank=0, capacity=1, by_slot=True, num_programs=1)
     with pytest.raises(ValueError, match="my_rank"):
         push_rows(rows, index, ptrs, 8, ptrs, 0, flag, num_dst_rows=4, my_rank=2, capacity=1, by_slot=True, num_programs=1)
-    with pytest.raises(ValueError, match="^zero_rows: expected by_slot"):
-        push_rows(rows, index, ptrs, 8, ptrs, 0, flag, num_dst_rows=4, my_rank=0, capacity=1, by_slot=False, num_programs=1, zero_rows=rows)
     counters = torch.zeros(2, 2, dtype=torch.int32)
     with pytest.raises(ValueError, match="^arrivals, expected"):
         wait_arrivals(counters, counters.long(), torch.zeros(1, dtype=torch.int32), 0, 1, 1.0)
     with pytest.raises(ValueError, match="kind"):
         wait_arrivals(counters, counters.clone(), torch.zeros(1, dtype=torch.int32), 2, 1, 1.0)
-
-
-def test_gemm_epilogues_store_rows_in_their_sources_slots(kernel_device):
-    """The down GEMM and the gate/up dgrad with `peer_rows`: every received row's output
-    lands in its source's buffer at its route (the rows the plain launch stores at the
-    received position), nothing else is written, and each program signals once."""
-    P, C, E_l, H, I, me = 3, 6, 2, 64, 32, 1
-    num_out_rows = 20  # the sources' T·topk slots
-    dev = kernel_device
-    gen = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, E_l, (P * C, 1), generator=gen, dtype=torch.int32)
-    return_route = torch.full((P * C,), -1, dtype=torch.int32)
-    for source in range(P):  # each source sent C - 1 or C - 2 rows, to distinct routes of its own
-        sent = C - 1 - source % 2
-        return_route[source * C: source * C + sent] = torch.randperm(num_out_rows, generator=gen)[:sent].int()
-    ids[return_route < 0] = -1
-    flag = torch.zeros(1, dtype=torch.int32, device=dev)
-    schedule = build_routing_schedule(ids.to(dev), E_l, routing_block_m(), flag, skip_empty_ids=True)
-    inp = make_inputs(P * C, H, I, E_l, 1, seed=5, device=dev)
-    h, _ = gate_up_swiglu(inp.x, inp.w_gate, inp.w_up, schedule, 1)
-    d_gate_up = torch.randn(schedule.capacity_rows, 2, I, generator=gen).bfloat16().to(dev)
-    cases = (
-        ("down", lambda peer: down_scatter(h, inp.w_down, schedule, P * C, peer_rows=peer),
-         gemm_config("down", H, I, allow_warp_specialized=False)),
-        ("gate/up dgrad", lambda peer: gate_up_dgrad_scatter(d_gate_up, inp.w_gate, inp.w_up, schedule, P * C,
-                                                            peer_rows=peer),
-         dgrad_config("gate_up", H, I, allow_warp_specialized=False)),
-    )
-    for name, launch, cfg in cases:
-        plain = launch(None).cpu()
-        out = [torch.full((num_out_rows, H), float("nan"), dtype=torch.bfloat16, device=dev) for _ in range(P)]
-        arrivals = [torch.zeros(2, P, dtype=torch.int32, device=dev) for _ in range(P)]
-        peer = PeerRows(_peer_ptrs(out), return_route.to(dev), C, _peer_ptrs(arrivals), 1 * P + me, out[me])
-        assert launch(peer) is out[me], name
-        expected = [torch.full((num_out_rows, H), float("nan"), dtype=torch.bfloat16) for _ in range(P)]
-        for row, route in enumerate(return_route.tolist()):
-            if route >= 0:
-                expected[row // C][route] = plain[row]
-        for rank in range(P):
-            torch.testing.assert_close(out[rank].cpu(), expected[rank], rtol=0, atol=0, equal_nan=True,
-                                       msg=f"{name}: rank {rank}'s buffer")
-            assert arrivals[rank][1].tolist() == [0] * me + [scatter_grid(schedule, H, cfg)] + [0] * (P - me - 1), name
-            assert arrivals[rank][0].eq(0).all(), name
