@@ -118,11 +118,12 @@ FP8_BLOCK_SORTED_OUTPUTS = True
 # With FP8_BLOCK_WGRADS_REQUANTIZE only (the other way recomputes h from bf16 g, u), and without a
 # swiglu_limit (its clamps' zero gradients need g, u exactly).
 FP8_BLOCK_GATE_UP_E4M3 = False
-# fp8_block under expert parallelism (NCCL transport): x is quantized in 1×128 blocks along H
-# before the dispatch and travels as e4m3 + fp32 scales (H + H/32 bytes a row instead of 2·H),
-# dOut too where the down dgrad reads its per-token quantization. Blocks lie inside one row, so
-# the received rows are bitwise what quantizing after the exchange gives. Needs
-# FP8_BLOCK_WGRADS_REQUANTIZE: the backward then reads no bf16 x rows.
+# fp8_block under expert parallelism (NCCL transport; the symmetric transport still moves bf16
+# rows): x is quantized in 1×128 blocks along H before the dispatch and travels as e4m3 + fp32
+# scales (H + H/32 bytes a row instead of 2·H), dOut too where the down dgrad reads its
+# per-token quantization. Blocks lie inside one row, so the received rows are bitwise what
+# quantizing after the exchange gives. Needs FP8_BLOCK_WGRADS_REQUANTIZE: the backward then
+# reads no bf16 x rows.
 FP8_BLOCK_ON_THE_WIRE = True
 
 
@@ -872,9 +873,9 @@ def _weight_grads(fresh_op, accumulate_op, operands, main_grads, routing, block_
 def _routed_backward(schedule, saved, d_out, x, topk_weights, routed, swiglu_limit, main_grads):
     """(dx_slots [T·topk, H], route_row None), or where the forward kept one (`_routed_forward`)
     (dx [capacity_rows, H] in the sorted layout, route_row); d_topk_weights [T, topk] fp32 and the
-    routed weight gradients. Under expert parallelism the dOut rows and router weights travel
-    to the experts' ranks (which apply the weights in fp32), and dx rows and router-weight
-    gradients come back."""
+    routed weight gradients. Under expert parallelism the dOut rows travel to the experts'
+    ranks (which kept the router weights from the forward and apply them in fp32), and partial
+    dx rows and router-weight gradients come back (`_per_rank_backward`)."""
     num_tokens, topk = topk_weights.shape
     dispatch = schedule.dispatch
     if dispatch is None:
