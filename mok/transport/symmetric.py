@@ -67,8 +67,7 @@ from mok.config import MoKConfig
 from mok.kernels import comm
 from mok.transport.common import RouteCapacity, check_same_across_ranks, token_plan, token_receiver_schedule
 
-# One push (or one GEMM launch storing on the peers) per kind and call; the receiver
-# counts each kind's arrivals apart.
+# One push per kind and call; the receiver counts each kind's arrivals apart.
 _KINDS = ("plan", "x", "weights", "y", "d_out", "dx", "d_weight")
 # Int32 words per pushed row of the plan's [P, L] block: the block travels as L / 1024
 # rows per peer, so the push spreads it over programs like any other rows.
@@ -159,12 +158,11 @@ class SymmetricTransport(RouteCapacity):
                        self.error_flag, num_dst_rows=shape[0], my_rank=self.rank, num_programs=self.num_programs[kind],
                        **kwargs)
 
-    def wait(self, kind: str, programs_per_peer: int | None = None) -> None:
-        """Peers' pushes of `kind` visible here (bounded; `comm.wait_arrivals`): each peer's
-        `programs_per_peer` programs (default: its push's) have signalled."""
-        programs = self.num_programs[kind] if programs_per_peer is None else programs_per_peer
-        comm.wait_arrivals(self.views["arrivals"], self.expected, self.error_flag, _KINDS.index(kind), programs,
-                           self.config.peer_timeout_s)
+    def wait(self, kind: str) -> None:
+        """Peers' pushes of `kind` visible here (bounded; `comm.wait_arrivals`): every program
+        of each peer's push has signalled."""
+        comm.wait_arrivals(self.views["arrivals"], self.expected, self.error_flag, _KINDS.index(kind),
+                           self.num_programs[kind], self.config.peer_timeout_s)
 
     def plan(
         self, topk_ids: torch.Tensor, num_local_experts: int, error_flag: torch.Tensor, block_m: int
