@@ -24,7 +24,6 @@ sync), and `MoKConfig(strict=True)` calls it after every step.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -43,7 +42,7 @@ from mok.kernels.common import ERROR_BAD_EXPERT_ID, ERROR_CAPACITY_OVERFLOW, ERR
 from mok.fp8_block import FP8_BLOCK, fp8_block_round
 from mok.mxfp8 import mxfp8_dequantize, mxfp8_quantize
 from mok.reference import Gradients
-from mok.transport import Dispatch, NcclDispatch, Transport, check_same_across_ranks, create_transport
+from mok.transport import Dispatch, Transport, check_same_across_ranks, create_transport
 from mok.validation import check_layer_inputs, check_tensor, check_topk_ids_values
 
 __all__ = [
@@ -118,8 +117,7 @@ FP8_BLOCK_SORTED_OUTPUTS = True
 # With FP8_BLOCK_WGRADS_REQUANTIZE only (the other way recomputes h from bf16 g, u), and without a
 # swiglu_limit (its clamps' zero gradients need g, u exactly).
 FP8_BLOCK_GATE_UP_E4M3 = False
-# fp8_block under expert parallelism (NCCL transport; the symmetric transport still moves bf16
-# rows): x is quantized in 1×128 blocks along H before the dispatch and travels as e4m3 + fp32
+# fp8_block under expert parallelism: x is quantized in 1×128 blocks along H before the dispatch and travels as e4m3 + fp32
 # scales (H + H/32 bytes a row instead of 2·H), dOut too where the down dgrad reads its
 # per-token quantization. Blocks lie inside one row, so the received rows are bitwise what
 # quantizing after the exchange gives. Needs FP8_BLOCK_WGRADS_REQUANTIZE: the backward then
@@ -335,10 +333,9 @@ def build_schedule(
     if workspace.transport is None:
         routing = ops.routing_schedule(topk_ids, workspace.error_flag, num_local_experts, block_m)
     else:  # `routing` then covers the rows this rank's experts receive
-        dispatch, routing = workspace.transport.plan(topk_ids, num_local_experts, workspace.error_flag, block_m)
-        if isinstance(dispatch, NcclDispatch) and config.precision == "fp8_block" and FP8_BLOCK_ON_THE_WIRE \
-                and FP8_BLOCK_WGRADS_REQUANTIZE:
-            dispatch = dataclasses.replace(dispatch, fp8_wire=True)
+        fp8_wire = config.precision == "fp8_block" and FP8_BLOCK_ON_THE_WIRE and FP8_BLOCK_WGRADS_REQUANTIZE
+        dispatch, routing = workspace.transport.plan(topk_ids, num_local_experts, workspace.error_flag, block_m,
+                                                     fp8_wire)
     shared_routing = None
     if has_shared_expert:
         all_tokens = torch.zeros(num_tokens, 1, dtype=torch.int32, device=topk_ids.device)  # [T, 1]: one expert
@@ -579,8 +576,8 @@ def _per_rank_forward(schedule, x, topk_weights, routed, swiglu_limit, needs_bac
     ascending q, fp32, one bf16 row); y is [P·C, H] of those partial rows back at the source,
     route_row the pairs' rows (token_slot [T·P]) and the combine weights ones [T, P]."""
     dispatch = schedule.dispatch
-    sent = ops.quantize_fp8_block_activations(x) if dispatch.fp8_wire else x  # `FP8_BLOCK_ON_THE_WIRE`
-    expert_x, expert_weights = dispatch.dispatch(sent, topk_weights)  # [P·C, H] (or e4m3 and scales), [P·C, k_l]
+    # [P·C, H] (with `FP8_BLOCK_ON_THE_WIRE`: e4m3 rows and their scales), [P·C, k_l]
+    expert_x, expert_weights = dispatch.dispatch(x, topk_weights)
     k_l = dispatch.routes_per_row
     y_routes, saved = _expert_mlp(
         expert_x, *routed, schedule.routing, schedule.block_m, k_l, dispatch.num_expert_rows * k_l, swiglu_limit,
@@ -896,9 +893,10 @@ def _per_rank_backward(schedule, saved, d_out, x, routed, swiglu_limit, main_gra
     token_slot [T·P], d_topk_weights [T, topk], grads)."""
     dispatch = schedule.dispatch
     expert_x = dispatch.received_x(saved.pop("expert_x"), x)  # [P·C, H]
+    if isinstance(expert_x, tuple):  # fp8 on the wire: the received e4m3 rows are the wgrad's x (sent again
+        saved["x_q"], saved["x_scale"] = expert_x  # if a later dispatch overwrote the transport's buffer)
     expert_weights = saved.pop("expert_weights")  # [P·C, k_l]
-    quantized = dispatch.d_out_on_fp8_wire(d_out.shape[1])  # `FP8_BLOCK_ON_THE_WIRE`
-    expert_d_out = dispatch.dispatch_grad(ops.quantize_fp8_block_activations(d_out) if quantized else d_out)
+    expert_d_out = dispatch.dispatch_grad(d_out)  # [P·C, H] (or e4m3 rows and scales: `FP8_BLOCK_ON_THE_WIRE`)
     k_l = dispatch.routes_per_row
     dx_routes, d_weights, grads = _expert_mlp_backward(
         expert_d_out, expert_x, expert_weights, routed, saved, schedule.routing, schedule.block_m,

@@ -112,11 +112,13 @@ class NcclDispatch:
         packed = ops.pack_rows(raw, self.token_slot, self.world_size, self.num_expert_rows)
         return _exchange(packed, self.group).view(rows.dtype)
 
-    def dispatch(self, x, topk_weights: torch.Tensor):
-        """[T, H] token rows (with `fp8_wire`: the pair of e4m3 rows and their [T, H/128] fp32
-        scales) and [T, topk] router weights → the received rows [P·C, H] (or pair) and their
-        routes' weights [P·C, k_l] fp32 (0 for empty routes)."""
-        return self._send_rows(x), _exchange(self._pack_weights(topk_weights), self.group).view(-1, self.routes_per_row)
+    def dispatch(self, x: torch.Tensor, topk_weights: torch.Tensor):
+        """[T, H] token rows and [T, topk] router weights → the received rows [P·C, H] (with
+        `fp8_wire`: quantized in 1×128 blocks before they travel, the pair of e4m3 rows and
+        their [P·C, H/128] fp32 scales) and their routes' weights [P·C, k_l] fp32 (0 for empty
+        routes)."""
+        rows = self._send_rows(ops.quantize_fp8_block_activations(x) if self.fp8_wire else x)
+        return rows, _exchange(self._pack_weights(topk_weights), self.group).view(-1, self.routes_per_row)
 
     def _pack_weights(self, topk_weights: torch.Tensor) -> torch.Tensor:
         """[P·C·k_l] fp32: each sent route's weight, zeros elsewhere (the expert side's sums
@@ -135,10 +137,11 @@ class NcclDispatch:
         rows from each rank, pair (t, p) at row token_slot[t·P + p]."""
         return _exchange(part_rows, self.group)
 
-    def dispatch_grad(self, d_out):
-        """dOut rows [P·C, H] of the received rows (or, given the pair of e4m3 rows and scales,
-        that pair's rows)."""
-        return self._send_rows(d_out)
+    def dispatch_grad(self, d_out: torch.Tensor):
+        """dOut rows [P·C, H] of the received rows (where `d_out_on_fp8_wire`: the pair of e4m3
+        rows and scales, quantized before they travel)."""
+        quantized = self.d_out_on_fp8_wire(d_out.shape[1])
+        return self._send_rows(ops.quantize_fp8_block_activations(d_out) if quantized else d_out)
 
     def combine_grad(self, dx_rows: torch.Tensor, d_weight_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """dx partial rows [P·C, H] (as `combine`) and d_topk_weights [T, topk] fp32 from the
@@ -153,10 +156,12 @@ class NcclTransport(RouteCapacity):
     Creating one is a collective: the ranks agree on the largest token count."""
 
     def plan(
-        self, topk_ids: torch.Tensor, num_local_experts: int, error_flag: torch.Tensor, block_m: int
+        self, topk_ids: torch.Tensor, num_local_experts: int, error_flag: torch.Tensor, block_m: int,
+        fp8_wire: bool = False,
     ) -> tuple[NcclDispatch, tuple[torch.Tensor, ...]]:
-        """This call's dispatch, and the schedule (the tensors of `ops.routing_schedule`) of
-        the P·C rows this rank's experts receive, as tokens with topk = k_l. A collective."""
+        """This call's dispatch (`fp8_wire`: x and dOut travel in fp8_block), and the schedule
+        (the tensors of `ops.routing_schedule`) of the P·C rows this rank's experts receive, as
+        tokens with topk = k_l. A collective."""
         num_ranks, capacity = self.world_size, self.token_capacity()
         routes_per_row = min(topk_ids.shape[1], num_local_experts)
         token_slot, route_place, send_expert = token_plan(topk_ids, num_local_experts, num_ranks, capacity,
@@ -167,5 +172,5 @@ class NcclTransport(RouteCapacity):
             _exchange(send_ids, self.group), error_flag, num_local_experts, routes_per_row, block_m
         )
         dispatch = NcclDispatch(self.group, num_ranks, self.rank, capacity, topk_ids.shape[1], routes_per_row, token_slot,
-                                route_place, received_routes)
+                                route_place, received_routes, fp8_wire)
         return dispatch, schedule

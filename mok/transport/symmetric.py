@@ -14,13 +14,15 @@ layout on every rank, so a region's address on rank p is p's base + the same off
     recv_d_out      [P·C, H] bf16        source p, rows p·C + c             backward
     dx_parts        [P·C, H] bf16        expert rank p, row p·C + c         the source's d_x sum
     d_weight_slots  [P·C·k_l] fp32       expert rank p, per route           d_topk_weights (a copy)
-    arrivals        [7, P] int32         every rank, one counter per (kind, source)
+    arrivals        [9, P] int32         every rank, one counter per (kind, source)
 
 (C the token capacity of `common.py`, k_l = min(topk, E_l) ≤ topk, L = C·topk + 1 rounded
-up to a multiple of _INFO_CHUNK.) Source rows land at my_rank·C + c on the expert's rank
-(BY_SLOT of `comm.push_rows`, the pair's send row p·C + c as the slot) and the partial rows
-come back to row p·C + c of the source, the same place, so nothing is unpacked. One layer
-call on each rank:
+up to a multiple of _INFO_CHUNK.) In fp8_block, x and dOut rows travel quantized (1×128
+blocks along H): H e4m3 bytes at recv_x_q and H/128 fp32 scales at recv_x_scale, both inside
+recv_x's bytes (2·H bytes a row hold H + H/32), likewise for recv_d_out. Source rows land at
+my_rank·C + c on the expert's rank (BY_SLOT of `comm.push_rows`, the pair's send row p·C + c
+as the slot) and the partial rows come back to row p·C + c of the source, the same place, so
+nothing is unpacked. One layer call on each rank:
 
     plan       token_plan → push row p of [ids | flag] to rank p → wait → the receiver's
                schedule (`common.py`)
@@ -65,10 +67,11 @@ import torch.distributed as dist
 from mok import ops
 from mok.config import MoKConfig
 from mok.kernels import comm
+from mok.kernels.dgrad import fp8_block_down_dgrad_gathers
 from mok.transport.common import RouteCapacity, check_same_across_ranks, token_plan, token_receiver_schedule
 
 # One push per kind and call; the receiver counts each kind's arrivals apart.
-_KINDS = ("plan", "x", "weights", "y", "d_out", "dx", "d_weight")
+_KINDS = ("plan", "x", "x_scale", "weights", "y", "d_out", "d_out_scale", "dx", "d_weight")
 # Int32 words per pushed row of the plan's [P, L] block: the block travels as L / 1024
 # rows per peer, so the push spreads it over programs like any other rows.
 _INFO_CHUNK = 1024
@@ -107,8 +110,8 @@ class SymmetricTransport(RouteCapacity):
         self.config = config
         self.device = device
         self.error_flag = error_flag  # the workspace's: waits past the timeout set a bit in it
-        self.num_programs = {kind: config.fwd_num_comm_sms for kind in ("plan", "x", "weights", "y")}
-        self.num_programs.update({kind: config.bwd_num_comm_sms for kind in ("d_out", "dx", "d_weight")})
+        self.num_programs = {kind: config.fwd_num_comm_sms for kind in ("plan", "x", "x_scale", "weights", "y")}
+        self.num_programs.update({kind: config.bwd_num_comm_sms for kind in ("d_out", "d_out_scale", "dx", "d_weight")})
         # the receivers count the senders' programs: every rank must launch alike
         check_same_across_ranks(group, {"config.fwd_num_comm_sms": config.fwd_num_comm_sms,
                                         "config.bwd_num_comm_sms": config.bwd_num_comm_sms}, device)
@@ -138,12 +141,29 @@ class SymmetricTransport(RouteCapacity):
             self.peer_ptrs[name] = torch.tensor(
                 [base + offsets[name] for base in handle.buffer_ptrs], dtype=torch.int64, device=device
             )
+        self.shapes = {name: shape for name, (shape, _) in self.regions.items()}
+        if hidden_size % 128 == 0:
+            for name in ("recv_x", "recv_d_out"):
+                self._add_fp8_views(name, rows, hidden_size)
         self.expected = torch.zeros(len(_KINDS), num_ranks, dtype=torch.int32, device=device)  # arrivals consumed
         self.views["arrivals"].zero_()
         torch.cuda.synchronize(device)
         dist.barrier(group=group)  # every rank's counters are zero before anyone signals
         self.x_generation = 0  # dispatches of x so far (received_x compares)
         self._info_index: dict[int, torch.Tensor] = {}
+
+    def _add_fp8_views(self, name: str, rows: int, hidden_size: int) -> None:
+        """`name`_q [rows, H] e4m3 (as bytes) and `name`_scale [rows, H/128] fp32 over the bytes of
+        the bf16 region `name` (2·H bytes a row hold H + H/32): where fp8_block rows travel."""
+        raw = self.views[name].view(-1).view(torch.uint8)
+        scale_offset = rows * hidden_size  # a multiple of 128 bytes: aligned as the pushes assume
+        parts = {"_q": (0, (rows, hidden_size), torch.uint8),
+                 "_scale": (scale_offset, (rows, hidden_size // 128), torch.float32)}
+        for suffix, (offset, shape, dtype) in parts.items():
+            nbytes = dtype.itemsize * torch.Size(shape).numel()
+            self.views[name + suffix] = raw[offset: offset + nbytes].view(dtype).view(shape)
+            self.peer_ptrs[name + suffix] = self.peer_ptrs[name] + offset
+            self.shapes[name + suffix] = shape
 
     @staticmethod
     def _info_width(num_ids: int) -> int:
@@ -152,7 +172,7 @@ class SymmetricTransport(RouteCapacity):
 
     def push(self, kind: str, src: torch.Tensor, index: torch.Tensor, region: str, **kwargs) -> None:
         """Pushes rows of `src` into `region`'s rows on the ranks `index` says (`comm.push_rows`)."""
-        shape = self.regions[region][0]
+        shape = self.shapes[region]
         row_width = shape[1] if len(shape) == 2 else 1
         comm.push_rows(src, index, self.peer_ptrs[region], row_width, self.peer_ptrs["arrivals"], _KINDS.index(kind),
                        self.error_flag, num_dst_rows=shape[0], my_rank=self.rank, num_programs=self.num_programs[kind],
@@ -165,11 +185,14 @@ class SymmetricTransport(RouteCapacity):
                            self.num_programs[kind], self.config.peer_timeout_s)
 
     def plan(
-        self, topk_ids: torch.Tensor, num_local_experts: int, error_flag: torch.Tensor, block_m: int
+        self, topk_ids: torch.Tensor, num_local_experts: int, error_flag: torch.Tensor, block_m: int,
+        fp8_wire: bool = False,
     ) -> tuple[SymmetricDispatch, tuple[torch.Tensor, ...]]:
-        """This call's dispatch, and the schedule (the tensors of `ops.routing_schedule`) of
-        the P·C rows this rank's experts receive, as tokens with topk = k_l. Every rank must
-        call it."""
+        """This call's dispatch (`fp8_wire`: x and dOut travel in fp8_block), and the schedule
+        (the tensors of `ops.routing_schedule`) of the P·C rows this rank's experts receive, as
+        tokens with topk = k_l. Every rank must call it."""
+        if fp8_wire and "recv_x_q" not in self.views:
+            raise ValueError(f"fp8_wire: expected a hidden size that is a multiple of 128, got {self.regions['recv_x'][0][1]}")
         num_ranks, capacity = self.world_size, self.token_capacity()
         routes_per_row = min(topk_ids.shape[1], num_local_experts)
         token_slot, route_place, send_expert = token_plan(topk_ids, num_local_experts, num_ranks, capacity,
@@ -190,7 +213,7 @@ class SymmetricTransport(RouteCapacity):
             recv_info[:, : num_ids + 1], error_flag, num_local_experts, routes_per_row, block_m
         )
         dispatch = SymmetricDispatch(self, capacity, topk_ids.shape[1], routes_per_row, token_slot, route_place,
-                                     received_routes)
+                                     received_routes, fp8_wire)
         return dispatch, schedule
 
     def _plan_index(self, chunks: int) -> torch.Tensor:
@@ -206,10 +229,9 @@ class SymmetricTransport(RouteCapacity):
 class SymmetricDispatch:
     """The (token, rank) pairs of one layer call and the row moves along them (module docstring)."""
 
-    fp8_wire = False  # rows travel in bf16 (the fp8_block quantizers run after the exchange)
-
     def __init__(self, transport: SymmetricTransport, capacity: int, topk: int, routes_per_row: int,
-                 token_slot: torch.Tensor, route_place: torch.Tensor, received_routes: torch.Tensor):
+                 token_slot: torch.Tensor, route_place: torch.Tensor, received_routes: torch.Tensor,
+                 fp8_wire: bool = False):
         self.transport = transport
         self.world_size = transport.world_size  # P
         self.send_capacity = capacity  # C
@@ -218,6 +240,7 @@ class SymmetricDispatch:
         self.token_slot = token_slot  # [T·P] int32: send row p·C + c of pair (t, p) at t·P + p, −1: none
         self.route_place = route_place  # [T·topk] int32: each route's sent route (p·C + c)·k_l + q, −1: not sent
         self.received_routes = received_routes  # [P·C·k_l] int32: each received route's index, −1: empty
+        self.fp8_wire = fp8_wire  # fp8_block: x (and dOut, where the dgrad reads it per token) travel in e4m3 + scales
         rank = transport.rank
         rows = torch.arange(self.num_expert_rows, device=token_slot.device, dtype=torch.int32)  # [P·C]
         received_rows = (received_routes.view(-1, routes_per_row) >= 0).any(1)
@@ -235,7 +258,8 @@ class SymmetricDispatch:
         return self.world_size * self.send_capacity
 
     def d_out_on_fp8_wire(self, hidden_size: int) -> bool:
-        return False
+        """As `NcclDispatch.d_out_on_fp8_wire`."""
+        return self.fp8_wire and fp8_block_down_dgrad_gathers(hidden_size)
 
     def peer_rows(self) -> int:
         """Token rows this rank sends other ranks per dispatch: its (token, rank) pairs with
@@ -257,9 +281,12 @@ class SymmetricDispatch:
         received = self.received_routes >= 0
         in_routes = int((received & (torch.arange(received.shape[0], device=received.device) // num_routes != rank)).sum())
         int32, bf16, fp32 = 4, 2, 4
+        fp8_row = hidden_size + hidden_size // 128 * fp32
+        x_row = fp8_row if self.fp8_wire else hidden_size * bf16
+        d_out_row = fp8_row if self.d_out_on_fp8_wire(hidden_size) else hidden_size * bf16
         plan = (self.world_size - 1) * transport._info_width(num_routes) * int32
-        forward = plan + (out_rows + in_rows) * hidden_size * bf16 + out_routes * fp32
-        backward = (out_rows + in_rows) * hidden_size * bf16 + in_routes * fp32
+        forward = plan + out_rows * x_row + in_rows * hidden_size * bf16 + out_routes * fp32
+        backward = out_rows * d_out_row + in_rows * hidden_size * bf16 + in_routes * fp32
         return forward + (backward if with_backward else 0)
 
     def _row_sources(self) -> torch.Tensor:
@@ -267,19 +294,36 @@ class SymmetricDispatch:
         rows = torch.arange(self.num_expert_rows, device=self.token_slot.device)
         return rows // self.send_capacity
 
-    def _push_x(self, x: torch.Tensor) -> torch.Tensor:
-        transport = self.transport
-        transport.push("x", x, self.token_slot, "recv_x", by_slot=True, capacity=self.send_capacity,
-                       routes_per_row=self.world_size)
-        transport.wait("x")
-        transport.x_generation += 1
-        self._x_generation = transport.x_generation
-        return transport.views["recv_x"][: self.num_expert_rows]
+    def _send_rows(self, kind: str, rows: torch.Tensor, region: str, quantized: bool):
+        """[T, H] token rows → the rows [P·C, H] of the pairs received here (a view of `region`);
+        `quantized`: in fp8_block's 1×128 blocks, as the pair of e4m3 rows and their [P·C, H/128]
+        scales (views of `region`'s bytes)."""
+        transport, num_rows = self.transport, self.num_expert_rows
+        sends = {kind: (rows, region)}
+        if quantized:
+            q, scale = ops.quantize_fp8_block_activations(rows)
+            sends = {kind: (q.view(torch.uint8), region + "_q"), kind + "_scale": (scale, region + "_scale")}
+        for name, (src, dst) in sends.items():
+            transport.push(name, src, self.token_slot, dst, by_slot=True, capacity=self.send_capacity,
+                           routes_per_row=self.world_size)
+        for name in sends:
+            transport.wait(name)
+        if quantized:
+            return (transport.views[region + "_q"][:num_rows].view(torch.float8_e4m3fn),
+                    transport.views[region + "_scale"][:num_rows])
+        return transport.views[region][:num_rows]
 
-    def dispatch(self, x: torch.Tensor, topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _push_x(self, x: torch.Tensor):
+        received = self._send_rows("x", x, "recv_x", self.fp8_wire)
+        self.transport.x_generation += 1
+        self._x_generation = self.transport.x_generation
+        return received
+
+    def dispatch(self, x: torch.Tensor, topk_weights: torch.Tensor):
         """[T, H] token rows and [T, topk] router weights → the received rows [P·C, H] (a view of
         the transport's recv_x; rows no source filled hold stale values, and the schedule skips
-        them) and their routes' weights [P·C, k_l] fp32 (a copy; 0 for empty routes)."""
+        them; with `fp8_wire` the pair of e4m3 rows and scales, quantized before they travel) and
+        their routes' weights [P·C, k_l] fp32 (a copy; 0 for empty routes)."""
         transport = self.transport
         num_routes = self.send_capacity * self.routes_per_row
         transport.push("weights", topk_weights.reshape(-1, 1).float(), self.route_place, "recv_weights", by_slot=True,
@@ -308,13 +352,10 @@ class SymmetricDispatch:
         transport.wait(kind)
         return transport.views[region][: self.num_expert_rows]
 
-    def dispatch_grad(self, d_out: torch.Tensor) -> torch.Tensor:
-        """dOut rows [P·C, H] of the received rows (a view of recv_d_out)."""
-        transport = self.transport
-        transport.push("d_out", d_out, self.token_slot, "recv_d_out", by_slot=True, capacity=self.send_capacity,
-                       routes_per_row=self.world_size)
-        transport.wait("d_out")
-        return transport.views["recv_d_out"][: self.num_expert_rows]
+    def dispatch_grad(self, d_out: torch.Tensor):
+        """dOut rows [P·C, H] of the received rows (a view of recv_d_out; where
+        `d_out_on_fp8_wire`, the pair of e4m3 rows and scales)."""
+        return self._send_rows("d_out", d_out, "recv_d_out", self.d_out_on_fp8_wire(d_out.shape[1]))
 
     def combine_grad(self, dx_rows: torch.Tensor, d_weight_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """dx partial rows [P·C, H] (as `combine`, a view of dx_parts) and d_topk_weights
