@@ -286,7 +286,8 @@ class Schedule:
     `shared_routing` the one of the shared expert (every token to one expert), both as
     the tensors of `mok.ops.routing_schedule`, and `block_m` the M tile they pad to.
     Under expert parallelism `dispatch` moves rows to the experts' ranks and back, and
-    `routing` covers the rows this rank's experts receive (each a token with topk = 1).
+    `routing` covers the rows this rank's experts receive (each a token row sent once per
+    (token, rank), with topk = k_l = min(topk, E_l) routes).
     """
 
     topk_ids: torch.Tensor
@@ -913,7 +914,8 @@ def _per_rank_backward(schedule, saved, d_out, x, routed, swiglu_limit, main_gra
 def _triton_backward(schedule, saved, d_out, x, topk_weights, shared, routed, swiglu_limit, main_grads) -> Gradients:
     """DESIGN §3's backward on one GPU, no host sync: per expert group, down dgrad + SwiGLU
     backward + router-weight gradient, gate/up dgrad into route slots, wgrad GEMMs; then
-    d_x = dx_shared + Σ_j dx_slots (the combine with unit weights, ascending j). Reads the
+    d_x = dx_shared + Σ_j dx_slots (the combine with unit weights, ascending j; under expert
+    parallelism + Σ_p of the ranks' partial rows, ascending p). Reads the
     forward's g,u and, where it saved one, h (not y: the router-weight gradient is ⟨dOut·Wd, h⟩
     over I, h recomputed from g, u), taking them out of `saved` as it goes (pass a copy to keep
     them)."""
