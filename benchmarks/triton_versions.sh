@@ -2,6 +2,7 @@
 # mok under a second Triton release beside the installed one, on one GPU machine.
 #   usage: TRITON_TARBALL=path.tar.xz bash benchmarks/triton_versions.sh STEP...
 #   STEPS: tests  the GPU suite under the second release (four pytest processes side by side);
+#          ws-tests  its Gluon kernels' GPU tests alone;
 #          bench  the layer under both releases in alternating processes (BENCH_ARGS, ROUNDS),
 #                 then one record of both with the ratios (benchmarks/compare_triton.py).
 # TRITON_TARBALL holds a release's `triton` package folder (and its dist-info), e.g. a wheel's
@@ -38,6 +39,9 @@ for step in "$@"; do
         --ignore=tests/test_triton_backward.py --ignore=tests/test_gpu_forward.py > "$OUT/tests-g4.log" 2>&1 &
       wait
       for g in 1 2 3 4; do echo "-- g$g"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests-g$g.log" | tail -12; done ;;
+    ws-tests)
+      other timeout $T python3 -m pytest -q -p no:cacheprovider -rfE tests/kernels/test_warp_specialized.py \
+        tests/kernels/test_gluon_api.py -k "not compile" 2>&1 | tail -15 | tee "$OUT/ws-tests.log" ;;
     bench)
       for round in $(seq ${ROUNDS:-2}); do
         for run in base other; do

@@ -1,4 +1,4 @@
-"""Training quality of mok's precisions (SPEC §2): one small byte-level MoE language model,
+"""Training quality of mok's precisions: one small byte-level MoE language model,
 trained once per precision from the same initial weights on the same batches.
 
     python examples/train_moe_lm.py                                  # 2000 steps × bf16, mxfp8, fp8_block
@@ -49,7 +49,7 @@ VOCAB = 256  # bytes
 VALIDATION_EVERY_NTH_FILE = 20
 THIRD_PARTY_DIRECTORIES = {"site-packages", "dist-packages"}  # installed packages, not the stdlib
 AUX_LOSS_WEIGHT = 0.01  # Switch Transformer's load-balancing coefficient
-LAST_STEPS = 100  # the training-loss window compared across precisions (SPEC §2: within 1%)
+LAST_STEPS = 100  # the training-loss window compared across precisions (the bar: within 1% of bf16)
 
 
 # --------------------------------------------------------------------------- data
@@ -288,7 +288,7 @@ def plot(runs: dict[str, dict], path: Path, title: str) -> None:
     for bar in (-1.0, 1.0):
         ax_diff.axhline(bar, color="grey", linewidth=0.8, linestyle=":")
     ax_diff.set(xlabel="step", ylabel="% vs bf16 (smoothed training loss)",
-                title="difference to bf16 (SPEC: within 1%)")
+                title="difference to bf16 (bar: within 1%)")
     if baseline is not None and len(runs) > 1:
         ax_diff.legend(fontsize=8)
     fig.suptitle(title, fontsize=9)

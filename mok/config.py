@@ -8,7 +8,7 @@ PRECISIONS = ("bf16", "mxfp8", "fp8_block")
 BACKENDS = ("auto", "triton", "reference")
 TRANSPORTS = ("auto", "symmetric", "nccl")
 
-# Rows a precision needs H and I to be multiples of (SPEC §4).
+# Rows a precision needs H and I to be multiples of.
 SIZE_ALIGNMENT = {"bf16": 8, "mxfp8": 32, "fp8_block": 128}
 
 
@@ -16,7 +16,7 @@ SIZE_ALIGNMENT = {"bf16": 8, "mxfp8": 32, "fp8_block": 128}
 class MoKConfig:
     """How a mok layer runs. Frozen and hashable, so it can key workspace caches.
 
-    precision: "bf16" | "mxfp8" | "fp8_block" (SPEC §2).
+    precision: "bf16" | "mxfp8" | "fp8_block".
     backend: "triton" (fused GPU kernels), "reference" (pure PyTorch, any device), or
         "auto": triton where it supports the call (CUDA tensors), else reference.
     fwd_num_comm_sms / bwd_num_comm_sms: programs of the fused launch that move data

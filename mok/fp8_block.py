@@ -1,4 +1,4 @@
-"""FP8 block-scaled quantize / dequantize in plain PyTorch (SPEC §2 `fp8_block`): the reference.
+"""FP8 block-scaled quantize / dequantize in plain PyTorch (`fp8_block`): the reference.
 
     per block b:  amax_b  = max |x| over the block's valid elements
                   scale_b = max(amax_b, 448 · 2^-126) / 448          fp32, correctly rounded
@@ -17,14 +17,14 @@ element where an exactly rounded quotient costs four operations. Two block shape
 Legend: M rows of an activation, K the GEMM's reduction dim (always the last dim here),
 N a weight's output dim, E an optional leading expert dim (`...` below).
 
-Layout (SPEC §2/§3): `fp8_block_quantize(w)` for `w [..., N, K]` gives `q [..., N, K]` with
+Layout: `fp8_block_quantize(w)` for `w [..., N, K]` gives `q [..., N, K]` with
 `scale [..., ceil(N/128), ceil(K/128)]`, and the same for the transpose, `q_t [..., K, N]` with
 `scale_t [..., ceil(K/128), ceil(N/128)]` (the backward's transposed GEMMs). A 128×128 block
 of wᵀ is the transpose of a block of w with the same amax, so `q_t == q.mT` and
 `scale_t == scale.mT` bit for bit. `fp8_block_quantize_activations(x)` for `x [M, K]` gives
 `q [M, K]` with `scale [M, ceil(K/128)]`. All outputs contiguous, scales row-major.
 
-Rules at the edges (chosen here; SPEC §4 only asks that none be silently wrong):
+Rules at the edges (chosen here; the one requirement is that none be silently wrong):
 - **Zero and tiny blocks.** The scale is floored at 2^-126, fp32's smallest *normal*: an
   all-zero block gets scale 2^-126 (and q = +0/-0 as the input's signs), never 0 (whose
   reciprocal, ∞, would give 0 · ∞ = NaN). One floor serves both zero blocks and blocks whose
@@ -39,7 +39,7 @@ Rules at the edges (chosen here; SPEC §4 only asks that none be silently wrong)
   elements becomes the E4M3 NaN byte 0x7F (as in `mok.mxfp8`): dequantization gives NaN for
   the whole block whether the consumer reads the scale, the elements, or both (an FP8 MMA that
   applies scales afterwards still sees NaN). Other blocks are unaffected.
-- **Ragged edges.** N or K not a multiple of 128 is accepted (SPEC requires multiples of 128
+- **Ragged edges.** N or K not a multiple of 128 is accepted (the layer requires multiples of 128
   for H and I in this mode, but the quantizer need not): the last block along a dim covers
   the remaining valid elements only, with the same rule over them; its scale occupies a full
   slot of the `ceil(·/128)` grid. Padding never enters an amax.

@@ -1,4 +1,4 @@
-"""The functional API (SPEC §3.2): workspace, schedule, forward, backward, recompute.
+"""The functional API: workspace, schedule, forward, backward, recompute.
 
 A call runs in four steps, each usable alone:
 
@@ -16,7 +16,7 @@ through `torch.distributed` collectives); "triton" runs the fused GPU kernels wh
 support the call, under expert parallelism with rows moved by `mok.transport`.
 `MoKConfig.backend="auto"` picks triton when it can.
 
-Outputs follow SPEC §1: `out` and the gradients of x and of the weights are bf16, the
+Outputs: `out` and the gradients of x and of the weights are bf16, the
 router-weight gradient fp32. Errors found on the device (bad expert ids, capacity
 overflow) set the workspace's error flag; `check_errors(workspace)` raises them (a host
 sync), and `MoKConfig(strict=True)` calls it after every step.
@@ -43,7 +43,7 @@ from mok.fp8_block import FP8_BLOCK, fp8_block_round
 from mok.mxfp8 import mxfp8_dequantize, mxfp8_quantize
 from mok.reference import Gradients
 from mok.transport import Dispatch, Transport, check_same_across_ranks, create_transport
-from mok.validation import check_layer_inputs, check_tensor, check_topk_ids_values
+from mok.validation import check_layer_inputs, check_tensor, check_topk_ids_values, flatten_tokens
 
 __all__ = [
     "Workspace",
@@ -89,31 +89,27 @@ def pack_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> tuple[torch.Tensor
 # w·dOut from dOut's per-token copy), instead of quantizing x's and dOut's bf16 token rows and
 # recomputing h from g, u: DeepSeek-V3's recipe for the activations it caches in FP8. The
 # transposing quantizers then read e4m3 rows instead of bf16 ones (and h's, not g's and u's);
-# the wgrads' x, w·dOut and h are quantized twice. H200, profile per forward+backward (log
-# h200-20261203-fp8-requantize.log): the transposing quantizers 0.683 -> 0.613-0.622 ms on
-# qwen3-30b, 1.066 -> 0.994-0.995 on deepseek-v3-slice. The forward keeps T·H + rows·I more bytes.
+# the wgrads' x, w·dOut and h are quantized twice. Kept because the transposing quantizers run
+# faster on e4m3 rows (log h200-20261203-fp8-requantize.log); the forward keeps T·H + rows·I more bytes.
 FP8_BLOCK_WGRADS_REQUANTIZE = True
 # fp8_block: the down dgrad's epilogue quantizes d_g, d_u in 1×128 blocks along I itself (the
 # gate/up dgrad's operands, bitwise what the per-token quantizer makes of its bf16 output), and
 # the gate/up wgrad's d_gᵀ, d_uᵀ are requantized from those e4m3 copies down the rows, as x, h and
 # w·dOut are with FP8_BLOCK_WGRADS_REQUANTIZE: no bf16 d_g, d_u, no separate quantizer launches.
-# H200 (record h200-20261203-ab-fp8-block-v32.json): forward+backward qwen3-30b 6.13 -> 5.95 ms,
-# deepseek-v3-slice 25.2 -> 24.9; the worst relative error (d_w_gate) 0.071 -> 0.074.
+# Faster on both presets, its worst error still well inside the fp8 bar (record h200-20261203-ab-fp8-block-v32.json).
 FP8_BLOCK_D_GATE_UP_QUANTIZED = True
 # fp8_block on one rank: the down GEMM and the gate/up dgrad write y and dx in the sorted layout
 # (each GEMM row at its own index, by TMA stores that run under the next tile's MMAs:
 # `warp_specialized.SORTED_TMA_STORE`) instead of scattering them to route slots from registers,
 # and the combines gather each route's row through the schedule's route_row. The same bytes, read at
-# random rows instead of written there; out and d_x bitwise the same. H200, qwen3-30b profile:
-# the scatter kernels 1.346 -> 1.235 ms, the combines 0.301 -> 0.312; forward+backward level on
-# qwen3-30b, deepseek-v3-slice 0.08-0.16 ms faster (records h200-20261203-ab-fp8-block-v33/v34).
+# random rows instead of written there; out and d_x bitwise the same. Level on qwen3-30b, faster on
+# deepseek-v3-slice (records h200-20261203-ab-fp8-block-v33/v34).
 FP8_BLOCK_SORTED_OUTPUTS = True
 # fp8_block, a memory option: the forward keeps g, u for the backward in e4m3, 1×128 blocks along I
 # (quantized from the fp32 accumulators by the gate/up epilogue, as h is), instead of bf16:
 # DeepSeek-V3's SwiGLU input cached in FP8. 2·I bytes less per route kept from forward to backward
-# (qwen3-30b: 0.2 GB per layer, a third of what the layer keeps), for time: H200, qwen3-30b profile,
-# the gate/up 1.29 -> 1.35 ms and the down dgrad's epilogue 0.33 -> 0.38 (quantizing and
-# dequantizing cost more than the bytes saved; log h200-20261204-gate-up-e4m3.log). Off by default.
+# (qwen3-30b: 0.2 GB per layer, a third of what the layer keeps), for time: quantizing and dequantizing
+# cost more than the bytes saved (log h200-20261204-gate-up-e4m3.log). Off by default.
 # With FP8_BLOCK_WGRADS_REQUANTIZE only (the other way recomputes h from bf16 g, u), and without a
 # swiglu_limit (its clamps' zero gradients need g, u exactly).
 FP8_BLOCK_GATE_UP_E4M3 = False
@@ -157,6 +153,7 @@ class Workspace:
     error_flag: torch.Tensor  # [1] int32, bits ERROR_*; zeroed by check_errors
     buffers: dict = field(default_factory=dict)
     transport: Transport | None = None  # moves rows between the ranks of the group (P > 1)
+    error_copy: _ErrorCopy = field(default_factory=lambda: _ErrorCopy())  # the flag as the host last saw it
 
 
 _WORKSPACE_CACHE: dict[tuple, Workspace] = {}
@@ -242,15 +239,73 @@ def clear_workspace_cache() -> None:
     _WORKSPACE_CACHE.clear()
 
 
-def check_errors(workspace: Workspace) -> None:
-    """Raises MoKError for any error flag the device set, then clears the flag (a host sync).
-    Under expert parallelism on the triton backend the flag also holds every other rank's
-    routing errors (they travel with the dispatch), so all ranks raise alike."""
-    flags = int(workspace.error_flag.item())
+class _ErrorCopy:
+    """The error flag as of the last triton-backend call, copied into pinned host memory
+    behind that call's work (a non_blocking copy and an event, no sync). Once the event has
+    completed the host reads the copy for free, so the next call can raise a bad routing
+    without ever waiting for the device."""
+
+    def __init__(self):
+        self.host: torch.Tensor | None = None  # [1] int32, pinned; allocated on the first copy
+        self.copied: torch.cuda.Event | None = None
+
+    @staticmethod
+    def _skipped(error_flag: torch.Tensor) -> bool:
+        # A captured graph would replay the copy with no host read in step with it, and a query
+        # of an event is not allowed while a stream captures; torch.compile cannot trace either.
+        return torch.compiler.is_compiling() or not error_flag.is_cuda or _capturing_cuda_graph()
+
+    def take(self, error_flag: torch.Tensor) -> None:
+        """Queues the copy on the current stream, after everything queued so far."""
+        if self._skipped(error_flag):
+            return
+        if self.host is None:
+            self.host = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+            self.copied = torch.cuda.Event()
+        stream = torch.cuda.current_stream(error_flag.device)
+        self.host.copy_(error_flag, non_blocking=True)
+        self.copied.record(stream)
+
+    def landed_flags(self, error_flag: torch.Tensor) -> int:
+        """The copied bits if the last copy has landed, else 0. Never waits."""
+        if self._skipped(error_flag) or self.copied is None or not self.copied.query():
+            return 0
+        return int(self.host[0])
+
+    def clear(self) -> None:
+        if self.host is not None:
+            self.host.zero_()
+
+
+def _raise_flags(workspace: Workspace, flags: int) -> None:
     if flags:
         workspace.error_flag.zero_()
+        workspace.error_copy.clear()
         messages = [msg for bit, msg in _ERROR_MESSAGES.items() if flags & bit]
         raise MoKError("mok: " + "; ".join(messages))
+
+
+def check_errors(workspace: Workspace, *, blocking: bool = True) -> None:
+    """Raises MoKError for any error flag the device set, then clears the flag.
+    `blocking=True` reads the flag itself (a host sync); `blocking=False` reads only the copy
+    the last triton-backend call left in host memory, if it has landed (no sync, may be one
+    call behind). Under expert parallelism on the triton backend the flag also holds every
+    other rank's routing errors (they travel with the dispatch), so all ranks raise alike."""
+    if not isinstance(blocking, bool):
+        raise TypeError(f"blocking: expected a bool, got {type(blocking).__name__}")
+    if not blocking:
+        _raise_flags(workspace, workspace.error_copy.landed_flags(workspace.error_flag))
+        return
+    _raise_flags(workspace, int(workspace.error_flag.item()))
+
+
+def _raise_landed_errors(workspace: Workspace) -> None:
+    """At the start of a triton-backend call on one rank: raises what an earlier call's copied
+    flag shows, without a sync. Under expert parallelism the ranks' copies land at different
+    times, and one rank raising here would leave the others waiting in the next exchange, so
+    there the caller runs `check_errors` at a point every rank reaches."""
+    if workspace.world_size == 1:
+        _raise_flags(workspace, workspace.error_copy.landed_flags(workspace.error_flag))
 
 
 # --------------------------------------------------------------------------- backend choice
@@ -329,6 +384,7 @@ def build_schedule(
     if backend == "reference":
         check_topk_ids_values(topk_ids, num_experts)
         return Schedule(topk_ids.long(), num_local_experts, num_experts, backend)
+    _raise_landed_errors(workspace)
     block_m = routing_block_m()
     dispatch = None
     if workspace.transport is None:
@@ -370,7 +426,7 @@ def _fp8_round(t: torch.Tensor, precision: str, is_weight: bool) -> torch.Tensor
     """t [..., N, K] rounded through `precision`'s FP8 format, in fp32. K, the last dim, is
     the forward GEMM's reduction dim for x [T, H] and for every routed weight (H for
     w_gate/w_up [E_l, I, H], I for w_down [E_l, H, I]). mxfp8: blocks of 32 along K;
-    fp8_block: 1×128 blocks for an activation, 128×128 for a weight (SPEC §2)."""
+    fp8_block: 1×128 blocks for an activation, 128×128 for a weight."""
     if precision == "mxfp8":
         q, scale, _, _ = mxfp8_quantize(t, rowwise=True, colwise=False)
         return mxfp8_dequantize(q, scale)
@@ -661,6 +717,7 @@ def _forward_checked(config, workspace, schedule, x, topk_weights, shared, route
         out, saved = _triton_forward(schedule, x, topk_weights, shared, routed, swiglu_limit, needs_backward)
         if config.strict:
             check_errors(workspace)
+        workspace.error_copy.take(workspace.error_flag)
         copies = routed if needs_backward and config.precision != "bf16" else ()
         return out, ForwardContext(schedule.backend, config.precision, saved, routed_weights=copies)
     out = _reference_call(
@@ -912,7 +969,7 @@ def _per_rank_backward(schedule, saved, d_out, x, routed, swiglu_limit, main_gra
 
 
 def _triton_backward(schedule, saved, d_out, x, topk_weights, shared, routed, swiglu_limit, main_grads) -> Gradients:
-    """DESIGN §3's backward on one GPU, no host sync: per expert group, down dgrad + SwiGLU
+    """The backward on one GPU, no host sync: per expert group, down dgrad + SwiGLU
     backward + router-weight gradient, gate/up dgrad into route slots, wgrad GEMMs; then
     d_x = dx_shared + Σ_j dx_slots (the combine with unit weights, ascending j; under expert
     parallelism + Σ_p of the ranks' partial rows, ascending p). Reads the
@@ -963,7 +1020,7 @@ def backward(
     main_grads: dict[str, torch.Tensor] | None = None,
     release_context: bool = False,
 ) -> Gradients:
-    """Every gradient in SPEC §1's order: d_x, d_topk_weights, routed then shared weights.
+    """Every gradient in the layer's order: d_x, d_topk_weights, routed then shared weights.
 
     `main_grads` maps weight names ("w_gate", "w_up", "w_down", "ws_gate", "ws_up",
     "ws_down") to fp32 or bf16 buffers of the weight's shape: those gradients are added
@@ -996,9 +1053,11 @@ def backward(
         if release_context:
             context.routed_weights = ()
         saved = context.saved if release_context else dict(context.saved)  # taken from as the backward reads
-        return _triton_backward(
+        grads = _triton_backward(
             schedule, saved, d_out, x, topk_weights, (ws_gate, ws_up, ws_down), routed, swiglu_limit, main_grads
         )
+        workspace.error_copy.take(workspace.error_flag)
+        return grads
     grads = _reference_call(
         reference.moe_backward, config, workspace, schedule, x, topk_weights, ws_gate, ws_up, ws_down,
         w_gate, w_up, w_down, swiglu_limit, d_out,
@@ -1098,10 +1157,13 @@ def moe(
     group: dist.ProcessGroup | None = None,
     workspace_cache: dict | None = None,
 ) -> torch.Tensor:
-    """The whole layer as one autograd-aware call: out [T, H] bf16. `workspace_cache`:
-    where its workspace is cached (`get_workspace`'s `cache`)."""
+    """The whole layer as one autograd-aware call: x [..., H] bf16, topk_ids and topk_weights
+    [..., topk] -> out [..., H] bf16 (leading dims flattened into tokens and restored).
+    `workspace_cache`: where its workspace is cached (`get_workspace`'s `cache`)."""
     config = MoKConfig() if config is None else config
     if not isinstance(config, MoKConfig):
         raise TypeError(f"config: expected a MoKConfig or None, got {type(config).__name__}")
+    x, topk_ids, topk_weights, lead = flatten_tokens(x, topk_ids, topk_weights)
     check_layer_inputs(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, precision=config.precision)
-    return _MoELayer.apply(config, group, swiglu_limit, workspace_cache, x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
+    out = _MoELayer.apply(config, group, swiglu_limit, workspace_cache, x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
+    return out if len(lead) == 1 else out.view(*lead, out.shape[-1])  # [T, H] in, the layer's own output out

@@ -8,9 +8,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mok.config import MoKConfig
-from mok.functional import moe, pack_gate_up
+from mok.config import PRECISIONS, MoKConfig
+from mok.functional import check_errors, moe, pack_gate_up
 from mok.kernels.grouped_gemm import gate_up_packed
+from mok.validation import check_alignment
 
 
 class MoKMoE(nn.Module):
@@ -18,7 +19,7 @@ class MoKMoE(nn.Module):
 
     forward(x [..., H] bf16, topk_ids [..., topk], topk_weights [..., topk] fp32) -> [..., H] bf16
 
-    Parameters follow `nn.Linear`'s [out, in] layout and SPEC §1's names: `w_gate`,
+    Parameters follow `nn.Linear`'s [out, in] layout and the layer's names: `w_gate`,
     `w_up` [E_l, I, H], `w_down` [E_l, H, I] for this rank's E_l = num_experts / P local
     experts, and `ws_gate`, `ws_up` [I_s, H], `ws_down` [H, I_s] with a shared expert.
     Under `ep_group`, `topk_ids` hold global expert ids and tokens travel to the ranks
@@ -49,12 +50,19 @@ class MoKMoE(nn.Module):
             ("num_experts", num_experts),
             ("topk", topk),
         ):
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
         if not isinstance(shared_intermediate_size, int) or shared_intermediate_size < 0:
             raise ValueError(f"shared_intermediate_size: expected an int >= 0, got {shared_intermediate_size!r}")
         if topk > num_experts:
             raise ValueError(f"topk: expected at most num_experts ({num_experts}), got {topk}")
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision: expected one of {PRECISIONS}, got {precision!r}")
+        # The forward would refuse these sizes on every call; say so when the layer is built.
+        check_alignment("hidden_size", hidden_size, precision)
+        check_alignment("intermediate_size", intermediate_size, precision)
+        if shared_intermediate_size % 8:
+            raise ValueError(f"shared_intermediate_size: expected a multiple of 8, got {shared_intermediate_size}")
         if swiglu_limit is not None and not swiglu_limit > 0:
             raise ValueError(f"swiglu_limit: expected None or a positive number, got {swiglu_limit!r}")
         if dtype != torch.bfloat16:
@@ -115,9 +123,13 @@ class MoKMoE(nn.Module):
             weight.uniform_(-bound, bound)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != self.hidden_size:
-            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"x: expected a tensor of shape [..., {self.hidden_size}], got {shape}")
+        for name, t in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if x.dim() < 1 or x.shape[-1] != self.hidden_size:
+            raise ValueError(f"x: expected a tensor of shape [..., {self.hidden_size}], got {tuple(x.shape)}")
+        if topk_ids.dim() < 1 or topk_ids.shape[-1] != self.topk:
+            raise ValueError(f"topk_ids: expected shape [..., {self.topk}] (the layer's topk), got {tuple(topk_ids.shape)}")
         lead = x.shape[:-1]
         out = moe(
             x.reshape(-1, self.hidden_size).contiguous(),
@@ -135,6 +147,14 @@ class MoKMoE(nn.Module):
             workspace_cache=self._workspaces,
         )
         return out.view(*lead, self.hidden_size)
+
+    def check_errors(self, *, blocking: bool = True) -> None:
+        """Raises `mok.MoKError` for an error the device found in this layer's calls (bad expert
+        ids, capacity overflow, a peer that never came), then clears it. `blocking=True` reads
+        the device's flag (a host sync); `blocking=False` reads only the copy the last call left
+        in host memory, if it has landed. On one GPU the next call raises a landed error anyway."""
+        for workspace in self._workspaces.values():
+            check_errors(workspace, blocking=blocking)
 
     def extra_repr(self) -> str:
         return (

@@ -9,13 +9,13 @@ a bare biased power-of-two exponent stored as `uint8` (value 2^(scale-127); 255 
 The exponent is rounded *up*, so x · 2^-exp ≤ 448 and no element overflows; an all-zero
 block gets the smallest exponent, -127 (stored 0).
 
-Layout (SPEC §2/§3): for `t` of shape `[..., M, N]`, rowwise gives `q [..., M, N]` with
+Layout: for `t` of shape `[..., M, N]`, rowwise gives `q [..., M, N]` with
 `scale [..., M, N/32]` (blocks along N, row-major); colwise gives the quantization of the
 transpose, `q_t [..., N, M]` with `scale_t [..., N, M/32]` (blocks along M). Both pairs share
 one layout, blocks along the last dim, so `mxfp8_dequantize` serves either. `...` is an
 optional leading expert dim E.
 
-NaN/Inf rule (SPEC §4: never turn them into silently wrong finite numbers): a block whose
+NaN/Inf rule (never turn them into silently wrong finite numbers): a block whose
 amax is NaN or ±Inf gets the E8M0 NaN scale 0xFF and every one of its 32 elements becomes
 the E4M3 NaN byte 0x7F. Dequantization gives NaN for the whole block, both when reading the
 scale (255 -> NaN, as OCP decodes it) and for a consumer that only looks at the elements

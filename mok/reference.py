@@ -1,4 +1,4 @@
-"""The definition of correct: the MoE layer of SPEC §1 in plain PyTorch, fp32 math.
+"""The definition of correct: the MoE layer in plain PyTorch, fp32 math.
 
 Every kernel, backend and benchmark in mok is checked against these functions. They
 import nothing else from mok, compute in fp32 whatever the input dtypes, and return fp32.
@@ -13,12 +13,12 @@ P expert-parallel ranks; global expert e lives on rank e // E_l as local expert 
 With `swiglu_limit = L`: g ← min(g, L), u ← clamp(u, −L, L) before h; the gradient is
 zero where a clamp was active (g > L, |u| > L).
 
-The backward is written out by hand (no autograd), returning SPEC's gradients in order;
+The backward is written out by hand (no autograd), returning the layer's gradients in order;
 the router-weight gradient is ⟨dOut[t], y_{e(t,j)}⟩, exact for any sign of w.
 
 `routed_x` (optional, in every layer function): the rows the routed experts read in place
 of x, for a caller that emulates a low-precision format by rounding the routed experts'
-operand while the shared expert keeps reading x (SPEC §2). The gradient flowing into it is
+operand while the shared expert keeps reading x. The gradient flowing into it is
 returned as part of d_x.
 """
 
@@ -43,7 +43,7 @@ __all__ = [
 
 
 class Gradients(NamedTuple):
-    """Gradients of the layer in SPEC §1's order. Shared ones are None without a shared expert."""
+    """The layer's gradients, in order. Shared ones are None without a shared expert."""
 
     d_x: torch.Tensor  # [T, H]
     d_topk_weights: torch.Tensor  # [T, topk]
@@ -233,7 +233,7 @@ def moe_backward(
     *,
     routed_x: torch.Tensor | None = None,
 ) -> Gradients:
-    """Every gradient of the layer, fp32, in SPEC's order (recomputes the forward)."""
+    """Every gradient of the layer, fp32, in the layer's order (recomputes the forward)."""
     num_tokens, topk = topk_ids.shape
     _, (route_x, y, saved, shared) = _moe_forward_saving(
         x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, swiglu_limit, routed_x
@@ -401,7 +401,7 @@ def ep_moe_backward(
     *,
     routed_x: torch.Tensor | None = None,
 ) -> Gradients:
-    """This rank's gradients under expert parallelism, fp32, in SPEC's order (recomputes the forward).
+    """This rank's gradients under expert parallelism, fp32, in the layer's order (recomputes the forward).
 
     d_x and d_topk_weights are for this rank's tokens; d_w_gate/up/down for its E_l local
     experts, summed over the rows every rank sent them. The shared expert is replicated:

@@ -3,7 +3,7 @@
 Shape, dtype, device and layout checks cost no device work. The value checks on
 `topk_ids` (range, repeats within a row) need the data: the reference backend runs them
 on the host; the fast backend runs them inside its schedule kernel and raises through the
-workspace's error flag (SPEC §4).
+workspace's error flag.
 """
 
 from __future__ import annotations
@@ -38,6 +38,23 @@ def check_tensor(
         raise ValueError(f"{name}: expected a contiguous tensor (call .contiguous()), got strides {t.stride()}")
     if device is not None and t.device != device:
         raise ValueError(f"{name}: expected a tensor on {device} (where x is), got {t.device}")
+
+
+def flatten_tokens(x, topk_ids, topk_weights) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Size]:
+    """x [..., H], topk_ids and topk_weights [..., topk] as [T, H] and [T, topk] (T = the
+    product of the leading dims), and the leading dims to restore the output's shape with."""
+    for name, t in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dim() < 1:
+            raise ValueError(f"{name}: expected a tensor with at least one dim, got shape {_fmt_shape(t)}")
+    lead = x.shape[:-1]
+    for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+        if t.shape[:-1] != lead:
+            raise ValueError(f"{name}: expected shape [{', '.join(map(str, lead))}, topk] (x's leading dims), "
+                             f"got {_fmt_shape(t)}")
+    return x.reshape(-1, x.shape[-1]), topk_ids.reshape(-1, topk_ids.shape[-1]), \
+        topk_weights.reshape(-1, topk_weights.shape[-1]), lead
 
 
 def check_alignment(name: str, size: int, precision: str) -> None:

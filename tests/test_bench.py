@@ -36,7 +36,7 @@ def _grouped_modes():
 @pytest.mark.parametrize("shared", [0, 32])
 @pytest.mark.parametrize("topk", [1, 2])
 def test_torch_eager_matches_reference(grouped, shared, topk):
-    T, H, I, E = 37, 64, 32, 5  # noqa: E741 (SPEC's names)
+    T, H, I, E = 37, 64, 32, 5  # noqa: E741 (the layer's names)
     # Ids drawn from E-1 experts and shifted: expert 0 gets no token.
     ids = make_topk_ids(T, E - 1, topk, torch.Generator().manual_seed(3)) + 1
     inp = make_inputs(T, H, I, E, topk, shared, seed=7, topk_ids=ids, signed_weights=True)
@@ -116,6 +116,14 @@ def test_low_precision_rows_time_a_weight_update(tmp_path, capsys, device):
     else:
         assert not any("weight_update_ms" in r["extra"] or "kept_gb" in r["extra"] for r in rows.values()), rows
         assert "each in-place update" not in printed
+        assert "On the CPU mok runs its fp32 reference" in printed and "say nothing about" in printed
+
+
+def test_records_go_to_an_untracked_folder_by_default():
+    """`python -m mok.bench` writes to bench-results/ (in .gitignore); the repository's records
+    are written on purpose, with --out benchmarks/results."""
+    assert cli.build_parser().parse_args([]).out.as_posix() == "bench-results"
+    assert cli.build_parser().parse_args(["--out", "benchmarks/results"]).out.as_posix() == "benchmarks/results"
 
 
 def test_result_line_shows_weight_updates_and_what_is_kept():

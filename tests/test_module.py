@@ -76,6 +76,14 @@ def test_module_autograd_matches_reference():
         (dict(precision="int8"), ValueError, r"^precision: expected one of"),
         (dict(swiglu_limit=-1.0), ValueError, r"^swiglu_limit"),
         (dict(dtype=torch.float32), TypeError, r"^dtype: expected torch.bfloat16"),
+        (dict(num_experts=0, topk=1), ValueError, r"^num_experts: expected a positive int"),
+        (dict(topk=0), ValueError, r"^topk: expected a positive int"),
+        (dict(hidden_size=60), ValueError, r"^hidden_size: expected a multiple of 8 in bf16 mode, got 60"),
+        (dict(intermediate_size=20), ValueError, r"^intermediate_size: expected a multiple of 8 in bf16 mode"),
+        (dict(intermediate_size=48, precision="mxfp8"), ValueError, r"^intermediate_size: expected a multiple of 32"),
+        (dict(hidden_size=80, precision="mxfp8"), ValueError, r"^hidden_size: expected a multiple of 32 in mxfp8"),
+        (dict(hidden_size=64, precision="fp8_block"), ValueError, r"^hidden_size: expected a multiple of 128"),
+        (dict(shared_intermediate_size=12), ValueError, r"^shared_intermediate_size: expected a multiple of 8"),
     ],
 )
 def test_constructor_errors(kwargs, error, match):
@@ -116,3 +124,34 @@ def test_module_low_precision_within_its_bar(precision):
 def test_precision_reaches_config():
     layer = mok.MoKMoE(64, 64, 4, 2, precision="mxfp8", config=mok.MoKConfig(minibatch_size=512))
     assert layer.config.precision == "mxfp8" and layer.config.minibatch_size == 512
+
+
+def _routing(lead, topk, num_experts=4):
+    ids = make_topk_ids(math.prod(lead), num_experts, topk).view(*lead, topk)
+    return ids, torch.rand(*lead, topk)
+
+
+def test_forward_enforces_the_layers_topk():
+    layer = mok.MoKMoE(64, 32, 4, 2)
+    ids, w = _routing((3,), 3)
+    with pytest.raises(ValueError, match=r"^topk_ids: expected shape \[\.\.\., 2\] \(the layer's topk\), got \(3, 3\)"):
+        layer(torch.randn(3, 64).bfloat16(), ids, w)
+
+
+@pytest.mark.parametrize("name", ["x", "topk_ids", "topk_weights"])
+def test_forward_names_a_list_given_for_a_tensor(name):
+    layer = mok.MoKMoE(64, 32, 4, 2)
+    ids, w = _routing((3,), 2)
+    args = {"x": torch.randn(3, 64).bfloat16(), "topk_ids": ids, "topk_weights": w}
+    args[name] = args[name].tolist()
+    with pytest.raises(TypeError, match=rf"^{name}: expected a torch.Tensor, got list"):
+        layer(**args)
+
+
+def test_check_errors_is_clean_before_and_after_a_call():
+    layer = mok.MoKMoE(64, 32, 4, 2)
+    layer.check_errors()  # no call yet: nothing to check
+    ids, w = _routing((2, 3), 2)
+    layer(torch.randn(2, 3, 64).bfloat16(), ids, w)
+    layer.check_errors()
+    layer.check_errors(blocking=False)

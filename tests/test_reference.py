@@ -37,7 +37,7 @@ class Case:
     name: str
     T: int = 6
     H: int = 16
-    I: int = 8  # noqa: E741 -- SPEC's name for the expert intermediate size
+    I: int = 8  # noqa: E741 -- the layer's name for the expert intermediate size
     E: int = 4
     topk: int = 2
     shared: int = 0  # I_s

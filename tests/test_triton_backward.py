@@ -2,7 +2,7 @@
 `reference.moe_backward` on the forward's odd cases (T = 1, ragged T + shared expert, the
 SwiGLU clamp, topk = 1, topk = E, all tokens to one expert, empty experts), with signed
 router weights; run-twice and recompute-then-backward bitwise identical. fp8_block and mxfp8:
-the whole layer (forward and backward) within SPEC's low-precision bars, the shared expert
+the whole layer (forward and backward) within the low-precision accuracy bars, the shared expert
 within bf16's, and the weight copies made once per version of each weight."""
 
 import pytest
@@ -49,7 +49,7 @@ def test_triton_backward_matches_reference(kernel_device, case):
 @pytest.mark.parametrize("limit", [None, 0.5])
 @pytest.mark.parametrize("precision", ["bf16", "fp8_block", "mxfp8"])
 def test_nan_token_propagates_as_in_the_reference(kernel_device, precision, limit):
-    """SPEC §4: a NaN in one token's x makes that token's output NaN, as in the reference, in
+    """A NaN in one token's x makes that token's output NaN, as in the reference, in
     every precision and through the SwiGLU clamp (a clamp that drops NaN gives a finite output);
     the other tokens stay finite and within the bar. bf16: every gradient NaN exactly where the
     reference's is (the low-precision modes spread a NaN over its quantization block)."""
@@ -248,7 +248,7 @@ def test_gpu_preset_backward_within_bf16_bar(preset):
 @pytest.mark.parametrize("preset", ["qwen3-30b", "deepseek-v3-slice", "mixtral-8x7b"])
 def test_gpu_preset_low_precision_within_its_bar(preset, precision):
     """fp8_block and mxfp8 forward and backward on the GPU presets: the routed outputs and
-    gradients within SPEC's low-precision bar, the shared expert's weight gradients within bf16's."""
+    gradients within the low-precision accuracy bar, the shared expert's weight gradients within bf16's."""
     from mok.bench.presets import PRESETS
 
     p = PRESETS[preset]
@@ -370,14 +370,14 @@ def test_main_grads_accumulate_in_place(kernel_device, backend, dtype):
 # --------------------------------------------------------------------------- fp8_block and mxfp8
 
 # No clamp in the comparisons with the reference: a swiglu_limit inside the bulk of g, u lets
-# FP8 rounding flip clamp masks, and then the format itself misses SPEC's bars (so does the
+# FP8 rounding flip clamp masks, and then the format itself misses the accuracy bars (so does the
 # reference backend's fp8_block emulation, which rounds only x and the weights: d_x's cosine
 # < 0.996 for a third of the seeds at L = 2). The clamp's fp8_block kernels are checked against
 # the same quantized math (tests/kernels).
 
 
 def _assert_low_precision_within_bars(precision, out, grads, inp, d_out, ctx, expect_empty=True):
-    """out and every routed gradient within SPEC's bar for `precision` against the fp32 reference
+    """out and every routed gradient within the accuracy bar for `precision` against the fp32 reference
     on the unquantized inputs, the shared expert's weight gradients (bf16 GEMMs on dOut and x)
     within bf16's; exact zeros for experts without tokens."""
     args = (inp.x, inp.topk_ids, inp.topk_weights, *inp.weights)
@@ -403,7 +403,7 @@ def _assert_low_precision_within_bars(precision, out, grads, inp, d_out, ctx, ex
 
 def _assert_router_gradient_within_bar(precision, d_topk_weights, inp, d_out, ctx):
     """A handful of router-weight gradients: each is one dot product ⟨dOut[t], y⟩, whose own
-    relative error is unbounded under cancellation, so SPEC's ratio of sums over so few values
+    relative error is unbounded under cancellation, so the ratio of sums over so few values
     says nothing. Each error is held to the precision's bar relative to the dot's Σ|terms| instead,
     the scale on which a rounded dot product's error is bounded."""
     max_err = TOLERANCES[precision][0]
@@ -533,7 +533,7 @@ def test_fp8_block_wgrads_requantize_the_forwards_copies(kernel_device, monkeypa
     """fp8_block with `functional.FP8_BLOCK_WGRADS_REQUANTIZE` (the default): the forward's
     context holds x's and h's e4m3 copies and the backward takes them out; against the flag off,
     out, d_x and d_topk_weights are bitwise the same and every routed weight gradient differs
-    (their operands are quantized twice), both ways within SPEC's bars."""
+    (their operands are quantized twice), both ways within the accuracy bars."""
     layer = _RecordedLayer(kernel_device, monkeypatch, "fp8_block", seed=4)
     copies = {"x_q", "x_scale", "h_q", "h_scale"}
     out, context = layer.forward()
@@ -557,7 +557,7 @@ def test_fp8_block_gate_up_saved_in_e4m3(kernel_device, monkeypatch):
     """fp8_block with `functional.FP8_BLOCK_GATE_UP_E4M3` (off by default): the forward's context
     holds g, u in e4m3 with their 1×128 scales, half the bytes of bf16; against the flag off, out
     and d_w_down are bitwise the same (neither reads g, u), d_x, d_topk_weights and the gate/up
-    weight gradients differ, both ways within SPEC's bars. With a swiglu_limit g, u stay bf16."""
+    weight gradients differ, both ways within the accuracy bars. With a swiglu_limit g, u stay bf16."""
     layer = _RecordedLayer(kernel_device, monkeypatch, "fp8_block", seed=14)
     monkeypatch.setattr(functional, "FP8_BLOCK_GATE_UP_E4M3", True)
     out, context = layer.forward()
@@ -584,7 +584,7 @@ def test_fp8_block_d_gate_up_quantized_in_the_epilogue(kernel_device, monkeypatc
     """fp8_block with `functional.FP8_BLOCK_D_GATE_UP_QUANTIZED` (the default): against the flag
     off, d_x is bitwise the same (the gate/up dgrad reads the same bytes), d_topk_weights equal
     to fp32 rounding (its row sums in another order), d_w_down bitwise the same, and d_w_gate,
-    d_w_up differ (d_gᵀ, d_uᵀ quantized twice), both ways within SPEC's bars."""
+    d_w_up differ (d_gᵀ, d_uᵀ quantized twice), both ways within the accuracy bars."""
     layer = _RecordedLayer(kernel_device, monkeypatch, "fp8_block", seed=12)
     out, context = layer.forward()
     grads = layer.backward(context)

@@ -2,14 +2,14 @@
 numerics side of a recipe question (plain PyTorch, CPU or GPU).
 
 One expert's weight gradient dW = Aᵀ·B over its rows (tokens), A the gradient operand (d_g, d_u
-or w·dOut) and B the activation (x or h). SPEC's recipe rounds both through FP8 twice, as the
+or w·dOut) and B the activation (x or h). DeepSeek-V3's recipe rounds both through FP8 twice, as the
 layer does: first in 1×128 blocks along the features (the e4m3 copies the forward and the
 dgrads use), then in 1×128 blocks along the tokens (the wgrad's reduction dim). Each K step of
 the wgrad then needs the factor sa[m]·sb[n] per element. With B's second rounding in 128×128
 blocks (tokens × features) instead, the factor is one per row; on the H200 at the power cap that
 takes the wgrads 0.31 ms less per qwen3-30b step (BENCHMARKS.md, "Tried: the padding's MMAs
 skipped"). This script prints both recipes' error against the fp32 product of the unrounded
-operands (SPEC's measures: Σ|diff| / Σ|ref| and cosine), on Gaussian operands and on operands
+operands (the accuracy measures: Σ|diff| / Σ|ref| and cosine), on Gaussian operands and on operands
 with outlier features or tokens, which a shared 128×128 scale serves worst (with outlier features,
 also over dW's other columns alone).
 
@@ -59,7 +59,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(args.seed)
     print(f"dW [{args.out_features}, {args.in_features}] over {args.rows} rows; outliers x{args.outlier_scale:g} "
           f"on every 64th feature of B or token of A and B")
-    print(f"{'operands':10s} {'B in 1x128 along tokens (SPEC)':>34s} {'B in 128x128 blocks':>26s}")
+    print(f"{'operands':10s} {'B in 1x128 along tokens (recipe)':>34s} {'B in 128x128 blocks':>26s}")
     ordinary = torch.arange(args.in_features) % 64 != 0  # the columns of dW no outlier feature makes
     for kind in ("gaussian", "features", "tokens"):
         a, b = _operands(kind, args.rows, args.out_features, args.in_features, args.outlier_scale, gen)

@@ -1,6 +1,6 @@
-"""mok's benchmark: `python -m mok.bench` (DESIGN §7).
+"""mok's benchmark: `python -m mok.bench`.
 
-`presets` holds SPEC §5's shapes and FLOP count, `baselines` the implementations mok is
+`presets` holds the benchmark shapes and FLOP count, `baselines` the implementations mok is
 measured against (the torchtitan-style PyTorch layer, eager and compiled; SonicMoE),
 `runner` the check-then-time loop, `report` the table, JSON record and plot, and
 `__main__` the command line.

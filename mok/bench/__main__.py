@@ -7,6 +7,9 @@ Examples:
     python -m mok.bench --preset qwen3-30b --variant mok.kernels.wgrad.PERSISTENT_DOWN_WGRAD_MAX_INTER=0
                                                           # mok and mok-variant in turns: an A/B in one run
     torchrun --nproc-per-node 2 -m mok.bench --preset qwen3-30b   # expert parallelism over 2 GPUs
+    python -m mok.bench --preset qwen3-30b --out benchmarks/results   # a record for the repository
+
+Records go to `bench-results/` (untracked) unless --out names another folder.
 
 Under torchrun (WORLD_SIZE > 1), or in a process that already joined a default process
 group of several ranks, it runs the expert-parallel benchmark over them: T tokens per
@@ -76,7 +79,7 @@ def _split(values: Sequence[str] | None) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m mok.bench",
-        description="Check mok and the baselines against the fp32 reference, then time them (DESIGN §7).",
+        description="Check mok and the baselines against the fp32 reference, then time them.",
     )
     what = p.add_argument_group("what to run")
     what.add_argument("--preset", action="append", metavar="NAME[,NAME]",
@@ -115,8 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     how.add_argument("--sonicmoe-site", type=Path, metavar="DIR",
                      help="a site dir holding the sonic-moe bundle (e.g. /tmp/site), added before import")
     out = p.add_argument_group("output")
-    out.add_argument("--out", type=Path, default=Path("benchmarks/results"),
-                     help="folder for the JSON and PNG (default: benchmarks/results)")
+    out.add_argument("--out", type=Path, default=Path("bench-results"),
+                     help="folder for the JSON and PNG (default: bench-results, untracked; the repository's "
+                          "records go to benchmarks/results)")
     out.add_argument("--tag", help="the <what> of <gpu>-<yyyymmdd>-<what>.json (default: the preset names)")
     out.add_argument("--no-write", action="store_true", help="print the table only, write no files")
     out.add_argument("--no-plot", action="store_true", help="write no PNG")

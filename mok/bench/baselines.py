@@ -1,4 +1,4 @@
-"""The implementations mok is measured against, computing SPEC §1's function.
+"""The implementations mok is measured against, computing the same layer.
 
 `torch_moe` is the pure-PyTorch layer the way torchtitan builds it: sort the routes by
 expert, gather their token rows, one grouped GEMM each for gate, up and down
@@ -115,7 +115,7 @@ def torch_moe(
     *,
     grouped: bool | None = None,
 ) -> torch.Tensor:
-    """SPEC §1's layer in plain PyTorch ops: out [T, H] bf16.
+    """The layer in plain PyTorch ops: out [T, H] bf16.
 
     grouped: use `torch._grouped_mm` (default: where it has a fused kernel, i.e. CUDA) or a
     per-expert loop of matmuls.

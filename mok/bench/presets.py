@@ -1,4 +1,4 @@
-"""Benchmark shapes of SPEC §5 (per expert-parallel rank) and the FLOP count it defines."""
+"""Benchmark shapes (per expert-parallel rank) and their useful FLOP count."""
 
 from __future__ import annotations
 

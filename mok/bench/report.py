@@ -1,4 +1,4 @@
-"""What a benchmark run leaves behind: a rich table, a JSON record, a PNG plot (DESIGN §7).
+"""What a benchmark run leaves behind: a rich table, a JSON record, a PNG plot.
 
 Record: `<out>/<gpu-slug>-<yyyymmdd>-<what>.json` with the machine, versions, date and
 command, and one entry per (preset, pass, impl, precision); the plot of the speedup over
@@ -26,7 +26,7 @@ from mok.bench.runner import BASELINE, EP_BASELINE, Result
 
 __all__ = ["machine_info", "gpu_slug", "record", "output_stem", "write_json", "plot_speedup", "print_table"]
 
-# Measured ceilings of one H200 (BASELINE.md): dense GEMM TFLOPS a layer could at best reach.
+# Measured ceilings of one H200 (cuBLAS bf16 and row-scaled fp8 GEMMs at 8192³): what a layer could at best reach.
 CEILING_TFLOPS = {"bf16": 735.0, "mxfp8": 1224.0, "fp8_block": 1224.0}
 
 
@@ -73,7 +73,7 @@ def _clean(value):
 
 
 def record(results: Sequence[Result], info: dict, command: str, settings: dict, date: datetime.date) -> dict:
-    """DESIGN §7's record: machine and versions, date, command, settings, results."""
+    """The benchmark's record: machine and versions, date, command, settings, results."""
     return _clean({
         **info,
         "date": date.isoformat(),
@@ -218,6 +218,9 @@ def print_table(results: Sequence[Result], console: Console, title: str = "", cu
             _fmt(r.peak_mem_gb, ".2f"), _fmt(r.max_rel_err, ".2e"), _status(r),
         )
     console.print(table)
+    if not cuda:
+        console.print("On the CPU mok runs its fp32 reference (mok.reference), not its GPU kernels: "
+                      "these times say nothing about mok's speed on a GPU.", highlight=False)
     updates = {(r.preset, _label(r)): r.extra["weight_update_ms"] for r in results if "weight_update_ms" in r.extra}
     for (preset, label), ms in updates.items():
         console.print(f"[dim]{preset} {label}: each in-place update of the routed weights adds {_num(ms)} ms to the "

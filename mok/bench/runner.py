@@ -1,8 +1,8 @@
-"""Check, then time: the benchmark's loop over presets and implementations (DESIGN §7).
+"""Check, then time: the benchmark's loop over presets and implementations.
 
 For each preset: seeded inputs on the device, the fp32 reference (`mok.reference`) with a
 fixed random d_out, then every implementation's output (and, for `fwd+bwd`, every
-gradient) checked against it at SPEC §2's bar for its precision. Only after all checks is
+gradient) checked against it at the accuracy bar for its precision. Only after all checks is
 the reference freed and each passing implementation timed: `fwd` (the training forward,
 autograd on) and `fwd+bwd` (forward + `torch.autograd.grad(out, leaves, d_out)`, so no
 gradient accumulates between runs). An implementation that misses the bar is reported FAIL
@@ -66,7 +66,7 @@ class Impl:
     """One implementation bound to one preset's inputs.
 
     forward() -> out [T, H]; grad_inputs: the leaves autograd differentiates;
-    to_gradients(grads) -> SPEC's 8 gradients in order (None for an absent shared expert);
+    to_gradients(grads) -> the layer's 8 gradients in order (None for an absent shared expert);
     patches: (module, attribute, value) set while the implementation runs (its check and
     every timed round, backward included), then restored (`mok-variant`).
     """
@@ -253,7 +253,7 @@ class Case:
 
 @dataclass(frozen=True)
 class Result:
-    """One row of the record: DESIGN §7's fields first, then extras."""
+    """One row of the record: the standard fields first, then extras."""
 
     preset: str
     pass_: str
@@ -329,7 +329,7 @@ def num_steps(cases: Sequence[Case], rounds: int = 1) -> int:
 @dataclass(frozen=True, eq=False)
 class _Reference:
     out: torch.Tensor  # [T, H] fp32
-    grads: Gradients | None  # fp32, SPEC order
+    grads: Gradients | None  # fp32, the layer's order
     d_out: torch.Tensor  # [T, H] bf16
 
 
@@ -603,8 +603,8 @@ ROUND_WARMUP = 2
 def _round_order(timed: list, round_: int) -> list:
     """The order the (impl, pass) pairs take in round `round_`: as given in even rounds,
     reversed in odd ones. On the H200 a pair's time depends on its place in the round: in one
-    run, deepseek-v3-slice's fp8_block layer took 0.6–0.7 ms (3%) less in the place before
-    another build than in the one after it, whichever build sat where (BENCHMARKS.md, "Which
+    run, deepseek-v3-slice's fp8_block layer took about 3% less in the place before
+    another build than in the one after it, whichever build sat where (benchmarks/LOG.md, "Which
     place in the round"). Reversing every other round gives each pair both neighbours'
     places alike, so the bias falls out of the medians of an even number of rounds."""
     return timed if round_ % 2 == 0 else timed[::-1]

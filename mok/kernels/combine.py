@@ -7,7 +7,7 @@ slot (written by the down GEMM), or with `route_row` its rows in the schedule's 
 layout, route t·topk + j's at row route_row[t·topk + j] (none where −1); `y_shared` the
 shared expert's bf16 output or nothing.
 The sum runs in one program per (token block, hidden block) in a fixed order: the
-result is deterministic and equals SPEC §1's definition bit for bit at fp32.
+result is deterministic and equals the layer's definition bit for bit at fp32.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ from mok.kernels.common import ERROR_PEER_TIMEOUT, interpreting
 _TIMEOUT_BIT = tl.constexpr(ERROR_PEER_TIMEOUT)  # kernels read only constexpr globals
 
 # A push program moves ROWS × COLS elements per step: big steps keep enough stores in
-# flight over NVLink (BASELINE.md: 2048-element steps with 4 warps reached half the link
+# flight over NVLink (a probe on two H200s: 2048-element steps with 4 warps reached half the link
 # rate of 64 KB steps). Untuned beyond that measurement.
 _PUSH_ROWS = 16
 _PUSH_COLS = 1024
@@ -69,7 +69,7 @@ def peer_row_starts(peer_ptrs, rank, row, row_stride, mask, DTYPE: tl.constexpr)
     `rank` (peer_ptrs [P] int64, masked items read rank 0's base). Every buffer is 256-byte
     aligned on every rank; saying so lets the stores go out as 16-byte vectors. A base
     loaded from memory has no known alignment otherwise, and the 2-byte stores that gave
-    halved the push rate (H200, 32 programs: 172 → 341 GB/s)."""
+    halved the push rate (record h200-20261130-qwen3-30b-ep2-dispatch.json has the fixed rate)."""
     base = tl.load(peer_ptrs + rank, mask=mask, other=0).to(tl.pointer_type(DTYPE))
     return tl.multiple_of(base, 16) + row.to(tl.int64) * row_stride
 

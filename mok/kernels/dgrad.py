@@ -32,7 +32,7 @@ w·dOut (2·H bytes per route) and the forward its saved h (2·I bytes per route
 of 2·I bytes per route here. `down_wgrad_reads_weighted_h` says where (I < H). h here is
 recomputed from the saved bf16 g, u, as the router-weight partials use it; the forward's h
 came from the fp32 accumulators, so wh differs from bf16(w · h_forward) by about one bf16
-rounding, inside SPEC's bf16 bar.
+rounding, inside the bf16 accuracy bar.
 
 Padding rows (src = −1) get exact zeros in d_gate_up: the wgrad kernels read it through
 TMA without masks and rely on it. Rows past the schedule's
@@ -46,7 +46,7 @@ nothing (for finite weights). A sorted operand with fewer rows than the schedule
 reads zeros past its end: the shared expert's sorted layout is the token order itself, so
 it passes x and dOut as they are.
 
-fp8_block (SPEC §2; the constexpr PRECISION, launchers `*_fp8_block`): the same kernels and
+fp8_block (the constexpr PRECISION, launchers `*_fp8_block`): the same kernels and
 epilogues on E4M3 operands with fp32 block scales, one per 1×128 block of a sorted row along
 the reduction dim (dOut's along H, d_g's and d_u's along I) and one per 128×128 block of a
 weight, applied per 128-wide K step by the forward's main loop (`grouped_gemm.sorted_rows_tile`):
@@ -143,67 +143,55 @@ _FP8_BLOCK_TILES = {
 PERSISTENT_GATE_UP_MIN_HIDDEN = 6144
 # On Hopper the bf16 gate/up dgrad into local slots runs the cooperative warp-specialized
 # kernel (`warp_specialized.py`: the down GEMM's kernel over two K segments, d_g·Wg then
-# d_u·Wu), bitwise the Triton kernel's output, up to this intermediate size. H200,
-# `benchmarks/sweeps/warp_specialized.py` (record h200-20261201-warp-specialized-sweep.log, the
-# Triton kernel's first and last timing): qwen3-30b 1.35/1.46 -> 1.18–1.23 ms; deepseek-v3-slice
-# (I = 2048) 6.16/6.22 -> 6.08–6.18, mixtral-8x7b (I = 14336) 5.87/6.43 -> 6.31–6.38. In the
-# layer, on against off beside the other cooperative kernels (records -cooperative-ab.json,
-# -fwd-bwd-v13.json, two machines): deepseek-v3-slice and mixtral-8x7b lost what those gained,
-# so the Triton kernel stays there.
+# d_u·Wu), bitwise the Triton kernel's output, up to this intermediate size: faster alone at small
+# I (log h200-20261201-warp-specialized-sweep.log), while at larger I the layer lost what the other
+# cooperative kernels gained (records h200-20261201-cooperative-ab.json, -fwd-bwd-v13.json).
 COOPERATIVE_GATE_UP_DGRAD_MAX_INTER = 1024
 # On Hopper the fp8_block gate/up dgrad into local slots runs in the cooperative warp-specialized
 # kernel (`warp_specialized.fp8_block_tile_config`: over the two K segments, each step's product
 # scaled by d_g's or d_u's row scales and the weight block's), bitwise the Triton kernel's
-# output. Per kernel (record h200-20261201-fp8-wide-scalar-scales-sweep.log): qwen3-30b
-# 1.33–1.55 -> 0.83–0.95 ms, deepseek-v3-slice 5.17–5.18 -> 3.79–4.00. False keeps the Triton kernel.
+# output, and much faster on both presets (log h200-20261201-fp8-wide-scalar-scales-sweep.log).
+# False keeps the Triton kernel.
 WARP_SPECIALIZED_FP8_BLOCK_GATE_UP_DGRAD = True
 # The fused Triton fp8_block down dgrad gathers dOut's e4m3 token rows inside its loads (dOut
 # quantized once per token) up to this H, and reads a gathered quantized copy through TMA above
-# it. H200, profile per forward+backward (log h200-20261201-fp8-down-dgrad-gathered-profile.log):
-# qwen3-30b (H = 2048) quantizers 0.466 -> 0.254 ms, down dgrad 0.900 -> 0.975, all kernels
-# 6.94 -> 6.82; deepseek-v3-slice (H = 7168) quantizers 0.774 -> 0.379 but down dgrad
-# +0.37 ms (the cp.async gather of 56 K steps issued by the MMA warps), all 26.12 -> 26.30.
+# it: the saved quantizer work outweighs the slower gathering GEMM at H = 2048, not at H = 7168,
+# where the MMA warps issue the cp.async gather of 56 K steps (log
+# h200-20261201-fp8-down-dgrad-gathered-profile.log).
 GATHERED_FP8_BLOCK_DOWN_DGRAD_MAX_HIDDEN = 2048
 # On Hopper the fp8_block down dgrad runs as two launches: the cooperative warp-specialized
 # GEMM writes the product a = dOut · Wd[e] per sorted row in fp32
 # (`warp_specialized.launch_down_dgrad_product_fp8_block`), then `_down_dgrad_swiglu_kernel` runs
 # its epilogue on that product (`down_dgrad_swiglu_epilogue`); the product costs a write and a
 # read of [capacity_rows, I] fp32. Its producer warp group gathers dOut's token rows at every H.
-# H200 (BENCHMARKS.md): over the sorted rows, deepseek-v3-slice's fused GEMM ran ~695 TFLOPS
-# against ~1000 here, forward+backward 27.4 -> 26.8 ms (record v13); gathering, its GEMM as fast
-# as over the sorted copy and that copy gone (profile h200-20261201-fp8-down-dgrad-gathered-
-# product-profile.log: all kernels 25.68 -> 25.51 ms), and qwen3-30b's down dgrad 0.975 -> 0.886
-# ms. False keeps the fused Triton kernel.
+# The warp-specialized GEMM runs far faster than the fused Triton kernel's, and gathering costs it
+# nothing while the sorted copy goes (record v13; log h200-20261201-fp8-down-dgrad-gathered-product-profile.log).
+# False keeps the fused Triton kernel.
 WARP_SPECIALIZED_FP8_BLOCK_DOWN_DGRAD_PRODUCT = True
 # That product in bf16: half its write and read (qwen3-30b: 0.4 of the 1.2 GB the epilogue moves),
 # at one bf16 rounding of dOut · Wd (2^-9 relative) ahead of the SwiGLU backward, far below the
 # 1×128 e4m3 rounding of dOut itself (2^-4). False keeps it fp32: exact, and d_gate_up bitwise the
-# fused Triton kernel's. H200, qwen3-30b profile (log h200-20261203-ab-fp8-block-v31.log): the
-# epilogue 0.329 -> 0.288 ms, the gathered kernel's two launches 1.437 -> 1.223 with the TMA stores
-# (`warp_specialized.GATHERED_TMA_STORE`), which an fp32 product does not fit.
+# fused Triton kernel's. bf16 makes the epilogue faster and leaves room for the gathered kernel's TMA
+# stores (`warp_specialized.GATHERED_TMA_STORE`), which an fp32 product does not fit (log
+# h200-20261203-ab-fp8-block-v31.log).
 FP8_BLOCK_DOWN_DGRAD_PRODUCT_BF16 = True
 # Rows per step of the epilogue on a given product that quantizes d_g, d_u (PRODUCT_GIVEN and
-# QUANTIZED): each row's 128 columns together, so the chunk's d_g, d_u are all live at once. H200,
-# qwen3-30b profile (logs h200-20261203-d-gate-up-quantized.log, -ab-fp8-block-v32.log): 16 rows
-# 0.330-0.337 ms (80 registers at 8 warps), 8 rows 0.421 (64), 32 rows 0.465 (137), 64 rows 0.405 (236).
-# With each chunk's loads issued a chunk ahead of its work (ptxas, sm_90a, 8 warps: 106 registers,
-# two programs per SM), qwen3-30b profile (log h200-20261203-epilogue-loads-ahead.log): 16 rows
-# 0.322 ms, 8 rows 0.420; the same loads in turn, after the chunk before (84 registers): 0.422 and
-# 0.429.
+# QUANTIZED): each row's 128 columns together, so the chunk's d_g, d_u are all live at once. 16 rows
+# measured fastest of 8 to 64, with or without each chunk's loads issued a chunk ahead (logs
+# h200-20261203-d-gate-up-quantized.log, h200-20261203-epilogue-loads-ahead.log).
 _QUANTIZED_EPILOGUE_ROWS = 16
 
 
 # The bf16 down dgrad asks for its tile's g, u lines in L2 (a prefetch per 128-byte line) when its
 # main loop ends, so that its epilogue, which loads them a quarter of the tile at a time, waits on
-# HBM for the first quarter only. H200, bitwise the same output (`benchmarks/sweeps/
-# down_dgrad_prefetch.py`, record h200-20261202-down-dgrad-prefetch.json): qwen3-30b 0.934 -> 0.910
-# ms, deepseek-v3-slice 3.273 -> 3.205, mixtral-8x7b 3.650 -> 3.557. False: no prefetch.
+# HBM for the first quarter only: bitwise the same output, a few percent faster on every preset
+# (record h200-20261202-down-dgrad-prefetch.json). False: no prefetch.
 DOWN_DGRAD_PREFETCH_GATE_UP = True
 
 
 # Where I < H (qwen3-30b, deepseek-v3-slice) the bf16 down dgrad stores w·h for the down wgrad,
-# which then reads dOut's sorted copy: no w·dOut copy, no saved h. Predicted from the bytes
-# (H200): deepseek-v3-slice's backward copy 0.87 ms -> ~0.6, less ~0.07 ms of stores in the epilogue.
+# which then reads dOut's sorted copy: no w·dOut copy, no saved h, fewer bytes moved (benchmarks/LOG.md,
+# "Fifteenth round").
 # Where I ≥ H (mixtral-8x7b) w·h is the larger operand, and the w·dOut copy stays.
 # False: the w·dOut copy and the forward's h at every shape.
 DOWN_WGRAD_READS_WEIGHTED_H = True
@@ -237,15 +225,13 @@ def dgrad_config(
     """Tile config of a dgrad GEMM (`kind` "down" or "gate_up") of output width n_dim.
 
     BLOCK_M is the schedule's M tile (`routing_block_m`): the rows of an M tile must
-    belong to one expert. H200, bf16, every operand through TMA (sweep in BENCHMARKS.md):
-    "gate_up" runs its two K loops (d_g·Wg, then d_u·Wu) one A and one B tile at a time,
-    so 128×256×64 at 3 stages fits (48 KiB per stage) and measured 618–633 TFLOPS
-    (128×128: 581–587); "down" takes the same tiles, its epilogue running on 64-column
-    slices of the accumulator: 128×256 at 3 stages measured 12–19% faster than 128×128
-    at 4 stages on every preset (record h200-20261130-tiles-v2.json). The gate/up dgrad
-    runs persistent at 4 stages for wide outputs (H ≥ `PERSISTENT_GATE_UP_MIN_HIDDEN`;
-    deepseek-v3-slice 6.21 -> 5.39 ms; qwen3-30b and mixtral-8x7b within ±2% either
-    way, record h200-20261130-persistent.json); per tile, its last wave runs in column halves
+    belong to one expert. "gate_up" runs its two K loops (d_g·Wg, then d_u·Wu) one A and one
+    B tile at a time, so 128×256×64 at 3 stages fits (48 KiB per stage) and measured faster
+    than 128×128; "down" takes the same tiles, its epilogue running on 64-column slices of
+    the accumulator, faster on every preset than 128×128 at 4 stages (record
+    h200-20261130-tiles-v2.json). The gate/up dgrad runs persistent at 4 stages for wide
+    outputs (H ≥ `PERSISTENT_GATE_UP_MIN_HIDDEN`), where it measured faster and elsewhere
+    level (record h200-20261130-persistent.json); per tile, its last wave runs in column halves
     with `grouped_gemm.SPLIT_LAST_WAVE`; the down dgrad prefetches its epilogue's g, u into L2
     with `DOWN_DGRAD_PREFETCH_GATE_UP`. On Hopper the gate/up dgrad runs the
     cooperative warp-specialized kernel up to `COOPERATIVE_GATE_UP_DGRAD_MAX_INTER` unless
@@ -290,7 +276,7 @@ def sorted_rows_times_weight(
     for k0 in range(0, reduce_dim, BLOCK_K):
         a = a_desc.load([m0, k0])
         b = w_desc.load([w_row + k0, n0])
-        if INTERPRETER:  # the interpreter's bf16 tl.dot is wrong (DESIGN §6); fp32 is exact
+        if INTERPRETER:  # the interpreter's bf16 tl.dot is wrong (Triton 3.6-3.9); fp32 is exact
             a, b = a.to(tl.float32), b.to(tl.float32)
         acc = tl.dot(a, b, acc)
     return acc
@@ -501,7 +487,7 @@ def _down_dgrad_swiglu_kernel(
         # accumulator, g, u, d_g and d_u live at once spilled 2.7 KB per thread at 128×128 and
         # 8 warps (ptxas, sm_90a, triton 3.6); by quarters, 0.2 KB. At the 128×256 default ptxas
         # reports 2.8 KB again, yet the wider tile measured faster (half the dOut re-reads), and
-        # eighths (1.7 KB) slower than quarters (BENCHMARKS.md).
+        # eighths (1.7 KB) slower than quarters (record h200-20261130-down-dgrad-eighths.json).
         partial = tl.zeros((BLOCK_M,), dtype=tl.float32)
         halves = column_halves(d_out_wd)
         for half in tl.static_range(2):
@@ -756,7 +742,7 @@ def down_dgrad_swiglu(
             raise ValueError("weighted_h: expected None without topk_weights (w·h needs the router weights)")
         _check_bf16("weighted_h", weighted_h, (schedule.capacity_rows, inter), device)
     cfg = _dgrad_tiles("down", inter, hidden, "bf16", tile_config, schedule)
-    if cfg.get("WARP_SPECIALIZED", False):  # a warp-specialized bf16 down dgrad measured slower (BENCHMARKS.md)
+    if cfg.get("WARP_SPECIALIZED", False):  # a warp-specialized bf16 down dgrad measured slower (benchmarks/LOG.md)
         raise ValueError("tile_config: the down dgrad runs the Triton kernel only, got WARP_SPECIALIZED")
     return _launch_down_dgrad_swiglu(
         "bf16", d_out_sorted, None, topk_weights, gate_up, w_down, None, schedule, hidden, inter, swiglu_limit, cfg,

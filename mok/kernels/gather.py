@@ -9,8 +9,8 @@ t·topk + j (−1: padding), T tokens, H hidden.
 
 Why materialise what the forward gathers inside its loads: the weight-gradient GEMMs
 reduce over rows, so a gathered operand needs a new index vector every K step; that
-chain of loads held them at ~360 TFLOPS on H200, while over sorted operands read through
-TMA they reach 590–640 (BENCHMARKS.md). The copy runs at HBM speed, and the down dgrad
+chain of loads held them far below the rate they reach over sorted operands read through
+TMA (benchmarks/LOG.md, "The backward rewrite"). The copy runs at HBM speed, and the down dgrad
 reads d_out_sorted through TMA too.
 
 The forward's gate/up GEMM reads x through TMA from the same copy (x alone, `d_out=None`)
@@ -22,7 +22,7 @@ forms the router-weight gradient ⟨dOut·Wd, h⟩ and applies w in fp32), the d
 w·dOut as a plain TMA operand. Where I < H the down dgrad's epilogue writes w·h instead
 (`dgrad.down_wgrad_reads_weighted_h`, 2·I bytes per route against w·dOut's 2·H), and the
 caller asks for no dy (`topk_weights=None`). dy carries one bf16 rounding of w·dOut
-(relative 2^-9 per element, far inside SPEC's bf16 bar).
+(relative 2^-9 per element, far inside the bf16 accuracy bar).
 
 mxfp8 (`mxfp8=True`): each copy comes out rounded to the MXFP8 grid of the GEMM that reads it
 (`quant.mxfp8_round`): d_out_sorted in blocks of 32 along H (the down dgrad reduces over H),
@@ -62,9 +62,8 @@ from mok.kernels.schedule import RoutingSchedule
 from mok.mxfp8 import MX_BLOCK
 
 ROWS_PER_PROGRAM = 16  # row-major: 16 rows × H columns per program, ~8K programs for 131K rows
-# From this topk on the bf16 copy runs token-major. H200 (log in BENCHMARKS.md), x, dOut and
-# w·dOut: topk 8 (qwen3-30b, deepseek-v3-slice) 0.70 -> 0.53 and 1.19 -> 0.89 ms; topk 2
-# (mixtral-8x7b) 0.18 -> 0.20 ms, x alone 0.11 -> 0.16. topk 4 is not measured.
+# From this topk on the bf16 copy runs token-major: faster at topk 8, slower at topk 2 on H200
+# (log h200-20261130-gather-token-major.log); topk 4 is not measured.
 TOKEN_MAJOR_MIN_TOPK = 4
 TOKENS_PER_PROGRAM = 16  # token-major: 16 tokens × 256 columns per step, 4 warps (8 to 32 tokens,
 # 256 to 1024 columns, 4 or 8 warps all measured within 3% of it on H200)
@@ -250,8 +249,8 @@ def gather_sorted_rows(
         )
     else:
         # mxfp8: one block of rows, 64 columns: three tiles and the rounding's temporaries stay in
-        # registers (32 x 256 columns spilled and took 9.9 ms instead of 0.7 on qwen3-30b, H200).
-        # 8 warps measured slower than 4 (1.57 vs 1.13 ms).
+        # registers (32 x 256 columns spilled, over ten times slower on H200); 8 warps measured
+        # slower than 4 (benchmarks/LOG.md, "mxfp8, the whole layer").
         rows_per_program = MX_BLOCK if mxfp8 else ROWS_PER_PROGRAM
         _gather_sorted_rows_kernel[(triton.cdiv(schedule.capacity_rows, rows_per_program),)](
             *sources, *copies, schedule.row_source, schedule.num_rows, hidden, topk, *strides,

@@ -25,7 +25,7 @@ halves (`SPLIT_LAST_WAVE`, `common.last_wave_tile_coordinates`): the number of M
 follows the routing, and a last wave of a few tiles would otherwise cost a whole tile's time
 with most SMs idle. Each element keeps its K order, so the output is bitwise the same.
 
-fp8_block (SPEC §2; the constexpr PRECISION, launchers `*_fp8_block`): the same kernels
+fp8_block (the constexpr PRECISION, launchers `*_fp8_block`): the same kernels
 on E4M3 operands aq, wq with fp32 block scales, one per 1×128 block of an activation row
 (sa: x's or h's) and one per 128×128 block of a weight (sw), applied per 128-wide K step:
 
@@ -40,7 +40,7 @@ bit-exact rule of `mok.fp8_block`): BLOCK_N = 128, so each row of a tile is exac
 1×128 block of h. h_q [rows, I] e4m3 and h_scale [rows, I/128] fp32 replace the bf16 h;
 the down GEMM reads h_q through TMA. Hopper's FP8 MMA needs both operands K-major in
 shared memory: gathered x rows, h rows and the [N, K] weight tiles all have K contiguous.
-H and I must be multiples of 128 (SPEC §4), so no K step or h block is ragged.
+H and I must be multiples of 128, so no K step or h block is ragged.
 
 What the fp8_block backward needs from this forward: g and u (`store_gate_up`, bf16, as in
 bf16 mode) to recompute h and the SwiGLU derivative; h_q is not kept (the down wgrad
@@ -53,7 +53,7 @@ operands along the rows (x_q's blocks run along H).
 Every output element is computed by one program with a fixed K loop: deterministic.
 Caller contract: the schedule was built for these tensors with the same BLOCK_M.
 Tile configs are chosen per shape class by `gemm_config` (measured on H200, see
-BENCHMARKS.md); the key never includes per-expert counts, which change every step.
+benchmarks/LOG.md); the key never includes per-expert counts, which change every step.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def gather_gate_up_tile(
             a = tl.load(a_ptrs + k0, mask=row_valid[:, None] & (k0 + k_offs < hidden)[None, :], other=0.0)
         if PACKED:
             b = w_gate_desc.load([0, expert, n0, k0]).reshape(2 * BLOCK_N, BLOCK_K).T  # [BLOCK_K, gate | up]
-            if INTERPRETER:  # the interpreter's bf16 tl.dot is wrong (DESIGN §6); fp32 is exact
+            if INTERPRETER:  # the interpreter's bf16 tl.dot is wrong (Triton 3.6-3.9); fp32 is exact
                 a, b = a.to(tl.float32), b.to(tl.float32)
             acc_gate_up = tl.dot(a, b, acc_gate_up)
         else:
@@ -370,66 +370,58 @@ _FP8_BLOCK_TILES = {
 
 
 # The bf16 gate/up GEMM reads x copied to the sorted layout (TMA) from this intermediate
-# size on: the copy costs the same at any I, the TMA loads save in proportion to I (H200:
-# 1.38 -> 1.23 ms for the GEMM on qwen3-30b, whose I = 768 the copy would eat).
+# size on: the copy costs the same at any I, the TMA loads save in proportion to I, and at
+# qwen3-30b's I = 768 the copy would eat the saving (record h200-20261130-gate-up-sorted-x.json).
 SORTED_X_MIN_INTER = 2048
 
 # Packed gate/up weights take the one-wide-dot path (tile-config flag PACKED, gathered x)
-# below this intermediate size. H200, g and u stored as in training, same machine, before
-# and after: qwen3-30b (I = 768) 1.47 -> 1.39 ms, deepseek-v3-slice (I = 2048) forward
-# 11.1 -> 10.9 ms; mixtral-8x7b (I = 14336) 5.51–5.58 -> 5.80 ms gathered or over sorted x,
-# so there the two dots over sorted x stay.
+# below this intermediate size, where it measured faster; at mixtral-8x7b's I = 14336 it was
+# slower, so there the two dots over sorted x stay (records h200-20261130-packed*.json).
 PACKED_MAX_INTER = 8192
 
 # The down GEMM runs persistent (one program per SM walking the tiles in a flattened loop,
 # so a tile's epilogue overlaps the next tile's first loads) up to this reduction (I): a
-# short K loop leaves the epilogue a large share (H200: qwen3-30b 0.767 -> 0.711 ms,
-# deepseek-v3-slice 2.82 -> 2.74; mixtral-8x7b's I = 14336 2.59 -> 2.92, so not there).
+# short K loop leaves the epilogue a large share; at mixtral-8x7b's I = 14336 it was slower
+# (record h200-20261130-persistent.json).
 PERSISTENT_DOWN_MAX_INTER = 2048
 
 # On Hopper the bf16 down GEMM into local slots runs warp-specialized (tile-config flag
 # WARP_SPECIALIZED, `warp_specialized.py`), bitwise the Triton kernel's output. Up to this
 # reduction (I) with the ping-pong schedule (two consumer warp groups in turns, so one's scatter
-# epilogue runs under the other's MMAs): qwen3-30b (I = 768) 0.712 -> 0.654 ms in the layer's
-# profile (record h200-20261130-ping-pong-fwd-profile.log), where its 128×128 tiles lost 4–27%
-# at I = 2048 and 14336 (record h200-20261130-ping-pong-probe.log).
+# epilogue runs under the other's MMAs): faster at qwen3-30b's I = 768 (log
+# h200-20261130-ping-pong-fwd-profile.log), slower with its 128×128 tiles at I = 2048 and 14336
+# (log h200-20261130-ping-pong-probe.log).
 PING_PONG_DOWN_MAX_INTER = 1024
 # Above it the cooperative schedule (both warp groups on one 128×256 tile, the producer
-# running ahead across tiles) is there but off: the H200 measurements disagree. Interleaved
-# with the Triton kernel in short alternating blocks it measured faster (deepseek-v3-slice
-# 3.24 -> 2.97 ms, mixtral-8x7b 3.00 -> 2.94; record h200-20261201-cooperative-probe.log), in
-# `benchmarks/sweeps/warp_specialized.py` slower (3.02 -> 3.13 and 2.81 -> 3.09 ms, the Triton
-# kernel bracketing it; record h200-20261201-warp-specialized-sweep.log), and the forward's
-# margin on mixtral-8x7b is thin. True runs it above `PING_PONG_DOWN_MAX_INTER`.
+# running ahead across tiles) is there but off: the H200 measurements disagree, faster in short
+# alternating blocks (log h200-20261201-cooperative-probe.log), slower with the Triton kernel
+# bracketing it (log h200-20261201-warp-specialized-sweep.log). True runs it above
+# `PING_PONG_DOWN_MAX_INTER`.
 COOPERATIVE_DOWN = False
 # On Hopper the fp8_block down GEMM into local slots runs in the cooperative warp-specialized
 # kernel (`warp_specialized.fp8_block_tile_config`: 128×256 tiles, each step's product scaled
 # by the rows' scales and the weight block's one scale per 128 columns), bitwise the Triton
-# kernel's output. Per kernel (record h200-20261201-fp8-wide-scalar-scales-sweep.log): qwen3-30b
-# 0.78–0.88 -> 0.46–0.53 ms, deepseek-v3-slice 2.40–2.84 -> 1.70–1.92. False keeps the Triton kernel.
+# kernel's output, and much faster on both presets (log h200-20261201-fp8-wide-scalar-scales-sweep.log).
+# False keeps the Triton kernel.
 WARP_SPECIALIZED_FP8_BLOCK_DOWN = True
 # On Hopper the fp8_block gate/up GEMM runs in the cooperative warp-specialized kernel
 # (`warp_specialized.launch_gate_up_swiglu_fp8_block`: 128 rows × 128 columns of h per tile,
 # x's rows gathered by cp.async, the gate tile over the up tile in each B slot, the Triton
 # kernel's epilogue functions, bitwise its output). Since its epilogue stores rows of 16-byte
-# runs it is the faster at every H. H200, ms, Triton -> warp-specialized (3 stages; record
-# h200-20261202-gate-up-epilogue-stores-sweep.log): qwen3-30b 1.26–1.44 -> 0.97–1.06,
-# deepseek-v3-slice 4.88–4.97 -> 4.07–4.60, mixtral-8x7b 4.86–5.19 -> 4.27–4.46. False keeps
-# the Triton kernel.
+# runs it is the faster at every H (log h200-20261202-gate-up-epilogue-stores-sweep.log).
+# False keeps the Triton kernel.
 WARP_SPECIALIZED_FP8_BLOCK_GATE_UP = True
 # Row tiles per column sweep (`tile_coordinates`) of the bf16 Triton grouped GEMMs: the forward's
 # gate/up and down, and both dgrads (`dgrad.dgrad_config`). A weight tile comes from HBM once per
 # group and then from L2 while the group's tiles are in flight. 16 (mixtral-8x7b's experts hold
-# 16 row tiles) measured slower in the layer: mixtral-8x7b forward+backward 28.8 -> 29.2 ms
-# (record h200-20261201-ab-gemm-group.json); `benchmarks/sweeps/group_m.py` times 8, 16, 32.
+# 16 row tiles) measured slower in the layer (record h200-20261201-ab-gemm-group.json);
+# `benchmarks/sweeps/group_m.py` times 8, 16, 32.
 GEMM_GROUP_M = 8
 # The bf16 Triton down GEMM and gate/up dgrad, launched one program per tile (not persistent:
 # `splits_last_wave`), compute a last wave of at most half the SMs' tiles as column halves
-# (`common.last_wave_tile_coordinates`), bitwise the whole tiles' output. H200, mixtral-8x7b
-# (H = 4096: 16 column tiles of 256), ms at 132 / 133 M tiles (record h200-20261202-tile-waves.json):
-# down 2.93 / 3.15, gate/up dgrad 5.82 / 6.20; a 128-column tile costs 0.52 (down) and 0.57
-# (gate/up dgrad) of a 256-column one.
-# False computes every tile whole.
+# (`common.last_wave_tile_coordinates`), bitwise the whole tiles' output: a 128-column tile costs
+# little more than half a 256-column one, so a short last wave ends sooner (record
+# h200-20261202-tile-waves.json). False computes every tile whole.
 SPLIT_LAST_WAVE = True
 
 
@@ -444,8 +436,8 @@ def gemm_config(
     H200, bf16, chosen by `benchmarks/tune_gemm.py` on the three GPU presets (records
     h200-20261130-gemm-tiles.json, -tiles-v2.json): 128×128 tiles with two accumulators
     for gate/up and 128×256 for the single-accumulator down GEMM at 8 warps, 4 stages;
-    TMA loads of the weights beat pointer loads by 2–25%; 128×64 / 64×128 tiles at 4
-    warps lose 15%; gate/up reads x copied to the sorted layout from
+    TMA loads of the weights beat pointer loads; 128×64 / 64×128 tiles at 4 warps lose;
+    gate/up reads x copied to the sorted layout from
     `SORTED_X_MIN_INTER` on, unless it takes packed weights (`PACKED_MAX_INTER`); the
     down GEMM runs persistent up to `PERSISTENT_DOWN_MAX_INTER` (record
     h200-20261130-persistent.json), and per tile above it, its last wave in column halves

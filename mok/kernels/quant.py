@@ -31,7 +31,7 @@ E8M0's exponents fit in bf16's 7 and fp32's range; only values below bf16's smal
 subnormal, 2^-133, in blocks whose amax is under ~2^-118, are lost). So a bf16 tensor-core
 GEMM over rounded operands, accumulating in fp32, computes the MX GEMM exactly: each
 product of two rounded values is exact in fp32. Hopper has no MX MMA instruction; this is
-SPEC §2's "dequantize into bf16 MMA", with the dequantization done by the operand's
+the "dequantize into bf16 MMA" way, with the dequantization done by the operand's
 producer. For an operand in the expert-sorted layout (`schedule`), padding rows count
 as zeros and are written as zeros, and rows past the schedule's `num_rows` are skipped:
 the schedule pads every expert to a multiple of its BLOCK_M (a multiple of 32), so a

@@ -1,4 +1,4 @@
-"""FP8 block quantization kernels (SPEC §2 `fp8_block`), bit-exact with `mok.fp8_block`.
+"""FP8 block quantization kernels (`fp8_block`), bit-exact with `mok.fp8_block`.
 
     scale_b = max(amax_b, 448 · 2^-126) / 448,    q[i] = e4m3_rne_saturate(x[i] · (1 / scale_b))
 
@@ -126,20 +126,19 @@ _ACT_BLOCK_M = 32
 # needs the whole block's amax first).
 _WEIGHT_BLOCK = FP8_BLOCK
 # On an NVIDIA GPU the Gluon kernel instead: one block per program at 16 rows × 8 columns per
-# thread and 4 warps (`_sorted_t_layouts`' shape for 128 columns). H200, the three routed
-# weights (log h200-20261202-weight-quantizers-gluon.log): qwen3-30b 1.10 -> 0.84 ms (2.2 ->
-# 2.9 TB/s), deepseek-v3-slice 2.47 -> 1.96, mixtral-8x7b 2.45 -> 2.00; bitwise the Triton kernel.
+# thread and 4 warps (`_sorted_t_layouts`' shape for 128 columns): faster than the Triton kernel
+# on every preset's routed weights, bitwise its output (log h200-20261202-weight-quantizers-gluon.log).
 _WEIGHTS_GLUON = True
 _WEIGHT_ROWS_PER_THREAD = tl.constexpr(16)
 _WEIGHT_GLUON_NUM_WARPS = 4
 # Sorted-layout operands: one 128-row block × 64 columns per program at 4 warps (16 KiB of
 # bf16 in, 8 KiB of fp8 out: 128-byte rows on both sides, so loads and transposed stores
-# coalesce). 128 or 256 columns, or 8 warps, measured 10–80% slower on H200 (log
+# coalesce). 128 or 256 columns, or 8 warps, measured slower on H200 (log
 # h200-20261130-sorted-t-sweep.log; again with the per-block reciprocal,
 # h200-20261201-sorted-t-sweep*.log). Operands gathered from token rows wider than 2048
-# (deepseek-v3-slice's x and w·dOut, H = 7168) take 32 columns at 2 warps: 11% faster there,
+# (deepseek-v3-slice's x and w·dOut, H = 7168) take 32 columns at 2 warps: faster there,
 # and slower at qwen3-30b's H = 2048 and on the sorted operands. Under the interpreter, whose
-# cost is per program, 256 columns: 3× quicker on the CPU tests.
+# cost is per program, 256 columns: quicker on the CPU tests.
 _SORTED_BLOCK_W = 64
 _SORTED_NUM_WARPS = 4
 _GATHERED_NARROW_MIN_WIDTH = 2049
@@ -147,13 +146,10 @@ _GATHERED_NARROW_BLOCK_W = 32
 _GATHERED_NARROW_NUM_WARPS = 2
 _SORTED_BLOCK_W_INTERPRETER = 256
 # On an NVIDIA GPU the Gluon kernel instead (`_sorted_t_layouts`): 16 rows × 8 columns per
-# thread, 2 warps, 64 columns per program. Against 4 warps 3% faster over the four operands
-# of qwen3-30b and deepseek-v3-slice; 8 rows per thread up to 13% slower, 4 rows 30–50%
-# (H200, h200-20261202-gluon-sorted-t-sweep.log).
+# thread, 2 warps, 64 columns per program: faster than 4 warps or 4 and 8 rows per thread over
+# the four operands of qwen3-30b and deepseek-v3-slice (log h200-20261202-gluon-sorted-t-sweep.log).
 # On e4m3 operands (a_scale given: the layer's requantized x, w·dOut, h and d_g|d_u), 4 warps
-# (128 columns): ms over the four operands, 16 rows × 2 / × 4 warps, qwen3-30b 0.172 / 0.172,
-# 0.179 / 0.177, 0.171 / 0.167, 0.131 / 0.127-0.131; deepseek-v3-slice 0.293 / 0.283, 0.294 /
-# 0.289, 0.224 / 0.199, 0.108 / 0.098 (log h200-20261203-e4m3-sorted-t-sweep.log).
+# (128 columns), which there measured faster than 2 (log h200-20261203-e4m3-sorted-t-sweep.log).
 _SORTED_GLUON = True
 _SORTED_GLUON_ROWS_PER_THREAD = 16
 _SORTED_GLUON_NUM_WARPS = 2
@@ -224,9 +220,8 @@ def _abs_max_bits(x, axis):
     """The int32 bits of max |x| along `axis` of an fp32 tile, as `quantize_row_blocks`' amax on the
     integer bits gives them (any NaN wins: `tl.max` on floats may drop it on the GPU; a block with
     NaN or Inf has bits >= the Inf's), in one max with |·| operands per element (FMNMX.NAN) where
-    the integer bits take a mask and a max. The Gluon transposing quantizer's: sm_90a, 1256 -> 1176
-    instructions per thread on the e4m3 x; H200, qwen3-30b's four launches alone 0.572-0.590 ->
-    0.553-0.554 ms (log h200-20261204-sorted-t-float-amax.log)."""
+    the integer bits take a mask and a max: fewer instructions and faster transposing quantizers
+    (log h200-20261204-sorted-t-float-amax.log)."""
     return tl.reduce(tl.abs(x), axis, _max_propagating_nan).to(tl.int32, bitcast=True)
 
 
@@ -514,10 +509,10 @@ def _quantize_sorted_t_gluon_kernel(
     of block_m % 128 == 0, one tile per program over the tiles below num_rows, row blocks first
     (programs that run together read the same column block). There every 128-row block lies in
     one expert, so a tile needs no lookup of its expert's rows: its loads wait only on num_rows
-    and, gathering, on its rows' routes. H200, qwen3-30b's four launches in the layer's profile:
-    0.62 ms with the lookup, 0.54-0.56 without (logs h200-20261203-sorted-t-prefetch.log,
-    -epilogue-loads-ahead.log). Each program prefetching its next tile by cp.async over a
-    persistent grid measured level with this (same logs; branch fp8-sorted-t-prefetch)."""
+    and, gathering, on its rows' routes, which measured faster than with the lookup (logs
+    h200-20261203-sorted-t-prefetch.log, h200-20261203-epilogue-loads-ahead.log). Each program
+    prefetching its next tile by cp.async over a persistent grid measured level with this (same
+    logs; branch fp8-sorted-t-prefetch)."""
     LOAD: gl.constexpr = _sorted_t_layouts(ROWS_PER_THREAD, gl.num_warps())[0]
     STORE: gl.constexpr = _sorted_t_layouts(ROWS_PER_THREAD, gl.num_warps())[1]
     SPREAD: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])

@@ -281,8 +281,8 @@ def build_routing_schedule(
     error_flag: torch.Tensor,  # [1] int32
     skip_empty_ids: bool = False,
 ) -> RoutingSchedule:
-    """Builds the schedule of DESIGN §3.1 over the rows of `topk_ids` (every expert is
-    local). `skip_empty_ids`: ids of −1 are empty entries, not errors (module docstring)."""
+    """Builds the schedule (experts ascending, each one's routes in ascending t·topk + j) over
+    the rows of `topk_ids` (every expert is local). `skip_empty_ids`: ids of −1 are empty entries, not errors (module docstring)."""
     _check_topk_ids(topk_ids)
     if block_m < 1 or block_m & (block_m - 1):
         raise ValueError(f"block_m: expected a power of two, got {block_m}")

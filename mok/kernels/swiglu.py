@@ -23,8 +23,8 @@ import triton.language as tl
 
 from mok.kernels.common import interpreting
 
-# On by default: mixtral-8x7b's down dgrad 4–6% faster, the rest level (BENCHMARKS.md, eighteenth
-# bf16 round). False gives `tl.sigmoid`.
+# On by default: mixtral-8x7b's down dgrad faster, the rest level (benchmarks/LOG.md, "Eighteenth
+# round"). False gives `tl.sigmoid`.
 FAST_SIGMOID = True
 
 

@@ -106,53 +106,45 @@ from mok.kernels.swiglu import fast_sigmoid_here, swiglu_forward
 
 # Ping-pong: one consumer's tile. A 128×128 fp32 accumulator is 128 registers per thread of
 # its warp group; 128×256 spilled (ptxas, sm_90a: 3.7 KB per thread). Six stages of 128×64 A
-# and B tiles (32 KiB each, 192 KiB) measured faster than four on qwen3-30b: down GEMM 0.652
-# against 0.678 ms, down wgrad 0.637 against 0.646 (record h200-20261130-ping-pong-probe.log).
+# and B tiles (32 KiB each, 192 KiB) measured faster than four on qwen3-30b's down GEMM and
+# down wgrad (log h200-20261130-ping-pong-probe.log).
 PING_PONG_TILE = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_stages=6)
 # Cooperative: the tile both consumers share (64×256 accumulators, 128 registers per thread).
 # Four stages of 48 KiB (two 64×64 A halves, one 256×64 B tile); three measured the same
-# within 3% either way (record h200-20261201-cooperative-probe.log).
+# within the noise (log h200-20261201-cooperative-probe.log).
 COOPERATIVE_TILE = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_stages=4)
 # fp8_block GEMMs (cooperative): BLOCK_K the 128-wide scale block. A consumer holds its
 # accumulator and its step's fresh product (64 registers per thread each at 64×128), so a
 # 64×256 accumulator and product would not fit; a 128×256 tile (each consumer's 64×256 in two
 # 128-column accumulators: `_scaled_mma_steps` multiplies half the B tile at a time) fits and
 # lets each stage's A tile serve twice the columns. 48 KiB per stage (two 64×128 A tiles and
-# one 256×128 B tile of e4m3), three stages (four measured the same within 2%); GROUP_M 8.
-# H200, ms, Triton kernel -> 128×128 at six stages -> this tile, every output bitwise the
-# Triton kernel's (each config timed twice; the scatter GEMMs from record
-# h200-20261201-fp8-wide-scalar-scales-sweep.log, the wgrads, with their column scales through
-# the ring, from -fp8-wgrad-tma-scales-sweep.log): qwen3-30b down wgrad 0.95–1.01 -> 0.59 ->
-# 0.53–0.57, gate/up wgrad 1.78–1.90 -> 1.25–1.29 -> 1.04–1.16, down GEMM 0.78–0.88 -> 0.56–0.57
-# -> 0.46–0.53, gate/up dgrad 1.33–1.55 -> 1.00 -> 0.83–0.95; deepseek-v3-slice 3.36–3.52 ->
-# 2.61–2.70 -> 2.12–2.35, 6.52–6.58 -> 5.80–5.81 -> 4.68–4.80, 2.40–2.84 -> 2.14–2.21 ->
-# 1.70–1.92, 5.17–5.18 -> 4.34–4.43 -> 3.79–4.00.
+# one 256×128 B tile of e4m3), three stages (four measured the same); GROUP_M 8. Every fp8_block
+# GEMM ran faster on this tile than on 128×128 at six stages, and both faster than the Triton
+# kernel, every output bitwise the Triton kernel's (logs h200-20261201-fp8-wide-scalar-scales-sweep.log,
+# h200-20261201-fp8-wgrad-tma-scales-sweep.log).
 FP8_BLOCK_TILE = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_stages=3, GROUP_M=8)
 # The fp8_block wgrads store each consumer's output tile through shared memory by TMA, left in
 # flight while the next tile's MMAs run (`_wgrad_store_async`); False stores it from registers
-# (`_wgrad_store`), as the bf16 wgrads do. H200: the stores were 10–13% of qwen3-30b's fp8 wgrads
-# and 5–7% of deepseek-v3-slice's (`benchmarks/sweeps/fp8_arithmetic_cost.py wgrad nostore`, log
-# h200-20261202-fp8-wgrad-nostore.log); by TMA the kernels take 0.04 / 0.19 ms less, the
-# deepseek-v3-slice layer 0.2 ms (record h200-20261202-ab-fp8-wgrad-tma-store.json).
+# (`_wgrad_store`), as the bf16 wgrads do. The register stores took up to an eighth of the fp8 wgrads' time
+# (log h200-20261202-fp8-wgrad-nostore.log), and by TMA they run under the MMAs (record
+# h200-20261202-ab-fp8-wgrad-tma-store.json).
 FP8_WGRAD_TMA_STORE = True
 # The fp8_block gate/up (h_q, g, u) and the down dgrad's bf16 product leave the gathered kernel
 # through shared-memory buffers by TMA stores, left in flight under the next tile's MMAs, instead
 # of a layout change through shared memory and 16-byte register stores (`_gate_up_epilogue`).
-# 224 KB of shared memory with the 3-stage ring (the gate/up: 144 KB ring, 80 KB buffers). H200,
-# qwen3-30b profile (log h200-20261203-ab-fp8-block-v31.log): the gate/up and the product's two
-# launches 1.318 -> 1.223 ms; the gate/up's outputs still bitwise the Triton kernel's (GPU tests).
+# 224 KB of shared memory with the 3-stage ring (the gate/up: 144 KB ring, 80 KB buffers). Faster,
+# the gate/up's outputs still bitwise the Triton kernel's (log h200-20261203-ab-fp8-block-v31.log).
 GATHERED_TMA_STORE = True
 # The fp8_block scatter GEMMs, where they write the sorted layout in bf16 (the down GEMM's y and
 # the gate/up dgrad's dx for `combine` to gather with the schedule's `route_row`; the down dgrad's
 # bf16 product over dOut's sorted rows), leave each consumer's two 128-column tiles the same way,
 # through buffers of their own (64 KB beside the 144 KB ring). Route slots stay register stores:
-# TMA cannot scatter rows on Hopper. H200, qwen3-30b profile (logs h200-20261203-sorted-outputs.log,
-# -e4m3-sorted-t-sweep.log): the two launches 1.346 ms into route slots, 1.235-1.274 sorted.
+# TMA cannot scatter rows on Hopper. Faster into the sorted layout than into route slots (logs
+# h200-20261203-sorted-outputs.log, h200-20261203-e4m3-sorted-t-sweep.log).
 SORTED_TMA_STORE = True
 # The same for the bf16 cooperative wgrads, whose ring then holds 3 stages (`wgrad_tile_config`)
-# so that the buffers fit. H200: their stores were 7–10% of mixtral-8x7b's and 6–7% of
-# deepseek-v3-slice's bf16 wgrads (`fp8_arithmetic_cost.py wgrad nostore --kernel down_wgrad
-# --kernel gate_up_wgrad`, log h200-20261202-bf16-wgrad-nostore.log).
+# so that the buffers fit: their register stores were a noticeable share of the bf16 wgrads' time
+# (log h200-20261202-bf16-wgrad-nostore.log).
 BF16_WGRAD_TMA_STORE = True
 # Registers per thread of the consumer warp groups and of the producer warp (setmaxnreg);
 # the default partition (consumer 0) gets what is left of the launch's 168 × 384 threads.
@@ -322,9 +314,8 @@ def _add_scaled(acc, product, a_scale, b_scale, PER_COLUMN: gl.constexpr):
     a_scale [rows] in the accumulator's row layout, b_scale a scalar or [1, columns] in the
     accumulator's layout. Per column, the rows' products need only registers, so they run while the
     column scales' shared-memory loads are in flight; sa[m] · sb[n] first made each product wait on a
-    load. H200, qwen3-30b: the two wgrads 1.61 -> 1.48-1.51 ms in the layer's profile, the fp8_block
-    step 6.05 -> 6.00 ms at the 700 W cap, faster in 16 of 16 rounds (log
-    h200-20261204-wgrad-row-scales-first.log, record -ab-wgrad-row-scales-first.json)."""
+    load; faster in every round at the power cap (log h200-20261204-wgrad-row-scales-first.log,
+    record h200-20261204-ab-wgrad-row-scales-first.json)."""
     if PER_COLUMN:
         return acc + (product * a_scale[:, None]) * b_scale
     return acc + product * (a_scale[:, None] * b_scale)

@@ -10,7 +10,7 @@ local experts. Every operand is in the sorted layout and read through TMA: x_sor
 dy_sorted [rows, H] (`gather.py`), h [rows, I] (the forward's) and d_gate_up
 [rows, 2, I] (the down dgrad's). Gathering x and dOut by token inside these loads would need a new index
 vector every K step (the reduction runs over rows); measured on H200 that held the
-kernels at ~360 TFLOPS against 570–660 over sorted operands (BENCHMARKS.md).
+kernels far below their rate over sorted operands (benchmarks/LOG.md, "The backward rewrite").
 
 Padding rows hold zeros in the sorted operands (their producers write them so), and a
 sorted operand with fewer rows than the schedule's capacity reads zeros past its end
@@ -33,7 +33,7 @@ Caller contract: the schedule was built for these rows; every row in
 [expert_offsets[e], expert_offsets[e+1]) of each operand holds its data (zeros at
 padding: the forward's h is zero there because its gathered x rows are).
 
-fp8_block (SPEC §2; the constexpr PRECISION, launchers `*_fp8_block`): the reduction runs
+fp8_block (the constexpr PRECISION, launchers `*_fp8_block`): the reduction runs
 over rows, so both operands are quantized in 1×128 blocks along the rows, per expert
 (a separate launch per operand ahead of these GEMMs: x and w·dOut gathered from the token
 rows by `quant_fp8_block.quantize_fp8_block_gathered_t`, d_gate_up viewed as [rows, 2·I] by
@@ -77,9 +77,8 @@ _SCALE_BLOCK = tl.constexpr(FP8_BLOCK)  # kernels read only constexpr globals
 _FP8_BLOCK_TILES = {
     # One accumulator over the stacked [d_g | d_u] (STACKED), as "down": 128×128 tiles where two
     # accumulators (one per output, sharing the x tile) only fit at 128×64 (ptxas 203 registers;
-    # 128×128 spilled ~560 B per thread). In the layer, interleaved with the two-accumulator
-    # 128×64 launch (record h200-20261130-fp8-stacked-wgrad.json): qwen3-30b fwd+bwd 10.36 →
-    # 10.15 ms, deepseek-v3-slice 33.78 → 33.58 ms.
+    # 128×128 spilled ~560 B per thread). Faster in the layer than the two-accumulator 128×64
+    # launch on both presets (record h200-20261130-fp8-stacked-wgrad.json).
     "gate_up": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4, STACKED=True),
     # 8 warps, one 128×128 accumulator: ptxas 209 registers, no spills; 32 KiB per stage (dyᵀ,
     # hᵀ), 4 stages = 128 KiB. Not bf16's BLOCK_N = 256: its accumulator plus a fresh 128×256 dot
@@ -96,37 +95,30 @@ _FP8_BLOCK_INTERPRETER_SIZES = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=16, num_wa
 PERSISTENT_DOWN_WGRAD_MAX_INTER = 1024
 # On Hopper the bf16 wgrads without main_grad run warp-specialized (tile-config flag
 # WARP_SPECIALIZED, `warp_specialized.py`), bitwise the Triton kernels' output. The down wgrad
-# up to this intermediate size with the ping-pong schedule: qwen3-30b (I = 768) 0.637 ms
-# against the Triton kernel's 0.675 and 0.762 timed before and after it; at I ≥ 2048 its
-# 128×128 tiles lost 1–24% (record h200-20261130-ping-pong-probe.log).
+# up to this intermediate size with the ping-pong schedule: faster at qwen3-30b's I = 768, slower
+# with its 128×128 tiles at I ≥ 2048 (log h200-20261130-ping-pong-probe.log).
 PING_PONG_DOWN_WGRAD_MAX_INTER = 1024
 # Above it with the cooperative schedule (128×256 tiles shared by both consumer warp groups):
-# against the Triton kernel, deepseek-v3-slice 3.22 -> 2.92 ms and mixtral-8x7b 3.46 -> 3.24
-# interleaved (record h200-20261201-cooperative-probe.log), 3.18 -> 2.89–2.98 and 3.46–3.59
-# -> 3.31–3.33 in `benchmarks/sweeps/warp_specialized.py` (record -warp-specialized-sweep.log).
+# faster than the Triton kernel on deepseek-v3-slice and mixtral-8x7b in both H200 measurements
+# (logs h200-20261201-cooperative-probe.log, h200-20261201-warp-specialized-sweep.log).
 COOPERATIVE_DOWN_WGRAD = True
 # The gate/up wgrad with the cooperative schedule (consumer 0 d_w_gate's 64 rows, consumer 1
-# d_w_up's, one shared x tile), every shape. Against the Triton kernel's two 128×128
-# accumulators (same sweep, Triton's first and last timing): qwen3-30b 1.34/1.55 -> 1.24–1.26 ms,
-# deepseek-v3-slice 6.51/7.04 -> 6.31–6.38, mixtral-8x7b 6.13/6.55 -> 5.97–6.42.
+# d_w_up's, one shared x tile), every shape: faster than the Triton kernel's two 128×128
+# accumulators on every preset (log h200-20261201-warp-specialized-sweep.log).
 COOPERATIVE_GATE_UP_WGRAD = True
 # With main_grad the warp-specialized read-modify-write epilogue spilled in one warp group
 # (ptxas: 200–360 B), so the Triton kernel accumulates.
 # Row tiles of d_w_down [H, I] per column sweep within an expert (GROUP_M,
 # `expert_tile_coordinates`), for either kernel. At 1 the ~132 tiles in flight on mixtral-8x7b
 # (I = 14336: 56 column tiles of 256) cover two or three row tiles, so h[e] (58 MB, above
-# H200's 50 MB L2) streams from HBM about 13 times per expert; at 8 about 4 times. Measured
-# (record h200-20261201-ab-ws-sweep.json, cooperative kernel, two timings each): mixtral-8x7b
-# 3.21/3.33 -> 3.08/3.11 ms, deepseek-v3-slice (h[e] fits) 3.09/3.10 -> 3.06/3.08.
+# H200's 50 MB L2) streams from HBM about 13 times per expert; at 8 about 4 times, which measured
+# faster on mixtral-8x7b and level where h[e] fits (record h200-20261201-ab-ws-sweep.json).
 DOWN_WGRAD_GROUP_M = 8
 # True runs both fp8_block wgrads without main_grad on Hopper warp-specialized
 # (`warp_specialized.fp8_block_tile_config`: cooperative 128×128, the producer running
 # ahead, one consumer scaling its step's product while the other's MMAs run), bitwise the
-# Triton kernel's output (H200). Kernels against the Triton wgrads (record
-# h200-20261201-fp8-wgrad-ws-sweep-v2.log): qwen3-30b down 0.96 -> 0.64-0.67 ms, gate/up
-# 1.76 -> 1.27-1.32; deepseek-v3-slice down 3.42/3.53 -> 2.62-2.68, gate/up 6.63 -> 5.39-5.52.
-# The fp8_block layer (record h200-20261201-ab-fp8-ws-wgrad.json): qwen3-30b 9.60 -> 8.85 ms,
-# deepseek-v3-slice 33.0 -> 31.4.
+# Triton kernel's output (H200), and faster, alone and in the layer (log
+# h200-20261201-fp8-wgrad-ws-sweep-v2.log, record h200-20261201-ab-fp8-ws-wgrad.json).
 WARP_SPECIALIZED_FP8_BLOCK_WGRAD = True
 
 
@@ -135,17 +127,16 @@ def wgrad_config(
 ) -> dict:
     """Tile config of a wgrad GEMM (`kind` "down" or "gate_up") with output [m_dim, n_dim].
 
-    H200, bf16, measured over sorted TMA operands (BENCHMARKS.md; latest sweeps: records
+    H200, bf16, measured over sorted TMA operands (benchmarks/LOG.md; latest sweeps: records
     h200-20261130-wgrad-stages.json and the earlier -tune-wgrad): 8 warps, 64 rows per K
     step. "gate_up" keeps two 128×128 fp32 accumulators (as the forward's gate/up GEMM
     does) and streams two A tiles and one x tile per step (48 KiB of shared memory per
     stage); one 128×256 accumulator over the stacked [d_g | d_u] (STACKED) measured the
     same within the sweep's drift (record h200-20261130-gate-up-wgrad-stacked.json). It runs
-    at 3 stages: 4 stages measured 6–12% slower on mixtral-8x7b and 0–4% on
-    deepseek-v3-slice in two sweeps. "down" has one accumulator, so it takes 128×256 tiles
+    at 3 stages: 4 stages measured slower on mixtral-8x7b and deepseek-v3-slice in two sweeps. "down" has one accumulator, so it takes 128×256 tiles
     where the output is wide enough, 3 stages, and runs persistent up to
-    `PERSISTENT_DOWN_WGRAD_MAX_INTER` (qwen3-30b, whose experts have ~1K rows: 2–5%
-    faster in both sweeps; 5–20% slower at I ≥ 2048). BLOCK_K divides the schedule's
+    `PERSISTENT_DOWN_WGRAD_MAX_INTER` (faster on qwen3-30b, whose experts have ~1K rows,
+    in both sweeps; slower at I ≥ 2048). BLOCK_K divides the schedule's
     BLOCK_M (128). The reduction runs over an expert's rows, whose count changes every
     step, so it is not part of any key.
     On Hopper the bf16 wgrads run warp-specialized unless `allow_warp_specialized` is False
@@ -211,7 +202,7 @@ def _wgrad_tile(
     acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for r0 in range(row_start, row_end, BLOCK_K):
         if PRECISION == "fp8_block":
-            # No upcast: the interpreter's fp8 tl.dot is right (DESIGN §6 concerns bf16).
+            # No upcast: the interpreter's fp8 tl.dot is right (only its bf16 one is wrong).
             a = a_desc.load([m0, r0])  # aᵀ [BLOCK_M, BLOCK_K rows], K-major
             b = b_desc.load([n0, r0]).T  # b [BLOCK_K rows, BLOCK_N] from K-major bᵀ
             # The scale row of the 128-row block (counted from the expert's first row) holding r0.
@@ -229,7 +220,7 @@ def _wgrad_tile(
         else:
             a = a_desc.load([r0, m0]).T  # aᵀ [BLOCK_M, BLOCK_K rows]
             b = b_desc.load([r0, n0])  # b [BLOCK_K rows, BLOCK_N]
-            if INTERPRETER:  # the interpreter's bf16 tl.dot is wrong (DESIGN §6); fp32 is exact
+            if INTERPRETER:  # the interpreter's bf16 tl.dot is wrong (Triton 3.6-3.9); fp32 is exact
                 a, b = a.to(tl.float32), b.to(tl.float32)
             acc = tl.dot(a, b, acc)
             if TWO_OUTPUTS:

@@ -1,6 +1,6 @@
 """Testing helpers shipped with mok, used by its tests and its benchmark alike.
 
-One definition of each accuracy statistic of SPEC §2 (relative L1 error, cosine), a
+One definition of each accuracy statistic (relative L1 error, cosine), a
 mismatch report that says where and by how much, and seeded input generators.
 """
 

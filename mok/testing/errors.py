@@ -1,4 +1,4 @@
-"""Accuracy statistics as SPEC §2 defines them, and a readable mismatch report."""
+"""Accuracy statistics as the accuracy bars define them, and a readable mismatch report."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import torch
 
-# precision -> (max relative L1 error, min gradient cosine), SPEC §2.
+# precision -> (max relative L1 error, min gradient cosine).
 TOLERANCES: dict[str, tuple[float, float]] = {
     "bf16": (0.01, 0.9999),
     "mxfp8": (0.1, 0.996),
@@ -70,7 +70,7 @@ def assert_close_to_reference(
     context: str = "",
     check_cosine: bool = False,
 ) -> None:
-    """Raises AssertionError with a mismatch report when SPEC's bar for `precision` is missed."""
+    """Raises AssertionError with a mismatch report when the accuracy bar for `precision` is missed."""
     if actual is None or reference is None:
         if actual is not None or reference is not None:
             raise AssertionError(f"{name}: one of actual/reference is None {context}")

@@ -1,5 +1,5 @@
 """The triton backend under expert parallelism, through the NCCL-fallback transport (here
-on gloo, kernels interpreted on the CPU), against the EP reference at SPEC's bf16 bars (one
+on gloo, kernels interpreted on the CPU), against the EP reference at the bf16 accuracy bars (one
 case each in mxfp8 and fp8_block, at their bars).
 
 Each rank draws its own tokens (a different count per rank), global expert ids and its

@@ -98,7 +98,7 @@ def test_down_dgrad_swiglu_matches_reference(kernel_device, T, H, I, E, topk, li
     assert pad.numel() > 0, f"the test wants padding rows {ctx}"
     assert torch.equal(d_gate_up[pad].cpu(), torch.zeros(pad.numel(), 2, I, dtype=torch.bfloat16)), ctx
 
-    # Router-weight gradient, SPEC's definition: ⟨dOut[t], y⟩ with y = h · Wdᵀ.
+    # Router-weight gradient, the layer's definition: ⟨dOut[t], y⟩ with y = h · Wdᵀ.
     if limit is not None:
         g, u = g.clamp(max=limit), u.clamp(-limit, limit)
     h = torch.nn.functional.silu(g) * u  # [n, I] from the bf16 g, u, clamped
@@ -237,7 +237,7 @@ _FP8_DGRAD_CASES = [(37, 256, 128, 4, 2, None, 3), (19, 128, 256, 3, 1, 0.5, 3)]
 )
 def test_fp8_block_down_dgrad_swiglu(kernel_device, T, H, I, E, topk, limit, used_experts, path, saved):
     """Against the same quantized math in torch (fp32 accumulation-order tolerance) and against
-    the fp32 reference on the unquantized operands (SPEC's fp8_block bars). "product given": the
+    the fp32 reference on the unquantized operands (the fp8_block accuracy bars). "product given": the
     epilogue alone (`down_dgrad_swiglu_epilogue`) on that math's product, NaN in every row no
     route uses; "bf16 product given": on that product rounded to bf16 (the torch math then starts
     from the rounded product too). saved "e4m3": g, u read as the forward saves them with

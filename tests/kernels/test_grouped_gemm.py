@@ -290,7 +290,7 @@ def _assert_row_blocks(q, scale, expected, slack, name, ctx):
 )
 def test_fp8_block_gate_up_and_down(kernel_device, T, H, I, E, topk, limit, used_experts, gate_up_e4m3):
     """Against the same quantized math in torch (fp32 accumulation-order tolerance) and against
-    the fp32 reference (SPEC's fp8_block bars); h's quantization against its rule, and with
+    the fp32 reference (the fp8_block accuracy bars); h's quantization against its rule, and with
     gate_up_e4m3 g's and u's. used_experts < E leaves the last expert without tokens."""
     ids = make_topk_ids(T, used_experts, topk, torch.Generator().manual_seed(T))
     inp = make_inputs(T, H, I, E, topk, seed=T, device=kernel_device, topk_ids=ids)

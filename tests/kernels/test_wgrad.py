@@ -256,7 +256,7 @@ def _assert_order_close(actual, expected, slack, name, ctx):
 def test_fp8_block_wgrad(kernel_device, T, H, I, E, topk, limit, main_grad):
     """Operands quantized along the sorted rows (x, w·dOut, d_g|d_u, and h from g, u), then the
     fp8_block wgrads against the same quantized math in torch (fp32 accumulation-order tolerance)
-    and against fp32 sums of the unquantized operands (SPEC's fp8_block bars); experts without
+    and against fp32 sums of the unquantized operands (the fp8_block accuracy bars); experts without
     rows give exact zeros, and (`main_grad`) accumulation into fp32 buffers adds the same sums.
     T = 270 gives experts more than 128 rows (several scale blocks each, the last ragged)."""
     _, sched, rows, _, experts, sorted_rows, _, gen = _setup(T, H, I, E, topk, kernel_device, seed=T + 1)
