@@ -7,9 +7,9 @@ Per rank: the preset's T tokens, E/P local experts, uniform random routing (seed
 multiplier 1.25 capacity. One plan per transport, then `dispatch(x)` and `combine(y)`
 each timed alone (CUDA events around `reps` back-to-back calls, after a barrier; the
 slowest rank's time). GB/s per direction counts the bytes of the rows that go to the
-other ranks (routes whose expert lives elsewhere, H bf16 each), the same for both
-transports, though the NCCL transport moves its whole capacity C per peer. Before the
-timing, the received rows are checked against x.
+other ranks (one per (token, other rank holding one of its experts), H bf16 each), the
+same for both transports, though the NCCL transport moves its whole capacity C per peer.
+Before the timing, the rows that come back are checked against x.
 """
 
 from __future__ import annotations
@@ -58,8 +58,10 @@ def main() -> None:
     gen = torch.Generator().manual_seed(rank)
     topk_ids = make_topk_ids(T, E, topk, gen).cuda()
     x = torch.randn(T, H, generator=gen).bfloat16().cuda()
-    remote_routes = int((topk_ids // E_l != rank).sum())
-    remote_bytes = remote_routes * H * 2
+    weights = torch.rand(T, topk, generator=gen).cuda()
+    reaches = torch.zeros(T, world_size, dtype=torch.bool, device="cuda").scatter_(1, topk_ids // E_l, True)
+    remote_rows = int(reaches.sum()) - int(reaches[:, rank].sum())
+    remote_bytes = remote_rows * H * 2
     results = []
     for transport in args.transports.split(","):
         for programs in map(int, args.programs.split(",")):
@@ -67,16 +69,16 @@ def main() -> None:
                                    fwd_num_comm_sms=programs, bwd_num_comm_sms=programs)
             ws = mok.create_workspace(config, group, device="cuda", num_local_tokens=T, hidden_size=H, topk=topk)
             dispatch = mok.build_schedule(ws, config, topk_ids, num_local_experts=E_l).dispatch
-            received = dispatch.dispatch(x)
+            received, _ = dispatch.dispatch(x, weights)
             y_rows = torch.randn(received.shape, generator=gen).bfloat16().cuda()
-            # check: every received row is one of the sources' x rows (its own rank's x here)
+            # check: the received rows sent back land at their (token, rank) pairs' rows as x's rows
             back = dispatch.combine(received.clone())
-            routes = torch.arange(T * topk, device="cuda")
-            sent = dispatch.route_slot >= 0
-            ok = bool(torch.equal(back[sent], x[routes[sent] // topk])) and int(ws.error_flag) == 0
-            dispatch_ms = _time_ms(lambda: dispatch.dispatch(x), args.reps, group)
+            pairs = (dispatch.token_slot >= 0).nonzero().flatten()
+            rows = dispatch.token_slot[pairs].long()
+            ok = bool(torch.equal(back[rows], x[pairs // world_size])) and int(ws.error_flag) == 0
+            dispatch_ms = _time_ms(lambda: dispatch.dispatch(x, weights), args.reps, group)
             combine_ms = _time_ms(lambda: dispatch.combine(y_rows), args.reps, group)
-            row = dict(transport=type(ws.transport).__name__, programs=programs, remote_routes=remote_routes,
+            row = dict(transport=type(ws.transport).__name__, programs=programs, remote_rows=remote_rows,
                        dispatch_ms=dispatch_ms, dispatch_gbps=remote_bytes / dispatch_ms / 1e6,
                        combine_ms=combine_ms, combine_gbps=remote_bytes / combine_ms / 1e6, round_trip_ok=ok)
             results.append(row)

@@ -114,6 +114,12 @@ FP8_BLOCK_SORTED_OUTPUTS = True
 # With FP8_BLOCK_WGRADS_REQUANTIZE only (the other way recomputes h from bf16 g, u), and without a
 # swiglu_limit (its clamps' zero gradients need g, u exactly).
 FP8_BLOCK_GATE_UP_E4M3 = False
+# fp8_block under expert parallelism: x is quantized in 1×128 blocks along H before the dispatch and travels as e4m3 + fp32
+# scales (H + H/32 bytes a row instead of 2·H), dOut too where the down dgrad reads its
+# per-token quantization. Blocks lie inside one row, so the received rows are bitwise what
+# quantizing after the exchange gives. Needs FP8_BLOCK_WGRADS_REQUANTIZE: the backward then
+# reads no bf16 x rows.
+FP8_BLOCK_ON_THE_WIRE = True
 
 
 class MoKError(RuntimeError):
@@ -336,7 +342,8 @@ class Schedule:
     `shared_routing` the one of the shared expert (every token to one expert), both as
     the tensors of `mok.ops.routing_schedule`, and `block_m` the M tile they pad to.
     Under expert parallelism `dispatch` moves rows to the experts' ranks and back, and
-    `routing` covers the rows this rank's experts receive (each a token with topk = 1).
+    `routing` covers the rows this rank's experts receive (each a token row sent once per
+    (token, rank), with topk = k_l = min(topk, E_l) routes).
     """
 
     topk_ids: torch.Tensor
@@ -384,7 +391,9 @@ def build_schedule(
     if workspace.transport is None:
         routing = ops.routing_schedule(topk_ids, workspace.error_flag, num_local_experts, block_m)
     else:  # `routing` then covers the rows this rank's experts receive
-        dispatch, routing = workspace.transport.plan(topk_ids, num_local_experts, workspace.error_flag, block_m)
+        fp8_wire = config.precision == "fp8_block" and FP8_BLOCK_ON_THE_WIRE and FP8_BLOCK_WGRADS_REQUANTIZE
+        dispatch, routing = workspace.transport.plan(topk_ids, num_local_experts, workspace.error_flag, block_m,
+                                                     fp8_wire)
     shared_routing = None
     if has_shared_expert:
         all_tokens = torch.zeros(num_tokens, 1, dtype=torch.int32, device=topk_ids.device)  # [T, 1]: one expert
@@ -552,7 +561,7 @@ def _dgrad_weight(w):
 
 
 def _expert_mlp(x, w_gate, w_up, w_down, routing, block_m, topk, num_slots, swiglu_limit, needs_backward,
-                peer_rows=None, sorted_rows=False):
+                sorted_rows=False):
     """y [num_slots, H] of the experts in `routing` (fp8_block with `sorted_rows`: [capacity_rows,
     H] in the sorted layout), and what their backward reads (empty without `needs_backward`):
     the pre-activations g, u and h of every sorted row.
@@ -568,7 +577,8 @@ def _expert_mlp(x, w_gate, w_up, w_down, routing, block_m, topk, num_slots, swig
     `quant.mxfp8_round`): x and h in blocks of 32 along H and I, the weights' `rows` copies.
     The backward gets h unrounded (its wgrad rounds it along the rows)."""
     if isinstance(w_gate, _Fp8BlockWeight):
-        x_q, x_scale = ops.quantize_fp8_block_activations(x)  # [T, H] e4m3, [T, H/128] fp32
+        # [T, H] e4m3, [T, H/128] fp32 (x arrives quantized from the dispatch: `FP8_BLOCK_ON_THE_WIRE`)
+        x_q, x_scale = x if isinstance(x, tuple) else ops.quantize_fp8_block_activations(x)
         gate_up_e4m3 = (needs_backward and FP8_BLOCK_GATE_UP_E4M3 and FP8_BLOCK_WGRADS_REQUANTIZE
                         and swiglu_limit is None)
         # g, u: [rows, 2, I] bf16, or e4m3 with scales [rows, 2, I/128]
@@ -592,22 +602,18 @@ def _expert_mlp(x, w_gate, w_up, w_down, routing, block_m, topk, num_slots, swig
     )
     h_operand = ops.mxfp8_round(h, True, False, routing, block_m)[0] if mxfp8 else h  # [rows, I]
     w_down_operand = _forward_weight(w_down)
-    if peer_rows is None:
-        y = ops.down_scatter(h_operand, w_down_operand, routing, block_m, num_slots)
-    else:  # the rows go to the sources' slots on their ranks (`Dispatch.peer_rows`)
-        ops.down_scatter_to_peers(h_operand, w_down_operand, routing, block_m, *_peer_op_args(peer_rows))
-        y = None
+    y = ops.down_scatter(h_operand, w_down_operand, routing, block_m, num_slots)
     return y, ({"gate_up": gate_up, "h": h} if needs_backward else {})
 
 
-def _routed_forward(schedule, x, routed, topk, swiglu_limit, needs_backward):
-    """(y, route_row, what the backward reads): y [T·topk, H] of the routed experts in route
-    slots and route_row None, or with `_sorted_outputs` y [capacity_rows, H] in the sorted layout
-    and route_row [T·topk] each route's row of it (also kept for the backward's dx). Under expert
-    parallelism the token rows travel to the experts' ranks, where each received row is a
-    token with topk = 1, and y comes back; the received rows are kept for the gate/up weight
-    gradient."""
+def _routed_forward(schedule, x, topk_weights, routed, swiglu_limit, needs_backward):
+    """(y, route_row, combine weights, what the backward reads): y [T·topk, H] of the routed
+    experts in route slots and route_row None, or with `_sorted_outputs` y [capacity_rows, H] in
+    the sorted layout and route_row [T·topk] each route's row of it (also kept for the backward's
+    dx); the weights are topk_weights. Under expert parallelism the token rows travel to the
+    experts' ranks and y comes back (`_per_rank_forward`)."""
     dispatch = schedule.dispatch
+    topk = topk_weights.shape[1]
     if dispatch is None:
         num_slots = x.shape[0] * topk
         sorted_rows = _sorted_outputs(routed)
@@ -619,19 +625,28 @@ def _routed_forward(schedule, x, routed, topk, swiglu_limit, needs_backward):
         route_row = ops.routing_from_tensors(schedule.routing, schedule.block_m).route_row if sorted_rows else None
         if needs_backward and sorted_rows:
             saved["route_row"] = route_row
-        return y, route_row, saved
-    expert_x = dispatch.dispatch(x)  # [P·C, H]
-    peer_rows = _epilogue_peer_rows(dispatch, "y", routed)
-    y_rows, saved = _expert_mlp(
-        expert_x, *routed, schedule.routing, schedule.block_m, 1, expert_x.shape[0], swiglu_limit, needs_backward,
-        peer_rows,
+        return y, route_row, topk_weights, saved
+    return _per_rank_forward(schedule, x, topk_weights, routed, swiglu_limit, needs_backward)
+
+
+def _per_rank_forward(schedule, x, topk_weights, routed, swiglu_limit, needs_backward):
+    """`_routed_forward` with each token row sent once per (token, rank) (`mok.transport`): each
+    received row is a token with topk = k_l, whose routes the expert's rank sums (Σ_q w·y,
+    ascending q, fp32, one bf16 row); y is [P·C, H] of those partial rows back at the source,
+    route_row the pairs' rows (token_slot [T·P]) and the combine weights ones [T, P]."""
+    dispatch = schedule.dispatch
+    # [P·C, H] (with `FP8_BLOCK_ON_THE_WIRE`: e4m3 rows and their scales), [P·C, k_l]
+    expert_x, expert_weights = dispatch.dispatch(x, topk_weights)
+    k_l = dispatch.routes_per_row
+    y_routes, saved = _expert_mlp(
+        expert_x, *routed, schedule.routing, schedule.block_m, k_l, dispatch.num_expert_rows * k_l, swiglu_limit,
+        needs_backward,
     )
     saved = _routed_saved(saved, routed)
-    if peer_rows is None:
-        y = dispatch.combine(y_rows)
-    else:
-        y = dispatch.combined(ops.scatter_programs("down", schedule.routing, schedule.block_m, *_hidden_inter(routed)))
-    return y, None, {**saved, "expert_x": expert_x}
+    parts = ops.combine(y_routes, expert_weights, None, dispatch.received_routes)  # [P·C, H]
+    y = dispatch.combine(parts)
+    ones = torch.ones(x.shape[0], dispatch.world_size, dtype=torch.float32, device=x.device)  # [T, P]
+    return y, dispatch.token_slot, ones, {**saved, "expert_x": expert_x, "expert_weights": expert_weights}
 
 
 def _sorted_outputs(routed) -> bool:
@@ -654,25 +669,6 @@ def _reads_weighted_h(routed) -> bool:
     return isinstance(w_down, torch.Tensor) and down_wgrad_reads_weighted_h(*w_down.shape[1:])
 
 
-def _epilogue_peer_rows(dispatch, kind: str, routed):
-    """Where the GEMM epilogue producing `kind` ("y" or "dx") stores its rows: on the
-    sources' ranks where the transport allows it (symmetric memory) and the GEMM supports
-    it (bf16), else None (the rows come back through `combine` / `combine_grad`)."""
-    return None if isinstance(routed[0], _Fp8BlockWeight) else dispatch.peer_rows(kind)
-
-
-def _peer_op_args(peer_rows) -> tuple:
-    """A `comm.PeerRows` as the `*_to_peers` ops take it."""
-    return (peer_rows.local_out, peer_rows.out_peer_ptrs, peer_rows.return_route, peer_rows.arrivals_peer_ptrs,
-            peer_rows.capacity, peer_rows.arrival_slot)
-
-
-def _hidden_inter(routed) -> tuple[int, int]:
-    """(H, I) of the routed weights (bf16, or their mxfp8 copies)."""
-    _, hidden, inter = _forward_weight(routed[2]).shape  # w_down [E_l, H, I]
-    return hidden, inter
-
-
 def _triton_forward(schedule, x, topk_weights, shared, routed, swiglu_limit, needs_backward):
     """out and what the backward reads: the pre-activations g, u and h of every routed row
     (and of the shared expert), 6·I bytes per route (g, u only, 4·I, where the bf16 down wgrad
@@ -680,7 +676,7 @@ def _triton_forward(schedule, x, topk_weights, shared, routed, swiglu_limit, nee
     the e4m3 copies of h and x); nothing
     without `needs_backward`. `routed` as `_triton_routed_weights` gives them."""
     num_tokens, topk = topk_weights.shape
-    y, route_row, saved = _routed_forward(schedule, x, routed, topk, swiglu_limit, needs_backward)
+    y, route_row, weights, saved = _routed_forward(schedule, x, topk_weights, routed, swiglu_limit, needs_backward)
     y_shared = None
     if shared[0] is not None:
         ws_gate, ws_up, ws_down = (w.unsqueeze(0) for w in shared)  # one expert of the grouped GEMMs
@@ -688,7 +684,7 @@ def _triton_forward(schedule, x, topk_weights, shared, routed, swiglu_limit, nee
             x, ws_gate, ws_up, ws_down, schedule.shared_routing, schedule.block_m, 1, num_tokens, swiglu_limit, needs_backward
         )
         saved.update((name + "_shared", t) for name, t in shared_saved.items())
-    return ops.combine(y, topk_weights, y_shared, route_row), saved if needs_backward else {}
+    return ops.combine(y, weights, y_shared, route_row), saved if needs_backward else {}
 
 
 def forward(
@@ -754,7 +750,7 @@ def recompute_forward_context(
 
 
 def _expert_mlp_backward(d_out, x, topk_weights, weights, saved, routing, block_m, topk, num_slots, swiglu_limit,
-                         main_grads=(None, None, None), *, token_order=False, peer_rows=None, sorted_rows=False):
+                         main_grads=(None, None, None), *, token_order=False, sorted_rows=False):
     """dx_slots [num_slots, H] (fp8_block with `sorted_rows`: [capacity_rows, H] in the sorted
     layout) and the weight gradients of the experts in `routing` (plus
     d_topk_weights [T, topk] fp32 when `topk_weights` is given, else an empty tensor), from
@@ -817,20 +813,12 @@ def _expert_mlp_backward(d_out, x, topk_weights, weights, saved, routing, block_
         d_gate_up_dgrad, d_gate_up_wgrad = rows.view_as(d_gate_up), cols.view_as(d_gate_up)
     del d_gate_up
     dgrad_weights = (_dgrad_weight(w_gate), _dgrad_weight(w_up))
-    if peer_rows is not None:  # the rows go to the sources' slots on their ranks (`Dispatch.peer_rows`),
-        # while this rank's weight gradient runs
-        ops.gate_up_dgrad_scatter_to_peers(
-            d_gate_up_dgrad, *dgrad_weights, routing, block_m, *_peer_op_args(peer_rows)
-        )
     d_w_gate, d_w_up = _weight_grads(
         ops.gate_up_wgrad, ops.gate_up_wgrad_accumulate, (d_gate_up_wgrad, x_sorted), (main_gate, main_up),
         routing, block_m,
     )
     del x_sorted, d_gate_up_wgrad  # dx_slots comes after them: the two never coexist
-    dx_slots = (
-        ops.gate_up_dgrad_scatter(d_gate_up_dgrad, *dgrad_weights, routing, block_m, num_slots)
-        if peer_rows is None else None
-    )
+    dx_slots = ops.gate_up_dgrad_scatter(d_gate_up_dgrad, *dgrad_weights, routing, block_m, num_slots)
     del d_gate_up_dgrad
     if down_wgrad_last:
         d_w_down = _down_weight_grad(dy_sorted, h, main_down, routing, block_m)
@@ -852,8 +840,10 @@ def _fp8_block_backward_routed(d_out, x, topk_weights, weights, main_grads, save
     w_gate, w_up, w_down = weights
     main_gate, main_up, main_down = main_grads
     rows_in_use = routing[4]  # [1] int32: the schedule's num_rows; the quantizers skip the rest
-    per_token_d_out = fp8_block_down_dgrad_gathers(d_out.shape[1])
-    if per_token_d_out:  # [T, H] e4m3, [T, H/128] fp32: the down dgrad gathers
+    if isinstance(d_out, tuple):  # quantized per token before the dispatch (`FP8_BLOCK_ON_THE_WIRE`)
+        per_token_d_out, d_out_pair = True, d_out
+    elif per_token_d_out := fp8_block_down_dgrad_gathers(d_out.shape[1]):
+        # [T, H] e4m3, [T, H/128] fp32: the down dgrad gathers
         d_out_pair = ops.quantize_fp8_block_activations(d_out)
     else:  # [rows, H] e4m3, [rows, H/128] fp32
         d_out_pair = ops.quantize_fp8_block_gathered(d_out, routing, block_m, topk)
@@ -940,9 +930,9 @@ def _weight_grads(fresh_op, accumulate_op, operands, main_grads, routing, block_
 def _routed_backward(schedule, saved, d_out, x, topk_weights, routed, swiglu_limit, main_grads):
     """(dx_slots [T·topk, H], route_row None), or where the forward kept one (`_routed_forward`)
     (dx [capacity_rows, H] in the sorted layout, route_row); d_topk_weights [T, topk] fp32 and the
-    routed weight gradients. Under expert parallelism the dOut rows and router weights travel
-    to the experts' ranks (which apply the weights in fp32), and dx rows and router-weight
-    gradients come back."""
+    routed weight gradients. Under expert parallelism the dOut rows travel to the experts'
+    ranks (which kept the router weights from the forward and apply them in fp32), and partial
+    dx rows and router-weight gradients come back (`_per_rank_backward`)."""
     num_tokens, topk = topk_weights.shape
     dispatch = schedule.dispatch
     if dispatch is None:
@@ -952,25 +942,39 @@ def _routed_backward(schedule, saved, d_out, x, topk_weights, routed, swiglu_lim
             topk, num_tokens * topk, swiglu_limit, main_grads, sorted_rows=route_row is not None,
         )
         return dx, route_row, d_topk_weights, grads
+    return _per_rank_backward(schedule, saved, d_out, x, routed, swiglu_limit, main_grads)
+
+
+def _per_rank_backward(schedule, saved, d_out, x, routed, swiglu_limit, main_grads):
+    """`_routed_backward` with dOut rows sent once per (token, rank) (`_per_rank_forward`): the
+    expert's rank runs the backward of each received row's k_l routes (their router weights
+    kept from the forward), sums the row's dx over them (ascending q, fp32, one bf16 row) and
+    returns it with the routes' router-weight gradients. (dx [P·C, H] partial rows, route_row
+    token_slot [T·P], d_topk_weights [T, topk], grads)."""
+    dispatch = schedule.dispatch
     expert_x = dispatch.received_x(saved.pop("expert_x"), x)  # [P·C, H]
-    expert_d_out, expert_weights = dispatch.dispatch_grad(d_out, topk_weights)  # [P·C, H], [P·C, 1]
-    peer_rows = _epilogue_peer_rows(dispatch, "dx", routed)
-    dx_rows, d_weight_rows, grads = _expert_mlp_backward(
+    if isinstance(expert_x, tuple):  # fp8 on the wire: the received e4m3 rows are the wgrad's x (sent again
+        saved["x_q"], saved["x_scale"] = expert_x  # if a later dispatch overwrote the transport's buffer)
+    expert_weights = saved.pop("expert_weights")  # [P·C, k_l]
+    expert_d_out = dispatch.dispatch_grad(d_out)  # [P·C, H] (or e4m3 rows and scales: `FP8_BLOCK_ON_THE_WIRE`)
+    k_l = dispatch.routes_per_row
+    dx_routes, d_weights, grads = _expert_mlp_backward(
         expert_d_out, expert_x, expert_weights, routed, saved, schedule.routing, schedule.block_m,
-        1, expert_x.shape[0], swiglu_limit, main_grads, peer_rows=peer_rows,
+        k_l, dispatch.num_expert_rows * k_l, swiglu_limit, main_grads,
     )
-    if peer_rows is None:
-        dx_slots, d_topk_weights = dispatch.combine_grad(dx_rows, d_weight_rows)
-    else:
-        programs = ops.scatter_programs("gate_up_dgrad", schedule.routing, schedule.block_m, *_hidden_inter(routed))
-        dx_slots, d_topk_weights = dispatch.combined_grad(d_weight_rows, programs)
-    return dx_slots, None, d_topk_weights, grads
+    received = dispatch.received_routes.view(-1, k_l) >= 0  # [P·C, k_l]
+    dx_parts = ops.combine(dx_routes, received.float(), None, dispatch.received_routes)  # [P·C, H]
+    # empty routes have no row, so nothing wrote their gradient
+    d_weights = torch.where(received, d_weights, 0.0)
+    dx, d_topk_weights = dispatch.combine_grad(dx_parts, d_weights)
+    return dx, dispatch.token_slot, d_topk_weights, grads
 
 
 def _triton_backward(schedule, saved, d_out, x, topk_weights, shared, routed, swiglu_limit, main_grads) -> Gradients:
     """The backward on one GPU, no host sync: per expert group, down dgrad + SwiGLU
     backward + router-weight gradient, gate/up dgrad into route slots, wgrad GEMMs; then
-    d_x = dx_shared + Σ_j dx_slots (the combine with unit weights, ascending j). Reads the
+    d_x = dx_shared + Σ_j dx_slots (the combine with unit weights, ascending j; under expert
+    parallelism + Σ_p of the ranks' partial rows, ascending p). Reads the
     forward's g,u and, where it saved one, h (not y: the router-weight gradient is ⟨dOut·Wd, h⟩
     over I, h recomputed from g, u), taking them out of `saved` as it goes (pass a copy to keep
     them)."""
@@ -992,7 +996,9 @@ def _triton_backward(schedule, saved, d_out, x, topk_weights, shared, routed, sw
             token_order=True,
         )
         shared_grads = tuple(g.squeeze(0) for g in grads)
-    ones = torch.ones(num_tokens, topk, dtype=torch.float32, device=x.device)  # [T, topk]: unweighted sum
+    # unweighted sum over the routes (or, under expert parallelism once per rank, the P partial rows)
+    num_parts = topk if route_row is None else route_row.shape[0] // num_tokens
+    ones = torch.ones(num_tokens, num_parts, dtype=torch.float32, device=x.device)  # [T, topk or P]
     d_x = ops.combine(dx_slots, ones, dx_shared, route_row)
     return Gradients(d_x, d_topk_weights, *routed_grads, *shared_grads)
 

@@ -712,21 +712,6 @@ def mxfp8_round(
 from mok.kernels import dispatch  # noqa: E402  (appended section keeps its imports here)
 
 
-@_custom_op("route_slots", ("error_flag",))
-def route_slots(
-    topk_ids: torch.Tensor, error_flag: torch.Tensor, num_local_experts: int, world_size: int, send_capacity: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(route_slot [T·topk], send_expert [P·C], send_route [P·C]) int32 of `dispatch.route_slots`."""
-    return dispatch.route_slots(topk_ids, num_local_experts, world_size, send_capacity, error_flag)
-
-
-@route_slots.op.register_fake
-def _(topk_ids, error_flag, num_local_experts, world_size, send_capacity):
-    new = topk_ids.new_empty
-    send_rows = world_size * send_capacity
-    return new(topk_ids.numel(), dtype=torch.int32), new(send_rows, dtype=torch.int32), new(send_rows, dtype=torch.int32)
-
-
 @_custom_op("pack_rows", ())
 def pack_rows(src: torch.Tensor, route_slot: torch.Tensor, routes_per_row: int, num_send_rows: int) -> torch.Tensor:
     """send [num_send_rows, W]: row slot(r) holds src[r // routes_per_row] (`dispatch.pack_rows`)."""
@@ -747,73 +732,3 @@ def unpack_rows(recv: torch.Tensor, route_slot: torch.Tensor) -> torch.Tensor:
 @unpack_rows.op.register_fake
 def _(recv, route_slot):
     return recv.new_empty(route_slot.shape[0], recv.shape[1])
-
-
-@_custom_op("receive_expert_ids", ("error_flag",))
-def receive_expert_ids(recv_ids: torch.Tensor, error_flag: torch.Tensor) -> torch.Tensor:
-    """expert_ids [C·P, 1] int32 in the receiver's interleaved order (`dispatch.receive_expert_ids`)."""
-    return dispatch.receive_expert_ids(recv_ids, error_flag)
-
-
-@receive_expert_ids.op.register_fake
-def _(recv_ids, error_flag):
-    return recv_ids.new_empty((recv_ids.shape[1] - 1) * recv_ids.shape[0], 1)
-
-
-# --------------------------------------------------------------------------- epilogues that store on the peers
-
-from mok.kernels.comm import PeerRows  # noqa: E402  (appended section keeps its imports here)
-
-
-def _peer_rows(out, out_peer_ptrs, return_route, arrivals_peer_ptrs, capacity, arrival_slot) -> PeerRows:
-    return PeerRows(out_peer_ptrs, return_route, capacity, arrivals_peer_ptrs, arrival_slot, out)
-
-
-@_custom_op("down_scatter_to_peers", ("out",))
-def down_scatter_to_peers(
-    h: torch.Tensor, w_down: torch.Tensor, schedule_tensors: list[torch.Tensor], block_m: int,
-    out: torch.Tensor, out_peer_ptrs: torch.Tensor, return_route: torch.Tensor, arrivals_peer_ptrs: torch.Tensor,
-    capacity: int, arrival_slot: int,
-) -> None:
-    """The down GEMM with each received row's y stored in its source's slot on the source's
-    rank (`grouped_gemm.down_scatter` with `PeerRows`); `out` is this rank's slot buffer,
-    which the peers fill. Every program signals `arrival_slot` (`scatter_programs`)."""
-    routing = routing_from_tensors(schedule_tensors, block_m)
-    peer_rows = _peer_rows(out, out_peer_ptrs, return_route, arrivals_peer_ptrs, capacity, arrival_slot)
-    grouped_gemm.down_scatter(h, w_down, routing, 0, peer_rows=peer_rows)
-
-
-@down_scatter_to_peers.op.register_fake
-def _(h, w_down, schedule_tensors, block_m, out, out_peer_ptrs, return_route, arrivals_peer_ptrs, capacity,
-      arrival_slot):
-    return None
-
-
-@_custom_op("gate_up_dgrad_scatter_to_peers", ("out",))
-def gate_up_dgrad_scatter_to_peers(
-    d_gate_up: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, schedule_tensors: list[torch.Tensor],
-    block_m: int, out: torch.Tensor, out_peer_ptrs: torch.Tensor, return_route: torch.Tensor,
-    arrivals_peer_ptrs: torch.Tensor, capacity: int, arrival_slot: int,
-) -> None:
-    """The gate/up dgrad with each received row's dx stored in its source's slot on the
-    source's rank, as `down_scatter_to_peers`."""
-    routing = routing_from_tensors(schedule_tensors, block_m)
-    peer_rows = _peer_rows(out, out_peer_ptrs, return_route, arrivals_peer_ptrs, capacity, arrival_slot)
-    dgrad.gate_up_dgrad_scatter(d_gate_up, w_gate, w_up, routing, 0, peer_rows=peer_rows)
-
-
-@gate_up_dgrad_scatter_to_peers.op.register_fake
-def _(d_gate_up, w_gate, w_up, schedule_tensors, block_m, out, out_peer_ptrs, return_route, arrivals_peer_ptrs,
-      capacity, arrival_slot):
-    return None
-
-
-def scatter_programs(gemm: str, schedule_tensors: list[torch.Tensor], block_m: int, hidden: int, inter: int) -> int:
-    """Programs of a `*_to_peers` launch (`gemm` "down" or "gate_up_dgrad"): each signals
-    once, and a receiver waits for this many from every peer (the same on every rank)."""
-    routing = routing_from_tensors(schedule_tensors, block_m)
-    if gemm == "down":
-        cfg = grouped_gemm.gemm_config("down", hidden, inter, allow_warp_specialized=False)
-    else:
-        cfg = dgrad.dgrad_config("gate_up", hidden, inter, allow_warp_specialized=False)
-    return grouped_gemm.scatter_grid(routing, hidden, cfg)

@@ -259,21 +259,28 @@ def moe_backward(
 #
 # The same layer with the E experts split over the P ranks of `group`: each rank
 # holds its T tokens and its E_l = E/P local experts; global expert e lives on rank e // E_l
-# as local expert e % E_l. Routes travel by `all_to_all_single` with uneven splits; the
-# split sizes are exchanged first and read on the host (the reference may sync). Each rank
-# sends its routes to a destination in ascending t·k+j, so an expert sees its rows ordered
-# by (source rank, t·k+j) -- the order of the single-process reference on the concatenated
-# tokens. Works on gloo (CPU) and NCCL (CUDA): every tensor lives on x's device.
+# as local expert e % E_l. Each token row travels once to each rank holding at least one of
+# its experts (ascending t per destination), with a [topk] row of the local expert ids
+# (−1 where route j goes elsewhere) and router weights it needs there. The expert rank
+# runs every local route of a row through its expert and sums them,
+#     part_p[t] = Σ_{j on p} w[t,j]·y_{e(t,j)}(x_t)      (ascending j, fp32),
+# and returns that one row; the source adds out[t] = y_shared[t] + Σ_p part_p[t], ascending
+# p, fp32. The backward mirrors it: dOut rows once per (token, rank), dx summed over the
+# local routes on the expert rank, d_topk_weights per route. Rows travel by
+# `all_to_all_single` with uneven splits; the split sizes are exchanged first and read on
+# the host (the reference may sync). Works on gloo (CPU) and NCCL (CUDA): every tensor lives
+# on x's device.
 
 
 class _EPRoutes(NamedTuple):
-    """Where this rank's routes go and what it received, for one call."""
+    """Where this rank's tokens go and what it received, for one call."""
 
-    order: torch.Tensor  # [T*topk] route indices t*topk+j, grouped by destination rank
-    send_counts: list[int]  # [P] routes sent to each rank
-    recv_counts: list[int]  # [P] rows received from each rank
+    order: torch.Tensor  # [n_send] (token, destination) pairs t·P + p, grouped by destination rank
+    send_counts: list[int]  # [P] token rows sent to each rank
+    recv_counts: list[int]  # [P] token rows received from each rank
     recv_x: torch.Tensor  # [n_recv, H] fp32 token rows to run through local experts
-    recv_expert: torch.Tensor  # [n_recv] int64 local expert id of each received row
+    recv_expert: torch.Tensor  # [n_recv, topk] int64 local expert of each route of a row, −1: not here
+    recv_weights: torch.Tensor  # [n_recv, topk] fp32 router weights, 0 where not here
 
 
 def _all_to_all_rows(rows: torch.Tensor, send_counts, recv_counts, group) -> torch.Tensor:
@@ -283,12 +290,9 @@ def _all_to_all_rows(rows: torch.Tensor, send_counts, recv_counts, group) -> tor
     return out
 
 
-def _ep_dispatch(routed_x, topk_ids, num_local_experts, group) -> _EPRoutes:
-    num_ranks = dist.get_world_size(group)
-    num_experts = num_local_experts * num_ranks
-    ids = topk_ids.reshape(-1).long()  # [T*topk] global expert of route t*topk+j
-    # 0. Every rank learns whether any rank has an id out of range, so all raise together
-    #    instead of some waiting forever on a peer that raised.
+def _check_ep_ids(ids: torch.Tensor, num_experts: int, num_local_experts: int, num_ranks: int, group) -> None:
+    """Every rank learns whether any rank has an id out of range, so all raise together
+    instead of some waiting forever on a peer that raised."""
     bad = ((ids < 0) | (ids >= num_experts)).any().int().reshape(1)  # [1]
     dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
     if bad.item():
@@ -297,37 +301,63 @@ def _ep_dispatch(routed_x, topk_ids, num_local_experts, group) -> _EPRoutes:
             f"topk_ids: expected global expert ids in [0, {num_experts}) on every rank "
             f"(E_l={num_local_experts} local experts × P={num_ranks} ranks), got {got}"
         )
-    # 1. Group routes by destination rank, ascending t*topk+j within each (stable sort).
-    dest = ids // num_local_experts  # [T*topk]
-    order = torch.argsort(dest, stable=True)  # [T*topk]
-    send_counts_t = torch.bincount(dest, minlength=num_ranks)  # [P]
+
+
+def _ep_dispatch(routed_x, topk_ids, topk_weights, num_local_experts, group) -> _EPRoutes:
+    num_ranks = dist.get_world_size(group)
+    num_tokens, topk = topk_ids.shape
+    ids = topk_ids.long()  # [T, topk]
+    _check_ep_ids(ids, num_local_experts * num_ranks, num_local_experts, num_ranks, group)
+    dest = ids // num_local_experts  # [T, topk]
+    # 1. The (token, rank) pairs with at least one route, grouped by rank, ascending t in each.
+    reaches = torch.zeros(num_tokens, num_ranks, dtype=torch.bool, device=ids.device)  # [T, P]
+    reaches.scatter_(1, dest, True)
+    pair = reaches.t().reshape(-1).nonzero().flatten()  # [n_send] p·T + t
+    order = pair % num_tokens * num_ranks + pair // num_tokens  # [n_send] t·P + p
+    send_counts_t = reaches.sum(0)  # [P]
     # 2. Exchange the counts so every rank knows how many rows it receives from each peer.
     recv_counts_t = torch.empty_like(send_counts_t)
     dist.all_to_all_single(recv_counts_t, send_counts_t, group=group)
     send_counts, recv_counts = send_counts_t.tolist(), recv_counts_t.tolist()
-    # 3. Send each route's token row and its local expert id to the expert's rank.
-    route_x = routed_x.repeat_interleave(topk_ids.shape[1], dim=0)  # [T*topk, H] fp32
-    recv_x = _all_to_all_rows(route_x[order], send_counts, recv_counts, group)  # [n_recv, H]
-    recv_expert = _all_to_all_rows((ids % num_local_experts)[order], send_counts, recv_counts, group)
-    return _EPRoutes(order, send_counts, recv_counts, recv_x, recv_expert)
+    # 3. Each pair's token row, and the local ids and weights of the token's routes on that rank.
+    tokens, ranks = order // num_ranks, order % num_ranks  # [n_send]
+    here = dest[tokens] == ranks[:, None]  # [n_send, topk]
+    send_expert = torch.where(here, ids[tokens] % num_local_experts, -1)
+    send_weights = torch.where(here, topk_weights.float()[tokens], 0.0)
+    recv_x = _all_to_all_rows(routed_x[tokens], send_counts, recv_counts, group)  # [n_recv, H]
+    recv_expert = _all_to_all_rows(send_expert, send_counts, recv_counts, group)  # [n_recv, topk]
+    recv_weights = _all_to_all_rows(send_weights, send_counts, recv_counts, group)  # [n_recv, topk]
+    return _EPRoutes(order, send_counts, recv_counts, recv_x, recv_expert, recv_weights)
+
+
+def _sum_over_ranks(parts: torch.Tensor, routes: _EPRoutes, num_tokens: int, num_ranks: int, base):
+    """[T, H]: base[t] + Σ_p parts[row of (t, p)], ascending p, fp32 (rows in `order`)."""
+    per_pair = parts.new_zeros(num_tokens * num_ranks, parts.shape[1])  # [T·P, H], row t·P + p
+    per_pair[routes.order] = parts
+    return _weighted_sum(per_pair.view(num_tokens, num_ranks, -1), parts.new_ones(num_tokens, num_ranks), base)
 
 
 def _ep_forward_saving(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, swiglu_limit, group,
                        routed_x):
     num_tokens, topk = topk_ids.shape
+    num_ranks = dist.get_world_size(group)
     has_shared = _has_shared(ws_gate, ws_up, ws_down)
-    routes = _ep_dispatch(_routed_rows(x, routed_x), topk_ids, w_gate.shape[0], group)
-    # 4. The expert rank runs every received row through its local expert: y [n_recv, H].
-    y_recv, saved = _experts_forward(routes.recv_x, routes.recv_expert, w_gate, w_up, w_down, swiglu_limit)
-    # 5. y goes back to the source rank, into route slot t*topk+j.
-    y_back = _all_to_all_rows(y_recv, routes.recv_counts, routes.send_counts, group)  # [T*topk, H]
-    y = torch.empty_like(y_back)
-    y[routes.order] = y_back
-    y_routes = y.view(num_tokens, topk, -1)  # [T, topk, H]
-    # 6. The source adds its shared expert and the weighted routes, ascending j.
+    routes = _ep_dispatch(_routed_rows(x, routed_x), topk_ids, topk_weights, w_gate.shape[0], group)
+    # 4. The expert rank runs each received row's local routes through their experts:
+    #    y [n_recv·topk, H], zeros for routes held elsewhere; then one weighted sum per row.
+    route_x = routes.recv_x.repeat_interleave(topk, dim=0)  # [n_recv·topk, H], route i·topk + j
+    expert = routes.recv_expert.reshape(-1)  # [n_recv·topk]
+    local = (expert >= 0).nonzero().flatten()
+    y_local, saved = _experts_forward(route_x[local], expert[local], w_gate, w_up, w_down, swiglu_limit)
+    y = route_x.new_zeros(route_x.shape)
+    y[local] = y_local
+    y_routes = y.view(-1, topk, y.shape[1])  # [n_recv, topk, H]
+    parts = _weighted_sum(y_routes, routes.recv_weights, None)  # [n_recv, H]
+    # 5. One row per (token, rank) goes back; the source adds its shared expert and the P parts.
+    parts_back = _all_to_all_rows(parts, routes.recv_counts, routes.send_counts, group)  # [n_send, H]
     shared = swiglu_mlp_forward(x, ws_gate, ws_up, ws_down, swiglu_limit) if has_shared else None
-    out = _weighted_sum(y_routes, topk_weights, None if shared is None else shared.y)  # [T, H]
-    return out, (routes, y_routes, saved, shared)
+    out = _sum_over_ranks(parts_back, routes, num_tokens, num_ranks, None if shared is None else shared.y)
+    return out, (routes, route_x, local, y_routes, saved, shared)
 
 
 def ep_moe_forward(
@@ -380,27 +410,36 @@ def ep_moe_backward(
     A collective: every rank of `group` must call it.
     """
     num_tokens, topk = topk_ids.shape
-    _, (routes, y_routes, saved, shared) = _ep_forward_saving(
+    num_ranks = dist.get_world_size(group)
+    _, (routes, route_x, local, y_routes, saved, shared) = _ep_forward_saving(
         x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, swiglu_limit, group, routed_x
     )
     d_out = d_out.float()
-    # 1. Router-weight gradient at the source: ⟨dOut[t], y_{t,j}⟩, exact for any sign of w.
-    d_topk_weights = (y_routes * d_out[:, None, :]).sum(-1)  # [T, topk]
-    # 2. d_y = w·dOut rows go to the expert ranks, in the forward's send order.
-    d_y = (topk_weights.float()[:, :, None] * d_out[:, None, :]).reshape(num_tokens * topk, -1)
-    d_y_recv = _all_to_all_rows(d_y[routes.order], routes.send_counts, routes.recv_counts, group)
-    # 3. The expert rank runs the expert backward on the recomputed activations of its rows.
-    d_x_recv, d_w_gate, d_w_up, d_w_down = _experts_backward(
-        d_y_recv, routes.recv_x, saved, w_gate, w_up, w_down, swiglu_limit
+    # 1. dOut rows go to the expert ranks once per (token, rank), in the forward's send order.
+    tokens = routes.order // num_ranks
+    d_out_recv = _all_to_all_rows(d_out[tokens], routes.send_counts, routes.recv_counts, group)  # [n_recv, H]
+    # 2. On the expert rank: the router-weight gradient ⟨dOut, y⟩ of each local route (exact for
+    #    any sign of w), d_y = w·dOut, the expert backward, dx summed over the row's local routes.
+    d_weights_recv = (y_routes * d_out_recv[:, None, :]).sum(-1)  # [n_recv, topk], 0 for routes elsewhere
+    d_y = (routes.recv_weights[:, :, None] * d_out_recv[:, None, :]).reshape(-1, d_out.shape[1])
+    d_x_local, d_w_gate, d_w_up, d_w_down = _experts_backward(
+        d_y[local], route_x[local], saved, w_gate, w_up, w_down, swiglu_limit
     )
-    # 4. d_x rows go back to the source, into route slot t*topk+j.
-    d_x_back = _all_to_all_rows(d_x_recv, routes.recv_counts, routes.send_counts, group)
-    d_route_x = torch.empty_like(d_x_back)
-    d_route_x[routes.order] = d_x_back  # [T*topk, H]
-    # 5. The source's shared expert on its own tokens, then d_x = dx_shared + Σ_j dx_{t,j}, ascending j.
+    d_route_x = route_x.new_zeros(route_x.shape)
+    d_route_x[local] = d_x_local
+    d_x_parts = _weighted_sum(d_route_x.view(-1, topk, d_out.shape[1]), routes.recv_weights.new_ones(
+        routes.recv_weights.shape), None)  # [n_recv, H]
+    # 3. One dx row and the topk router-weight gradients per (token, rank) go back.
+    d_x_back = _all_to_all_rows(d_x_parts, routes.recv_counts, routes.send_counts, group)  # [n_send, H]
+    d_weights_back = _all_to_all_rows(d_weights_recv, routes.recv_counts, routes.send_counts, group)  # [n_send, topk]
+    d_topk_weights = torch.zeros(num_tokens * num_ranks, topk, dtype=torch.float32, device=x.device)
+    d_topk_weights[routes.order] = d_weights_back
+    # a route's gradient came from its expert's rank; the others' entries are zero
+    d_topk_weights = d_topk_weights.view(num_tokens, num_ranks, topk).sum(1)  # [T, topk]
+    # 4. The source's shared expert on its own tokens, then d_x = dx_shared + Σ_p dx_p, ascending p.
     shared_grads = (None, None, None)
     d_x_shared = None
     if shared is not None:
         d_x_shared, *shared_grads = swiglu_mlp_backward(d_out, x, shared, ws_gate, ws_up, ws_down, swiglu_limit)
-    d_x = _weighted_sum(d_route_x.view(num_tokens, topk, -1), torch.ones_like(topk_weights), d_x_shared)
+    d_x = _sum_over_ranks(d_x_back, routes, num_tokens, num_ranks, d_x_shared)
     return Gradients(d_x, d_topk_weights, d_w_gate, d_w_up, d_w_down, *shared_grads)

@@ -47,6 +47,7 @@ from mok.reference import Gradients
 from mok.testing import TOLERANCES, cosine_similarity, make_inputs, mismatch_report, relative_error
 from mok.testing.inputs import MoEInputs
 from mok.testing.timing import PeakMemory, summarize_ms, times_ms
+from mok.transport import NcclDispatch
 
 __all__ = [
     "PASSES", "IMPLS", "EP_IMPLS", "BASELINE", "EP_BASELINE", "EP_CAPACITY_MULTIPLIER", "ImplSpec", "Impl", "Skip",
@@ -190,13 +191,16 @@ def _make_mok_ep(inp: MoEInputs, precision: str, group: dist.ProcessGroup, trans
     dispatch = mok.build_schedule(workspace, config, inp.topk_ids, num_local_experts=inp.w_gate.shape[0],
                                   has_shared_expert=inp.ws_gate is not None).dispatch
     peer_bytes = None
+    extra = {"config": dataclasses.asdict(config)}
     if dispatch is not None:
         peer_bytes = {pass_: dispatch.peer_bytes(hidden, pass_ == "fwd+bwd") for pass_ in PASSES}
+    if isinstance(dispatch, NcclDispatch):  # rows the routing needs, beside the capacity the exchanges move
+        extra["peer_token_rows_per_rank"] = dispatch.peer_rows()
     return Impl(
         lambda: mok.moe(inp.x, inp.topk_ids, inp.topk_weights, *inp.weights, config=config, group=group),
         _leaves(inp),
         _pad_gradients,
-        extra={"config": dataclasses.asdict(config)},
+        extra=extra,
         peer_bytes=peer_bytes,
     )
 

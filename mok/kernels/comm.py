@@ -2,13 +2,12 @@
 (symmetric memory over NVLink), and the one sync pattern they need.
 
     push:   dst_rank(i).buffer[dst_row(i)] = src[src_row(i)]     for every item i with a row
-            BY_SLOT   (items are routes r, `index` = the route's send slot s = p·C + c):
+            BY_SLOT   (items r, e.g. (token, rank) pairs, `index` = the item's send slot s = p·C + c):
                       dst_rank = s // C, dst_row = my_rank·C + s % C, src_row = r // routes_per_row
-            BY_RETURN (items are received rows i = p·C + c, `index` = the source's route r):
-                      dst_rank = i // C, dst_row = r,                  src_row = i
-            −1 in `index` (or a row past the destination): the item moves nothing (an empty row, or a route past capacity:
-            with `zero_ptr`, its own row r of that buffer is zeroed instead, so the slot
-            the return trip would fill reads 0).
+            BY_RETURN (items are received rows i = p·C + c, `index` = the row on the source):
+                      dst_rank = i // C, dst_row = index[i],            src_row = i
+            −1 in `index` (or a row past the destination): the item moves nothing (an empty
+            row, or an item past the capacity).
     wait:   until every peer's pushes of this kind have landed here.
 
 Legend: P ranks, C rows one rank may send one peer (the capacity), W the row width
@@ -36,8 +35,6 @@ counters are the only atomics and carry no data.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -92,13 +89,8 @@ def signal_peers(arrivals_peer_ptrs, arrival_slot, num_ranks, BLOCK_P: tl.conste
 def _push_rows_kernel(
     # rows
     src_ptr,  # [*, W] local rows
-    index_ptr,  # [N] int32: send slot (BY_SLOT) or the source's route (BY_RETURN), −1: nothing
+    index_ptr,  # [N] int32: send slot (BY_SLOT) or the row on the source (BY_RETURN), −1: nothing
     dst_peer_ptrs,  # [P] int64: each rank's destination buffer [*, W], src's dtype
-    zero_ptr,  # [N, W] own rows zeroed for items without a row (ZERO_UNSENT)
-    # one fp32 value per item, moved beside its row (HAS_SCALAR)
-    scalar_src_ptr,  # [N] fp32
-    scalar_dst_peer_ptrs,  # [P] int64: each rank's [*] fp32 destination
-    scalar_zero_ptr,  # [N] fp32 own values zeroed for items without a row (ZERO_UNSENT)
     # sync
     arrivals_peer_ptrs,  # [P] int64: each rank's arrival counters [kinds, P] int32
     arrival_slot,  # kind·P + my_rank
@@ -107,7 +99,7 @@ def _push_rows_kernel(
     num_items, width, my_rank, num_ranks, capacity, routes_per_row, num_dst_rows,
     stride_src, stride_dst,
     # meta
-    BY_SLOT: tl.constexpr, HAS_SCALAR: tl.constexpr, ZERO_UNSENT: tl.constexpr,
+    BY_SLOT: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     if (tl.load(error_flag_ptr) & _TIMEOUT_BIT) != 0:
@@ -128,20 +120,11 @@ def _push_rows_kernel(
         moves = (index >= 0) & (dst_row < num_dst_rows)  # a row past the buffer could only come from garbage
         dst_rows = peer_row_starts(dst_peer_ptrs, dst_rank, dst_row, stride_dst, moves, src_ptr.dtype.element_ty)[:, None]
         src_rows = src_ptr + src_row.to(tl.int64)[:, None] * stride_src
-        unsent = in_range & ~moves
         for col0 in range(0, width, BLOCK_W):
             cols = col0 + cols_step
             col_ok = (cols < width)[None, :]
             values = tl.load(src_rows + cols[None, :], mask=moves[:, None] & col_ok)
             tl.store(dst_rows + cols[None, :], values, mask=moves[:, None] & col_ok)
-            if ZERO_UNSENT:
-                zero_rows = zero_ptr + items.to(tl.int64)[:, None] * stride_dst
-                tl.store(zero_rows + cols[None, :], tl.zeros_like(values), mask=unsent[:, None] & col_ok)
-        if HAS_SCALAR:
-            value = tl.load(scalar_src_ptr + items, mask=moves)
-            tl.store(peer_row_starts(scalar_dst_peer_ptrs, dst_rank, dst_row, 1, moves, tl.float32), value, mask=moves)
-            if ZERO_UNSENT:
-                tl.store(scalar_zero_ptr + items, tl.zeros_like(value), mask=unsent)
     signal_peers(arrivals_peer_ptrs, arrival_slot, num_ranks, BLOCK_P)
 
 
@@ -177,44 +160,6 @@ def _wait_arrivals_kernel(
 # --------------------------------------------------------------------------- launchers
 
 
-@dataclass(frozen=True)
-class PeerRows:
-    """Where a GEMM epilogue stores its rows under expert parallelism (BY_RETURN's rule:
-    received row i = p·C + c goes to rank p's `out` buffer at row return_route[i]), and
-    the arrival every program of that launch signals when done (`signal_peers`). The GEMM
-    launchers take it (`grouped_gemm.down_scatter`, `dgrad.gate_up_dgrad_scatter`), so the
-    rows cross NVLink while the other tiles compute."""
-
-    out_peer_ptrs: torch.Tensor  # [P] int64: each rank's `out` buffer
-    return_route: torch.Tensor  # [P·C] int32: the source's route of each received row, −1: empty
-    capacity: int  # C
-    arrivals_peer_ptrs: torch.Tensor  # [P] int64: each rank's arrival counters
-    arrival_slot: int  # kind·P + my_rank
-    local_out: torch.Tensor  # [rows, W] bf16: this rank's `out` buffer (same layout on every rank)
-
-    def checked_local_out(self, width: int, device: torch.device) -> torch.Tensor:
-        out = self.local_out
-        if out.dim() != 2 or out.shape[1] != width or out.dtype != torch.bfloat16 or out.stride(1) != 1 \
-                or out.device != device:
-            raise ValueError(f"peer_rows.local_out: expected a bf16 [rows, {width}] tensor with unit column stride on "
-                             f"{device}, got {out.dtype} {list(out.shape)} on {out.device}")
-        return out
-
-    @staticmethod
-    def kernel_args(peer_rows: PeerRows | None, placeholder: torch.Tensor) -> tuple:
-        """The kernels' peer arguments (out_peer_ptrs, return_route, capacity, num_out_rows,
-        arrivals_peer_ptrs, arrival_slot, num_ranks); unread placeholders without peers."""
-        if peer_rows is None:
-            return placeholder, placeholder, 1, 0, placeholder, 0, 1
-        return (peer_rows.out_peer_ptrs, peer_rows.return_route, peer_rows.capacity, peer_rows.local_out.shape[0],
-                peer_rows.arrivals_peer_ptrs, peer_rows.arrival_slot, peer_rows.out_peer_ptrs.shape[0])
-
-    @staticmethod
-    def kernel_meta(peer_rows: PeerRows | None) -> dict:
-        num_ranks = 1 if peer_rows is None else peer_rows.out_peer_ptrs.shape[0]
-        return dict(PEER=peer_rows is not None, BLOCK_P=triton.next_power_of_2(num_ranks))
-
-
 def _check_peer_ptrs(name: str, ptrs: torch.Tensor, num_ranks: int, device: torch.device) -> None:
     if ptrs.shape != (num_ranks,) or ptrs.dtype != torch.int64 or ptrs.device != device:
         raise ValueError(f"{name}: expected a [{num_ranks}] int64 tensor of per-rank addresses on {device}, got "
@@ -236,11 +181,8 @@ def push_rows(
     by_slot: bool,
     num_programs: int,
     routes_per_row: int = 1,
-    zero_rows: torch.Tensor | None = None,  # [N, W] own rows zeroed for items without a row (by_slot)
-    scalars: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,  # (src [N] fp32, dst_peer_ptrs, zero [N])
 ) -> None:
-    """Pushes rows (and optionally one fp32 per item) into peers' buffers of
-    `num_dst_rows` rows as the module docstring says, then signals `kind`'s arrival on
+    """Pushes rows into peers' buffers of `num_dst_rows` rows as the module docstring says, then signals `kind`'s arrival on
     every rank. Every rank must push each kind with the same `num_programs` (the
     receivers count the programs). Does nothing once `error_flag` holds a timeout."""
     num_ranks = dst_peer_ptrs.shape[0]
@@ -256,26 +198,13 @@ def push_rows(
     if not 0 <= my_rank < num_ranks or capacity < 1 or num_programs < 1 or routes_per_row < 1:
         raise ValueError(f"expected 0 <= my_rank < P={num_ranks} and positive capacity, num_programs and "
                          f"routes_per_row; got {my_rank=} {capacity=} {num_programs=} {routes_per_row=}")
-    if zero_rows is not None and (not by_slot or zero_rows.shape != (index.shape[0], src.shape[1])
-                                  or zero_rows.stride() != (stride_dst, 1)):
-        raise ValueError(f"zero_rows: expected by_slot and a [{index.shape[0]}, {src.shape[1]}] tensor with row "
-                         f"stride {stride_dst}, got {list(zero_rows.shape)} strides {zero_rows.stride()}")
-    scalar_src, scalar_dst_ptrs, scalar_zero = scalars if scalars is not None else (index, dst_peer_ptrs, None)
-    if scalars is not None:
-        _check_peer_ptrs("scalars[1]", scalar_dst_ptrs, num_ranks, device)
-        if scalar_src.shape != index.shape or scalar_src.dtype != torch.float32 or not scalar_src.is_contiguous():
-            raise ValueError(f"scalars[0]: expected a contiguous [{index.shape[0]}] fp32 tensor, got "
-                             f"{scalar_src.dtype} {list(scalar_src.shape)}")
-        if (scalar_zero is None) != (zero_rows is None):
-            raise ValueError("scalars[2]: expected zeroing of the values exactly when zero_rows is given")
     width = src.shape[1]
     _push_rows_kernel[(num_programs,)](
-        src, index, dst_peer_ptrs, zero_rows if zero_rows is not None else src,
-        scalar_src, scalar_dst_ptrs, scalar_zero if scalar_zero is not None else scalar_src,
+        src, index, dst_peer_ptrs,
         arrivals_peer_ptrs, kind * num_ranks + my_rank, error_flag,
         index.shape[0], width, my_rank, num_ranks, capacity, routes_per_row, num_dst_rows,
         src.stride(0), stride_dst,
-        BY_SLOT=by_slot, HAS_SCALAR=scalars is not None, ZERO_UNSENT=zero_rows is not None,
+        BY_SLOT=by_slot,
         BLOCK_R=_PUSH_ROWS, BLOCK_W=min(triton.next_power_of_2(width), _PUSH_COLS),
         BLOCK_P=triton.next_power_of_2(num_ranks), num_warps=_PUSH_WARPS,
     )

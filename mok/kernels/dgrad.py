@@ -88,7 +88,6 @@ import triton.language as tl
 
 from mok.fp8_block import FP8_BLOCK
 from mok.kernels import grouped_gemm, warp_specialized
-from mok.kernels.comm import PeerRows, signal_peers
 from mok.kernels.common import (
     column_halves,
     gate_up_parts,
@@ -236,7 +235,7 @@ def dgrad_config(
     with `grouped_gemm.SPLIT_LAST_WAVE`; the down dgrad prefetches its epilogue's g, u into L2
     with `DOWN_DGRAD_PREFETCH_GATE_UP`. On Hopper the gate/up dgrad runs the
     cooperative warp-specialized kernel up to `COOPERATIVE_GATE_UP_DGRAD_MAX_INTER` unless
-    `allow_warp_specialized` is False (stores to other ranks). Under the interpreter, small
+    `allow_warp_specialized` is False. Under the interpreter, small
     tiles keep the CPU tests fast. The key never includes per-expert counts (they change every step).
     fp8_block: `_FP8_BLOCK_TILES`, the same for every shape until measured; on Hopper the gate/up
     dgrad into local slots warp-specialized with `WARP_SPECIALIZED_FP8_BLOCK_GATE_UP_DGRAD`, and
@@ -525,8 +524,7 @@ def _gate_up_dgrad_tile(
     d_gate_desc, d_up_desc, w_gate_desc, w_up_desc, dx_ptr,
     d_gate_scale_ptr, d_up_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr,
     row_source_ptr, tile_expert_ptr, m_tile, n_tile, hidden, inter, stride_dx_s, stride_d_gu_scale_r,
-    out_peer_ptrs, return_route_ptr, capacity, num_out_rows,
-    PRECISION: tl.constexpr, INTERPRETER: tl.constexpr, PEER: tl.constexpr, SORTED: tl.constexpr,
+    PRECISION: tl.constexpr, INTERPRETER: tl.constexpr, SORTED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile of the gate/up dgrad, scattered to its rows' slots (SORTED:
@@ -550,8 +548,7 @@ def _gate_up_dgrad_tile(
     else:
         dx = sorted_rows_times_weight(d_gate_desc, m0, w_gate_desc, expert, n0, inter, dx, BLOCK_K, INTERPRETER)
         dx = sorted_rows_times_weight(d_up_desc, m0, w_up_desc, expert, n0, inter, dx, BLOCK_K, INTERPRETER)
-    scatter_rows_to_slots(dx_ptr, dx, row_source_ptr, rows, n_offs, hidden, stride_dx_s,
-                          out_peer_ptrs, return_route_ptr, capacity, num_out_rows, PEER, SORTED, INTERPRETER)
+    scatter_rows_to_slots(dx_ptr, dx, row_source_ptr, rows, n_offs, hidden, stride_dx_s, SORTED, INTERPRETER)
 
 
 @triton.jit
@@ -567,10 +564,8 @@ def _gate_up_dgrad_scatter_kernel(
     hidden, inter, num_sms, num_programs,
     # strides (fp8_block: one row stride for d_g's and d_u's scales)
     stride_dx_s, stride_d_gu_scale_r,
-    # expert parallelism (PEER): rows to the sources' slots on their ranks, then one arrival per program
-    out_peer_ptrs, return_route_ptr, capacity, num_out_rows, arrivals_peer_ptrs, arrival_slot, num_ranks,
     # meta
-    PRECISION: tl.constexpr, INTERPRETER: tl.constexpr, PEER: tl.constexpr, BLOCK_P: tl.constexpr,
+    PRECISION: tl.constexpr, INTERPRETER: tl.constexpr,
     SORTED: tl.constexpr,  # dx in the sorted layout [capacity_rows, H] instead of route slots
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PERSISTENT: tl.constexpr, SPLIT_LAST_WAVE: tl.constexpr,
@@ -584,8 +579,7 @@ def _gate_up_dgrad_scatter_kernel(
                 d_gate_desc, d_up_desc, w_gate_desc, w_up_desc, dx_ptr,
                 d_gate_scale_ptr, d_up_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr,
                 row_source_ptr, tile_expert_ptr, m_tile, n_tile, hidden, inter, stride_dx_s, stride_d_gu_scale_r,
-                out_peer_ptrs, return_route_ptr, capacity, num_out_rows,
-                PRECISION, INTERPRETER, PEER, SORTED, BLOCK_M, BLOCK_N, BLOCK_K,
+                PRECISION, INTERPRETER, SORTED, BLOCK_M, BLOCK_N, BLOCK_K,
             )
     else:  # as the forward's down GEMM, the last wave in column halves with SPLIT_LAST_WAVE
         m_tile, n_tile, half = last_wave_tile_coordinates(
@@ -595,8 +589,7 @@ def _gate_up_dgrad_scatter_kernel(
                 d_gate_desc, d_up_desc, w_gate_desc, w_up_desc, dx_ptr,
                 d_gate_scale_ptr, d_up_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr,
                 row_source_ptr, tile_expert_ptr, m_tile, n_tile, hidden, inter, stride_dx_s, stride_d_gu_scale_r,
-                out_peer_ptrs, return_route_ptr, capacity, num_out_rows,
-                PRECISION, INTERPRETER, PEER, SORTED, BLOCK_M, BLOCK_N, BLOCK_K,
+                PRECISION, INTERPRETER, SORTED, BLOCK_M, BLOCK_N, BLOCK_K,
             )
         if SPLIT_LAST_WAVE:
             if half >= 0:
@@ -605,11 +598,8 @@ def _gate_up_dgrad_scatter_kernel(
                     d_gate_scale_ptr, d_up_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr,
                     row_source_ptr, tile_expert_ptr, m_tile, 2 * n_tile + half, hidden, inter, stride_dx_s,
                     stride_d_gu_scale_r,
-                    out_peer_ptrs, return_route_ptr, capacity, num_out_rows,
-                    PRECISION, INTERPRETER, PEER, SORTED, BLOCK_M, BLOCK_N // 2, BLOCK_K,
+                    PRECISION, INTERPRETER, SORTED, BLOCK_M, BLOCK_N // 2, BLOCK_K,
                 )
-    if PEER:
-        signal_peers(arrivals_peer_ptrs, arrival_slot, num_ranks, BLOCK_P)  # the receivers count every program
 
 
 # --------------------------------------------------------------------------- launchers
@@ -861,20 +851,14 @@ def _launch_down_dgrad_epilogue(
 
 def _launch_gate_up_dgrad_scatter(
     precision: str, d_gate, d_gate_scale, d_up, d_up_scale, w_gate, w_gate_scale, w_up, w_up_scale,
-    schedule: RoutingSchedule, num_slots: int, hidden: int, inter: int, cfg: dict, peer_rows: PeerRows | None = None,
-    sorted_rows: bool = False,
+    schedule: RoutingSchedule, num_slots: int, hidden: int, inter: int, cfg: dict, sorted_rows: bool = False,
 ) -> torch.Tensor:
     """One launch of `_gate_up_dgrad_scatter_kernel` (the scales are None in bf16), or, for a tile
-    config with WARP_SPECIALIZED, of `warp_specialized`'s kernel (local slots). `sorted_rows`:
-    dx [capacity_rows, H], each row at its own index."""
-    if peer_rows is None:
-        rows = schedule.capacity_rows if sorted_rows else num_slots
-        dx = torch.empty(rows, hidden, dtype=torch.bfloat16, device=d_gate.device)  # [T·topk or capacity_rows, H]
-    else:
-        dx = peer_rows.checked_local_out(hidden, d_gate.device)
+    config with WARP_SPECIALIZED, of `warp_specialized`'s kernel. `sorted_rows`: dx
+    [capacity_rows, H], each row at its own index."""
+    rows = schedule.capacity_rows if sorted_rows else num_slots
+    dx = torch.empty(rows, hidden, dtype=torch.bfloat16, device=d_gate.device)  # [T·topk or capacity_rows, H]
     if cfg.get("WARP_SPECIALIZED", False):
-        if peer_rows is not None:
-            raise ValueError("tile_config: WARP_SPECIALIZED is for the gate/up dgrad into local slots, got peer_rows")
         scales = None if d_gate_scale is None else (d_gate_scale, d_up_scale, w_gate_scale, w_up_scale)
         warp_specialized.launch_gate_up_dgrad_scatter(d_gate, d_up, w_gate, w_up, dx, schedule, cfg, scales,
                                                       scatter=not sorted_rows)
@@ -892,8 +876,7 @@ def _launch_gate_up_dgrad_scatter(
         schedule.row_source, schedule.tile_expert, schedule.num_rows,
         hidden, inter, num_sms(dx.device), programs,
         dx.stride(0), 0 if d_gate_scale is None else d_gate_scale.stride(0),
-        *PeerRows.kernel_args(peer_rows, dx),
-        PRECISION=precision, INTERPRETER=interpreting(), **PeerRows.kernel_meta(peer_rows), SORTED=sorted_rows, **cfg,
+        PRECISION=precision, INTERPRETER=interpreting(), SORTED=sorted_rows, **cfg,
     )
     return dx
 
@@ -905,21 +888,18 @@ def gate_up_dgrad_scatter(
     schedule: RoutingSchedule,
     num_slots: int,
     tile_config: dict | None = None,
-    peer_rows: PeerRows | None = None,
 ) -> torch.Tensor:
     """dx_slots [num_slots, H] bf16: each sorted row's d_g·Wg[e] + d_u·Wu[e] stored at its
-    slot row_source[r]. Slots no route points to are left unwritten. `peer_rows`: as in
-    `grouped_gemm.down_scatter` (the rows go to the sources' ranks)."""
+    slot row_source[r]. Slots no route points to are left unwritten."""
     num_experts, inter, hidden = w_gate.shape
     device = d_gate_up.device
     _check_bf16("d_gate_up", d_gate_up, (schedule.capacity_rows, 2, inter), device)
     _check_bf16("w_gate", w_gate, (schedule.num_local_experts, inter, hidden), device)
     _check_bf16("w_up", w_up, tuple(w_gate.shape), device)
-    local = peer_rows is None
-    cfg = _dgrad_tiles("gate_up", hidden, inter, "bf16", tile_config, schedule, allow_warp_specialized=local)
+    cfg = _dgrad_tiles("gate_up", hidden, inter, "bf16", tile_config, schedule)
     return _launch_gate_up_dgrad_scatter(
         "bf16", d_gate_up[:, 0], None, d_gate_up[:, 1], None, w_gate, None, w_up, None,
-        schedule, num_slots, hidden, inter, cfg, peer_rows,
+        schedule, num_slots, hidden, inter, cfg,
     )
 
 

@@ -64,7 +64,6 @@ import triton.language as tl
 
 from mok.fp8_block import FP8_BLOCK
 from mok.kernels import warp_specialized
-from mok.kernels.comm import PeerRows, peer_row_starts, signal_peers
 from mok.kernels.common import (
     column_halves,
     gate_up_parts,
@@ -268,35 +267,26 @@ def gathered_rows_tile_fp8(
 @triton.jit
 def scatter_rows_to_slots(
     out_ptr, tile, row_source_ptr, rows, n_offs, n_dim, stride_out_s,
-    out_peer_ptrs, return_route_ptr, capacity, num_out_rows,
-    PEER: tl.constexpr, SORTED: tl.constexpr, INTERPRETER: tl.constexpr,
+    SORTED: tl.constexpr, INTERPRETER: tl.constexpr,
 ):
     """out[row_source[r], n_offs] = bf16(tile[r]) for each sorted row r of the tile; padding
-    rows (source −1) and columns past n_dim store nothing. PEER (expert parallelism, the
-    source is a received row i = p·C + c): the row goes to rank p's buffer at row
-    return_route[i] (`comm.PeerRows`), a store over NVLink for another rank. SORTED: every
-    row to out[r] instead (padding rows too), the sorted layout that `combine` gathers."""
+    rows (source −1) and columns past n_dim store nothing. SORTED: every row to out[r] instead
+    (padding rows too), the sorted layout that `combine` gathers."""
     values = round_to_bf16(tile, INTERPRETER)
     col_ok = (n_offs < n_dim)[None, :]
     if SORTED:
         tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_out_s + n_offs[None, :], values, mask=col_ok)
         return
     source = tl.load(row_source_ptr + rows)
-    if PEER:
-        route = tl.load(return_route_ptr + source, mask=source >= 0, other=-1)
-        ok = (route >= 0) & (route < num_out_rows)
-        out_rows = peer_row_starts(out_peer_ptrs, source // capacity, route, stride_out_s, ok, tl.bfloat16)
-        tl.store(out_rows[:, None] + n_offs[None, :], values, mask=ok[:, None] & col_ok)
-    else:
-        slot = tl.where(source >= 0, source, 0).to(tl.int64)
-        tl.store(out_ptr + slot[:, None] * stride_out_s + n_offs[None, :], values, mask=(source >= 0)[:, None] & col_ok)
+    slot = tl.where(source >= 0, source, 0).to(tl.int64)
+    tl.store(out_ptr + slot[:, None] * stride_out_s + n_offs[None, :], values, mask=(source >= 0)[:, None] & col_ok)
 
 
 @triton.jit
 def _down_tile(
     h_desc, w_down_desc, y_ptr, h_scale_ptr, w_down_scale_ptr, row_source_ptr, tile_expert_ptr, m_tile, n_tile,
-    hidden, inter, stride_y_s, out_peer_ptrs, return_route_ptr, capacity, num_out_rows,
-    PRECISION: tl.constexpr, INTERPRETER: tl.constexpr, PEER: tl.constexpr, SORTED: tl.constexpr,
+    hidden, inter, stride_y_s,
+    PRECISION: tl.constexpr, INTERPRETER: tl.constexpr, SORTED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile of the down GEMM, scattered to its rows' slots (SORTED: stored
@@ -309,8 +299,7 @@ def _down_tile(
         inter // _SCALE_BLOCK, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
         INTERPRETER,
     )
-    scatter_rows_to_slots(y_ptr, y, row_source_ptr, rows, n_offs, hidden, stride_y_s,
-                          out_peer_ptrs, return_route_ptr, capacity, num_out_rows, PEER, SORTED, INTERPRETER)
+    scatter_rows_to_slots(y_ptr, y, row_source_ptr, rows, n_offs, hidden, stride_y_s, SORTED, INTERPRETER)
 
 
 @triton.jit
@@ -326,10 +315,8 @@ def _down_scatter_kernel(
     hidden, inter, num_sms, num_programs,
     # strides
     stride_y_s,
-    # expert parallelism (PEER): rows to the sources' slots on their ranks, then one arrival per program
-    out_peer_ptrs, return_route_ptr, capacity, num_out_rows, arrivals_peer_ptrs, arrival_slot, num_ranks,
     # meta
-    PRECISION: tl.constexpr, INTERPRETER: tl.constexpr, PEER: tl.constexpr, BLOCK_P: tl.constexpr,
+    PRECISION: tl.constexpr, INTERPRETER: tl.constexpr,
     SORTED: tl.constexpr,  # y in the sorted layout [capacity_rows, H] instead of route slots
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PERSISTENT: tl.constexpr, SPLIT_LAST_WAVE: tl.constexpr,
@@ -343,23 +330,20 @@ def _down_scatter_kernel(
         for tile in tl.range(tl.program_id(0), num_m_tiles * num_n_tiles, num_programs, flatten=True):
             m_tile, n_tile = tile_coordinates(tile, num_m_tiles, num_n_tiles, GROUP_M)
             _down_tile(h_desc, w_down_desc, y_ptr, h_scale_ptr, w_down_scale_ptr, row_source_ptr, tile_expert_ptr,
-                       m_tile, n_tile, hidden, inter, stride_y_s, out_peer_ptrs, return_route_ptr, capacity,
-                       num_out_rows, PRECISION, INTERPRETER, PEER, SORTED, BLOCK_M, BLOCK_N, BLOCK_K)
+                       m_tile, n_tile, hidden, inter, stride_y_s, PRECISION, INTERPRETER, SORTED, BLOCK_M, BLOCK_N,
+                       BLOCK_K)
     else:
         m_tile, n_tile, half = last_wave_tile_coordinates(
             tl.program_id(0), num_m_tiles, num_n_tiles, num_sms, GROUP_M, SPLIT_LAST_WAVE)
         if (m_tile >= 0) & (half < 0):
             _down_tile(h_desc, w_down_desc, y_ptr, h_scale_ptr, w_down_scale_ptr, row_source_ptr, tile_expert_ptr,
-                       m_tile, n_tile, hidden, inter, stride_y_s, out_peer_ptrs, return_route_ptr, capacity,
-                       num_out_rows, PRECISION, INTERPRETER, PEER, SORTED, BLOCK_M, BLOCK_N, BLOCK_K)
+                       m_tile, n_tile, hidden, inter, stride_y_s, PRECISION, INTERPRETER, SORTED, BLOCK_M, BLOCK_N,
+                       BLOCK_K)
         if SPLIT_LAST_WAVE:
             if half >= 0:
                 _down_tile(h_desc, w_down_half_desc, y_ptr, h_scale_ptr, w_down_scale_ptr, row_source_ptr,
-                           tile_expert_ptr, m_tile, 2 * n_tile + half, hidden, inter, stride_y_s, out_peer_ptrs,
-                           return_route_ptr, capacity, num_out_rows, PRECISION, INTERPRETER, PEER, SORTED,
-                           BLOCK_M, BLOCK_N // 2, BLOCK_K)
-    if PEER:
-        signal_peers(arrivals_peer_ptrs, arrival_slot, num_ranks, BLOCK_P)  # the receivers count every program
+                           tile_expert_ptr, m_tile, 2 * n_tile + half, hidden, inter, stride_y_s, PRECISION,
+                           INTERPRETER, SORTED, BLOCK_M, BLOCK_N // 2, BLOCK_K)
 
 
 # --------------------------------------------------------------------------- configs
@@ -447,7 +431,7 @@ def gemm_config(
 ) -> dict:
     """Tile config for a GEMM of output width n_dim and reduction reduce_dim (gate/up:
     `packed_gate_up` when its weights are one tensor, `gate_up_packed`; down:
-    `allow_warp_specialized` False keeps the Triton kernel, which also stores to other ranks).
+    `allow_warp_specialized` False keeps the Triton kernel).
 
     H200, bf16, chosen by `benchmarks/tune_gemm.py` on the three GPU presets (records
     h200-20261130-gemm-tiles.json, -tiles-v2.json): 128×128 tiles with two accumulators
@@ -713,8 +697,7 @@ def scatter_grid(schedule: RoutingSchedule, hidden: int, cfg: dict) -> int:
     """Programs of a launch whose tiles cover [schedule rows, hidden] (the down GEMM, the
     gate/up dgrad): one per tile, or with cfg["PERSISTENT"] one per SM (at most one per
     tile); one per tile with cfg["SPLIT_LAST_WAVE"], num_sms // 2 more for the last wave's
-    half tiles (`common.last_wave_tile_coordinates`; persistent launches keep whole tiles).
-    Under expert parallelism every one of them signals its arrival."""
+    half tiles (`common.last_wave_tile_coordinates`; persistent launches keep whole tiles)."""
     device = schedule.row_source.device
     programs = launch_programs(schedule.max_tiles * triton.cdiv(hidden, cfg["BLOCK_N"]), cfg, device)
     return programs + (num_sms(device) // 2 if splits_last_wave(cfg) else 0)
@@ -734,14 +717,12 @@ def last_wave_config(cfg: dict) -> dict:
 
 def _launch_down_scatter(
     precision: str, h, h_scale, w_down, w_down_scale, y, schedule: RoutingSchedule, cfg: dict,
-    peer_rows: PeerRows | None = None, sorted_rows: bool = False,
+    sorted_rows: bool = False,
 ) -> None:
     """One launch of `_down_scatter_kernel` (the scales are None in bf16), or, for a tile config
-    with WARP_SPECIALIZED, of `warp_specialized`'s kernel (local slots). `sorted_rows`: y
-    [capacity_rows, H], each row at its own index."""
+    with WARP_SPECIALIZED, of `warp_specialized`'s kernel. `sorted_rows`: y [capacity_rows, H],
+    each row at its own index."""
     if cfg.get("WARP_SPECIALIZED", False):
-        if peer_rows is not None:
-            raise ValueError("tile_config: WARP_SPECIALIZED is for the down GEMM into local slots, got peer_rows")
         scales = None if h_scale is None else (h_scale, w_down_scale)
         warp_specialized.launch_down_scatter(h, w_down, y, schedule, cfg, scales, scatter=not sorted_rows)
         return
@@ -758,8 +739,7 @@ def _launch_down_scatter(
         schedule.row_source, schedule.tile_expert, schedule.num_rows,
         hidden, inter, num_sms(y.device), programs,
         y.stride(0),
-        *PeerRows.kernel_args(peer_rows, y),
-        PRECISION=precision, INTERPRETER=interpreting(), **PeerRows.kernel_meta(peer_rows), SORTED=sorted_rows, **cfg,
+        PRECISION=precision, INTERPRETER=interpreting(), SORTED=sorted_rows, **cfg,
     )
 
 
@@ -769,24 +749,16 @@ def down_scatter(
     schedule: RoutingSchedule,
     num_slots: int,
     tile_config: dict | None = None,
-    peer_rows: PeerRows | None = None,
 ) -> torch.Tensor:
     """y [num_slots, H] bf16: each sorted row's unweighted output stored at its slot
-    row_source[r]. Slots no route points to are left unwritten. With `peer_rows` (expert
-    parallelism) the rows go to the sources' ranks instead and nothing is allocated; the
-    launch's `scatter_grid` programs each signal `peer_rows`' arrival, and the result is
-    `peer_rows.local_out`, filled once this rank has waited for every peer's signals."""
+    row_source[r]. Slots no route points to are left unwritten."""
     num_experts, hidden, inter = w_down.shape
     if h.dim() != 2 or h.shape != (schedule.capacity_rows, inter) or h.dtype != torch.bfloat16:
         raise ValueError(f"h: expected a bf16 [{schedule.capacity_rows}, {inter}] tensor, got {h.dtype} {list(h.shape)}")
     _check_weights("w_down", w_down, (schedule.num_local_experts, hidden, inter), h.device)
-    local = peer_rows is None
-    cfg = _tile_config("down", hidden, inter, "bf16", tile_config, schedule, allow_warp_specialized=local)
-    if local:
-        y = torch.empty(num_slots, hidden, dtype=torch.bfloat16, device=h.device)  # [T·topk, H]
-    else:
-        y = peer_rows.checked_local_out(hidden, h.device)
-    _launch_down_scatter("bf16", h, None, w_down, None, y, schedule, cfg, peer_rows)
+    cfg = _tile_config("down", hidden, inter, "bf16", tile_config, schedule)
+    y = torch.empty(num_slots, hidden, dtype=torch.bfloat16, device=h.device)  # [T·topk, H]
+    _launch_down_scatter("bf16", h, None, w_down, None, y, schedule, cfg)
     return y
 
 

@@ -3,15 +3,17 @@
 A transport is created once per workspace (`create_transport`, a collective over the
 group). For each layer call its `plan(topk_ids, ...)` (called by `build_schedule`)
 returns the call's dispatch and the schedule of the rows this rank's experts receive;
-the dispatch then moves rows along the routes:
+the dispatch then moves each token row once to each rank holding one of its experts
+(`common.py`'s plan) and the partial results back:
 
-    expert_x          = dispatch.dispatch(x)                      # token rows to the experts' ranks
-    y_slots           = dispatch.combine(y_rows)                  # expert outputs back, slot t·topk+j
-    d_out_rows, w_rows = dispatch.dispatch_grad(d_out, topk_weights)
-    dx_slots, d_topk_weights = dispatch.combine_grad(dx_rows, d_weight_rows)
+    expert_x, expert_weights = dispatch.dispatch(x, topk_weights)   # token rows and their routes' weights
+    parts             = dispatch.combine(part_rows)                 # Σ_{j local} w·y per (token, rank), back
+    expert_d_out      = dispatch.dispatch_grad(d_out)
+    dx_parts, d_topk_weights = dispatch.combine_grad(dx_rows, d_weight_rows)
 
-The experts see every received row as a token with topk = 1, so the same kernels run
-with and without expert parallelism.
+The experts see every received row as a token with topk = k_l = min(topk, E_l), so the same
+kernels run with and without expert parallelism; the source sums the partial rows of its
+tokens through `dispatch.token_slot`.
 
 "symmetric" (`SymmetricTransport`): peer stores into symmetric memory (NVLink) from
 Triton kernels, device-side arrival counters, only the rows that exist travel; one host.

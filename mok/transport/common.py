@@ -1,14 +1,22 @@
-"""What both transports share: the send capacity C and the receiver's schedule.
+"""What both transports share: the token capacity C, the once-per-(token, rank) plan and
+the receiver's schedule.
 
-Capacity: each rank may send each peer C = min(T_max·min(topk, E_l), ⌈R / P⌉) rows,
-T_max the largest `num_local_tokens` of the ranks' workspaces (one C for all), R =
-`MoKConfig.receive_capacity` (None: the exact worst case, which never overflows). A
-token's expert ids are distinct, so at most min(topk, E_l) of its routes go to one rank.
+Capacity: each rank may send each peer C = min(T_max, ⌈R / P⌉) token rows, T_max the largest
+`num_local_tokens` of the ranks' workspaces (one C for all), R = `MoKConfig.receive_capacity`
+(the routes one rank may receive; None: the exact worst case, which never overflows). Every
+row carries at least one route, so R bounds the rows too.
 
-Receiver's schedule: the rows from source p sit at p·C + c of the received buffers; the
-schedule is built over the interleaved order c·P + p, so that inside each expert,
-ascending order takes the sources round-robin, then mapped back to the
-rows where the exchange put them.
+Plan (`token_plan`): a token's row goes once to each rank holding ≥ 1 of its experts, with
+the k_l = min(topk, E_l) slots of local expert ids (−1: empty) and router weights of its
+routes there. Rows of source p sit at p·C + c (c: the token's place among this rank's tokens
+to p, ascending t); route q of row i (its q-th route to that rank, ascending j) is received
+route i·k_l + q.
+
+Receiver's schedule (`token_receiver_schedule`): every received row is a token with
+topk = k_l, so the single-GPU kernels run unchanged on the received rows. The schedule is
+built over the interleaved order c·P + p, so that inside each expert, ascending order takes
+the sources round-robin (every stretch of an expert's rows draws evenly from the peers), then
+mapped back to the rows where the exchange put them.
 """
 
 from __future__ import annotations
@@ -18,6 +26,8 @@ import torch.distributed as dist
 
 from mok import ops
 from mok.config import MoKConfig
+from mok.kernels.common import ERROR_CAPACITY_OVERFLOW
+from mok.kernels.schedule import sorted_route_rows
 
 
 def check_same_across_ranks(group: dist.ProcessGroup | None, values: dict[str, int], device: torch.device) -> None:
@@ -49,26 +59,79 @@ class RouteCapacity:
         self.topk = topk
         self.receive_capacity = config.receive_capacity(self.max_local_tokens, topk, self.world_size)
 
-    def send_capacity(self, num_local_experts: int) -> int:
-        """C: rows one rank may send one peer."""
-        worst_case = self.max_local_tokens * min(self.topk, num_local_experts)
-        return min(worst_case, -(-self.receive_capacity // self.world_size))
+    def token_capacity(self) -> int:
+        """C of the once-per-(token, rank) plan: token rows one rank may send one peer. Each
+        row carries ≥ 1 route, so the routes a rank may receive bound its rows too."""
+        return min(self.max_local_tokens, -(-self.receive_capacity // self.world_size))
 
 
-def receiver_schedule(
-    recv_ids: torch.Tensor,  # [P, C + 1] int32: each source's local expert ids, then its error flag
+def _or_flags(flags: torch.Tensor) -> torch.Tensor:
+    """[1] int32: the bitwise OR of `flags` [P] int32 (error bits), on the device."""
+    bits = 1 << torch.arange(31, device=flags.device, dtype=torch.int32)  # [31]
+    return ((flags[:, None] & bits) != 0).any(0).to(torch.int32).mul(bits).sum().to(torch.int32).view(1)
+
+
+def token_plan(
+    topk_ids: torch.Tensor,  # [T, topk] global expert ids
+    num_local_experts: int,
+    world_size: int,
+    capacity: int,
+    error_flag: torch.Tensor,  # [1] int32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(token_slot [T·P] int32, route_place [T·topk] int32, send_expert [P·C·k_l] int32) of the
+    once-per-(token, rank) plan (module docstring): the send row p·C + c of each (token t,
+    rank p) pair at t·P + p; each route's received route (p·C + c)·k_l + q; the local expert
+    of each sent route. −1: no row (no route there, beyond the capacity, or a bad id). Pairs
+    past C set ERROR_CAPACITY_OVERFLOW; bad ids set ERROR_BAD_EXPERT_ID (`sorted_route_rows`
+    validates them). Plain torch ops on the device: no host sync."""
+    num_tokens, topk = topk_ids.shape
+    routes_per_row = min(topk, num_local_experts)
+    device = topk_ids.device
+    good = (sorted_route_rows(topk_ids, num_local_experts * world_size, error_flag)[0] >= 0).view(num_tokens, topk)
+    ids = topk_ids.long()
+    dest = torch.where(good, ids // num_local_experts, world_size)  # [T, topk]; P: nowhere
+    reaches = torch.zeros(num_tokens, world_size + 1, dtype=torch.bool, device=device)
+    reaches = reaches.scatter_(1, dest, True)[:, :world_size]  # [T, P]
+    place = torch.cumsum(reaches.to(torch.int32), dim=0) - 1  # [T, P]: the token's row among those to p
+    fits = reaches & (place < capacity)
+    overflow = (reaches & ~fits).any().to(torch.int32) * ERROR_CAPACITY_OVERFLOW
+    error_flag.bitwise_or_(overflow.view(1))
+    ranks = torch.arange(world_size, device=device, dtype=torch.int32)
+    token_slot = torch.where(fits, ranks * capacity + place, -1).to(torch.int32)  # [T, P]
+    # q: the route's place among its token's routes to the same rank (ascending j)
+    earlier = torch.ones(topk, topk, dtype=torch.bool, device=device).tril(-1)  # [j, j'] j' < j
+    q = ((dest[:, :, None] == dest[:, None, :]) & earlier).sum(-1)  # [T, topk]
+    row = token_slot.gather(1, dest.clamp(max=world_size - 1))  # [T, topk]
+    route_place = torch.where(good & (row >= 0), row * routes_per_row + q, -1).to(torch.int32)
+    num_sent = world_size * capacity * routes_per_row
+    send_expert = torch.full((num_sent + 1,), -1, dtype=torch.int32, device=device)  # the last: unsent routes
+    target = torch.where(route_place >= 0, route_place.long(), num_sent).view(-1)
+    send_expert.scatter_(0, target, (ids % num_local_experts).to(torch.int32).view(-1))
+    return token_slot.reshape(-1).contiguous(), route_place.view(-1), send_expert[:num_sent]
+
+
+def token_receiver_schedule(
+    recv_ids: torch.Tensor,  # [P, C·k_l + 1] int32: each source's expert ids, then its error flag
     error_flag: torch.Tensor,  # [1] int32
     num_local_experts: int,
+    routes_per_row: int,  # k_l
     block_m: int,
-) -> tuple[torch.Tensor, ...]:
-    """The schedule (the tensors of `ops.routing_schedule`) of the P·C received rows, each
-    a token with topk = 1, its row maps over p·C + c; ORs the sources' flags into
-    `error_flag`."""
-    num_ranks, capacity = recv_ids.shape[0], recv_ids.shape[1] - 1
-    expert_ids = ops.receive_expert_ids(recv_ids, error_flag)  # [C·P, 1], row c·P + p
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """(the schedule (the tensors of `ops.routing_schedule`) of the P·C received rows as tokens
+    with topk = k_l, received_routes [P·C·k_l] int32: each received route's own index, −1 for
+    an empty one); ORs the sources' flags into `error_flag`."""
+    num_ranks = recv_ids.shape[0]
+    capacity = (recv_ids.shape[1] - 1) // routes_per_row
+    error_flag.bitwise_or_(_or_flags(recv_ids[:, -1]))
+    ids = recv_ids[:, :-1].reshape(num_ranks, capacity, routes_per_row)
+    interleaved_ids = ids.transpose(0, 1).contiguous().view(capacity * num_ranks, routes_per_row)  # row c·P + p
     interleaved, *tables, interleaved_route_row = ops.routing_schedule(
-        expert_ids, error_flag, num_local_experts, block_m, True
+        interleaved_ids, error_flag, num_local_experts, block_m, True
     )
-    row_source = torch.where(interleaved >= 0, interleaved % num_ranks * capacity + interleaved // num_ranks, interleaved)
-    route_row = interleaved_route_row.view(capacity, num_ranks).t().reshape(-1)  # [P·C], received row p·C + c
-    return (row_source, *tables, route_row)
+    token, q = interleaved // routes_per_row, interleaved % routes_per_row
+    received = (token % num_ranks * capacity + token // num_ranks) * routes_per_row + q
+    row_source = torch.where(interleaved >= 0, received, interleaved)
+    route_row = interleaved_route_row.view(capacity, num_ranks, routes_per_row).transpose(0, 1).reshape(-1)
+    flat = ids.reshape(-1)
+    received_routes = torch.where(flat >= 0, torch.arange(flat.shape[0], device=flat.device, dtype=torch.int32), -1)
+    return (row_source, *tables, route_row), received_routes

@@ -1,32 +1,35 @@
-"""The NCCL-fallback transport: expert parallelism on `torch.distributed.all_to_all_single`.
+"""The NCCL-fallback transport: expert parallelism on `torch.distributed.all_to_all_single`,
+each token row sent once to each rank holding ≥ 1 of its experts.
 
-One layer call on each of the P ranks of the group (C = the send capacity, E_l local
-experts per rank, T tokens, kernels in `mok/kernels/dispatch.py`):
+One layer call on each of the P ranks of the group (C = the token capacity, k_l =
+min(topk, E_l) the routes one row can carry, T tokens; plan in `common.py`):
 
-    plan       route_slots: each route's slot p·C + c in a [P·C] send buffer (by local
-               expert, then t·topk + j, per destination p) and the local expert id of
-               every send row (−1: empty) → exchange, with this rank's error flag in an
-               extra column → receive_expert_ids → the receiver's schedule over its P·C
-               received rows, each a token with topk = 1 (`skip_empty_ids`), sources
-               interleaved, mapped back to the rows where the exchange put them
-    forward    pack x rows → exchange → (caller: gate/up + SwiGLU, down into the received
-               rows) → exchange back → unpack into slots t·topk + j
-    backward   pack dOut rows and router weights → exchange → (caller: dgrad, wgrad) →
-               exchange dx rows and router-weight gradients back → unpack
+    plan       token_plan: each (token, rank) pair's send row p·C + c and the k_l local
+               expert ids per row (−1: empty) → exchange, with this rank's error flag in an
+               extra column → the receiver's schedule over its P·C received rows, each a token
+               with topk = k_l (`skip_empty_ids`), sources interleaved
+    forward    pack x rows and the routes' router weights → exchange → (caller: gate/up +
+               SwiGLU, down, then the sum of each row's local routes Σ_q w·y, fp32) → one
+               partial row per (token, rank) back → (caller: out[t] = y_shared[t] + Σ_p part_p,
+               ascending p, fp32, through `token_slot`)
+    backward   pack dOut rows → exchange → (caller: dgrad, wgrad, the sum of each row's dx over
+               its local routes) → dx partial rows and the k_l router-weight gradients back →
+               d_topk_weights per route; (caller: d_x = dx_shared + Σ_p dx_p, ascending p)
 
 Every exchange moves C rows per pair of ranks (equal splits): no count goes to the host,
 so nothing synchronises with it, and every rank runs the same collectives in the same
 order whatever its routing, so a rank whose routes overflow cannot leave a peer waiting.
-The router weight goes to the expert's rank beside the dOut row (its own [P·C, 1]
-exchange) and is applied there in fp32, not folded into a bf16 w·dOut row.
+The router weights go to the expert's rank beside the x rows and stay there for the
+backward, where they are applied to dOut in fp32.
 
-Capacity C and the receiver's schedule: `mok/transport/common.py`. Routes past C set
-ERROR_CAPACITY_OVERFLOW on every rank (raised by `check_errors`, or at once with
-`strict=True`) and contribute zeros; nothing is written out of bounds. Memory per
-call: the send and receive buffers of P·C rows per direction, and the P·C received token
-rows, kept for the backward.
+Pairs past C set ERROR_CAPACITY_OVERFLOW on every rank (raised by `check_errors`, or at once
+with `strict=True`) and contribute zeros; nothing is written out of bounds. Memory per call:
+the send and receive buffers of P·C rows per exchange, and the P·C received token rows and
+their weights, kept for the backward.
 
-Determinism: rows are placed at fixed positions and the collectives only move bytes.
+Determinism: rows are placed at fixed positions and the collectives only move bytes; the
+sums run in the fixed orders above (j ascending on the expert's rank, then p ascending at
+the source), so results do not depend on the capacity.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ import torch
 import torch.distributed as dist
 
 from mok import ops
-from mok.transport.common import RouteCapacity, receiver_schedule
+from mok.kernels.dgrad import fp8_block_down_dgrad_gathers
+from mok.transport.common import RouteCapacity, token_plan, token_receiver_schedule
 
 
 def _exchange(send: torch.Tensor, group) -> torch.Tensor:
@@ -50,13 +54,18 @@ def _exchange(send: torch.Tensor, group) -> torch.Tensor:
 
 @dataclass(frozen=True, eq=False)
 class NcclDispatch:
-    """The routes of one layer call and the row moves along them (module docstring)."""
+    """The (token, rank) pairs of one layer call and the row moves along them (module docstring)."""
 
     group: dist.ProcessGroup | None
     world_size: int  # P
+    rank: int  # this rank's place in the group
     send_capacity: int  # C
     topk: int
-    route_slot: torch.Tensor  # [T·topk] int32: row of the send buffer, −1 for a route not sent
+    routes_per_row: int  # k_l
+    token_slot: torch.Tensor  # [T·P] int32: send row of pair (t, p) at t·P + p, −1: none
+    route_place: torch.Tensor  # [T·topk] int32: each route's sent route (p·C + c)·k_l + q, −1: not sent
+    received_routes: torch.Tensor  # [P·C·k_l] int32: each received route's index, −1: empty
+    fp8_wire: bool = False  # fp8_block: x (and dOut, where the dgrad reads it per token) travel in e4m3 + scales
 
     @property
     def num_expert_rows(self) -> int:
@@ -65,39 +74,80 @@ class NcclDispatch:
 
     def peer_bytes(self, hidden_size: int, with_backward: bool) -> int:
         """Bytes this rank sends its P − 1 peers in one forward (and backward), C rows per
-        peer in each exchange: the plan's expert ids (C + 1 int32), x rows and y rows (H
-        bf16 each); the backward adds dOut and dx rows and the router weights and their
-        gradients (fp32). The block a rank exchanges with itself stays on the device."""
+        peer in each exchange: the plan's expert ids (C·k_l + 1 int32), x rows and their
+        router weights (k_l fp32), partial y rows (H bf16); the backward adds dOut rows, dx
+        rows (H bf16) and their router-weight gradients (k_l fp32). A dispatched row is H bf16,
+        or with `fp8_wire` H e4m3 and H/128 fp32 scales (dOut where `d_out_on_fp8_wire`). The
+        block a rank exchanges with itself stays on the device."""
         int32, bf16, fp32 = 4, 2, 4
-        forward = (self.send_capacity + 1) * int32 + 2 * self.send_capacity * hidden_size * bf16
-        backward = 2 * self.send_capacity * (hidden_size * bf16 + fp32)
+        rows, k_l = self.send_capacity, self.routes_per_row
+        fp8_row = hidden_size + hidden_size // 128 * fp32
+        x_row = fp8_row if self.fp8_wire else hidden_size * bf16
+        d_out_row = fp8_row if self.d_out_on_fp8_wire(hidden_size) else hidden_size * bf16
+        forward = (rows * k_l + 1) * int32 + rows * (x_row + hidden_size * bf16 + k_l * fp32)
+        backward = rows * (d_out_row + hidden_size * bf16 + k_l * fp32)
         return (self.world_size - 1) * (forward + (backward if with_backward else 0))
 
-    def dispatch(self, x: torch.Tensor) -> torch.Tensor:
-        """[T, H] token rows → [P·C, H]: the rows routed to this rank's experts."""
-        return _exchange(ops.pack_rows(x, self.route_slot, self.topk, self.num_expert_rows), self.group)
+    def d_out_on_fp8_wire(self, hidden_size: int) -> bool:
+        """Whether dOut travels quantized: with `fp8_wire`, where the fp8_block down dgrad reads
+        dOut's per-token quantization (`dgrad.fp8_block_down_dgrad_gathers`); elsewhere it
+        needs dOut's bf16 rows."""
+        return self.fp8_wire and fp8_block_down_dgrad_gathers(hidden_size)
 
-    def peer_rows(self, kind: str) -> None:
-        """Epilogues cannot store on the peers over NCCL: the caller combines."""
-        return None
+    def peer_rows(self) -> int:
+        """Token rows this rank's tokens need on other ranks per exchange: its (token, rank)
+        pairs with another rank (what a transport moving only real rows would send; the
+        equal-split exchanges move C per peer). Counts on the device: a host sync, for
+        reports only."""
+        pairs = self.token_slot.view(-1, self.world_size) >= 0  # [T, P]
+        return int(pairs.sum()) - int(pairs[:, self.rank].sum())
+
+    def _send_rows(self, rows: torch.Tensor | tuple[torch.Tensor, ...]):
+        """[T, W] token rows (or a tuple of such, e.g. e4m3 rows and their scales) → the rows
+        [P·C, W] of the (token, rank) pairs received here."""
+        if isinstance(rows, tuple):
+            return tuple(self._send_rows(t) for t in rows)
+        # e4m3 travels as bytes: collectives (gloo) take no fp8 dtype
+        raw = rows.view(torch.uint8) if rows.dtype == torch.float8_e4m3fn else rows
+        packed = ops.pack_rows(raw, self.token_slot, self.world_size, self.num_expert_rows)
+        return _exchange(packed, self.group).view(rows.dtype)
+
+    def dispatch(self, x: torch.Tensor, topk_weights: torch.Tensor):
+        """[T, H] token rows and [T, topk] router weights → the received rows [P·C, H] (with
+        `fp8_wire`: quantized in 1×128 blocks before they travel, the pair of e4m3 rows and
+        their [P·C, H/128] fp32 scales) and their routes' weights [P·C, k_l] fp32 (0 for empty
+        routes)."""
+        rows = self._send_rows(ops.quantize_fp8_block_activations(x) if self.fp8_wire else x)
+        return rows, _exchange(self._pack_weights(topk_weights), self.group).view(-1, self.routes_per_row)
+
+    def _pack_weights(self, topk_weights: torch.Tensor) -> torch.Tensor:
+        """[P·C·k_l] fp32: each sent route's weight, zeros elsewhere (the expert side's sums
+        read every slot)."""
+        num_sent = self.num_expert_rows * self.routes_per_row
+        send = topk_weights.new_zeros(num_sent + 1, dtype=torch.float32)  # the last: routes not sent
+        target = torch.where(self.route_place >= 0, self.route_place.long(), num_sent)
+        return send.scatter_(0, target, topk_weights.reshape(-1).float())[:num_sent]
 
     def received_x(self, expert_x: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The received token rows for the backward: what `dispatch` returned, kept as is."""
         return expert_x
 
-    def combine(self, y_rows: torch.Tensor) -> torch.Tensor:
-        """[P·C, W] rows computed for the received rows → [T·topk, W] in route slots (zeros
-        for routes not sent)."""
-        return ops.unpack_rows(_exchange(y_rows, self.group), self.route_slot)
+    def combine(self, part_rows: torch.Tensor) -> torch.Tensor:
+        """[P·C, H] partial rows of the received rows → [P·C, H] this rank's tokens' partial
+        rows from each rank, pair (t, p) at row token_slot[t·P + p]."""
+        return _exchange(part_rows, self.group)
 
-    def dispatch_grad(self, d_out: torch.Tensor, topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """dOut rows [P·C, H] and router weights [P·C, 1] fp32 of the received routes."""
-        weights = ops.pack_rows(topk_weights.view(-1, 1), self.route_slot, 1, self.num_expert_rows)
-        return self.dispatch(d_out), _exchange(weights, self.group)
+    def dispatch_grad(self, d_out: torch.Tensor):
+        """dOut rows [P·C, H] of the received rows (where `d_out_on_fp8_wire`: the pair of e4m3
+        rows and scales, quantized before they travel)."""
+        quantized = self.d_out_on_fp8_wire(d_out.shape[1])
+        return self._send_rows(ops.quantize_fp8_block_activations(d_out) if quantized else d_out)
 
     def combine_grad(self, dx_rows: torch.Tensor, d_weight_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """dx_slots [T·topk, H] and d_topk_weights [T, topk] fp32 from the experts' ranks."""
-        d_topk_weights = self.combine(d_weight_rows.view(-1, 1)).view(-1, self.topk)
+        """dx partial rows [P·C, H] (as `combine`) and d_topk_weights [T, topk] fp32 from the
+        experts' ranks' [P·C, k_l] router-weight gradients."""
+        d_weights = _exchange(d_weight_rows.reshape(-1, 1), self.group)  # [P·C·k_l, 1]
+        d_topk_weights = ops.unpack_rows(d_weights, self.route_place).view(-1, self.topk)
         return self.combine(dx_rows), d_topk_weights
 
 
@@ -106,13 +156,21 @@ class NcclTransport(RouteCapacity):
     Creating one is a collective: the ranks agree on the largest token count."""
 
     def plan(
-        self, topk_ids: torch.Tensor, num_local_experts: int, error_flag: torch.Tensor, block_m: int
+        self, topk_ids: torch.Tensor, num_local_experts: int, error_flag: torch.Tensor, block_m: int,
+        fp8_wire: bool = False,
     ) -> tuple[NcclDispatch, tuple[torch.Tensor, ...]]:
-        """This call's dispatch, and the schedule (the tensors of `ops.routing_schedule`) of
-        the P·C rows this rank's experts receive. A collective."""
-        num_ranks, capacity = self.world_size, self.send_capacity(num_local_experts)
-        route_slot, send_expert, _ = ops.route_slots(topk_ids, error_flag, num_local_experts, num_ranks, capacity)
-        # [P, C + 1]: this rank's error flag rides with the ids, so every rank learns of all ranks' routing errors
-        send_ids = torch.cat([send_expert.view(num_ranks, capacity), error_flag.expand(num_ranks, 1)], dim=1)
-        schedule = receiver_schedule(_exchange(send_ids, self.group), error_flag, num_local_experts, block_m)
-        return NcclDispatch(self.group, num_ranks, capacity, topk_ids.shape[1], route_slot), schedule
+        """This call's dispatch (`fp8_wire`: x and dOut travel in fp8_block), and the schedule
+        (the tensors of `ops.routing_schedule`) of the P·C rows this rank's experts receive, as
+        tokens with topk = k_l. A collective."""
+        num_ranks, capacity = self.world_size, self.token_capacity()
+        routes_per_row = min(topk_ids.shape[1], num_local_experts)
+        token_slot, route_place, send_expert = token_plan(topk_ids, num_local_experts, num_ranks, capacity,
+                                                          error_flag)
+        # [P, C·k_l + 1]: this rank's error flag rides with the ids, so every rank learns of all ranks' routing errors
+        send_ids = torch.cat([send_expert.view(num_ranks, -1), error_flag.expand(num_ranks, 1)], dim=1)
+        schedule, received_routes = token_receiver_schedule(
+            _exchange(send_ids, self.group), error_flag, num_local_experts, routes_per_row, block_m
+        )
+        dispatch = NcclDispatch(self.group, num_ranks, self.rank, capacity, topk_ids.shape[1], routes_per_row, token_slot,
+                                route_place, received_routes, fp8_wire)
+        return dispatch, schedule

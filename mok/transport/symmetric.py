@@ -1,51 +1,55 @@
 """The symmetric-memory transport: expert parallelism over NVLink, rows moved by peer
 stores from Triton kernels (`mok/kernels/comm.py`), no collective library on the path.
+Each token row goes once to each rank holding ≥ 1 of its experts (the plan of `common.py`).
 
 Each rank allocates one buffer with `torch.distributed._symmetric_memory` (the same
 layout on every rank, so a region's address on rank p is p's base + the same offset):
 
-    region          shape                written by                        read by
-    recv_info       [P, L] int32         source p, row p: C expert ids,    plan
-                                         its error flag, C routes t·topk+j
-    recv_x          [P·C, H] bf16        source p, rows p·C + c            gate/up GEMM, backward gather
-    y_slots         [R, H] bf16          the experts' ranks, row t·topk+j  combine epilogue
-    recv_d_out      [P·C, H] bf16        source p, rows p·C + c            backward gather
-    recv_weights    [P·C] fp32           source p, beside its dOut rows    down dgrad
-    dx_slots        [R, H] bf16          the experts' ranks, row t·topk+j  d_x epilogue
-    d_weight_slots  [R] fp32             the experts' ranks, per route     d_topk_weights
-    arrivals        [6, P] int32         every rank, one counter per (kind, source)
+    region          shape                written by                         read by
+    recv_info       [P, L] int32         source p, row p: C·k_l expert ids, plan
+                                         its error flag
+    recv_x          [P·C, H] bf16        source p, rows p·C + c             gate/up GEMM, backward
+    recv_weights    [P·C·k_l] fp32       source p, beside its x rows        the expert-side sum (a copy)
+    y_parts         [P·C, H] bf16        expert rank p, row p·C + c         the source's sum over ranks
+    recv_d_out      [P·C, H] bf16        source p, rows p·C + c             backward
+    dx_parts        [P·C, H] bf16        expert rank p, row p·C + c         the source's d_x sum
+    d_weight_slots  [P·C·k_l] fp32       expert rank p, per route           d_topk_weights (a copy)
+    arrivals        [9, P] int32         every rank, one counter per (kind, source)
 
-(C the largest send capacity of `common.py`, R = T_max·topk, L = 2C + 2 rounded up to a
-multiple of _INFO_CHUNK.) One layer call on each rank:
+(C the token capacity of `common.py`, k_l = min(topk, E_l) ≤ topk, L = C·topk + 1 rounded
+up to a multiple of _INFO_CHUNK.) In fp8_block, x and dOut rows travel quantized (1×128
+blocks along H): H e4m3 bytes at recv_x_q and H/128 fp32 scales at recv_x_scale, both inside
+recv_x's bytes (2·H bytes a row hold H + H/32), likewise for recv_d_out. Source rows land at
+my_rank·C + c on the expert's rank (BY_SLOT of `comm.push_rows`, the pair's send row p·C + c
+as the slot) and the partial rows come back to row p·C + c of the source, the same place, so
+nothing is unpacked. One layer call on each rank:
 
-    plan       route_slots → push row p of [ids | flag | routes] to rank p → wait →
-               the receiver's schedule (`common.py`) and each received row's route
-    forward    push x rows to the experts' ranks (BY_SLOT) → wait → (caller: gate/up +
-               SwiGLU, then the down GEMM, whose epilogue stores y rows straight into
-               the sources' slots t·topk + j on their ranks: `peer_rows`) → wait
-    backward   push dOut rows and router weights → wait → (caller: dgrad, wgrad; the
-               gate/up dgrad's epilogue stores dx rows into the sources' slots) → push
-               the router-weight gradients → wait
-    (`combine` / `combine_grad` push rows computed into the received order instead.)
+    plan       token_plan → push row p of [ids | flag] to rank p → wait → the receiver's
+               schedule (`common.py`)
+    forward    push x rows and the routes' router weights → wait → (caller: gate/up +
+               SwiGLU, down, the sum of each row's routes) → push the partial rows → wait
+    backward   push dOut rows → wait → (caller: dgrad, wgrad, the sum of each row's dx) →
+               push the dx rows and the router-weight gradients → wait
 
-Only rows that exist travel (no padding to capacity as with equal-split collectives),
-and the returning rows land in their slots, so nothing is unpacked. Routes past the
-capacity set ERROR_CAPACITY_OVERFLOW (every rank learns it through the plan); they move
-nothing and their slots are zeroed by the dispatch that would have sent them.
+Only rows that exist travel (no padding to capacity as with equal-split collectives).
+Pairs past the capacity set ERROR_CAPACITY_OVERFLOW (every rank learns it through the plan);
+they move nothing and their routes contribute zeros.
 
-Safe to overwrite (the third sync pattern of `kernels/comm.py`) follows from the order of the calls,
-checked for every region: a rank pushes into a peer's region only after a wait that
+Safe to overwrite (the third sync pattern of `mok/kernels/comm.py`) follows from the order
+of the calls, checked for every region: a rank pushes into a peer's region only after a wait that
 needs a push the peer made after its last read of that region. E.g. rank a's next push
-into b's recv_x follows a's wait for b's y rows, which b pushed after its gate/up GEMM
-read recv_x (and, with a backward, a's wait for b's dx rows, pushed after b's backward
-gather). Every rank runs the same sequence of calls.
+into b's recv_x follows a's wait for b's partial y rows, which b pushed after its gate/up
+GEMM read recv_x (and, with a backward, a's wait for b's dx rows, pushed after b's backward
+read recv_x). a's next push into b's y_parts follows a's wait for b's next plan, which b
+pushed after summing y_parts. Every rank runs the same sequence of calls.
 
 The received x rows stay in recv_x for the backward's weight gradient. The next
 dispatch through this transport overwrites them; `received_x` notices (a host-side
 count, no sync) and sends them again, so a model whose layers share a workspace stays
 correct and pays one more x exchange per layer in the backward; give each layer its own
-workspace to avoid it. d_topk_weights is copied out of d_weight_slots (it leaves the
-layer); every other region is consumed before the call returns.
+workspace to avoid it. The received router weights and d_topk_weights are copied out of
+their regions (the first is read in the backward, the second leaves the layer); every other
+region is consumed before the call returns.
 
 Waits are bounded by `MoKConfig.peer_timeout_s`: a rank that never arrives becomes
 ERROR_PEER_TIMEOUT, raised by `check_errors`; the workspace is unusable afterwards
@@ -63,11 +67,11 @@ import torch.distributed as dist
 from mok import ops
 from mok.config import MoKConfig
 from mok.kernels import comm
-from mok.transport.common import RouteCapacity, check_same_across_ranks, receiver_schedule
+from mok.kernels.dgrad import fp8_block_down_dgrad_gathers
+from mok.transport.common import RouteCapacity, check_same_across_ranks, token_plan, token_receiver_schedule
 
-# One push (or one GEMM launch storing on the peers) per kind and call; the receiver
-# counts each kind's arrivals apart.
-_KINDS = ("plan", "x", "y", "d_out", "dx", "d_weight")
+# One push per kind and call; the receiver counts each kind's arrivals apart.
+_KINDS = ("plan", "x", "x_scale", "weights", "y", "d_out", "d_out_scale", "dx", "d_weight")
 # Int32 words per pushed row of the plan's [P, L] block: the block travels as L / 1024
 # rows per peer, so the push spreads it over programs like any other rows.
 _INFO_CHUNK = 1024
@@ -106,22 +110,21 @@ class SymmetricTransport(RouteCapacity):
         self.config = config
         self.device = device
         self.error_flag = error_flag  # the workspace's: waits past the timeout set a bit in it
-        self.num_programs = {"plan": config.fwd_num_comm_sms, "x": config.fwd_num_comm_sms, "y": config.fwd_num_comm_sms,
-                             "d_out": config.bwd_num_comm_sms, "dx": config.bwd_num_comm_sms,
-                             "d_weight": config.bwd_num_comm_sms}
+        self.num_programs = {kind: config.fwd_num_comm_sms for kind in ("plan", "x", "x_scale", "weights", "y")}
+        self.num_programs.update({kind: config.bwd_num_comm_sms for kind in ("d_out", "d_out_scale", "dx", "d_weight")})
         # the receivers count the senders' programs: every rank must launch alike
         check_same_across_ranks(group, {"config.fwd_num_comm_sms": config.fwd_num_comm_sms,
                                         "config.bwd_num_comm_sms": config.bwd_num_comm_sms}, device)
-        num_ranks, max_capacity = self.world_size, self.send_capacity(topk)  # E_l >= topk: the largest C
-        num_slots = self.max_local_tokens * topk
+        num_ranks, capacity = self.world_size, self.token_capacity()
+        rows, routes = num_ranks * capacity, num_ranks * capacity * topk  # k_l <= topk: the most routes
         self.regions = {  # name -> (shape, dtype)
-            "recv_info": ((num_ranks * self._info_width(max_capacity) // _INFO_CHUNK, _INFO_CHUNK), torch.int32),
-            "recv_x": ((num_ranks * max_capacity, hidden_size), torch.bfloat16),
-            "y_slots": ((num_slots, hidden_size), torch.bfloat16),
-            "recv_d_out": ((num_ranks * max_capacity, hidden_size), torch.bfloat16),
-            "recv_weights": ((num_ranks * max_capacity,), torch.float32),
-            "dx_slots": ((num_slots, hidden_size), torch.bfloat16),
-            "d_weight_slots": ((num_slots,), torch.float32),
+            "recv_info": ((num_ranks * self._info_width(capacity * topk) // _INFO_CHUNK, _INFO_CHUNK), torch.int32),
+            "recv_x": ((rows, hidden_size), torch.bfloat16),
+            "recv_weights": ((routes,), torch.float32),
+            "y_parts": ((rows, hidden_size), torch.bfloat16),
+            "recv_d_out": ((rows, hidden_size), torch.bfloat16),
+            "dx_parts": ((rows, hidden_size), torch.bfloat16),
+            "d_weight_slots": ((routes,), torch.float32),
             "arrivals": ((len(_KINDS), num_ranks), torch.int32),
         }
         offsets, total = {}, 0
@@ -138,6 +141,10 @@ class SymmetricTransport(RouteCapacity):
             self.peer_ptrs[name] = torch.tensor(
                 [base + offsets[name] for base in handle.buffer_ptrs], dtype=torch.int64, device=device
             )
+        self.shapes = {name: shape for name, (shape, _) in self.regions.items()}
+        if hidden_size % 128 == 0:
+            for name in ("recv_x", "recv_d_out"):
+                self._add_fp8_views(name, rows, hidden_size)
         self.expected = torch.zeros(len(_KINDS), num_ranks, dtype=torch.int32, device=device)  # arrivals consumed
         self.views["arrivals"].zero_()
         torch.cuda.synchronize(device)
@@ -145,48 +152,69 @@ class SymmetricTransport(RouteCapacity):
         self.x_generation = 0  # dispatches of x so far (received_x compares)
         self._info_index: dict[int, torch.Tensor] = {}
 
+    def _add_fp8_views(self, name: str, rows: int, hidden_size: int) -> None:
+        """`name`_q [rows, H] e4m3 (as bytes) and `name`_scale [rows, H/128] fp32 over the bytes of
+        the bf16 region `name` (2·H bytes a row hold H + H/32): where fp8_block rows travel."""
+        raw = self.views[name].view(-1).view(torch.uint8)
+        scale_offset = rows * hidden_size  # a multiple of 128 bytes: aligned as the pushes assume
+        parts = {"_q": (0, (rows, hidden_size), torch.uint8),
+                 "_scale": (scale_offset, (rows, hidden_size // 128), torch.float32)}
+        for suffix, (offset, shape, dtype) in parts.items():
+            nbytes = dtype.itemsize * torch.Size(shape).numel()
+            self.views[name + suffix] = raw[offset: offset + nbytes].view(dtype).view(shape)
+            self.peer_ptrs[name + suffix] = self.peer_ptrs[name] + offset
+            self.shapes[name + suffix] = shape
+
     @staticmethod
-    def _info_width(capacity: int) -> int:
-        return -(-(2 * capacity + 2) // _INFO_CHUNK) * _INFO_CHUNK
+    def _info_width(num_ids: int) -> int:
+        """L: words of one source's plan row (its ids and its error flag), whole chunks."""
+        return -(-(num_ids + 1) // _INFO_CHUNK) * _INFO_CHUNK
 
     def push(self, kind: str, src: torch.Tensor, index: torch.Tensor, region: str, **kwargs) -> None:
         """Pushes rows of `src` into `region`'s rows on the ranks `index` says (`comm.push_rows`)."""
-        shape = self.regions[region][0]
+        shape = self.shapes[region]
         row_width = shape[1] if len(shape) == 2 else 1
         comm.push_rows(src, index, self.peer_ptrs[region], row_width, self.peer_ptrs["arrivals"], _KINDS.index(kind),
                        self.error_flag, num_dst_rows=shape[0], my_rank=self.rank, num_programs=self.num_programs[kind],
                        **kwargs)
 
-    def wait(self, kind: str, programs_per_peer: int | None = None) -> None:
-        """Peers' pushes of `kind` visible here (bounded; `comm.wait_arrivals`): each peer's
-        `programs_per_peer` programs (default: its push's) have signalled."""
-        programs = self.num_programs[kind] if programs_per_peer is None else programs_per_peer
-        comm.wait_arrivals(self.views["arrivals"], self.expected, self.error_flag, _KINDS.index(kind), programs,
-                           self.config.peer_timeout_s)
+    def wait(self, kind: str) -> None:
+        """Peers' pushes of `kind` visible here (bounded; `comm.wait_arrivals`): every program
+        of each peer's push has signalled."""
+        comm.wait_arrivals(self.views["arrivals"], self.expected, self.error_flag, _KINDS.index(kind),
+                           self.num_programs[kind], self.config.peer_timeout_s)
 
     def plan(
-        self, topk_ids: torch.Tensor, num_local_experts: int, error_flag: torch.Tensor, block_m: int
+        self, topk_ids: torch.Tensor, num_local_experts: int, error_flag: torch.Tensor, block_m: int,
+        fp8_wire: bool = False,
     ) -> tuple[SymmetricDispatch, tuple[torch.Tensor, ...]]:
-        """This call's dispatch, and the schedule (the tensors of `ops.routing_schedule`) of
-        the P·C rows this rank's experts receive. Every rank must call it."""
-        num_ranks, capacity = self.world_size, self.send_capacity(num_local_experts)
-        route_slot, send_expert, send_route = ops.route_slots(
-            topk_ids, error_flag, num_local_experts, num_ranks, capacity
-        )
-        width = self._info_width(capacity)
-        # [P, L]: C ids | this rank's error flag (so every rank learns all routing errors) | C routes | unused
+        """This call's dispatch (`fp8_wire`: x and dOut travel in fp8_block), and the schedule
+        (the tensors of `ops.routing_schedule`) of the P·C rows this rank's experts receive, as
+        tokens with topk = k_l. Every rank must call it."""
+        if fp8_wire and "recv_x_q" not in self.views:
+            raise ValueError(f"fp8_wire: expected a hidden size that is a multiple of 128, got {self.regions['recv_x'][0][1]}")
+        num_ranks, capacity = self.world_size, self.token_capacity()
+        routes_per_row = min(topk_ids.shape[1], num_local_experts)
+        token_slot, route_place, send_expert = token_plan(topk_ids, num_local_experts, num_ranks, capacity,
+                                                          error_flag)
+        num_ids = capacity * routes_per_row
+        width = self._info_width(num_ids)
+        # [P, L]: C·k_l ids | this rank's error flag (so every rank learns all routing errors) | unused
         send_info = torch.cat([
-            send_expert.view(num_ranks, capacity), error_flag.expand(num_ranks, 1), send_route.view(num_ranks, capacity),
-            send_route.new_zeros(num_ranks, width - 2 * capacity - 1),
+            send_expert.view(num_ranks, num_ids), error_flag.expand(num_ranks, 1),
+            send_expert.new_zeros(num_ranks, width - num_ids - 1),
         ], dim=1)
         chunks = width // _INFO_CHUNK
         self.push("plan", send_info.view(num_ranks * chunks, _INFO_CHUNK), self._plan_index(chunks), "recv_info",
                   by_slot=False, capacity=chunks)
         self.wait("plan")
         recv_info = self.views["recv_info"].view(-1)[: num_ranks * width].view(num_ranks, width)
-        schedule = receiver_schedule(recv_info[:, : capacity + 1], error_flag, num_local_experts, block_m)
-        return_route = recv_info[:, capacity + 1: 2 * capacity + 1].contiguous().view(-1)  # [P·C]: the source's route
-        return SymmetricDispatch(self, capacity, topk_ids.shape[1], route_slot, return_route), schedule
+        schedule, received_routes = token_receiver_schedule(
+            recv_info[:, : num_ids + 1], error_flag, num_local_experts, routes_per_row, block_m
+        )
+        dispatch = SymmetricDispatch(self, capacity, topk_ids.shape[1], routes_per_row, token_slot, route_place,
+                                     received_routes, fp8_wire)
+        return dispatch, schedule
 
     def _plan_index(self, chunks: int) -> torch.Tensor:
         """[P·chunks] int32: chunk i of the block for rank i // chunks lands in that rank's
@@ -199,16 +227,29 @@ class SymmetricTransport(RouteCapacity):
 
 
 class SymmetricDispatch:
-    """The routes of one layer call and the row moves along them (module docstring)."""
+    """The (token, rank) pairs of one layer call and the row moves along them (module docstring)."""
 
-    def __init__(self, transport: SymmetricTransport, capacity: int, topk: int, route_slot: torch.Tensor,
-                 return_route: torch.Tensor):
+    def __init__(self, transport: SymmetricTransport, capacity: int, topk: int, routes_per_row: int,
+                 token_slot: torch.Tensor, route_place: torch.Tensor, received_routes: torch.Tensor,
+                 fp8_wire: bool = False):
         self.transport = transport
         self.world_size = transport.world_size  # P
         self.send_capacity = capacity  # C
         self.topk = topk
-        self.route_slot = route_slot  # [T·topk] int32: row p·C + c of the route at its expert's rank, −1: not sent
-        self.return_route = return_route  # [P·C] int32: the source's route of each received row, −1: empty
+        self.routes_per_row = routes_per_row  # k_l
+        self.token_slot = token_slot  # [T·P] int32: send row p·C + c of pair (t, p) at t·P + p, −1: none
+        self.route_place = route_place  # [T·topk] int32: each route's sent route (p·C + c)·k_l + q, −1: not sent
+        self.received_routes = received_routes  # [P·C·k_l] int32: each received route's index, −1: empty
+        self.fp8_wire = fp8_wire  # fp8_block: x (and dOut, where the dgrad reads it per token) travel in e4m3 + scales
+        rank = transport.rank
+        rows = torch.arange(self.num_expert_rows, device=token_slot.device, dtype=torch.int32)  # [P·C]
+        received_rows = (received_routes.view(-1, routes_per_row) >= 0).any(1)
+        # [P·C], [P·C·k_l]: where each received row's partial row, and each received route's router-weight gradient,
+        # land on its source's rank (the source's own send row / route), −1: empty
+        self.return_row = torch.where(received_rows, rank * capacity + rows % capacity, -1).to(torch.int32)
+        num_routes = capacity * routes_per_row
+        routes = torch.arange(received_routes.shape[0], device=token_slot.device, dtype=torch.int32)
+        self.return_route = torch.where(received_routes >= 0, rank * num_routes + routes % num_routes, -1).to(torch.int32)
         self._x_generation = None
 
     @property
@@ -216,90 +257,115 @@ class SymmetricDispatch:
         """P·C: rows of the received buffers."""
         return self.world_size * self.send_capacity
 
-    def _slots(self, region: str) -> torch.Tensor:
-        return self.transport.views[region][: self.route_slot.shape[0]]
+    def d_out_on_fp8_wire(self, hidden_size: int) -> bool:
+        """As `NcclDispatch.d_out_on_fp8_wire`."""
+        return self.fp8_wire and fp8_block_down_dgrad_gathers(hidden_size)
+
+    def peer_rows(self) -> int:
+        """Token rows this rank sends other ranks per dispatch: its (token, rank) pairs with
+        another rank. Counts on the device: a host sync, for reports only."""
+        pairs = self.token_slot.view(-1, self.world_size) >= 0  # [T, P]
+        return int(pairs.sum()) - int(pairs[:, self.transport.rank].sum())
 
     def peer_bytes(self, hidden_size: int, with_backward: bool) -> int:
-        """Bytes this rank sends its peers in one forward (and backward): the plan's block,
-        then two H-wide bf16 rows per route to another rank (x out, y back), and in the
-        backward two more and an fp32 each way. Counts the routes on the device: a host
-        sync, for reports only."""
-        transport = self.transport
-        dest = torch.div(self.route_slot, self.send_capacity, rounding_mode="floor")
-        remote = int(((self.route_slot >= 0) & (dest != transport.rank)).sum())
+        """Bytes this rank pushes to its peers in one forward (and backward): the plan's block,
+        then H-wide bf16 rows: x and dOut once per (own token, other rank), y and dx parts once
+        per row received from another rank; fp32 router weights per own route sent away, their
+        gradients per route received from another rank. Counts on the device: a host sync, for
+        reports only."""
+        transport, rank = self.transport, self.transport.rank
+        num_routes = self.send_capacity * self.routes_per_row
+        out_rows = self.peer_rows()
+        in_rows = int(((self.return_row >= 0) & (self._row_sources() != rank)).sum())
+        out_routes = int(((self.route_place >= 0) & (self.route_place // num_routes != rank)).sum())
+        received = self.received_routes >= 0
+        in_routes = int((received & (torch.arange(received.shape[0], device=received.device) // num_routes != rank)).sum())
         int32, bf16, fp32 = 4, 2, 4
-        forward = (self.world_size - 1) * transport._info_width(self.send_capacity) * int32 + 2 * remote * hidden_size * bf16
-        backward = 2 * remote * (hidden_size * bf16 + fp32)
+        fp8_row = hidden_size + hidden_size // 128 * fp32
+        x_row = fp8_row if self.fp8_wire else hidden_size * bf16
+        d_out_row = fp8_row if self.d_out_on_fp8_wire(hidden_size) else hidden_size * bf16
+        plan = (self.world_size - 1) * transport._info_width(num_routes) * int32
+        forward = plan + out_rows * x_row + in_rows * hidden_size * bf16 + out_routes * fp32
+        backward = out_rows * d_out_row + in_rows * hidden_size * bf16 + in_routes * fp32
         return forward + (backward if with_backward else 0)
 
-    def dispatch(self, x: torch.Tensor) -> torch.Tensor:
-        """[T, H] token rows → [P·C, H]: the rows routed to this rank's experts (a view of
-        the transport's recv_x; rows no source filled hold stale values, and the schedule
-        skips them)."""
+    def _row_sources(self) -> torch.Tensor:
+        """[P·C]: the source rank of each received row."""
+        rows = torch.arange(self.num_expert_rows, device=self.token_slot.device)
+        return rows // self.send_capacity
+
+    def _send_rows(self, kind: str, rows: torch.Tensor, region: str, quantized: bool):
+        """[T, H] token rows → the rows [P·C, H] of the pairs received here (a view of `region`);
+        `quantized`: in fp8_block's 1×128 blocks, as the pair of e4m3 rows and their [P·C, H/128]
+        scales (views of `region`'s bytes)."""
+        transport, num_rows = self.transport, self.num_expert_rows
+        sends = {kind: (rows, region)}
+        if quantized:
+            q, scale = ops.quantize_fp8_block_activations(rows)
+            sends = {kind: (q.view(torch.uint8), region + "_q"), kind + "_scale": (scale, region + "_scale")}
+        for name, (src, dst) in sends.items():
+            transport.push(name, src, self.token_slot, dst, by_slot=True, capacity=self.send_capacity,
+                           routes_per_row=self.world_size)
+        for name in sends:
+            transport.wait(name)
+        if quantized:
+            return (transport.views[region + "_q"][:num_rows].view(torch.float8_e4m3fn),
+                    transport.views[region + "_scale"][:num_rows])
+        return transport.views[region][:num_rows]
+
+    def _push_x(self, x: torch.Tensor):
+        received = self._send_rows("x", x, "recv_x", self.fp8_wire)
+        self.transport.x_generation += 1
+        self._x_generation = self.transport.x_generation
+        return received
+
+    def dispatch(self, x: torch.Tensor, topk_weights: torch.Tensor):
+        """[T, H] token rows and [T, topk] router weights → the received rows [P·C, H] (a view of
+        the transport's recv_x; rows no source filled hold stale values, and the schedule skips
+        them; with `fp8_wire` the pair of e4m3 rows and scales, quantized before they travel) and
+        their routes' weights [P·C, k_l] fp32 (a copy; 0 for empty routes)."""
         transport = self.transport
-        transport.push("x", x, self.route_slot, "recv_x", by_slot=True, capacity=self.send_capacity,
-                       routes_per_row=self.topk, zero_rows=self._slots("y_slots"))
-        transport.wait("x")
-        transport.x_generation += 1
-        self._x_generation = transport.x_generation
-        return transport.views["recv_x"][: self.num_expert_rows]
+        num_routes = self.send_capacity * self.routes_per_row
+        transport.push("weights", topk_weights.reshape(-1, 1).float(), self.route_place, "recv_weights", by_slot=True,
+                       capacity=num_routes)
+        expert_x = self._push_x(x)
+        transport.wait("weights")
+        weights = transport.views["recv_weights"][: self.world_size * num_routes]
+        weights = torch.where(self.received_routes >= 0, weights, 0.0)  # stale values where no route came
+        return expert_x, weights.view(-1, self.routes_per_row)
 
     def received_x(self, expert_x: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The received token rows for the backward: `expert_x` if no later dispatch has
         overwritten them, else sent again (every rank decides alike: same call sequence)."""
         if self._x_generation != self.transport.x_generation:
-            return self.dispatch(x)
+            return self._push_x(x)
         return expert_x
 
-    def peer_rows(self, kind: str) -> comm.PeerRows:
-        """Where the down GEMM ("y") or the gate/up dgrad ("dx") stores its rows itself: in
-        the sources' slots on their ranks, so the rows cross NVLink while other tiles
-        compute. Then `combined` / `combined_grad` instead of `combine` / `combine_grad`."""
-        transport, region = self.transport, {"y": "y_slots", "dx": "dx_slots"}[kind]
-        return comm.PeerRows(transport.peer_ptrs[region], self.return_route, self.send_capacity,
-                             transport.peer_ptrs["arrivals"], _KINDS.index(kind) * self.world_size + transport.rank,
-                             transport.views[region])
+    def combine(self, part_rows: torch.Tensor) -> torch.Tensor:
+        """[P·C, H] partial rows of the received rows → [P·C, H] this rank's tokens' partial
+        rows from each rank, pair (t, p) at row token_slot[t·P + p] (a view of y_parts)."""
+        return self._return_rows("y", part_rows, "y_parts")
 
-    def combined(self, num_programs: int) -> torch.Tensor:
-        """y [T·topk, H] in route slots, once the peers' down GEMMs of `num_programs`
-        programs each (`peer_rows("y")`) have landed; a view of the transport's y_slots."""
-        self.transport.wait("y", num_programs)
-        return self._slots("y_slots")
-
-    def combined_grad(self, d_weight_rows: torch.Tensor, num_programs: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """As `combine_grad`, with the dx rows stored by the peers' gate/up dgrads of
-        `num_programs` programs each (`peer_rows("dx")`); the router-weight gradients
-        [P·C, 1] fp32 travel on their own."""
+    def _return_rows(self, kind: str, rows: torch.Tensor, region: str) -> torch.Tensor:
         transport = self.transport
-        transport.push("d_weight", d_weight_rows.reshape(-1, 1), self.return_route, "d_weight_slots", by_slot=False,
-                       capacity=self.send_capacity)
-        transport.wait("dx", num_programs)
-        transport.wait("d_weight")
-        return self._slots("dx_slots"), self._slots("d_weight_slots").view(-1, self.topk).clone()
+        transport.push(kind, rows, self.return_row, region, by_slot=False, capacity=self.send_capacity)
+        transport.wait(kind)
+        return transport.views[region][: self.num_expert_rows]
 
-    def combine(self, y_rows: torch.Tensor) -> torch.Tensor:
-        """[P·C, H] rows computed for the received rows → [T·topk, H] in route slots (zeros
-        for routes not sent); a view of the transport's y_slots."""
-        self.transport.push("y", y_rows, self.return_route, "y_slots", by_slot=False, capacity=self.send_capacity)
-        self.transport.wait("y")
-        return self._slots("y_slots")
-
-    def dispatch_grad(self, d_out: torch.Tensor, topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """dOut rows [P·C, H] and router weights [P·C, 1] fp32 of the received routes."""
-        transport = self.transport
-        scalars = (topk_weights.reshape(-1), transport.peer_ptrs["recv_weights"], self._slots("d_weight_slots"))
-        transport.push("d_out", d_out, self.route_slot, "recv_d_out", by_slot=True, capacity=self.send_capacity,
-                       routes_per_row=self.topk, zero_rows=self._slots("dx_slots"), scalars=scalars)
-        transport.wait("d_out")
-        rows = self.num_expert_rows
-        return transport.views["recv_d_out"][:rows], transport.views["recv_weights"][:rows].view(rows, 1)
+    def dispatch_grad(self, d_out: torch.Tensor):
+        """dOut rows [P·C, H] of the received rows (a view of recv_d_out; where
+        `d_out_on_fp8_wire`, the pair of e4m3 rows and scales)."""
+        return self._send_rows("d_out", d_out, "recv_d_out", self.d_out_on_fp8_wire(d_out.shape[1]))
 
     def combine_grad(self, dx_rows: torch.Tensor, d_weight_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """dx_slots [T·topk, H] (a view of the transport's) and d_topk_weights [T, topk] fp32
-        (a copy: it leaves the layer) from the experts' ranks."""
+        """dx partial rows [P·C, H] (as `combine`, a view of dx_parts) and d_topk_weights
+        [T, topk] fp32 (a copy: it leaves the layer) from the experts' ranks' [P·C, k_l]
+        router-weight gradients."""
         transport = self.transport
-        scalars = (d_weight_rows.reshape(-1), transport.peer_ptrs["d_weight_slots"], None)
-        transport.push("dx", dx_rows, self.return_route, "dx_slots", by_slot=False, capacity=self.send_capacity,
-                       scalars=scalars)
-        transport.wait("dx")
-        return self._slots("dx_slots"), self._slots("d_weight_slots").view(-1, self.topk).clone()
+        num_routes = self.send_capacity * self.routes_per_row
+        transport.push("d_weight", d_weight_rows.reshape(-1, 1), self.return_route, "d_weight_slots", by_slot=False,
+                       capacity=num_routes)
+        dx = self._return_rows("dx", dx_rows, "dx_parts")
+        transport.wait("d_weight")
+        d_weights = transport.views["d_weight_slots"][: self.world_size * num_routes].view(-1, 1)
+        return dx, ops.unpack_rows(d_weights, self.route_place).view(-1, self.topk)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import mok
 from mok.reference import ep_moe_backward, ep_moe_forward
-from mok.testing import assert_close_to_reference, make_inputs
+from mok.testing import assert_close_to_reference, make_inputs, make_topk_ids
 from mok.testing.distributed import run_distributed
 
 TRANSPORTS = ("nccl", "symmetric")
@@ -176,6 +176,50 @@ def test_gpu_ep_two_ranks_low_precisions(backend):
     failures = run_distributed(_low_precision_worker, 2, timeout_s=600, backend=backend)
     reports = [f"[rank {r}] {msg}" for r, msgs in enumerate(failures) for msg in msgs]
     assert not reports, "\n\n".join(reports)
+
+
+def _symmetric_bytes_worker(rank: int, world_size: int) -> list[str]:
+    """The symmetric transport's own count of the bytes a rank pushes (`peer_bytes`, what the
+    benchmark records) against a count from every rank's topk_ids in plain torch: x and dOut
+    rows once per (own token, other rank it reaches), y and dx partial rows once per (other
+    rank's token reaching this rank), one fp32 per route each way, and the plan's blocks."""
+    torch.cuda.set_device(rank)
+    group = dist.group.WORLD
+    T, H, E_l, topk = 1000 + 100 * rank, 256, 4, 3
+    ids = make_topk_ids(T, E_l * world_size, topk, torch.Generator().manual_seed(rank)).cuda()
+    config = mok.MoKConfig(backend="triton", transport="symmetric")
+    ws = mok.create_workspace(config, group, device="cuda", num_local_tokens=T, hidden_size=H, topk=topk)
+    dispatch = mok.build_schedule(ws, config, ids, num_local_experts=E_l).dispatch
+    got = dispatch.peer_bytes(H, with_backward=True)
+    most = 1000 + 100 * (world_size - 1)
+    padded = torch.full((most, topk), -1, dtype=ids.dtype, device="cuda")
+    padded[:T] = ids
+    every = [torch.empty_like(padded) for _ in range(world_size)]
+    dist.all_gather(every, padded, group=group)
+    out_pairs = in_pairs = out_routes = in_routes = 0
+    for source, source_ids in enumerate(every):
+        source_ids = source_ids[(source_ids >= 0).all(1)].cpu()
+        dest = source_ids // E_l  # [T_source, topk]
+        reaches = torch.zeros(dest.shape[0], world_size, dtype=torch.bool).scatter_(1, dest, True)
+        if source == rank:
+            out_pairs = int(reaches.sum()) - int(reaches[:, rank].sum())
+            out_routes = int((dest != rank).sum())
+        else:
+            in_pairs += int(reaches[:, rank].sum())
+            in_routes += int((dest == rank).sum())
+    capacity = ws.transport.token_capacity()
+    plan_words = -(-(capacity * topk + 1) // 1024) * 1024  # k_l = topk here
+    expected = (world_size - 1) * plan_words * 4 + 2 * (out_pairs + in_pairs) * H * 2 + (out_routes + in_routes) * 4
+    ctx = f"P={world_size} {rank=} {T=} {H=} {E_l=} {topk=} {out_pairs=} {in_pairs=}"
+    return [] if got == expected else [f"peer_bytes {got} != {expected} counted from the ids {ctx}"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_gpu_symmetric_peer_bytes_count_once_per_token_and_rank():
+    failures = run_distributed(_symmetric_bytes_worker, 2, timeout_s=300, backend="nccl")
+    reports = [f"[rank {r}] {msg}" for r, msgs in enumerate(failures) for msg in msgs]
+    assert not reports, "\n".join(reports)
 
 
 def _absent_rank_worker(rank: int, world_size: int) -> tuple[str, float]:

@@ -39,6 +39,7 @@ class Case:
     signed_weights: bool = False
     swiglu_limit: float | None = None
     empty_experts: bool = False  # route nothing to the last rank's experts nor to expert 1
+    skew: float = 0.0  # > 0: most routes go to the first rank's experts
     int32_ids: bool = False  # SPEC allows int32 or int64 topk_ids
     tokens_per_rank: int = 8  # T
     hidden: int = 32  # H
@@ -49,13 +50,19 @@ CASES = (
     Case("softmax+shared", experts_per_rank=2, topk=2),
     Case("signed_weights", experts_per_rank=3, topk=3, signed_weights=True),
     Case("swiglu_limit_no_shared", experts_per_rank=2, topk=2, shared_size=0, swiglu_limit=0.5),
-    Case("empty_experts", experts_per_rank=3, topk=2, signed_weights=True),
+    Case("empty_experts", experts_per_rank=3, topk=2, signed_weights=True, empty_experts=True),
     Case("topk1_int32_ids", experts_per_rank=2, topk=1, tokens_per_rank=5, int32_ids=True),
+    # topk > E_l: a token's row carries up to E_l routes to one rank, summed there
+    Case("skewed_topk_over_local", experts_per_rank=2, topk=3, skew=4.0, signed_weights=True),
 )
 
 
 def _global_ids(case: Case, num_ranks: int, gen: torch.Generator) -> torch.Tensor | None:
-    """Explicit ids for the empty-experts case (some experts and a whole rank get nothing)."""
+    """Explicit ids for the empty-experts case (some experts and a whole rank get nothing)
+    and the skewed one."""
+    if case.skew:
+        return make_topk_ids(case.tokens_per_rank * num_ranks, case.experts_per_rank * num_ranks, case.topk, gen,
+                             skew=case.skew)
     if not case.empty_experts:
         return None
     E_l = case.experts_per_rank

@@ -1,5 +1,5 @@
-"""Peer-pointer row pushes, the bounded arrival wait (`mok/kernels/comm.py`), and the GEMM
-epilogues that store rows on the peers (`PeerRows`).
+"""Peer-pointer row pushes and the bounded arrival wait (`mok/kernels/comm.py`), as the
+symmetric transport uses them.
 
 P ranks are simulated in one process: each "rank" owns plain tensors standing in for its
 symmetric-memory regions, and the peer-pointer tables hold their addresses (the kernels
@@ -10,16 +10,17 @@ transport is in tests/dist/test_ep_symmetric.py.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from mok.kernels.comm import PeerRows, push_rows, wait_arrivals
+from mok.kernels.comm import push_rows, wait_arrivals
 from mok.kernels.common import ERROR_CAPACITY_OVERFLOW, ERROR_PEER_TIMEOUT
-from mok.kernels.dgrad import dgrad_config, gate_up_dgrad_scatter
-from mok.kernels.dispatch import route_slots
-from mok.kernels.grouped_gemm import down_scatter, gate_up_swiglu, gemm_config, routing_block_m, scatter_grid
-from mok.kernels.schedule import build_routing_schedule
-from mok.testing import make_inputs, make_topk_ids
+from mok.kernels.grouped_gemm import routing_block_m
+from mok.testing import make_topk_ids
+from mok.transport.common import token_plan, token_receiver_schedule
+from mok.transport.symmetric import SymmetricDispatch
 
 KINDS = 3  # 0: dispatch, 1: return, 2: never pushed
 
@@ -28,80 +29,103 @@ def _peer_ptrs(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=tensors[0].device)
 
 
+def _symmetric_dispatch(rank: int, P: int, C: int, topk: int, k_l: int, plans, flags, block_m: int):
+    """The symmetric transport's dispatch of `rank`, its receiver side built from every
+    source's sent ids as the plan's exchange would deliver them (no symmetric memory: the
+    dispatch only reads the transport's rank and size here)."""
+    recv_ids = torch.stack([torch.cat([plans[src][2].view(P, C * k_l)[rank].cpu(), flags[src].cpu()])
+                            for src in range(P)]).to(flags[rank].device)  # [P, C·k_l + 1]
+    _, received_routes = token_receiver_schedule(recv_ids, flags[rank], k_l, k_l, block_m)
+    stub = SimpleNamespace(world_size=P, rank=rank)
+    token_slot, route_place, _ = plans[rank]
+    return SymmetricDispatch(stub, C, topk, k_l, token_slot, route_place, received_routes)
+
+
 @pytest.mark.parametrize("P, E_l, topk, C, H, num_programs, overflows",
-                         [(3, 2, 2, 7, 40, 2, True), (2, 3, 3, 30, 1100, 1, False)])
-def test_push_rows_out_and_back_match_the_routes(kernel_device, P, E_l, topk, C, H, num_programs, overflows):
+                         [(3, 2, 3, 5, 40, 2, True), (2, 3, 2, 30, 1100, 1, False)])
+def test_push_rows_once_per_token_and_rank_out_and_back(kernel_device, P, E_l, topk, C, H, num_programs, overflows):
+    """The symmetric transport's moves, P ranks in one process: each token row lands once at
+    every rank holding one of its experts (BY_SLOT, the pair's send row as the slot), its
+    routes' router weights beside it; each received row's partial row and each received
+    route's value come back to the source's row / route (BY_RETURN), nothing else is written."""
     ctx = f"{P=} {E_l=} {topk=} {C=} {H=} {num_programs=}"
     gen = torch.Generator().manual_seed(P * C + H)
     tokens = [9 + 3 * r for r in range(P)]  # T differs per rank
-    max_slots = max(tokens) * topk
+    k_l = min(topk, E_l)
     dev = kernel_device
     nan = float("nan")
     recv_x = [torch.full((P * C, H), nan, dtype=torch.bfloat16, device=dev) for _ in range(P)]
-    recv_w = [torch.full((P * C,), nan, device=dev) for _ in range(P)]
-    y_slots = [torch.full((max_slots, H), nan, dtype=torch.bfloat16, device=dev) for _ in range(P)]
-    w_slots = [torch.full((max_slots,), nan, device=dev) for _ in range(P)]
+    recv_w = [torch.full((P * C * k_l,), nan, device=dev) for _ in range(P)]
+    parts = [torch.full((P * C, H), nan, dtype=torch.bfloat16, device=dev) for _ in range(P)]
+    d_w = [torch.full((P * C * k_l,), nan, device=dev) for _ in range(P)]
     arrivals = [torch.zeros(KINDS, P, dtype=torch.int32, device=dev) for _ in range(P)]
     expected = [torch.zeros(KINDS, P, dtype=torch.int32, device=dev) for _ in range(P)]
     flags = [torch.zeros(1, dtype=torch.int32, device=dev) for _ in range(P)]
     arrival_ptrs = _peer_ptrs(arrivals)
 
-    x, w, slots, routes = [], [], [], []
+    x, w, ids, plans = [], [], [], []
     for rank in range(P):
-        ids = make_topk_ids(tokens[rank], E_l * P, topk, gen).to(dev)
-        slot, _, route = route_slots(ids, E_l, P, C, flags[rank])
+        ids.append(make_topk_ids(tokens[rank], E_l * P, topk, gen))
+        plans.append(token_plan(ids[rank].to(dev), E_l, P, C, flags[rank]))
         x.append(torch.randn(tokens[rank], H, generator=gen).bfloat16().to(dev))
         w.append(torch.randn(tokens[rank], topk, generator=gen).to(dev))
-        slots.append(slot.cpu().long())
-        routes.append(route)
     assert any(int(f) == ERROR_CAPACITY_OVERFLOW for f in flags) == overflows, ctx
     for flag in flags:
         flag.zero_()
+    dispatches = [_symmetric_dispatch(r, P, C, topk, k_l, plans, flags, routing_block_m()) for r in range(P)]
 
-    # out: token rows and one fp32 per route to the experts' ranks; unsent routes zero their own slots
-    for rank in range(P):
-        num_routes = tokens[rank] * topk
-        push_rows(x[rank], slots[rank].int().to(dev), _peer_ptrs(recv_x), H, arrival_ptrs, 0, flags[rank],
-                  num_dst_rows=P * C, my_rank=rank, capacity=C, by_slot=True, num_programs=num_programs, routes_per_row=topk,
-                  zero_rows=y_slots[rank][:num_routes],
-                  scalars=(w[rank].view(-1), _peer_ptrs(recv_w), w_slots[rank][:num_routes]))
-    for rank in range(P):
-        wait_arrivals(arrivals[rank], expected[rank], flags[rank], 0, num_programs, timeout_s=5.0)
-        assert int(flags[rank]) & ERROR_PEER_TIMEOUT == 0, ctx
-        assert expected[rank][0].tolist() == [num_programs] * P, ctx
-    for dest in range(P):
-        for src in range(P):
-            for c in range(C):
-                route = int(routes[src][dest * C + c])
-                got_x, got_w = recv_x[dest][src * C + c].cpu(), recv_w[dest][src * C + c].cpu()
-                if route < 0:
-                    assert got_x.isnan().all() and got_w.isnan(), f"{ctx}: empty row {src=} {c=} written at {dest=}"
-                else:
-                    assert torch.equal(got_x, x[src][route // topk].cpu()), f"{ctx} {src=} {dest=} {c=}"
-                    assert torch.equal(got_w, w[src].view(-1)[route].cpu()), f"{ctx} {src=} {dest=} {c=}"
+    def push(rank, src, index, dst, kind, by_slot, capacity, routes_per_row=1):
+        push_rows(src, index, _peer_ptrs(dst), dst[0].stride(0) if dst[0].dim() == 2 else 1, arrival_ptrs, kind,
+                  flags[rank], num_dst_rows=dst[0].shape[0], my_rank=rank, capacity=capacity, by_slot=by_slot,
+                  num_programs=num_programs, routes_per_row=routes_per_row)
 
-    # back: each received row to its source's slot t·topk + j
+    def wait_all(kind):
+        for rank in range(P):
+            wait_arrivals(arrivals[rank], expected[rank], flags[rank], kind, 2 * num_programs, timeout_s=5.0)
+            assert int(flags[rank]) & ERROR_PEER_TIMEOUT == 0, ctx
+
+    # out: token rows once per (token, rank), router weights per route
+    for rank, d in enumerate(dispatches):
+        push(rank, x[rank], d.token_slot, recv_x, 0, True, C, routes_per_row=P)
+        push(rank, w[rank].view(-1, 1), d.route_place, recv_w, 0, True, C * k_l)
+    wait_all(0)
+    for src in range(P):
+        dest = ids[src] // E_l  # [T, topk]
+        for t in range(tokens[src]):
+            for p in range(P):
+                slot = int(dispatches[src].token_slot[t * P + p])
+                assert (slot >= 0) == bool((dest[t] == p).any()) or overflows, f"{ctx} {src=} {t=} {p=}"
+                if slot < 0:
+                    continue
+                row = src * C + slot % C
+                assert slot // C == p and torch.equal(recv_x[p][row].cpu(), x[src][t].cpu()), f"{ctx} {src=} {t=}"
+                local = [j for j in range(topk) if int(dest[t, j]) == p]
+                got = recv_w[p][row * k_l: row * k_l + len(local)].cpu()
+                assert torch.equal(got, w[src][t, local].cpu()), f"{ctx} {src=} {t=} {p=}: weights"
+    for p in range(P):  # rows and routes no source filled stay untouched
+        filled = (dispatches[p].return_row >= 0).cpu()
+        assert recv_x[p][~filled.to(dev)].isnan().all(), f"{ctx} {p=}"
+        assert recv_w[p][(dispatches[p].received_routes < 0)].isnan().all(), f"{ctx} {p=}"
+
+    # back: each received row's partial row to its pair's row, each received route's value to its route
     y_rows = [torch.randn(P * C, H, generator=gen).bfloat16().to(dev) for _ in range(P)]
-    d_w_rows = [torch.randn(P * C, generator=gen).to(dev) for _ in range(P)]
-    for rank in range(P):
-        return_route = torch.cat([routes[src][rank * C: (rank + 1) * C] for src in range(P)])
-        push_rows(y_rows[rank], return_route, _peer_ptrs(y_slots), H, arrival_ptrs, 1, flags[rank],
-                  num_dst_rows=max_slots, my_rank=rank, capacity=C,
-                  by_slot=False, num_programs=num_programs, scalars=(d_w_rows[rank], _peer_ptrs(w_slots), None))
-    for rank in range(P):
-        wait_arrivals(arrivals[rank], expected[rank], flags[rank], 1, num_programs, timeout_s=5.0)
-        num_routes = tokens[rank] * topk
-        sent = slots[rank] >= 0
-        dest, place = slots[rank] // C, slots[rank] % C
-        expected_y = torch.zeros(num_routes, H, dtype=torch.bfloat16)
-        expected_w = torch.zeros(num_routes)
-        for r in sent.nonzero().flatten().tolist():
-            expected_y[r] = y_rows[dest[r]][rank * C + place[r]].cpu()
-            expected_w[r] = d_w_rows[dest[r]][rank * C + place[r]].cpu()
-        assert torch.equal(y_slots[rank][:num_routes].cpu(), expected_y), f"{ctx} {rank=}"
-        assert torch.equal(w_slots[rank][:num_routes].cpu(), expected_w), f"{ctx} {rank=}"
-        assert y_slots[rank][num_routes:].isnan().all(), f"{ctx} {rank=}: rows past T·topk written"
-        assert int(flags[rank]) & ERROR_PEER_TIMEOUT == 0, ctx
+    route_values = [torch.randn(P * C * k_l, 1, generator=gen).to(dev) for _ in range(P)]
+    for rank, d in enumerate(dispatches):
+        push(rank, y_rows[rank], d.return_row, parts, 1, False, C)
+        push(rank, route_values[rank], d.return_route, d_w, 1, False, C * k_l)
+    wait_all(1)
+    for src, d in enumerate(dispatches):
+        token_slot = d.token_slot.cpu().long()
+        for pair in (token_slot >= 0).nonzero().flatten().tolist():
+            slot = int(token_slot[pair])
+            p, c = slot // C, slot % C
+            assert torch.equal(parts[src][slot].cpu(), y_rows[p][src * C + c].cpu()), f"{ctx} {src=} {pair=}"
+        unused = torch.isin(torch.arange(P * C), token_slot, invert=True)  # [P·C]: rows of no pair
+        assert parts[src][unused.to(dev)].isnan().all(), f"{ctx} {src=}: rows of no pair written"
+        place = d.route_place.cpu().long()
+        for r in (place >= 0).nonzero().flatten().tolist():
+            p, within = int(place[r]) // (C * k_l), int(place[r]) % (C * k_l)
+            assert torch.equal(d_w[src][place[r]].cpu(), route_values[p][src * C * k_l + within, 0].cpu()), ctx
 
 
 def test_wait_without_arrivals_times_out_and_later_waits_return_at_once(kernel_device):
@@ -167,53 +191,8 @@ def test_comm_launchers_reject_bad_arguments():
         push_rows(rows, index.long(), ptrs, 8, ptrs, 0, flag, num_dst_rows=4, my_rank=0, capacity=1, by_slot=True, num_programs=1)
     with pytest.raises(ValueError, match="my_rank"):
         push_rows(rows, index, ptrs, 8, ptrs, 0, flag, num_dst_rows=4, my_rank=2, capacity=1, by_slot=True, num_programs=1)
-    with pytest.raises(ValueError, match="^zero_rows: expected by_slot"):
-        push_rows(rows, index, ptrs, 8, ptrs, 0, flag, num_dst_rows=4, my_rank=0, capacity=1, by_slot=False, num_programs=1, zero_rows=rows)
     counters = torch.zeros(2, 2, dtype=torch.int32)
     with pytest.raises(ValueError, match="^arrivals, expected"):
         wait_arrivals(counters, counters.long(), torch.zeros(1, dtype=torch.int32), 0, 1, 1.0)
     with pytest.raises(ValueError, match="kind"):
         wait_arrivals(counters, counters.clone(), torch.zeros(1, dtype=torch.int32), 2, 1, 1.0)
-
-
-def test_gemm_epilogues_store_rows_in_their_sources_slots(kernel_device):
-    """The down GEMM and the gate/up dgrad with `peer_rows`: every received row's output
-    lands in its source's buffer at its route (the rows the plain launch stores at the
-    received position), nothing else is written, and each program signals once."""
-    P, C, E_l, H, I, me = 3, 6, 2, 64, 32, 1
-    num_out_rows = 20  # the sources' T·topk slots
-    dev = kernel_device
-    gen = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, E_l, (P * C, 1), generator=gen, dtype=torch.int32)
-    return_route = torch.full((P * C,), -1, dtype=torch.int32)
-    for source in range(P):  # each source sent C - 1 or C - 2 rows, to distinct routes of its own
-        sent = C - 1 - source % 2
-        return_route[source * C: source * C + sent] = torch.randperm(num_out_rows, generator=gen)[:sent].int()
-    ids[return_route < 0] = -1
-    flag = torch.zeros(1, dtype=torch.int32, device=dev)
-    schedule = build_routing_schedule(ids.to(dev), E_l, routing_block_m(), flag, skip_empty_ids=True)
-    inp = make_inputs(P * C, H, I, E_l, 1, seed=5, device=dev)
-    h, _ = gate_up_swiglu(inp.x, inp.w_gate, inp.w_up, schedule, 1)
-    d_gate_up = torch.randn(schedule.capacity_rows, 2, I, generator=gen).bfloat16().to(dev)
-    cases = (
-        ("down", lambda peer: down_scatter(h, inp.w_down, schedule, P * C, peer_rows=peer),
-         gemm_config("down", H, I, allow_warp_specialized=False)),
-        ("gate/up dgrad", lambda peer: gate_up_dgrad_scatter(d_gate_up, inp.w_gate, inp.w_up, schedule, P * C,
-                                                            peer_rows=peer),
-         dgrad_config("gate_up", H, I, allow_warp_specialized=False)),
-    )
-    for name, launch, cfg in cases:
-        plain = launch(None).cpu()
-        out = [torch.full((num_out_rows, H), float("nan"), dtype=torch.bfloat16, device=dev) for _ in range(P)]
-        arrivals = [torch.zeros(2, P, dtype=torch.int32, device=dev) for _ in range(P)]
-        peer = PeerRows(_peer_ptrs(out), return_route.to(dev), C, _peer_ptrs(arrivals), 1 * P + me, out[me])
-        assert launch(peer) is out[me], name
-        expected = [torch.full((num_out_rows, H), float("nan"), dtype=torch.bfloat16) for _ in range(P)]
-        for row, route in enumerate(return_route.tolist()):
-            if route >= 0:
-                expected[row // C][route] = plain[row]
-        for rank in range(P):
-            torch.testing.assert_close(out[rank].cpu(), expected[rank], rtol=0, atol=0, equal_nan=True,
-                                       msg=f"{name}: rank {rank}'s buffer")
-            assert arrivals[rank][1].tolist() == [0] * me + [scatter_grid(schedule, H, cfg)] + [0] * (P - me - 1), name
-            assert arrivals[rank][0].eq(0).all(), name
