@@ -208,7 +208,7 @@ def main(argv=None) -> int:
     parser.add_argument("--preset", default=",".join(MODEL_PRESETS), help=f"comma-separated, of {sorted(MODEL_PRESETS)}")
     parser.add_argument("--ep", default="2,4,8,16,32,64", help="EP sizes")
     parser.add_argument("--link-gbps", type=float, default=341.0, help="GB/s per direction per rank")
-    parser.add_argument("--chunk-rows", type=int, default=1024, help="rows of one overlap step (minibatch_size)")
+    parser.add_argument("--chunk-rows", type=int, default=1024, help="rows of one overlap step")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--topk-ids", help="a torch.save'd [T, topk] tensor of global ids, used for every preset")
     parser.add_argument("--record", default=str(BF16_RECORD), help="single-GPU record of the bf16 compute times")

@@ -19,10 +19,8 @@ class MoKConfig:
     precision: "bf16" | "mxfp8" | "fp8_block".
     backend: "triton" (fused GPU kernels), "reference" (pure PyTorch, any device), or
         "auto": triton where it supports the call (CUDA tensors), else reference.
-    fwd_num_comm_sms / bwd_num_comm_sms: programs of the fused launch that move data
-        under expert parallelism (32 reach ~90% of NVLink for peer stores on H200).
-    minibatch_size: token rows per overlap step of the fused launch.
-    macrobatch_size: rows of the routed ring buffers under expert parallelism (bounds memory).
+    fwd_num_comm_sms / bwd_num_comm_sms: programs of the symmetric transport's push kernels
+        in the forward / backward exchanges (32 reach ~90% of NVLink for peer stores on H200).
     schedule_capacity_multiplier: worst-case share of all routes one rank may receive,
         relative to an even split; sizes buffers and grids without a host sync. None means
         the exact worst case (every route of every rank to one rank), which never overflows.
@@ -44,8 +42,6 @@ class MoKConfig:
     backend: str = "auto"
     fwd_num_comm_sms: int = 32
     bwd_num_comm_sms: int = 32
-    minibatch_size: int = 1024
-    macrobatch_size: int = 65536
     schedule_capacity_multiplier: float | None = None
     strict: bool = False
     transport: str = "auto"
@@ -56,14 +52,10 @@ class MoKConfig:
             raise ValueError(f"precision: expected one of {PRECISIONS}, got {self.precision!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {self.backend!r}")
-        for name in ("fwd_num_comm_sms", "bwd_num_comm_sms", "minibatch_size", "macrobatch_size"):
+        for name in ("fwd_num_comm_sms", "bwd_num_comm_sms"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
-        if self.macrobatch_size < self.minibatch_size:
-            raise ValueError(
-                f"macrobatch_size: expected >= minibatch_size ({self.minibatch_size}), got {self.macrobatch_size}"
-            )
         multiplier = self.schedule_capacity_multiplier
         if multiplier is not None and (
             not isinstance(multiplier, (int, float)) or isinstance(multiplier, bool) or not multiplier >= 1.0

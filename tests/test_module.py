@@ -122,8 +122,8 @@ def test_module_low_precision_within_its_bar(precision):
 
 
 def test_precision_reaches_config():
-    layer = mok.MoKMoE(64, 64, 4, 2, precision="mxfp8", config=mok.MoKConfig(minibatch_size=512))
-    assert layer.config.precision == "mxfp8" and layer.config.minibatch_size == 512
+    layer = mok.MoKMoE(64, 64, 4, 2, precision="mxfp8", config=mok.MoKConfig(fwd_num_comm_sms=16))
+    assert layer.config.precision == "mxfp8" and layer.config.fwd_num_comm_sms == 16
 
 
 def _routing(lead, topk, num_experts=4):

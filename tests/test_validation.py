@@ -79,9 +79,8 @@ def test_device_mismatch_is_named():
     [
         (dict(precision="fp4"), r"^precision: expected one of"),
         (dict(backend="cuda"), r"^backend: expected one of"),
-        (dict(minibatch_size=0), r"^minibatch_size: expected a positive int"),
+        (dict(bwd_num_comm_sms=0), r"^bwd_num_comm_sms: expected a positive int"),
         (dict(fwd_num_comm_sms=2.5), r"^fwd_num_comm_sms: expected a positive int"),
-        (dict(minibatch_size=4096, macrobatch_size=1024), r"^macrobatch_size: expected >= minibatch_size"),
         (dict(schedule_capacity_multiplier=0.5), r"^schedule_capacity_multiplier: expected None or a number >= 1"),
     ],
 )
