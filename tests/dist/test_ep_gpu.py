@@ -115,12 +115,17 @@ def _layer_worker(rank: int, world_size: int) -> list[str]:
     return failures
 
 
+
+def _assert_no_failures(worker, timeout_s: int, backend: str) -> None:
+    """Runs `worker` on two ranks; every message a rank returns is a failure."""
+    failures = run_distributed(worker, 2, timeout_s=timeout_s, backend=backend)
+    reports = [f"[rank {r}] {msg}" for r, msgs in enumerate(failures) for msg in msgs]
+    assert not reports, "\n\n".join(reports)
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_gpu_ep_two_ranks_both_transports():
-    failures = run_distributed(_layer_worker, 2, timeout_s=600, backend="nccl")
-    reports = [f"[rank {r}] {msg}" for r, msgs in enumerate(failures) for msg in msgs]
-    assert not reports, "\n\n".join(reports)
+    _assert_no_failures(_layer_worker, timeout_s=600, backend="nccl")
 
 
 def _low_precision_worker(rank: int, world_size: int) -> list[str]:
@@ -173,9 +178,7 @@ def _low_precision_worker(rank: int, world_size: int) -> list[str]:
 def test_gpu_ep_two_ranks_low_precisions(backend):
     if backend == "nccl" and torch.cuda.device_count() < 2:
         pytest.skip("one GPU per rank: needs 2 GPUs")
-    failures = run_distributed(_low_precision_worker, 2, timeout_s=600, backend=backend)
-    reports = [f"[rank {r}] {msg}" for r, msgs in enumerate(failures) for msg in msgs]
-    assert not reports, "\n\n".join(reports)
+    _assert_no_failures(_low_precision_worker, timeout_s=600, backend=backend)
 
 
 def _symmetric_bytes_worker(rank: int, world_size: int) -> list[str]:
@@ -217,9 +220,7 @@ def _symmetric_bytes_worker(rank: int, world_size: int) -> list[str]:
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_gpu_symmetric_peer_bytes_count_once_per_token_and_rank():
-    failures = run_distributed(_symmetric_bytes_worker, 2, timeout_s=300, backend="nccl")
-    reports = [f"[rank {r}] {msg}" for r, msgs in enumerate(failures) for msg in msgs]
-    assert not reports, "\n".join(reports)
+    _assert_no_failures(_symmetric_bytes_worker, timeout_s=300, backend="nccl")
 
 
 def _absent_rank_worker(rank: int, world_size: int) -> tuple[str, float]:
