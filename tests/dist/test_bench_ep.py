@@ -99,7 +99,7 @@ def test_slowest_rank_per_iteration():
 def _baseline_pairs(rank: int, world_size: int) -> dict:
     """Per topk, (got, want) pairs of torch_ep_moe on this rank's inputs (global expert 1
     gets no route; ranks bring different token counts) against the EP reference."""
-    T, H, I, E, I_s = 13 + 4 * rank, 64, 32, 6, 16  # noqa: E741 (SPEC's names)
+    T, H, I, E, I_s = 13 + 4 * rank, 64, 32, 6, 16  # noqa: E741 (the layer's dimension names)
     allowed = torch.tensor([e for e in range(E) if e != 1])
     local = slice(rank * E // world_size, (rank + 1) * E // world_size)
     pairs = {}

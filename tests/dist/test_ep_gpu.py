@@ -1,5 +1,5 @@
 """The triton backend under expert parallelism on GPUs (two ranks, NCCL group), through
-both transports: the EP reference's numbers at SPEC's bf16 bars, no host sync, bitwise
+both transports: the EP reference's numbers at the bf16 accuracy bars, no host sync, bitwise
 the same run to run, across capacities and across transports (both place every row at
 the same received position and build the same schedule), through `MoKMoE`; the same in
 mxfp8 and fp8_block at their bars (also with both ranks on one GPU, over gloo); and a rank
@@ -130,7 +130,7 @@ def test_gpu_ep_two_ranks_both_transports():
 
 def _low_precision_worker(rank: int, world_size: int) -> list[str]:
     """mxfp8 and fp8_block under expert parallelism (E_l = 8, topk = 4, T = 2048 + 256·rank,
-    a bf16 shared expert) at multiplier 1.25: the EP reference's numbers at SPEC's
+    a bf16 shared expert) at multiplier 1.25: the EP reference's numbers at the
     low-precision bars (the shared expert's gradients at bf16's), bitwise the same run to
     run. On NCCL, one GPU per rank, through each transport: also no host sync and bitwise
     the same across transports. On gloo both ranks share GPU 0 and exchange through the

@@ -40,7 +40,7 @@ class Case:
     swiglu_limit: float | None = None
     empty_experts: bool = False  # route nothing to the last rank's experts nor to expert 1
     skew: float = 0.0  # > 0: most routes go to the first rank's experts
-    int32_ids: bool = False  # SPEC allows int32 or int64 topk_ids
+    int32_ids: bool = False  # topk_ids may be int32 or int64
     tokens_per_rank: int = 8  # T
     hidden: int = 32  # H
     inter: int = 16  # I
