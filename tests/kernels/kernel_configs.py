@@ -1,0 +1,123 @@
+"""The kernel choices of every config-choosing function, recorded over presets and odd shapes on
+three machines: the interpreter, a CUDA GPU without the warp-specialized kernels, and Hopper
+(simulated: the availability checks patched). `python -m tests.kernels.kernel_configs` rewrites
+`kernel_configs.json`, which `test_plan.py` holds the choosers to."""
+
+import contextlib
+import json
+import pathlib
+import sys
+from unittest import mock
+
+FIXTURE = pathlib.Path(__file__).with_name("kernel_configs.json")
+
+# (H, I) of the presets (qwen3-30b, deepseek-v3-slice routed and shared, mixtral-8x7b, tiny) and odd shapes
+# around each threshold.
+SHAPES = [(2048, 768), (7168, 2048), (4096, 14336), (64, 32), (256, 128), (128, 256), (6144, 1024),
+          (6143, 1025), (2049, 2047), (1024, 8192), (1024, 8191), (8192, 1024), (384, 640), (96, 4096)]
+MACHINES = ("interpreter", "gpu", "hopper")
+# The module constants that chose kernels before the plan, by their old names: values the
+# choosers above do not show (quantizers, gather, the layer's fp8_block flags, TMA stores).
+CONSTANTS = [
+    "dgrad.FP8_BLOCK_DOWN_DGRAD_PRODUCT_BF16", "dgrad._FP8_BLOCK_TILES",
+    "grouped_gemm._FP8_BLOCK_TILES", "wgrad._FP8_BLOCK_TILES", "wgrad._FP8_BLOCK_INTERPRETER_SIZES",
+    "gather.TOKEN_MAJOR_MIN_TOPK", "swiglu.FAST_SIGMOID",
+    "warp_specialized.PING_PONG_TILE", "warp_specialized.COOPERATIVE_TILE", "warp_specialized.FP8_BLOCK_TILE",
+    "warp_specialized.FP8_WGRAD_TMA_STORE", "warp_specialized.GATHERED_TMA_STORE",
+    "warp_specialized.SORTED_TMA_STORE", "warp_specialized.BF16_WGRAD_TMA_STORE",
+    "quant_fp8_block._WEIGHTS_GLUON", "quant_fp8_block._WEIGHT_GLUON_NUM_WARPS",
+    "quant_fp8_block._SORTED_BLOCK_W", "quant_fp8_block._SORTED_NUM_WARPS",
+    "quant_fp8_block._GATHERED_NARROW_MIN_WIDTH", "quant_fp8_block._GATHERED_NARROW_BLOCK_W",
+    "quant_fp8_block._GATHERED_NARROW_NUM_WARPS", "quant_fp8_block._SORTED_BLOCK_W_INTERPRETER",
+    "quant_fp8_block._SORTED_GLUON", "quant_fp8_block._SORTED_GLUON_ROWS_PER_THREAD",
+    "quant_fp8_block._SORTED_GLUON_NUM_WARPS", "quant_fp8_block._SORTED_GLUON_NUM_WARPS_E4M3",
+    "functional.FP8_BLOCK_WGRADS_REQUANTIZE", "functional.FP8_BLOCK_D_GATE_UP_QUANTIZED",
+    "functional.FP8_BLOCK_SORTED_OUTPUTS", "functional.FP8_BLOCK_GATE_UP_E4M3", "functional.FP8_BLOCK_ON_THE_WIRE",
+]
+
+
+@contextlib.contextmanager
+def machine(name: str):
+    """The availability checks of `name`: the interpreter (no CUDA), else a CUDA GPU (Hopper with
+    Gluon usable, or not)."""
+    gpu, hopper = name != "interpreter", name == "hopper"
+    with contextlib.ExitStack() as stack:
+        for module in [m for n, m in sys.modules.items() if n.startswith("mok.") and m is not None]:
+            if hasattr(module, "interpreting"):
+                stack.enter_context(mock.patch.object(module, "interpreting", lambda: not gpu))
+        from mok.kernels import gluon_api, warp_specialized
+
+        stack.enter_context(mock.patch("torch.cuda.is_available", lambda: gpu))
+        stack.enter_context(mock.patch("torch.cuda.current_device", lambda: 0))
+        stack.enter_context(mock.patch.object(warp_specialized, "_hopper", lambda index: hopper))
+        stack.enter_context(mock.patch.object(gluon_api, "usable", lambda *args, **kwargs: gpu))
+        stack.enter_context(mock.patch.object(warp_specialized, "available_here", lambda: hopper))
+        yield
+
+
+def _key(*parts) -> str:
+    return "|".join(map(str, parts))
+
+
+def choices() -> dict:
+    """{machine: {call: result}} over `SHAPES`."""
+    from mok.kernels import dgrad, grouped_gemm, swiglu, warp_specialized, wgrad
+
+    out = {}
+    for name in MACHINES:
+        with machine(name):
+            got = {"routing_block_m": grouped_gemm.routing_block_m(), "fast_sigmoid": swiglu.fast_sigmoid_here()}
+            for cooperative in (False, True):
+                got[_key("ws.tile_config", cooperative)] = warp_specialized.tile_config(cooperative)
+                got[_key("ws.wgrad_tile_config", cooperative)] = warp_specialized.wgrad_tile_config(cooperative)
+                got[_key("ws.fp8_block_tile_config", cooperative)] = warp_specialized.fp8_block_tile_config(cooperative)
+            for kind in ("gate_up", "down"):
+                for allow in (False, True):
+                    got[_key("dgrad._fp8_block_warp_specialized", kind, allow)] = (
+                        dgrad._fp8_block_warp_specialized(kind, allow))
+            for hidden, inter in SHAPES:
+                got[_key("down_wgrad_reads_weighted_h", hidden, inter)] = dgrad.down_wgrad_reads_weighted_h(hidden, inter)
+                got[_key("fp8_block_down_dgrad_gathers", hidden)] = dgrad.fp8_block_down_dgrad_gathers(hidden)
+                for precision in ("bf16", "fp8_block"):
+                    for allow in (False, True):
+                        for kind, n_dim, k_dim in (("gate_up", inter, hidden), ("down", hidden, inter)):
+                            for packed in (False, True):
+                                got[_key("gemm_config", kind, n_dim, k_dim, precision, packed, allow)] = (
+                                    grouped_gemm.gemm_config(kind, n_dim, k_dim, precision, packed, allow))
+                        for kind, n_dim, k_dim in (("down", inter, hidden), ("gate_up", hidden, inter)):
+                            got[_key("dgrad_config", kind, n_dim, k_dim, precision, allow)] = (
+                                dgrad.dgrad_config(kind, n_dim, k_dim, precision, allow))
+                        for kind, m_dim, n_dim in (("down", hidden, inter), ("gate_up", inter, hidden)):
+                            got[_key("wgrad_config", kind, m_dim, n_dim, precision, allow)] = (
+                                wgrad.wgrad_config(kind, m_dim, n_dim, precision, allow))
+        out[name] = got
+    return out
+
+
+def _flat(recorded: dict) -> str:
+    """One entry a line, so that a changed choice is one line of the diff."""
+    lines = [f"{json.dumps(key)}: {json.dumps(value, sort_keys=True)}" for key, value in sorted(recorded.items())]
+    return "{\n" + ",\n".join(lines) + "\n}\n"
+
+
+def legacy_constants() -> dict:
+    """`CONSTANTS`' values, read from the modules (only the code before the plan has them)."""
+    import importlib
+
+    def value(name):
+        module, attribute = name.rsplit(".", 1)
+        prefix = "mok." if module == "functional" else "mok.kernels."
+        return getattr(importlib.import_module(prefix + module), attribute)
+
+    return {f"constant|{name}": value(name) for name in CONSTANTS}
+
+
+def recorded() -> dict:
+    """`choices()` flattened to {"machine|call": result}."""
+    return {f"{name}|{call}": got for name, calls in choices().items() for call, got in calls.items()}
+
+
+if __name__ == "__main__":
+    old = json.loads(FIXTURE.read_text()) if FIXTURE.exists() else {}
+    constants = {key: value for key, value in old.items() if key.startswith("constant|")} or legacy_constants()
+    FIXTURE.write_text(_flat({**recorded(), **constants}))
