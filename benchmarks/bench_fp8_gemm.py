@@ -33,7 +33,7 @@ from mok.kernels.schedule import build_routing_schedule
 from mok.testing import make_inputs, relative_error
 from mok.testing.timing import time_ms
 
-# Alternatives to `grouped_gemm._FP8_BLOCK_TILES` (BLOCK_K and gate/up's BLOCK_N are fixed at 128).
+# Alternatives to the kernel plan's `fp8_block_*_tile` (BLOCK_K and gate/up's BLOCK_N are fixed at 128).
 FP8_GATE_UP_SWEEP = [
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4),  # 192 KiB
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=16, num_warps=8, num_stages=3),

@@ -4,9 +4,9 @@ the profiled calls (the span from the first kernel's start to the last one's end
 the time some kernel ran; the profiler's own host overhead can add to it).
 
     python benchmarks/profile_layer.py --preset qwen3-30b [--backward] [--precision fp8_block] [--iters 10] [--registers]
-        [--variant MODULE.ATTR=VALUE ...]
+        [--variant FIELD=VALUE ...]
 
-`--variant` profiles with a module setting changed, as `mok.bench --variant` times it.
+`--variant` profiles with a kernel-plan field changed, as `mok.bench --variant` times it.
 `--registers` also lists every Triton kernel the call compiled with its registers per
 thread and the bytes it spills (ptxas's numbers, as the driver reports them on load): a
 kernel that spills is the first suspect when it runs slower than its FLOPs or bytes say.
@@ -22,7 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import mok
 from mok.bench.presets import GPU_PRESETS, PRESETS
-from mok.bench.runner import parse_variant, patched
+from mok.bench.runner import parse_variant, under_variant
 from mok.testing import make_inputs
 
 
@@ -33,10 +33,10 @@ def main() -> None:
     parser.add_argument("--precision", default="bf16", choices=mok.config.PRECISIONS)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--registers", action="store_true", help="list registers and spills of each compiled kernel")
-    parser.add_argument("--variant", action="append", default=[], metavar="MODULE.ATTR=VALUE",
+    parser.add_argument("--variant", action="append", default=[], metavar="FIELD=VALUE",
                         help="a module setting to profile with (repeatable)")
     args = parser.parse_args()
-    with patched([parse_variant(text, parser) for text in args.variant]):
+    with under_variant([parse_variant(text, parser) for text in args.variant]):
         profile_layer(args)
 
 

@@ -15,13 +15,13 @@ import torch
 import mok
 from mok import ops
 from mok.bench.presets import GPU_PRESETS, PRESETS
-from mok.bench.runner import patched
+from mok.kernels.plan import override
 from mok.testing.timing import times_ms
 
 
 def _kernel(gluon: bool):
     def quantize(w):
-        with patched([("mok.kernels.quant_fp8_block", "_WEIGHTS_GLUON", gluon)]):
+        with override(weights_gluon=gluon):
             return ops.quantize_fp8_block_weights(w)
     return quantize
 

@@ -38,6 +38,7 @@ from mok.config import MoKConfig
 from mok.kernels.common import interpreting
 from mok.kernels.dgrad import down_wgrad_reads_weighted_h, fp8_block_down_dgrad_gathers
 from mok.kernels.grouped_gemm import routing_block_m
+from mok.kernels.plan import kernel_plan
 from mok.kernels.common import ERROR_BAD_EXPERT_ID, ERROR_CAPACITY_OVERFLOW, ERROR_PEER_TIMEOUT
 from mok.fp8_block import FP8_BLOCK, fp8_block_round
 from mok.mxfp8 import mxfp8_dequantize, mxfp8_quantize
@@ -85,41 +86,9 @@ def pack_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> tuple[torch.Tensor
     return torch.stack((w_gate, w_up)).unbind(0)  # halves of one [2, E_l, I, H]
 
 
-# fp8_block: the forward keeps its e4m3 copies of x and h (1×128 blocks along H and I) beside
-# g, u, and the backward requantizes them down the sorted rows for the weight gradients (and
-# w·dOut from dOut's per-token copy), instead of quantizing x's and dOut's bf16 token rows and
-# recomputing h from g, u: DeepSeek-V3's recipe for the activations it caches in FP8. The
-# transposing quantizers then read e4m3 rows instead of bf16 ones (and h's, not g's and u's);
-# the wgrads' x, w·dOut and h are quantized twice. Kept because the transposing quantizers run
-# faster on e4m3 rows (log h200-20261203-fp8-requantize.log); the forward keeps T·H + rows·I more bytes.
-FP8_BLOCK_WGRADS_REQUANTIZE = True
-# fp8_block: the down dgrad's epilogue quantizes d_g, d_u in 1×128 blocks along I itself (the
-# gate/up dgrad's operands, bitwise what the per-token quantizer makes of its bf16 output), and
-# the gate/up wgrad's d_gᵀ, d_uᵀ are requantized from those e4m3 copies down the rows, as x, h and
-# w·dOut are with FP8_BLOCK_WGRADS_REQUANTIZE: no bf16 d_g, d_u, no separate quantizer launches.
-# Faster on both presets, its worst error still well inside the fp8 bar (record h200-20261203-ab-fp8-block-v32.json).
-FP8_BLOCK_D_GATE_UP_QUANTIZED = True
-# fp8_block on one rank: the down GEMM and the gate/up dgrad write y and dx in the sorted layout
-# (each GEMM row at its own index, by TMA stores that run under the next tile's MMAs:
-# `warp_specialized.SORTED_TMA_STORE`) instead of scattering them to route slots from registers,
-# and the combines gather each route's row through the schedule's route_row. The same bytes, read at
-# random rows instead of written there; out and d_x bitwise the same. Level on qwen3-30b, faster on
-# deepseek-v3-slice (records h200-20261203-ab-fp8-block-v33/v34).
-FP8_BLOCK_SORTED_OUTPUTS = True
-# fp8_block, a memory option: the forward keeps g, u for the backward in e4m3, 1×128 blocks along I
-# (quantized from the fp32 accumulators by the gate/up epilogue, as h is), instead of bf16:
-# DeepSeek-V3's SwiGLU input cached in FP8. 2·I bytes less per route kept from forward to backward
-# (qwen3-30b: 0.2 GB per layer, a third of what the layer keeps), for time: quantizing and dequantizing
-# cost more than the bytes saved (log h200-20261204-gate-up-e4m3.log). Off by default.
-# With FP8_BLOCK_WGRADS_REQUANTIZE only (the other way recomputes h from bf16 g, u), and without a
-# swiglu_limit (its clamps' zero gradients need g, u exactly).
-FP8_BLOCK_GATE_UP_E4M3 = False
-# fp8_block under expert parallelism: x is quantized in 1×128 blocks along H before the dispatch and travels as e4m3 + fp32
-# scales (H + H/32 bytes a row instead of 2·H), dOut too where the down dgrad reads its
-# per-token quantization. Blocks lie inside one row, so the received rows are bitwise what
-# quantizing after the exchange gives. Needs FP8_BLOCK_WGRADS_REQUANTIZE: the backward then
-# reads no bf16 x rows.
-FP8_BLOCK_ON_THE_WIRE = True
+# The fp8_block recipe's options (requantized wgrad operands, quantized d_g, d_u, sorted outputs,
+# e4m3 g, u, e4m3 on the wire) are the kernel plan's `fp8_block_*` fields (`kernels.plan`), with
+# their reasons and records.
 
 
 class MoKError(RuntimeError):
@@ -391,7 +360,8 @@ def build_schedule(
     if workspace.transport is None:
         routing = ops.routing_schedule(topk_ids, workspace.error_flag, num_local_experts, block_m)
     else:  # `routing` then covers the rows this rank's experts receive
-        fp8_wire = config.precision == "fp8_block" and FP8_BLOCK_ON_THE_WIRE and FP8_BLOCK_WGRADS_REQUANTIZE
+        plan = kernel_plan()
+        fp8_wire = config.precision == "fp8_block" and plan.fp8_block_on_the_wire and plan.fp8_block_wgrads_requantize
         dispatch, routing = workspace.transport.plan(topk_ids, num_local_experts, workspace.error_flag, block_m,
                                                      fp8_wire)
     shared_routing = None
@@ -568,8 +538,8 @@ def _expert_mlp(x, w_gate, w_up, w_down, routing, block_m, topk, num_slots, swig
 
     With `_Fp8BlockWeight`s the GEMMs run in fp8_block: x quantized in 1×128 blocks along H,
     h quantized by the gate/up epilogue for the down GEMM. The backward then gets g, u (in
-    e4m3 with their scales, "gate_up_scale", where `FP8_BLOCK_GATE_UP_E4M3` applies), and
-    with `FP8_BLOCK_WGRADS_REQUANTIZE` these e4m3 copies of x and h and their scales too (for
+    e4m3 with their scales, "gate_up_scale", where the plan's `fp8_block_gate_up_e4m3` applies), and
+    with the plan's `fp8_block_wgrads_requantize` these e4m3 copies of x and h and their scales too (for
     the wgrads, which requantize them down the rows); without it, it quantizes h down the rows
     from g, u, and x from its bf16 rows.
 
@@ -577,9 +547,10 @@ def _expert_mlp(x, w_gate, w_up, w_down, routing, block_m, topk, num_slots, swig
     `quant.mxfp8_round`): x and h in blocks of 32 along H and I, the weights' `rows` copies.
     The backward gets h unrounded (its wgrad rounds it along the rows)."""
     if isinstance(w_gate, _Fp8BlockWeight):
-        # [T, H] e4m3, [T, H/128] fp32 (x arrives quantized from the dispatch: `FP8_BLOCK_ON_THE_WIRE`)
+        # [T, H] e4m3, [T, H/128] fp32 (x arrives quantized from the dispatch: the plan's `fp8_block_on_the_wire`)
         x_q, x_scale = x if isinstance(x, tuple) else ops.quantize_fp8_block_activations(x)
-        gate_up_e4m3 = (needs_backward and FP8_BLOCK_GATE_UP_E4M3 and FP8_BLOCK_WGRADS_REQUANTIZE
+        plan = kernel_plan()
+        gate_up_e4m3 = (needs_backward and plan.fp8_block_gate_up_e4m3 and plan.fp8_block_wgrads_requantize
                         and swiglu_limit is None)
         # g, u: [rows, 2, I] bf16, or e4m3 with scales [rows, 2, I/128]
         h_q, h_scale, gate_up, gate_up_scale = ops.gate_up_swiglu_fp8_block(
@@ -591,7 +562,7 @@ def _expert_mlp(x, w_gate, w_up, w_down, routing, block_m, topk, num_slots, swig
         saved = {"gate_up": gate_up} if needs_backward else {}
         if gate_up_e4m3:
             saved["gate_up_scale"] = gate_up_scale
-        if needs_backward and FP8_BLOCK_WGRADS_REQUANTIZE:
+        if needs_backward and plan.fp8_block_wgrads_requantize:
             saved.update(x_q=x_q, x_scale=x_scale, h_q=h_q, h_scale=h_scale)
         return y, saved
     mxfp8 = isinstance(w_gate, _Mxfp8Weight)
@@ -635,7 +606,7 @@ def _per_rank_forward(schedule, x, topk_weights, routed, swiglu_limit, needs_bac
     ascending q, fp32, one bf16 row); y is [P·C, H] of those partial rows back at the source,
     route_row the pairs' rows (token_slot [T·P]) and the combine weights ones [T, P]."""
     dispatch = schedule.dispatch
-    # [P·C, H] (with `FP8_BLOCK_ON_THE_WIRE`: e4m3 rows and their scales), [P·C, k_l]
+    # [P·C, H] (with the plan's `fp8_block_on_the_wire`: e4m3 rows and their scales), [P·C, k_l]
     expert_x, expert_weights = dispatch.dispatch(x, topk_weights)
     k_l = dispatch.routes_per_row
     y_routes, saved = _expert_mlp(
@@ -651,8 +622,8 @@ def _per_rank_forward(schedule, x, topk_weights, routed, swiglu_limit, needs_bac
 
 def _sorted_outputs(routed) -> bool:
     """Whether the routed experts on one rank leave y and dx in the sorted layout
-    (`FP8_BLOCK_SORTED_OUTPUTS`: fp8_block)."""
-    return FP8_BLOCK_SORTED_OUTPUTS and isinstance(routed[0], _Fp8BlockWeight)
+    (the plan's `fp8_block_sorted_outputs`: fp8_block)."""
+    return kernel_plan().fp8_block_sorted_outputs and isinstance(routed[0], _Fp8BlockWeight)
 
 
 def _routed_saved(saved: dict, routed) -> dict:
@@ -672,7 +643,7 @@ def _reads_weighted_h(routed) -> bool:
 def _triton_forward(schedule, x, topk_weights, shared, routed, swiglu_limit, needs_backward):
     """out and what the backward reads: the pre-activations g, u and h of every routed row
     (and of the shared expert), 6·I bytes per route (g, u only, 4·I, where the bf16 down wgrad
-    reads w·h: `_reads_weighted_h`; in fp8_block 4·I or, with `FP8_BLOCK_GATE_UP_E4M3`, 2·I, beside
+    reads w·h: `_reads_weighted_h`; in fp8_block 4·I or, with the plan's `fp8_block_gate_up_e4m3`, 2·I, beside
     the e4m3 copies of h and x); nothing
     without `needs_backward`. `routed` as `_triton_routed_weights` gives them."""
     num_tokens, topk = topk_weights.shape
@@ -832,15 +803,15 @@ def _fp8_block_backward_routed(d_out, x, topk_weights, weights, main_grads, save
     quantizers themselves (dOut's in 1×128 blocks along H for the down dgrad, or, where the
     down dgrad gathers them itself, quantized per token), x's and w·dOut's in blocks along the
     rows for the wgrads, each bitwise what quantizing `gather_sorted_rows`' copies gives; or,
-    where the forward saved e4m3 copies of x and h (`FP8_BLOCK_WGRADS_REQUANTIZE`), x, h and
+    where the forward saved e4m3 copies of x and h (the plan's `fp8_block_wgrads_requantize`), x, h and
     w·dOut (from dOut's per-token copy, where the down dgrad gathers it) requantized down the
-    rows from their 1×128 blocks along H and I. With `FP8_BLOCK_D_GATE_UP_QUANTIZED` the down
+    rows from their 1×128 blocks along H and I. With the plan's `fp8_block_d_gate_up_quantized` the down
     dgrad's epilogue quantizes d_g, d_u along I for the gate/up dgrad, and d_gᵀ, d_uᵀ are
     requantized from those copies too."""
     w_gate, w_up, w_down = weights
     main_gate, main_up, main_down = main_grads
     rows_in_use = routing[4]  # [1] int32: the schedule's num_rows; the quantizers skip the rest
-    if isinstance(d_out, tuple):  # quantized per token before the dispatch (`FP8_BLOCK_ON_THE_WIRE`)
+    if isinstance(d_out, tuple):  # quantized per token before the dispatch (the plan's `fp8_block_on_the_wire`)
         per_token_d_out, d_out_pair = True, d_out
     elif per_token_d_out := fp8_block_down_dgrad_gathers(d_out.shape[1]):
         # [T, H] e4m3, [T, H/128] fp32: the down dgrad gathers
@@ -848,9 +819,9 @@ def _fp8_block_backward_routed(d_out, x, topk_weights, weights, main_grads, save
     else:  # [rows, H] e4m3, [rows, H/128] fp32
         d_out_pair = ops.quantize_fp8_block_gathered(d_out, routing, block_m, topk)
     gate_up = saved.pop("gate_up")
-    gate_up_scale = saved.pop("gate_up_scale", None)  # with FP8_BLOCK_GATE_UP_E4M3
+    gate_up_scale = saved.pop("gate_up_scale", None)  # with the plan's `fp8_block_gate_up_e4m3`
     # d_g, d_u: [rows, 2, I] bf16 (and an empty scale), or e4m3 with its 1×128 scales [rows, 2, I/128]
-    quantized = FP8_BLOCK_D_GATE_UP_QUANTIZED
+    quantized = kernel_plan().fp8_block_d_gate_up_quantized
     d_gate_up, d_gate_up_scale, d_topk_weights = ops.down_dgrad_swiglu_fp8_block(
         *d_out_pair, topk_weights, gate_up, w_down.q_t, w_down.scale_t, routing, block_m, swiglu_limit, quantized,
         gate_up_scale,
@@ -956,7 +927,8 @@ def _per_rank_backward(schedule, saved, d_out, x, routed, swiglu_limit, main_gra
     if isinstance(expert_x, tuple):  # fp8 on the wire: the received e4m3 rows are the wgrad's x (sent again
         saved["x_q"], saved["x_scale"] = expert_x  # if a later dispatch overwrote the transport's buffer)
     expert_weights = saved.pop("expert_weights")  # [P·C, k_l]
-    expert_d_out = dispatch.dispatch_grad(d_out)  # [P·C, H] (or e4m3 rows and scales: `FP8_BLOCK_ON_THE_WIRE`)
+    # [P·C, H] (or e4m3 rows and scales: the plan's `fp8_block_on_the_wire`)
+    expert_d_out = dispatch.dispatch_grad(d_out)
     k_l = dispatch.routes_per_row
     dx_routes, d_weights, grads = _expert_mlp_backward(
         expert_d_out, expert_x, expert_weights, routed, saved, schedule.routing, schedule.block_m,

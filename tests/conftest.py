@@ -1,3 +1,4 @@
+import contextlib
 import zlib
 
 import pytest
@@ -18,6 +19,16 @@ def _seeded(request):
     """Draws from torch's default generators (CPU and every CUDA device) start from a seed of the
     test's own id: a failure reproduces in a fresh process and whatever ran before it."""
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture
+def set_plan():
+    """set_plan(**fields): these kernel-plan fields for the rest of the test (`plan.override`);
+    a later call wins, and all are undone after the test."""
+    from mok.kernels import plan
+
+    with contextlib.ExitStack() as stack:
+        yield lambda **fields: stack.enter_context(plan.override(**fields))
 
 
 @pytest.fixture(autouse=True)

@@ -266,55 +266,54 @@ def test_each_round_has_its_median_and_its_speedup(tmp_path, monkeypatch, capsys
     assert "rounds 2.20–2.62×" in shown.err and "(2.20–2.62)" in shown.out + shown.err
 
 
-def test_patched_sets_and_restores_module_attributes():
-    import mok.kernels.wgrad as wgrad
+def test_under_variant_sets_and_restores_plan_fields():
+    from mok.kernels.plan import kernel_plan
 
-    before = wgrad.PERSISTENT_DOWN_WGRAD_MAX_INTER
-    with runner.patched([("mok.kernels.wgrad", "PERSISTENT_DOWN_WGRAD_MAX_INTER", before + 5)]):
-        assert wgrad.PERSISTENT_DOWN_WGRAD_MAX_INTER == before + 5
-    assert wgrad.PERSISTENT_DOWN_WGRAD_MAX_INTER == before
+    before = kernel_plan().persistent_down_wgrad_max_inter
+    with runner.under_variant([("persistent_down_wgrad_max_inter", before + 5)]):
+        assert kernel_plan().persistent_down_wgrad_max_inter == before + 5
+    assert kernel_plan().persistent_down_wgrad_max_inter == before
     with pytest.raises(RuntimeError, match="boom"):
-        with runner.patched([("mok.kernels.wgrad", "PERSISTENT_DOWN_WGRAD_MAX_INTER", -1)]):
+        with runner.under_variant([("persistent_down_wgrad_max_inter", -1)]):
             raise RuntimeError("boom")
-    assert wgrad.PERSISTENT_DOWN_WGRAD_MAX_INTER == before
+    assert kernel_plan().persistent_down_wgrad_max_inter == before
 
 
 def test_variant_is_timed_in_turns_with_mok_under_its_settings(tmp_path, monkeypatch):
-    """--variant adds mok-variant: mok's calls see the module's value, mok-variant's the
+    """--variant adds mok-variant: mok's calls see the plan's value, mok-variant's the
     variant's, and the value is restored after the run."""
     import mok
-    import mok.kernels.wgrad as wgrad
+    from mok.kernels.plan import kernel_plan
 
-    original = wgrad.PERSISTENT_DOWN_WGRAD_MAX_INTER
+    original = kernel_plan().persistent_down_wgrad_max_inter
     seen = []
     real_moe = mok.moe
 
     def spy(*args, **kwargs):
-        seen.append(wgrad.PERSISTENT_DOWN_WGRAD_MAX_INTER)
+        seen.append(kernel_plan().persistent_down_wgrad_max_inter)
         return real_moe(*args, **kwargs)
 
     monkeypatch.setattr(mok, "moe", spy)
-    rc = cli.main([*CUSTOM, "--impl", "mok", "--variant", "mok.kernels.wgrad.PERSISTENT_DOWN_WGRAD_MAX_INTER=7",
+    rc = cli.main([*CUSTOM, "--impl", "mok", "--variant", "persistent_down_wgrad_max_inter=7",
                    "--reps", "2", "--rounds", "2", "--warmup", "0", "--no-plot", "--out", str(tmp_path)])
-    assert rc == 0 and wgrad.PERSISTENT_DOWN_WGRAD_MAX_INTER == original
+    assert rc == 0 and kernel_plan().persistent_down_wgrad_max_inter == original
     assert set(seen) == {original, 7}, seen
     (path,) = tmp_path.glob("*.json")
     rec = json.loads(path.read_text())
     rows = {(r["impl"], r["pass"]): r for r in rec["results"]}
     assert set(rows) == {(i, p) for i in ("mok", "mok-variant") for p in ("fwd", "fwd+bwd")}
     assert all(r["status"] == "ok" for r in rows.values())
-    assert rows[("mok-variant", "fwd")]["extra"]["variant"] == ["mok.kernels.wgrad.PERSISTENT_DOWN_WGRAD_MAX_INTER=7"]
-    assert rec["settings"]["variant"] == ["mok.kernels.wgrad.PERSISTENT_DOWN_WGRAD_MAX_INTER=7"]
+    assert rows[("mok-variant", "fwd")]["extra"]["variant"] == ["persistent_down_wgrad_max_inter=7"]
+    assert rec["settings"]["variant"] == ["persistent_down_wgrad_max_inter=7"]
 
 
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--variant", "mok.kernels.wgrad.PERSISTENT_DOWN_WGRAD_MAX_INTER"], "expected MODULE.ATTR=VALUE"),
-        (["--variant", "torch.cuda.x=1"], "expected MODULE.ATTR=VALUE with a mok module"),
-        (["--variant", "mok.nope.X=1"], "no module 'mok.nope'"),
-        (["--variant", "mok.kernels.wgrad.NOPE=1"], "has no attribute 'NOPE'"),
-        (["--variant", "mok.kernels.wgrad.PERSISTENT_DOWN_WGRAD_MAX_INTER=big"], "expected a Python literal"),
+        (["--variant", "persistent_down_wgrad_max_inter"], "expected FIELD=VALUE"),
+        (["--variant", "mok.kernels.wgrad.PERSISTENT_DOWN_WGRAD_MAX_INTER=0"], "expected FIELD=VALUE"),
+        (["--variant", "nope=1"], "KernelPlan has no field 'nope'"),
+        (["--variant", "persistent_down_wgrad_max_inter=big"], "expected a Python literal"),
         (["--impl", "mok-variant"], "give its settings with --variant"),
     ],
 )

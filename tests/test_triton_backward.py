@@ -97,11 +97,10 @@ def test_down_wgrad_goes_last_where_its_operands_are_smaller_than_its_gradient()
 
 
 @pytest.mark.parametrize("limit", [None, 0.6])
-def test_down_wgrad_from_weighted_h_where_i_is_below_h(kernel_device, monkeypatch, limit):
+def test_down_wgrad_from_weighted_h_where_i_is_below_h(kernel_device, set_plan, limit):
     """Where I < H the forward keeps no h and the down wgrad reads dOut with the down dgrad's
     w·h: every other gradient bitwise what the w·dOut copy and the saved h give, d_w_down within
     the bf16 bar of the reference either way (one bf16 rounding moves from w·dOut to w·h)."""
-    from mok.kernels import dgrad
 
     T, H, I, E, topk, I_s = 45, 64, 32, 5, 3, 16
     inp = make_inputs(T, H, I, E, topk, I_s, seed=4, device=kernel_device, signed_weights=True)
@@ -112,7 +111,7 @@ def test_down_wgrad_from_weighted_h_where_i_is_below_h(kernel_device, monkeypatc
     ctx = f"{T=} {H=} {I=} {E=} {topk=} {I_s=} {limit=}"
     grads, saved = {}, {}
     for reads_weighted_h in (True, False):
-        monkeypatch.setattr(dgrad, "DOWN_WGRAD_READS_WEIGHTED_H", reads_weighted_h)
+        set_plan(down_wgrad_reads_weighted_h=reads_weighted_h)
         _, context = mok.forward(config, ws, sched, *args, limit)
         saved[reads_weighted_h] = set(context.saved)
         grads[reads_weighted_h] = mok.backward(config, ws, sched, context, d_out, *args, limit)
@@ -529,8 +528,8 @@ def test_low_precision_layer_run_twice_and_weight_cache(kernel_device, monkeypat
         assert torch.equal(_bits(got), _bits(expected)), ctx
 
 
-def test_fp8_block_wgrads_requantize_the_forwards_copies(kernel_device, monkeypatch):
-    """fp8_block with `functional.FP8_BLOCK_WGRADS_REQUANTIZE` (the default): the forward's
+def test_fp8_block_wgrads_requantize_the_forwards_copies(kernel_device, monkeypatch, set_plan):
+    """fp8_block with the plan's `fp8_block_wgrads_requantize` (the default): the forward's
     context holds x's and h's e4m3 copies and the backward takes them out; against the flag off,
     out, d_x and d_topk_weights are bitwise the same and every routed weight gradient differs
     (their operands are quantized twice), both ways within the accuracy bars."""
@@ -540,7 +539,7 @@ def test_fp8_block_wgrads_requantize_the_forwards_copies(kernel_device, monkeypa
     assert copies <= set(context.saved), f"{set(context.saved)} {layer.ctx}"
     grads = layer.backward(context, release_context=True)
     assert not copies & set(context.saved), f"the backward leaves {set(context.saved)} {layer.ctx}"
-    monkeypatch.setattr(functional, "FP8_BLOCK_WGRADS_REQUANTIZE", False)
+    set_plan(fp8_block_wgrads_requantize=False)
     out_off, context_off = layer.forward()
     assert not copies & set(context_off.saved), f"{set(context_off.saved)} {layer.ctx}"
     grads_off = layer.backward(context_off)
@@ -553,19 +552,19 @@ def test_fp8_block_wgrads_requantize_the_forwards_copies(kernel_device, monkeypa
         _assert_low_precision_within_bars("fp8_block", out, g, layer.inp, layer.d_out, layer.ctx)
 
 
-def test_fp8_block_gate_up_saved_in_e4m3(kernel_device, monkeypatch):
-    """fp8_block with `functional.FP8_BLOCK_GATE_UP_E4M3` (off by default): the forward's context
+def test_fp8_block_gate_up_saved_in_e4m3(kernel_device, monkeypatch, set_plan):
+    """fp8_block with the plan's `fp8_block_gate_up_e4m3` (off by default): the forward's context
     holds g, u in e4m3 with their 1×128 scales, half the bytes of bf16; against the flag off, out
     and d_w_down are bitwise the same (neither reads g, u), d_x, d_topk_weights and the gate/up
     weight gradients differ, both ways within the accuracy bars. With a swiglu_limit g, u stay bf16."""
     layer = _RecordedLayer(kernel_device, monkeypatch, "fp8_block", seed=14)
-    monkeypatch.setattr(functional, "FP8_BLOCK_GATE_UP_E4M3", True)
+    set_plan(fp8_block_gate_up_e4m3=True)
     out, context = layer.forward()
     gate_up, gate_up_scale = context.saved["gate_up"], context.saved["gate_up_scale"]
     rows, _, inter = gate_up.shape
     assert gate_up.dtype == torch.float8_e4m3fn and gate_up_scale.shape == (rows, 2, inter // 128), layer.ctx
     grads = layer.backward(context)
-    monkeypatch.setattr(functional, "FP8_BLOCK_GATE_UP_E4M3", False)
+    set_plan(fp8_block_gate_up_e4m3=False)
     out_off, context_off = layer.forward()
     assert context_off.saved["gate_up"].dtype == torch.bfloat16 and "gate_up_scale" not in context_off.saved
     assert context_off.saved["gate_up"].nbytes == 2 * gate_up.nbytes, layer.ctx
@@ -575,20 +574,20 @@ def test_fp8_block_gate_up_saved_in_e4m3(kernel_device, monkeypatch):
         assert not torch.equal(getattr(grads, name), getattr(grads_off, name)), f"{name}: the same {layer.ctx}"
     for g in (grads, grads_off):
         _assert_low_precision_within_bars("fp8_block", out, g, layer.inp, layer.d_out, layer.ctx)
-    monkeypatch.setattr(functional, "FP8_BLOCK_GATE_UP_E4M3", True)
+    set_plan(fp8_block_gate_up_e4m3=True)
     _, context_limit = layer.forward(swiglu_limit=0.5)
     assert context_limit.saved["gate_up"].dtype == torch.bfloat16 and "gate_up_scale" not in context_limit.saved
 
 
-def test_fp8_block_d_gate_up_quantized_in_the_epilogue(kernel_device, monkeypatch):
-    """fp8_block with `functional.FP8_BLOCK_D_GATE_UP_QUANTIZED` (the default): against the flag
+def test_fp8_block_d_gate_up_quantized_in_the_epilogue(kernel_device, monkeypatch, set_plan):
+    """fp8_block with the plan's `fp8_block_d_gate_up_quantized` (the default): against the flag
     off, d_x is bitwise the same (the gate/up dgrad reads the same bytes), d_topk_weights equal
     to fp32 rounding (its row sums in another order), d_w_down bitwise the same, and d_w_gate,
     d_w_up differ (d_gᵀ, d_uᵀ quantized twice), both ways within the accuracy bars."""
     layer = _RecordedLayer(kernel_device, monkeypatch, "fp8_block", seed=12)
     out, context = layer.forward()
     grads = layer.backward(context)
-    monkeypatch.setattr(functional, "FP8_BLOCK_D_GATE_UP_QUANTIZED", False)
+    set_plan(fp8_block_d_gate_up_quantized=False)
     grads_off = layer.backward(context)
     assert torch.equal(grads.d_x, grads_off.d_x) and torch.equal(grads.d_w_down, grads_off.d_w_down), layer.ctx
     torch.testing.assert_close(grads.d_topk_weights, grads_off.d_topk_weights, rtol=2.0**-16, atol=2.0**-20,
@@ -599,8 +598,8 @@ def test_fp8_block_d_gate_up_quantized_in_the_epilogue(kernel_device, monkeypatc
         _assert_low_precision_within_bars("fp8_block", out, g, layer.inp, layer.d_out, layer.ctx)
 
 
-def test_fp8_block_sorted_outputs_are_bitwise_the_route_slots(kernel_device, monkeypatch):
-    """fp8_block with `functional.FP8_BLOCK_SORTED_OUTPUTS` (the default): the down GEMM and the
+def test_fp8_block_sorted_outputs_are_bitwise_the_route_slots(kernel_device, monkeypatch, set_plan):
+    """fp8_block with the plan's `fp8_block_sorted_outputs` (the default): the down GEMM and the
     gate/up dgrad leave y and dx in the sorted layout and the combines gather them by route_row.
     Against the flag off (route slots), out and every gradient are bitwise the same; the forward
     keeps route_row (the inverse of row_source) for the backward, which consumes it."""
@@ -612,7 +611,7 @@ def test_fp8_block_sorted_outputs_are_bitwise_the_route_slots(kernel_device, mon
     assert torch.equal(row_source[route_row.long()], slots), f"route_row is not row_source's inverse {layer.ctx}"
     grads = layer.backward(context, release_context=True)
     assert "route_row" not in context.saved, f"the backward leaves {set(context.saved)} {layer.ctx}"
-    monkeypatch.setattr(functional, "FP8_BLOCK_SORTED_OUTPUTS", False)
+    set_plan(fp8_block_sorted_outputs=False)
     out_off, context_off = layer.forward()
     assert "route_row" not in context_off.saved, layer.ctx
     grads_off = layer.backward(context_off)

@@ -1,6 +1,6 @@
 """The combine (`kernels/combine.py`) on the qwen3-30b and deepseek-v3-slice shapes: its tile
 (tokens × hidden columns per program) and warps, over y in route slots and over y in the
-schedule's sorted layout gathered by route_row (the fp8_block layer's, `FP8_BLOCK_SORTED_OUTPUTS`).
+schedule's sorted layout gathered by route_row (the fp8_block layer's, the plan's `fp8_block_sorted_outputs`).
 Every config is timed in both orders; each output is checked bitwise against the first.
 GB/s counts y's rows read once and out written once.
 

@@ -3,7 +3,7 @@
 The down dgrad reads the forward's g, u (2 · rows · I bf16) and writes d_g, d_u (as many) in
 its epilogue, a quarter of the tile at a time, and a per-tile launch overlaps none of it with
 MMAs: each quarter waits for its g, u loads. Configs: the default, which asks for the tile's
-g, u lines in L2 when the main loop ends (`dgrad.DOWN_DGRAD_PREFETCH_GATE_UP`), and the same
+g, u lines in L2 when the main loop ends (the plan's `down_dgrad_prefetch_gate_up`), and the same
 without the prefetch.
 
 The configs take turns `--rounds` times (`tune_gemm.py` says why); each output is compared with

@@ -10,7 +10,7 @@ the JIT keys its cache by source, so a patched helper must be in place before th
         col   acc + P · sb[n]              the column scales' loads kept, the outer product cut
         row   acc + P · sa[m]              as the scatter GEMMs (one scale per row)
         none  acc + P
-        regstore  the kernel with its tiles stored from registers (FP8_ and BF16_WGRAD_TMA_STORE off)
+        regstore  the kernel with its tiles stored from registers (the plan's fp8_ and bf16_wgrad_tma_store off)
         nostore   regstore, but each output tile reduced to one value and stored only if that
                   value is -1e-30 (never), so no tile is converted or written
     python benchmarks/sweeps/fp8_arithmetic_cost.py scatter VARIANT [tune_gemm.py's options]
@@ -39,6 +39,7 @@ import fp8_sorted_quantizers  # noqa: E402
 import tune_gemm  # noqa: E402
 
 from mok.kernels import quant_fp8_block, warp_specialized, wgrad  # noqa: E402
+from mok.kernels.plan import override  # noqa: E402
 
 
 @gluon.jit
@@ -108,15 +109,15 @@ def main() -> None:
         return
     if variants[variant] is not None:
         warp_specialized._add_scaled = variants[variant]
-    if variant in ("regstore", "nostore"):
-        warp_specialized.FP8_WGRAD_TMA_STORE = warp_specialized.BF16_WGRAD_TMA_STORE = False
     if variant == "nostore":
         warp_specialized._wgrad_store = _stored_never
     tile = {"down_wgrad_fp8": lambda p: warp_specialized.fp8_block_tile_config(stacked=False),
             "gate_up_wgrad_fp8": lambda p: warp_specialized.fp8_block_tile_config(stacked=True),
             "down_wgrad": lambda p: wgrad.wgrad_config("down", p.hidden_size, p.intermediate_size),
             "gate_up_wgrad": lambda p: wgrad.wgrad_config("gate_up", p.intermediate_size, p.hidden_size)}
-    _time_gemms(variant, tile)
+    register_stores = variant in ("regstore", "nostore")
+    with override(fp8_wgrad_tma_store=not register_stores, bf16_wgrad_tma_store=not register_stores):
+        _time_gemms(variant, tile)
 
 
 def _time_gemms(variant: str, tile: dict) -> None:

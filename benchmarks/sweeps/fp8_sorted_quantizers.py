@@ -19,6 +19,7 @@ import torch
 from mok.bench.presets import PRESETS
 from mok.kernels import quant_fp8_block
 from mok.kernels.grouped_gemm import routing_block_m
+from mok.kernels.plan import override
 from mok.kernels.schedule import build_routing_schedule
 from mok.testing import make_inputs
 from mok.testing.timing import time_ms
@@ -77,23 +78,24 @@ def time_call(call, rows: int, row_bytes: int) -> str:
 
 
 def main() -> None:
-    quant_fp8_block._GATHERED_NARROW_MIN_WIDTH = 1 << 30  # every operand on the swept tile
     for name in SHAPES:
         rows, calls = quantizer_calls(name)
         first = {}
         configs = E4M3_CONFIGS if "--e4m3" in sys.argv else CONFIGS
         for kernel, size, warps in configs + configs[::-1]:
-            quant_fp8_block._SORTED_GLUON = kernel == "gluon"
             if kernel == "gluon":
-                quant_fp8_block._SORTED_GLUON_ROWS_PER_THREAD = size
-                quant_fp8_block._SORTED_GLUON_NUM_WARPS = quant_fp8_block._SORTED_GLUON_NUM_WARPS_E4M3 = warps
+                fields = dict(sorted_gluon_rows_per_thread=size, sorted_gluon_num_warps=warps,
+                              sorted_gluon_num_warps_e4m3=warps)
             else:
-                quant_fp8_block._SORTED_BLOCK_W, quant_fp8_block._SORTED_NUM_WARPS = size, warps
+                fields = dict(sorted_block_w=size, sorted_num_warps=warps)
             config = f"{kernel} {'rows/thread' if kernel == 'gluon' else 'BLOCK_W'}={size:3d} warps={warps}"
-            for what, (call, row_bytes) in calls.items():
-                q_t = call()[0].view(torch.uint8)[:, :rows]
-                same = torch.equal(q_t, first.setdefault(what, q_t))
-                print(f"{name:18s} {what:16s} {config} {time_call(call, rows, row_bytes)} same={same}", flush=True)
+            # every operand on the swept tile: none takes the narrow gathered one
+            with override(sorted_gluon=kernel == "gluon", gathered_narrow_min_width=1 << 30, **fields):
+                for what, (call, row_bytes) in calls.items():
+                    q_t = call()[0].view(torch.uint8)[:, :rows]
+                    same = torch.equal(q_t, first.setdefault(what, q_t))
+                    print(f"{name:18s} {what:16s} {config} {time_call(call, rows, row_bytes)} same={same}",
+                          flush=True)
 
 
 if __name__ == "__main__":

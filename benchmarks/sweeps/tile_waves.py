@@ -10,7 +10,7 @@ difference (the same total), each extra one adding one M tile. With 16 column ti
 fill 16 waves exactly and 128 + 5 start a 17th.
 
 It times the kernels on the default tiles, which compute a last wave of at most half the
-SMs' tiles as column halves (`grouped_gemm.SPLIT_LAST_WAVE`), on the same tiles all whole,
+SMs' tiles as column halves (the plan's `split_last_wave`), on the same tiles all whole,
 and on narrower ones (BLOCK_N 128 and 64), whose time per FLOP says what a half tile costs.
 Configs take turns `--rounds` times (the clock falls under sustained load); ms are the
 medians of all calls.

@@ -4,7 +4,7 @@ Examples:
     python -m mok.bench                                   # tiny on CPU; the 3 GPU presets on CUDA
     python -m mok.bench --preset qwen3-30b --pass fwd+bwd
     python -m mok.bench --tokens 37 --hidden 64 --intermediate 32 --experts 4 --topk 2 --no-write
-    python -m mok.bench --preset qwen3-30b --variant mok.kernels.wgrad.PERSISTENT_DOWN_WGRAD_MAX_INTER=0
+    python -m mok.bench --preset qwen3-30b --variant persistent_down_wgrad_max_inter=0
                                                           # mok and mok-variant in turns: an A/B in one run
     torchrun --nproc-per-node 2 -m mok.bench --preset qwen3-30b   # expert parallelism over 2 GPUs
     python -m mok.bench --preset qwen3-30b --out benchmarks/results   # a record for the repository
@@ -93,10 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help=f"implementations: {', '.join(runner.IMPLS)} (default: mok, torch-eager, and on CUDA "
                            "torch-compile, plus sonicmoe when importable); under torchrun "
                            f"{', '.join(runner.EP_IMPLS)} (default: all)")
-    what.add_argument("--variant", action="append", metavar="MODULE.ATTR=VALUE",
-                      help="also time mok as mok-variant, with the module attribute set to the Python literal "
-                           "VALUE during its calls (repeatable), e.g. "
-                           "mok.kernels.wgrad.PERSISTENT_DOWN_WGRAD_MAX_INTER=0; one GPU only")
+    what.add_argument("--variant", action="append", metavar="FIELD=VALUE",
+                      help="also time mok as mok-variant, with the kernel plan's field (mok.kernels.plan.KernelPlan) "
+                           "set to the Python literal VALUE during its calls (repeatable), e.g. "
+                           "persistent_down_wgrad_max_inter=0; one GPU only")
     what.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                       help="auto: CUDA when available (default: auto)")
     shape = p.add_argument_group("custom shape (any of these implies --preset custom; the rest default to tiny's, "
@@ -139,7 +139,7 @@ class Settings:
     rounds: int
     seed: int
     ep: int = 1  # expert-parallel ranks (P); 1: one device
-    variant: tuple[tuple[str, str, object], ...] = ()  # mok-variant's (module, attribute, value)
+    variant: tuple[tuple[str, object], ...] = ()  # mok-variant's kernel-plan (field, value)
 
 
 def _world_size() -> int:
@@ -223,7 +223,7 @@ def parse_settings(
     if variant and "mok-variant" not in impls:
         impls.append("mok-variant")
     if "mok-variant" in impls and not variant:
-        parser.error("--impl mok-variant: give its settings with --variant MODULE.ATTR=VALUE")
+        parser.error("--impl mok-variant: give its settings with --variant FIELD=VALUE")
     bad = [i for i in impls if i not in registry]
     if bad:
         where = f" (under {ep} expert-parallel ranks)" if ep > 1 else ""
@@ -339,7 +339,7 @@ def _report(results, info: dict, title: str, settings: Settings, args: argparse.
         "reps": settings.reps,
         "rounds": settings.rounds,
         "seed": settings.seed,
-        "variant": [f"{module}.{attribute}={value!r}" for module, attribute, value in settings.variant],
+        "variant": [f"{name}={value!r}" for name, value in settings.variant],
         "presets": [dataclasses.asdict(p) for p in settings.presets],
         "timing": "CUDA events per run (perf_counter on CPU), the implementations of a preset taking turns in "
                   "`rounds` rounds; fwd = training forward with autograd on; "

@@ -29,10 +29,9 @@ import contextlib
 import dataclasses
 import functools
 import gc
-import importlib
 import math
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -43,6 +42,7 @@ from mok import reference
 from mok.bench.baselines import SonicMoE, grouped_mm_available, torch_ep_moe, torch_moe
 from mok.bench.presets import Preset
 from mok.functional import routed_weight_copies
+from mok.kernels.plan import check_fields, override
 from mok.reference import Gradients
 from mok.testing import TOLERANCES, cosine_similarity, make_inputs, mismatch_report, relative_error
 from mok.testing.inputs import MoEInputs
@@ -51,7 +51,7 @@ from mok.transport import NcclDispatch
 
 __all__ = [
     "PASSES", "IMPLS", "EP_IMPLS", "BASELINE", "EP_BASELINE", "EP_CAPACITY_MULTIPLIER", "ImplSpec", "Impl", "Skip",
-    "Case", "Result", "plan", "num_steps", "run", "slowest_rank_ms", "patched",
+    "Case", "Result", "plan", "num_steps", "run", "slowest_rank_ms", "under_variant",
 ]
 
 PASSES = ("fwd", "fwd+bwd")
@@ -67,8 +67,8 @@ class Impl:
 
     forward() -> out [T, H]; grad_inputs: the leaves autograd differentiates;
     to_gradients(grads) -> the layer's 8 gradients in order (None for an absent shared expert);
-    patches: (module, attribute, value) set while the implementation runs (its check and
-    every timed round, backward included), then restored (`mok-variant`).
+    plan_fields: (field, value) of the kernel plan set while the implementation runs (its check
+    and every timed round, backward included), then restored (`mok-variant`).
     """
 
     forward: Callable[[], torch.Tensor]
@@ -78,46 +78,34 @@ class Impl:
     note: str = ""
     extra: dict = field(default_factory=dict)
     peer_bytes: dict[str, int] | None = None  # pass -> bytes this rank sends other ranks (expert parallelism)
-    patches: tuple[tuple[str, str, object], ...] = ()
+    plan_fields: tuple[tuple[str, object], ...] = ()
     # What one in-place update of the routed weights adds to the next step (mok's low
     # precisions: the weights' copies, which the timed steps find cached), timed on its own.
     per_weight_update: Callable[[], object] | None = None
 
 
-def parse_variant(text: str, parser: argparse.ArgumentParser) -> tuple[str, str, object]:
-    """(module, attribute, value) of a --variant MODULE.ATTR=VALUE: an existing attribute of
-    an importable mok module, and a Python literal."""
-    target, sep, literal = text.partition("=")
-    module_name, dot, attribute = target.strip().rpartition(".")
-    if not sep or not dot or not module_name.startswith("mok"):
-        parser.error(f"--variant: expected MODULE.ATTR=VALUE with a mok module, got {text!r}")
+def parse_variant(text: str, parser: argparse.ArgumentParser) -> tuple[str, object]:
+    """(field, value) of a --variant FIELD=VALUE: a field of the kernel plan
+    (`mok.kernels.plan.KernelPlan`) and a Python literal."""
+    field_name, sep, literal = text.partition("=")
+    field_name = field_name.strip()
+    if not sep or not field_name.isidentifier():
+        parser.error(f"--variant: expected FIELD=VALUE with a field of the kernel plan, got {text!r}")
     try:
-        module = importlib.import_module(module_name)
-    except ImportError:
-        parser.error(f"--variant: no module {module_name!r} (in {text!r})")
-    if not hasattr(module, attribute):
-        parser.error(f"--variant: module {module_name} has no attribute {attribute!r}")
+        check_fields({field_name: None})
+    except ValueError as exc:
+        parser.error(f"--variant: {exc} (in {text!r})")
     try:
         value = ast.literal_eval(literal.strip())
     except (ValueError, SyntaxError):
         parser.error(f"--variant: expected a Python literal after '=', got {literal.strip()!r} (in {text!r})")
-    return module_name, attribute, value
+    return field_name, value
 
 
-@contextlib.contextmanager
-def patched(patches: Sequence[tuple[str, str, object]]) -> Iterator[None]:
-    """Sets each module attribute (module name, attribute, value) for the duration of the
-    block and restores the old values after it, whatever happens inside."""
-    saved = []
-    try:
-        for module_name, attribute, value in patches:
-            module = importlib.import_module(module_name)
-            saved.append((module, attribute, getattr(module, attribute)))
-            setattr(module, attribute, value)
-        yield
-    finally:
-        for module, attribute, old in reversed(saved):
-            setattr(module, attribute, old)
+def under_variant(plan_fields: Sequence[tuple[str, object]]) -> contextlib.AbstractContextManager:
+    """The kernel plan with these (field, value) for the duration of the block, restored after it
+    whatever happens inside (`mok.kernels.plan.override`)."""
+    return override(**dict(plan_fields))
 
 
 def _leaves(inp: MoEInputs) -> tuple[torch.Tensor, ...]:
@@ -225,7 +213,7 @@ IMPLS: dict[str, ImplSpec] = {
     "torch-compile": ImplSpec(_make_torch_compile, "bf16"),
     "sonicmoe": ImplSpec(_make_sonicmoe, "bf16", peer=True),
     "mok": ImplSpec(_make_mok, None),
-    # mok again, with the run's variant (`Case.variant`: module attributes such as tile-config
+    # mok again, with the run's variant (`Case.variant`: kernel-plan fields such as tile-config
     # thresholds) set during its calls, so that two settings are timed in turns in one process
     "mok-variant": ImplSpec(_make_mok, None),
 }
@@ -242,13 +230,13 @@ BASELINE, EP_BASELINE = "torch-eager", "torch-ep-nccl"
 @dataclass(frozen=True)
 class Case:
     """One implementation in one precision on one preset, for the given passes (and for
-    `mok-variant`, the (module, attribute, value) settings it runs under)."""
+    `mok-variant`, the kernel-plan (field, value) settings it runs under)."""
 
     preset: Preset
     impl: str
     precision: str
     passes: tuple[str, ...]
-    variant: tuple[tuple[str, str, object], ...] = ()
+    variant: tuple[tuple[str, object], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -301,7 +289,7 @@ def plan(
     passes: Sequence[str],
     *,
     expert_parallel: bool = False,
-    variant: Sequence[tuple[str, str, object]] = (),
+    variant: Sequence[tuple[str, object]] = (),
 ) -> list[Case]:
     """Cases in run order: per preset, impls in registry order (baseline first); `variant`
     goes with the `mok-variant` cases."""
@@ -431,9 +419,9 @@ def _check_case(case: Case, inp: MoEInputs, ref: _Reference, group) -> tuple[Imp
     try:
         impl = spec.make(inp, case.precision) if group is None else spec.make(inp, case.precision, group)
         if case.variant:
-            settings = [f"{module}.{attribute}={value!r}" for module, attribute, value in case.variant]
-            impl = dataclasses.replace(impl, patches=case.variant, extra=impl.extra | {"variant": settings})
-        with patched(impl.patches):
+            settings = [f"{name}={value!r}" for name, value in case.variant]
+            impl = dataclasses.replace(impl, plan_fields=case.variant, extra=impl.extra | {"variant": settings})
+        with under_variant(impl.plan_fields):
             errors, ok, message = _check(impl, ref, case.precision)
     except (Skip, NotImplementedError) as exc:
         return None, _Verdict("skipped", str(exc))
@@ -501,7 +489,7 @@ def _time_round(impl: Impl, pass_: str, d_out: torch.Tensor, warmup: int, reps: 
     else:
         def fn():
             torch.autograd.grad(impl.forward(), impl.grad_inputs, d_out, allow_unused=True)
-    with patched(impl.patches), PeakMemory(device) as mem:
+    with under_variant(impl.plan_fields), PeakMemory(device) as mem:
         times = times_ms(fn, warmup=warmup, reps=reps, device=device)
     return times, mem.delta_gb
 
@@ -548,7 +536,7 @@ def _weight_update_extra(impl: Impl, device) -> dict:
     step, where the implementation has such a cost; {} otherwise."""
     if impl.per_weight_update is None:
         return {}
-    with patched(impl.patches):
+    with under_variant(impl.plan_fields):
         return {"weight_update_ms": summarize_ms(times_ms(impl.per_weight_update, warmup=2, reps=10,
                                                           device=device))["median"]}
 
@@ -559,7 +547,7 @@ def _kept_extra(impl: Impl, device, group) -> dict:
     until its backward runs. {} off CUDA."""
     if torch.device(device).type != "cuda":
         return {}
-    with patched(impl.patches):
+    with under_variant(impl.plan_fields):
         impl.forward()  # whatever a first call caches (workspaces, weight copies) is not kept per layer
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)

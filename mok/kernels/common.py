@@ -35,7 +35,7 @@ def num_sms(device) -> int:
 
 def gate_up_parts(gate_up):
     """The forward's saved g, u as (data, scales): an fp8_block pair (e4m3 [rows, 2, I], fp32
-    [rows, 2, I/128], with `FP8_BLOCK_GATE_UP_E4M3`) as it is, a bf16 tensor or None with scales None."""
+    [rows, 2, I/128], with the plan's `fp8_block_gate_up_e4m3`) as it is, a bf16 tensor or None with scales None."""
     return gate_up if isinstance(gate_up, tuple) else (gate_up, None)
 
 

@@ -56,13 +56,13 @@ weight, applied per 128-wide K step by the forward's main loop (`grouped_gemm.so
 Hopper's FP8 MMA needs both operands K-major in shared memory, so the B operand is the
 weight's transposed copy (`q_t`, `scale_t` of `mok.fp8_block_quantize`: w_downᵀ [E_l, I, H],
 w_gateᵀ and w_upᵀ [E_l, H, I]), read as [N, K] tiles. Up to
-`GATHERED_FP8_BLOCK_DOWN_DGRAD_MAX_HIDDEN`, dOut is quantized once per token
+the plan's `gathered_fp8_block_down_dgrad_max_hidden`, dOut is quantized once per token
 (`quantize_fp8_block_activations` of the token rows) and the down dgrad gathers each sorted
 row's token row inside its loads (`grouped_gemm.gathered_rows_tile_fp8`: a route's row of the
 sorted copy would be the same bytes, so dOut costs a T-row quantization, not T·topk rows);
 above it, dOut's sorted rows are quantized straight from the token rows
 (`quantize_fp8_block_gathered`) and read through TMA. On Hopper the GEMM runs in
-`warp_specialized.py` into a product [capacity_rows, I] (bf16, `FP8_BLOCK_DOWN_DGRAD_PRODUCT_BF16`),
+`warp_specialized.py` into a product [capacity_rows, I] (bf16, the plan's `fp8_block_down_dgrad_product_bf16`),
 gathering the token rows at every H, and `_down_dgrad_swiglu_kernel` runs only its epilogue on it (PRODUCT_GIVEN,
 `down_dgrad_swiglu_epilogue`). d_gate_up[:, 0] and d_gate_up[:, 1]
 are quantized separately by `quantize_fp8_block_activations` (strided views, no copy), so
@@ -87,7 +87,7 @@ import triton
 import triton.language as tl
 
 from mok.fp8_block import FP8_BLOCK
-from mok.kernels import grouped_gemm, warp_specialized
+from mok.kernels import warp_specialized
 from mok.kernels.common import (
     column_halves,
     gate_up_parts,
@@ -100,6 +100,7 @@ from mok.kernels.common import (
     tma_descriptor,
 )
 from mok.kernels.gather import check_sorted_rows
+from mok.kernels.plan import kernel_plan
 from mok.kernels.grouped_gemm import (
     check_fp8_block_pair,
     checked_tile_config,
@@ -119,62 +120,9 @@ _SCALE_BLOCK = tl.constexpr(FP8_BLOCK)  # kernels read only constexpr globals
 
 # --------------------------------------------------------------------------- configs
 
-# fp8_block tiles (BLOCK_M is the schedule's). BLOCK_K = 128 is the scale block (one
-# activation scale per row and one weight scale per K step); BLOCK_N must divide 128 for
-# that one weight scale, so gate/up cannot take bf16's BLOCK_N = 256. Starting points, not
-# yet timed: sized against H200's limits (227 KiB of shared memory per block, 255 registers
-# per thread) like the forward's `_FP8_BLOCK_TILES`; `benchmarks/bench_fp8_gemm.py --dgrad`
-# times them against bf16.
-_FP8_BLOCK_TILES = {
-    # 8 warps. Shared memory per stage: dOut 128×128 B + w_downᵀ 128×128 B = 32 KiB; 4 stages
-    # = 128 KiB with 512 of K in flight (bf16's down dgrad: 4 stages of 32 KiB too). Registers:
-    # the accumulator (64 per thread) plus a fresh dot (64), then g, u in the epilogue; ptxas
-    # (sm_90a, triton 3.6): 255 registers and ~2.4 KB spilled, so BLOCK_N = 64 is the first
-    # alternative to time.
-    "down": dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4),
-    # 8 warps, one accumulator through two K loops (d_g·w_gateᵀ then d_u·w_upᵀ), 32 KiB per
-    # stage as above, 4 stages = 128 KiB; ptxas: 235 registers, no spills.
-    "gate_up": dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4),
-    "interpreter": dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=4, num_warps=4, num_stages=1),
-}
+# Tile sizes, thresholds and variant flags are the kernel plan's (`plan.KernelPlan`, with each
+# choice's reasons and records).
 
-
-# Output width (H) from which the gate/up dgrad runs persistent (`dgrad_config`).
-PERSISTENT_GATE_UP_MIN_HIDDEN = 6144
-# On Hopper the bf16 gate/up dgrad into local slots runs the cooperative warp-specialized
-# kernel (`warp_specialized.py`: the down GEMM's kernel over two K segments, d_g·Wg then
-# d_u·Wu), bitwise the Triton kernel's output, up to this intermediate size: faster alone at small
-# I (log h200-20261201-warp-specialized-sweep.log), while at larger I the layer lost what the other
-# cooperative kernels gained (records h200-20261201-cooperative-ab.json, -fwd-bwd-v13.json).
-COOPERATIVE_GATE_UP_DGRAD_MAX_INTER = 1024
-# On Hopper the fp8_block gate/up dgrad into local slots runs in the cooperative warp-specialized
-# kernel (`warp_specialized.fp8_block_tile_config`: over the two K segments, each step's product
-# scaled by d_g's or d_u's row scales and the weight block's), bitwise the Triton kernel's
-# output, and much faster on both presets (log h200-20261201-fp8-wide-scalar-scales-sweep.log).
-# False keeps the Triton kernel.
-WARP_SPECIALIZED_FP8_BLOCK_GATE_UP_DGRAD = True
-# The fused Triton fp8_block down dgrad gathers dOut's e4m3 token rows inside its loads (dOut
-# quantized once per token) up to this H, and reads a gathered quantized copy through TMA above
-# it: the saved quantizer work outweighs the slower gathering GEMM at H = 2048, not at H = 7168,
-# where the MMA warps issue the cp.async gather of 56 K steps (log
-# h200-20261201-fp8-down-dgrad-gathered-profile.log).
-GATHERED_FP8_BLOCK_DOWN_DGRAD_MAX_HIDDEN = 2048
-# On Hopper the fp8_block down dgrad runs as two launches: the cooperative warp-specialized
-# GEMM writes the product a = dOut · Wd[e] per sorted row in fp32
-# (`warp_specialized.launch_down_dgrad_product_fp8_block`), then `_down_dgrad_swiglu_kernel` runs
-# its epilogue on that product (`down_dgrad_swiglu_epilogue`); the product costs a write and a
-# read of [capacity_rows, I] fp32. Its producer warp group gathers dOut's token rows at every H.
-# The warp-specialized GEMM runs far faster than the fused Triton kernel's, and gathering costs it
-# nothing while the sorted copy goes (record v13; log h200-20261201-fp8-down-dgrad-gathered-product-profile.log).
-# False keeps the fused Triton kernel.
-WARP_SPECIALIZED_FP8_BLOCK_DOWN_DGRAD_PRODUCT = True
-# That product in bf16: half its write and read (qwen3-30b: 0.4 of the 1.2 GB the epilogue moves),
-# at one bf16 rounding of dOut · Wd (2^-9 relative) ahead of the SwiGLU backward, far below the
-# 1×128 e4m3 rounding of dOut itself (2^-4). False keeps it fp32: exact, and d_gate_up bitwise the
-# fused Triton kernel's. bf16 makes the epilogue faster and leaves room for the gathered kernel's TMA
-# stores (`warp_specialized.GATHERED_TMA_STORE`), which an fp32 product does not fit (log
-# h200-20261203-ab-fp8-block-v31.log).
-FP8_BLOCK_DOWN_DGRAD_PRODUCT_BF16 = True
 # Rows per step of the epilogue on a given product that quantizes d_g, d_u (PRODUCT_GIVEN and
 # QUANTIZED): each row's 128 columns together, so the chunk's d_g, d_u are all live at once. 16 rows
 # measured fastest of 8 to 64, with or without each chunk's loads issued a chunk ahead (logs
@@ -182,41 +130,35 @@ FP8_BLOCK_DOWN_DGRAD_PRODUCT_BF16 = True
 _QUANTIZED_EPILOGUE_ROWS = 16
 
 
-# The bf16 down dgrad asks for its tile's g, u lines in L2 (a prefetch per 128-byte line) when its
-# main loop ends, so that its epilogue, which loads them a quarter of the tile at a time, waits on
-# HBM for the first quarter only: bitwise the same output, a few percent faster on every preset
-# (record h200-20261202-down-dgrad-prefetch.json). False: no prefetch.
-DOWN_DGRAD_PREFETCH_GATE_UP = True
-
-
-# Where I < H (qwen3-30b, deepseek-v3-slice) the bf16 down dgrad stores w·h for the down wgrad,
-# which then reads dOut's sorted copy: no w·dOut copy, no saved h, fewer bytes moved (benchmarks/LOG.md,
-# "Fifteenth round").
-# Where I ≥ H (mixtral-8x7b) w·h is the larger operand, and the w·dOut copy stays.
-# False: the w·dOut copy and the forward's h at every shape.
-DOWN_WGRAD_READS_WEIGHTED_H = True
-
-
 def down_wgrad_reads_weighted_h(hidden: int, inter: int) -> bool:
     """Whether a bf16 down wgrad of these sizes reads dOut's sorted rows and the down dgrad's w·h
     (`down_dgrad_swiglu(..., weighted_h=...)`) rather than w·dOut's sorted rows and the forward's
-    h: where w·h is the smaller operand, I < H (`DOWN_WGRAD_READS_WEIGHTED_H`)."""
-    return DOWN_WGRAD_READS_WEIGHTED_H and inter < hidden
+    h: where w·h is the smaller operand, I < H (the plan's `down_wgrad_reads_weighted_h`)."""
+    return kernel_plan().down_wgrad_reads_weighted_h and inter < hidden
 
 
 def fp8_block_down_dgrad_gathers(hidden: int) -> bool:
     """Whether `down_dgrad_swiglu_fp8_block` takes dOut's token rows [T, H] (and gathers them)
     rather than its sorted rows [capacity_rows, H], for this H: always where the
-    warp-specialized product runs (Hopper), else up to `GATHERED_FP8_BLOCK_DOWN_DGRAD_MAX_HIDDEN`."""
-    return _fp8_block_warp_specialized("down") or hidden <= GATHERED_FP8_BLOCK_DOWN_DGRAD_MAX_HIDDEN
+    warp-specialized product runs (Hopper), else up to the plan's `gathered_fp8_block_down_dgrad_max_hidden`."""
+    return _fp8_block_warp_specialized("down") or hidden <= kernel_plan().gathered_fp8_block_down_dgrad_max_hidden
 
 
 def _fp8_block_warp_specialized(kind: str, allow_warp_specialized: bool = True) -> bool:
     """Whether the fp8_block dgrad `kind` runs warp-specialized by default here: on Hopper, where
-    its flag says it measured faster."""
-    measured_faster = {"gate_up": WARP_SPECIALIZED_FP8_BLOCK_GATE_UP_DGRAD,
-                       "down": WARP_SPECIALIZED_FP8_BLOCK_DOWN_DGRAD_PRODUCT}[kind]
-    return measured_faster and allow_warp_specialized and warp_specialized.available_here()
+    its plan flag says it measured faster."""
+    plan = kernel_plan()
+    measured_faster = {"gate_up": plan.warp_specialized_fp8_block_gate_up_dgrad,
+                       "down": plan.warp_specialized_fp8_block_down_dgrad_product}[kind]
+    return measured_faster and allow_warp_specialized and plan.warp_specialized
+
+
+def fp8_block_tiles(kind: str) -> dict:
+    """The fp8_block Triton dgrad `kind`'s tiles (less BLOCK_M, the schedule's) from the plan."""
+    plan = kernel_plan()
+    if interpreting():
+        return dict(plan.dgrad_fp8_block_interpreter_tile)
+    return dict({"down": plan.dgrad_fp8_block_down_tile, "gate_up": plan.dgrad_fp8_block_gate_up_tile}[kind])
 
 
 def dgrad_config(
@@ -230,32 +172,34 @@ def dgrad_config(
     than 128×128; "down" takes the same tiles, its epilogue running on 64-column slices of
     the accumulator, faster on every preset than 128×128 at 4 stages (record
     h200-20261130-tiles-v2.json). The gate/up dgrad runs persistent at 4 stages for wide
-    outputs (H ≥ `PERSISTENT_GATE_UP_MIN_HIDDEN`), where it measured faster and elsewhere
+    outputs (H ≥ `persistent_gate_up_dgrad_min_hidden`), where it measured faster and elsewhere
     level (record h200-20261130-persistent.json); per tile, its last wave runs in column halves
-    with `grouped_gemm.SPLIT_LAST_WAVE`; the down dgrad prefetches its epilogue's g, u into L2
-    with `DOWN_DGRAD_PREFETCH_GATE_UP`. On Hopper the gate/up dgrad runs the
-    cooperative warp-specialized kernel up to `COOPERATIVE_GATE_UP_DGRAD_MAX_INTER` unless
+    with `split_last_wave`; the down dgrad prefetches its epilogue's g, u into L2
+    with `down_dgrad_prefetch_gate_up`. On Hopper the gate/up dgrad runs the
+    cooperative warp-specialized kernel up to `cooperative_gate_up_dgrad_max_inter` unless
     `allow_warp_specialized` is False. Under the interpreter, small
     tiles keep the CPU tests fast. The key never includes per-expert counts (they change every step).
-    fp8_block: `_FP8_BLOCK_TILES`, the same for every shape until measured; on Hopper the gate/up
-    dgrad into local slots warp-specialized with `WARP_SPECIALIZED_FP8_BLOCK_GATE_UP_DGRAD`, and
-    the down dgrad's GEMM (into a product) with `WARP_SPECIALIZED_FP8_BLOCK_DOWN_DGRAD_PRODUCT`.
+    fp8_block: `fp8_block_tiles`, the same for every shape until measured; on Hopper the gate/up
+    dgrad into local slots warp-specialized with `warp_specialized_fp8_block_gate_up_dgrad`, and
+    the down dgrad's GEMM (into a product) with `warp_specialized_fp8_block_down_dgrad_product`.
+    Every threshold and flag named here is a field of the kernel plan (`plan.kernel_plan`).
     """
+    plan = kernel_plan()
     if precision == "fp8_block":
         if _fp8_block_warp_specialized(kind, allow_warp_specialized):
             return warp_specialized.fp8_block_tile_config()
-        return dict(BLOCK_M=routing_block_m(), **_FP8_BLOCK_TILES["interpreter" if interpreting() else kind])
-    split = dict(SPLIT_LAST_WAVE=grouped_gemm.SPLIT_LAST_WAVE) if kind == "gate_up" else {}
+        return dict(BLOCK_M=routing_block_m(), **fp8_block_tiles(kind))
+    split = dict(SPLIT_LAST_WAVE=plan.split_last_wave) if kind == "gate_up" else {}
     if interpreting():
         return dict(BLOCK_M=routing_block_m(), BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1, **split)
-    gate_up_warp_specialized = kind == "gate_up" and allow_warp_specialized and warp_specialized.available_here()
-    if gate_up_warp_specialized and reduce_dim <= COOPERATIVE_GATE_UP_DGRAD_MAX_INTER:
+    gate_up_warp_specialized = kind == "gate_up" and allow_warp_specialized and plan.warp_specialized
+    if gate_up_warp_specialized and reduce_dim <= plan.cooperative_gate_up_dgrad_max_inter:
         return warp_specialized.tile_config(cooperative=True)
-    cfg = dict(BLOCK_M=routing_block_m(), BLOCK_N=256, BLOCK_K=64, GROUP_M=grouped_gemm.GEMM_GROUP_M, num_warps=8,
+    cfg = dict(BLOCK_M=routing_block_m(), BLOCK_N=256, BLOCK_K=64, GROUP_M=plan.gemm_group_m, num_warps=8,
                num_stages=3, **split)
     if kind == "down":
-        cfg.update(PREFETCH_GATE_UP=DOWN_DGRAD_PREFETCH_GATE_UP)
-    if kind == "gate_up" and n_dim >= PERSISTENT_GATE_UP_MIN_HIDDEN:
+        cfg.update(PREFETCH_GATE_UP=plan.down_dgrad_prefetch_gate_up)
+    if kind == "gate_up" and n_dim >= plan.persistent_gate_up_dgrad_min_hidden:
         cfg.update(num_stages=4, PERSISTENT=True)
     return cfg
 
@@ -467,7 +411,7 @@ def _down_dgrad_swiglu_kernel(
     LINE: tl.constexpr = 128 if GATE_UP_E4M3 else 64  # columns of g per 128-byte line
     if PREFETCH_GATE_UP and BLOCK_N >= LINE and not INTERPRETER:  # whole lines of g, u
         # The epilogue waits on its g, u loads a quarter at a time; asked for at once here, every
-        # quarter but the first finds its lines in L2 (`DOWN_DGRAD_PREFETCH_GATE_UP`).
+        # quarter but the first finds its lines in L2 (the plan's `down_dgrad_prefetch_gate_up`).
         line_cols = n0 + tl.arange(0, BLOCK_N // LINE) * LINE  # one per line of g
         line_ptrs = gate_up_ptr + rows.to(tl.int64)[:, None] * stride_gu_r + line_cols[None, :]
         line_ok = (line_cols < inter)[None, :] & row_valid[:, None]
@@ -776,10 +720,10 @@ def down_dgrad_swiglu_fp8_block(
     sorted rows, `quantize_fp8_block_gathered(d_out)`. The weight pair is `q_t, scale_t` of
     `mok.fp8_block_quantize(w_down)`. Rows past the schedule's `num_rows` are left unwritten.
     A tile config with WARP_SPECIALIZED (the default on Hopper, see
-    `WARP_SPECIALIZED_FP8_BLOCK_DOWN_DGRAD_PRODUCT`) runs the GEMM in `warp_specialized.py` into
+    the plan's `warp_specialized_fp8_block_down_dgrad_product`) runs the GEMM in `warp_specialized.py` into
     a product (gathering the token rows in its producer, or reading the sorted rows
     through TMA), then `down_dgrad_swiglu_epilogue` on it: with an fp32 product
-    (`FP8_BLOCK_DOWN_DGRAD_PRODUCT_BF16` off) d_gate_up bitwise the fused kernel's, d_topk_weights to
+    (the plan's `fp8_block_down_dgrad_product_bf16` off) d_gate_up bitwise the fused kernel's, d_topk_weights to
     fp32 rounding (its row sums reduce in another order); with a bf16 one, both from the product
     rounded to bf16."""
     _, inter, hidden = fp8_block_weight_shape("w_down_t_q", w_down_t_q, "[E_l, I, H]", schedule.num_local_experts)
@@ -800,7 +744,7 @@ def down_dgrad_swiglu_fp8_block(
     _check_gate_up(gate_up, schedule.capacity_rows, inter, device)
     cfg = _dgrad_tiles("down", inter, hidden, "fp8_block", tile_config, schedule)
     if cfg.get("WARP_SPECIALIZED", False):
-        dtype = torch.bfloat16 if FP8_BLOCK_DOWN_DGRAD_PRODUCT_BF16 else torch.float32
+        dtype = torch.bfloat16 if kernel_plan().fp8_block_down_dgrad_product_bf16 else torch.float32
         product = torch.empty(schedule.capacity_rows, inter, dtype=dtype, device=device)  # [capacity_rows, I]
         topk = 1 if topk_weights is None else topk_weights.shape[1]
         warp_specialized.launch_down_dgrad_product_fp8_block(
@@ -842,7 +786,7 @@ def _launch_down_dgrad_epilogue(
     product, topk_weights, gate_up, schedule: RoutingSchedule, swiglu_limit: float | None, quantize: bool
 ) -> tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]:
     """`down_dgrad_swiglu_epilogue` on checked operands."""
-    cfg = dict(BLOCK_M=schedule.block_m, **_FP8_BLOCK_TILES["interpreter" if interpreting() else "down"])
+    cfg = dict(BLOCK_M=schedule.block_m, **fp8_block_tiles("down"))
     return _launch_down_dgrad_swiglu(
         "fp8_block", product, None, topk_weights, gate_up, None, None, schedule, 0, product.shape[-1], swiglu_limit,
         cfg, product_given=True, quantize=quantize,

@@ -40,7 +40,7 @@ Two orders of the same copy. Row-major (`_gather_sorted_rows_kernel`): a program
 of sorted rows loads each row's token. Consecutive sorted rows belong to one expert and to
 tokens far apart, so with topk routes per token every token row is read topk times, mostly
 from HBM (x and dOut together outgrow the L2). Token-major (`_scatter_token_rows_kernel`,
-bf16 and topk ≥ `TOKEN_MAJOR_MIN_TOPK`): a program per block of tokens reads each token
+bf16 and topk ≥ the plan's `token_major_min_topk`): a program per block of tokens reads each token
 once and stores it to its topk rows (the schedule's route_row, the inverse of row_source);
 further programs, one per expert, zero its padding rows. mxfp8 keeps the row-major order:
 its copies round blocks of 32 consecutive sorted rows together.
@@ -57,14 +57,12 @@ import triton
 import triton.language as tl
 
 from mok.kernels.common import interpreting, round_to_bf16
+from mok.kernels.plan import kernel_plan
 from mok.kernels.quant import mxfp8_round_tile
 from mok.kernels.schedule import RoutingSchedule
 from mok.mxfp8 import MX_BLOCK
 
 ROWS_PER_PROGRAM = 16  # row-major: 16 rows × H columns per program, ~8K programs for 131K rows
-# From this topk on the bf16 copy runs token-major: faster at topk 8, slower at topk 2 on H200
-# (log h200-20261130-gather-token-major.log); topk 4 is not measured.
-TOKEN_MAJOR_MIN_TOPK = 4
 TOKENS_PER_PROGRAM = 16  # token-major: 16 tokens × 256 columns per step, 4 warps (8 to 32 tokens,
 # 256 to 1024 columns, 4 or 8 warps all measured within 3% of it on H200)
 
@@ -240,7 +238,7 @@ def gather_sorted_rows(
     strides = (x.stride(0), x.stride(0) if d_out is None else d_out.stride(0), x_sorted.stride(0))
     meta = dict(HAS_D_OUT=d_out is not None, HAS_WEIGHTS=topk_weights is not None, INTERPRETER=interpreting(),
                 num_warps=4)
-    if topk >= TOKEN_MAJOR_MIN_TOPK and not mxfp8:
+    if topk >= kernel_plan(device).token_major_min_topk and not mxfp8:
         token_programs = triton.cdiv(num_tokens, TOKENS_PER_PROGRAM)
         _scatter_token_rows_kernel[(token_programs + schedule.num_local_experts,)](
             *sources, *copies, schedule.route_row, schedule.expert_offsets, schedule.expert_counts,

@@ -77,6 +77,7 @@ from mok.kernels.common import (
     tma_descriptor_pair,
 )
 from mok.kernels.gather import gather_sorted_rows
+from mok.kernels.plan import kernel_plan
 from mok.kernels.quant_fp8_block import quantize_row_blocks
 from mok.kernels.schedule import RoutingSchedule
 from mok.kernels.swiglu import fast_sigmoid_here, swiglu_forward
@@ -348,81 +349,8 @@ def _down_scatter_kernel(
 
 # --------------------------------------------------------------------------- configs
 
-# fp8_block tiles. BLOCK_K = 128 is the scale block (one activation scale per row and one
-# weight scale per K step); gate/up's BLOCK_N = 128 makes each tile row one 1×128 block of h.
-# Starting points, not yet timed: sized against H200's limits (227 KiB of shared memory per
-# block, 64K registers per SM, 255 per thread) and checked with ptxas for sm_90a (triton 3.6);
-# `benchmarks/bench_fp8_gemm.py --sweep` times the alternatives.
-_FP8_BLOCK_TILES = {
-    # 8 warps. Shared memory per stage: x 128×128 B + gate 128×128 B + up 128×128 B = 48 KiB
-    # (what bf16's BLOCK_K = 64 stage holds); 3 stages = 144 KiB with 384 of K in flight
-    # (4 stages, 192 KiB, also fit). Registers per thread: two 128×128 fp32 accumulators (128)
-    # plus one step's fresh dot (64); ptxas: 255 registers, a few bytes spilled (2–4 local
-    # accesses per K step; tens with swiglu_limit).
-    "gate_up": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3),
-    # 8 warps, 4 stages of h 16 KiB + w_down 16 KiB = 128 KiB; ptxas: 156 registers, no spills.
-    # Not bf16's BLOCK_N = 256: its accumulator (128 registers per thread) plus a fresh dot
-    # (128 more) spill (ptxas: 255 registers and spills).
-    "down": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4),
-    # BLOCK_M as the bf16 interpreter config, so one schedule serves both precisions.
-    "interpreter": dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, GROUP_M=4, num_warps=4, num_stages=1),
-}
-
-
-# The bf16 gate/up GEMM reads x copied to the sorted layout (TMA) from this intermediate
-# size on: the copy costs the same at any I, the TMA loads save in proportion to I, and at
-# qwen3-30b's I = 768 the copy would eat the saving (record h200-20261130-gate-up-sorted-x.json).
-SORTED_X_MIN_INTER = 2048
-
-# Packed gate/up weights take the one-wide-dot path (tile-config flag PACKED, gathered x)
-# below this intermediate size, where it measured faster; at mixtral-8x7b's I = 14336 it was
-# slower, so there the two dots over sorted x stay (records h200-20261130-packed*.json).
-PACKED_MAX_INTER = 8192
-
-# The down GEMM runs persistent (one program per SM walking the tiles in a flattened loop,
-# so a tile's epilogue overlaps the next tile's first loads) up to this reduction (I): a
-# short K loop leaves the epilogue a large share; at mixtral-8x7b's I = 14336 it was slower
-# (record h200-20261130-persistent.json).
-PERSISTENT_DOWN_MAX_INTER = 2048
-
-# On Hopper the bf16 down GEMM into local slots runs warp-specialized (tile-config flag
-# WARP_SPECIALIZED, `warp_specialized.py`), bitwise the Triton kernel's output. Up to this
-# reduction (I) with the ping-pong schedule (two consumer warp groups in turns, so one's scatter
-# epilogue runs under the other's MMAs): faster at qwen3-30b's I = 768 (log
-# h200-20261130-ping-pong-fwd-profile.log), slower with its 128×128 tiles at I = 2048 and 14336
-# (log h200-20261130-ping-pong-probe.log).
-PING_PONG_DOWN_MAX_INTER = 1024
-# Above it the cooperative schedule (both warp groups on one 128×256 tile, the producer
-# running ahead across tiles) is there but off: the H200 measurements disagree, faster in short
-# alternating blocks (log h200-20261201-cooperative-probe.log), slower with the Triton kernel
-# bracketing it (log h200-20261201-warp-specialized-sweep.log). True runs it above
-# `PING_PONG_DOWN_MAX_INTER`.
-COOPERATIVE_DOWN = False
-# On Hopper the fp8_block down GEMM into local slots runs in the cooperative warp-specialized
-# kernel (`warp_specialized.fp8_block_tile_config`: 128×256 tiles, each step's product scaled
-# by the rows' scales and the weight block's one scale per 128 columns), bitwise the Triton
-# kernel's output, and much faster on both presets (log h200-20261201-fp8-wide-scalar-scales-sweep.log).
-# False keeps the Triton kernel.
-WARP_SPECIALIZED_FP8_BLOCK_DOWN = True
-# On Hopper the fp8_block gate/up GEMM runs in the cooperative warp-specialized kernel
-# (`warp_specialized.launch_gate_up_swiglu_fp8_block`: 128 rows × 128 columns of h per tile,
-# x's rows gathered by cp.async, the gate tile over the up tile in each B slot, the Triton
-# kernel's epilogue functions, bitwise its output). Since its epilogue stores rows of 16-byte
-# runs it is the faster at every H (log h200-20261202-gate-up-epilogue-stores-sweep.log).
-# False keeps the Triton kernel.
-WARP_SPECIALIZED_FP8_BLOCK_GATE_UP = True
-# Row tiles per column sweep (`tile_coordinates`) of the bf16 Triton grouped GEMMs: the forward's
-# gate/up and down, and both dgrads (`dgrad.dgrad_config`). A weight tile comes from HBM once per
-# group and then from L2 while the group's tiles are in flight. 16 (mixtral-8x7b's experts hold
-# 16 row tiles) measured slower in the layer (record h200-20261201-ab-gemm-group.json);
-# `benchmarks/sweeps/group_m.py` times 8, 16, 32.
-GEMM_GROUP_M = 8
-# The bf16 Triton down GEMM and gate/up dgrad, launched one program per tile (not persistent:
-# `splits_last_wave`), compute a last wave of at most half the SMs' tiles as column halves
-# (`common.last_wave_tile_coordinates`), bitwise the whole tiles' output: a 128-column tile costs
-# little more than half a 256-column one, so a short last wave ends sooner (record
-# h200-20261202-tile-waves.json). False computes every tile whole.
-SPLIT_LAST_WAVE = True
+# Tile sizes, thresholds and variant flags are the kernel plan's (`plan.KernelPlan`, with each
+# choice's reasons and records).
 
 
 def gemm_config(
@@ -438,35 +366,39 @@ def gemm_config(
     for gate/up and 128×256 for the single-accumulator down GEMM at 8 warps, 4 stages;
     TMA loads of the weights beat pointer loads; 128×64 / 64×128 tiles at 4 warps lose;
     gate/up reads x copied to the sorted layout from
-    `SORTED_X_MIN_INTER` on, unless it takes packed weights (`PACKED_MAX_INTER`); the
-    down GEMM runs persistent up to `PERSISTENT_DOWN_MAX_INTER` (record
+    `sorted_x_min_inter` on, unless it takes packed weights (`packed_max_inter`); the
+    down GEMM runs persistent up to `persistent_down_max_inter` (record
     h200-20261130-persistent.json), and per tile above it, its last wave in column halves
-    with `SPLIT_LAST_WAVE`. Under the interpreter, small tiles keep the CPU tests
+    with `split_last_wave`. Under the interpreter, small tiles keep the CPU tests
     fast (BLOCK_M 32, a whole MXFP8 block of rows).
     On Hopper the bf16 down GEMM into local slots runs warp-specialized (ping-pong) up to
-    `PING_PONG_DOWN_MAX_INTER`, and cooperative above it with `COOPERATIVE_DOWN`.
-    fp8_block: `_FP8_BLOCK_TILES`, the same for every shape until measured; on Hopper the down
-    GEMM into local slots warp-specialized with `WARP_SPECIALIZED_FP8_BLOCK_DOWN`, the gate/up
-    GEMM with `WARP_SPECIALIZED_FP8_BLOCK_GATE_UP`.
+    `ping_pong_down_max_inter`, and cooperative above it with `cooperative_down`.
+    fp8_block: the plan's `fp8_block_*_tile`, the same for every shape until measured; on Hopper the down
+    GEMM into local slots warp-specialized with `warp_specialized_fp8_block_down`, the gate/up
+    GEMM with `warp_specialized_fp8_block_gate_up`. Every threshold and flag named here is a
+    field of the kernel plan (`plan.kernel_plan`).
     """
+    plan = kernel_plan()
     if precision == "fp8_block":
-        measured_faster = {"down": WARP_SPECIALIZED_FP8_BLOCK_DOWN, "gate_up": WARP_SPECIALIZED_FP8_BLOCK_GATE_UP}[kind]
-        if measured_faster and allow_warp_specialized and warp_specialized.available_here():
+        measured_faster = {"down": plan.warp_specialized_fp8_block_down,
+                           "gate_up": plan.warp_specialized_fp8_block_gate_up}[kind]
+        if measured_faster and allow_warp_specialized and plan.warp_specialized:
             return warp_specialized.fp8_block_tile_config()
-        return dict(_FP8_BLOCK_TILES["interpreter" if interpreting() else kind])
+        return dict(plan.fp8_block_interpreter_tile if interpreting() else
+                    {"down": plan.fp8_block_down_tile, "gate_up": plan.fp8_block_gate_up_tile}[kind])
     if interpreting():
-        split = dict(SPLIT_LAST_WAVE=SPLIT_LAST_WAVE) if kind == "down" else {}
+        split = dict(SPLIT_LAST_WAVE=plan.split_last_wave) if kind == "down" else {}
         return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1, **split)
     if kind == "gate_up":
-        packed = packed_gate_up and n_dim < PACKED_MAX_INTER
-        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=GEMM_GROUP_M, num_warps=8, num_stages=4,
-                    PACKED=packed, X_SORTED=not packed and n_dim >= SORTED_X_MIN_INTER)
-    cooperative = reduce_dim > PING_PONG_DOWN_MAX_INTER
-    if allow_warp_specialized and (COOPERATIVE_DOWN or not cooperative) and warp_specialized.available_here():
+        packed = packed_gate_up and n_dim < plan.packed_max_inter
+        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=plan.gemm_group_m, num_warps=8, num_stages=4,
+                    PACKED=packed, X_SORTED=not packed and n_dim >= plan.sorted_x_min_inter)
+    cooperative = reduce_dim > plan.ping_pong_down_max_inter
+    if allow_warp_specialized and (plan.cooperative_down or not cooperative) and plan.warp_specialized:
         return warp_specialized.tile_config(cooperative)
-    persistent = reduce_dim <= PERSISTENT_DOWN_MAX_INTER
-    return dict(BLOCK_M=128, BLOCK_N=256 if n_dim >= 2048 else 128, BLOCK_K=64, GROUP_M=GEMM_GROUP_M, num_warps=8,
-                num_stages=3 if persistent else 4, PERSISTENT=persistent, SPLIT_LAST_WAVE=SPLIT_LAST_WAVE)
+    persistent = reduce_dim <= plan.persistent_down_max_inter
+    return dict(BLOCK_M=128, BLOCK_N=256 if n_dim >= 2048 else 128, BLOCK_K=64, GROUP_M=plan.gemm_group_m, num_warps=8,
+                num_stages=3 if persistent else 4, PERSISTENT=persistent, SPLIT_LAST_WAVE=plan.split_last_wave)
 
 
 def routing_block_m() -> int:
@@ -561,7 +493,7 @@ def gate_up_packed(w_gate: torch.Tensor, w_up: torch.Tensor) -> bool:
     tensor, as `MoKMoE` and `mok.pack_gate_up` store them. The gate/up GEMM can then load a
     gate tile and an up tile as one TMA box and multiply them in one 2·BLOCK_N-wide dot,
     which reads the x tile from shared memory once per K step instead of twice (tile-config
-    flag PACKED, where `PACKED_MAX_INTER` says it measured faster); two dots, as for
+    flag PACKED, where the plan's `packed_max_inter` says it measured faster); two dots, as for
     separate tensors, give bitwise the same result."""
     return (
         w_gate.is_contiguous() and w_up.is_contiguous() and w_up.shape == w_gate.shape

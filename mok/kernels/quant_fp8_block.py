@@ -95,6 +95,7 @@ from mok.kernels.common import interpreting, round_to_bf16
 from mok.kernels import gluon_api
 from mok.kernels.gather import gather_sorted_rows, sorted_row_routes
 from mok.kernels.gluon_api import gl, gluon
+from mok.kernels.plan import kernel_plan
 from mok.kernels.schedule import RoutingSchedule
 from mok.kernels.swiglu import fast_sigmoid_here, swiglu_forward
 from mok.mxfp8 import check_float_input
@@ -125,35 +126,11 @@ _ACT_BLOCK_M = 32
 # Weights: one 128×128 block per program (the scale's granularity; the transposed store
 # needs the whole block's amax first).
 _WEIGHT_BLOCK = FP8_BLOCK
-# On an NVIDIA GPU the Gluon kernel instead: one block per program at 16 rows × 8 columns per
-# thread and 4 warps (`_sorted_t_layouts`' shape for 128 columns): faster than the Triton kernel
-# on every preset's routed weights, bitwise its output (log h200-20261202-weight-quantizers-gluon.log).
-_WEIGHTS_GLUON = True
+# On an NVIDIA GPU the Gluon kernel instead (the plan's `weights_gluon`, `weight_gluon_num_warps`):
+# one block per program at 16 rows × 8 columns per thread (`_sorted_t_layouts`' shape for 128 columns).
 _WEIGHT_ROWS_PER_THREAD = tl.constexpr(16)
-_WEIGHT_GLUON_NUM_WARPS = 4
-# Sorted-layout operands: one 128-row block × 64 columns per program at 4 warps (16 KiB of
-# bf16 in, 8 KiB of fp8 out: 128-byte rows on both sides, so loads and transposed stores
-# coalesce). 128 or 256 columns, or 8 warps, measured slower on H200 (log
-# h200-20261130-sorted-t-sweep.log; again with the per-block reciprocal,
-# h200-20261201-sorted-t-sweep*.log). Operands gathered from token rows wider than 2048
-# (deepseek-v3-slice's x and w·dOut, H = 7168) take 32 columns at 2 warps: faster there,
-# and slower at qwen3-30b's H = 2048 and on the sorted operands. Under the interpreter, whose
-# cost is per program, 256 columns: quicker on the CPU tests.
-_SORTED_BLOCK_W = 64
-_SORTED_NUM_WARPS = 4
-_GATHERED_NARROW_MIN_WIDTH = 2049
-_GATHERED_NARROW_BLOCK_W = 32
-_GATHERED_NARROW_NUM_WARPS = 2
-_SORTED_BLOCK_W_INTERPRETER = 256
-# On an NVIDIA GPU the Gluon kernel instead (`_sorted_t_layouts`): 16 rows × 8 columns per
-# thread, 2 warps, 64 columns per program: faster than 4 warps or 4 and 8 rows per thread over
-# the four operands of qwen3-30b and deepseek-v3-slice (log h200-20261202-gluon-sorted-t-sweep.log).
-# On e4m3 operands (a_scale given: the layer's requantized x, w·dOut, h and d_g|d_u), 4 warps
-# (128 columns), which there measured faster than 2 (log h200-20261203-e4m3-sorted-t-sweep.log).
-_SORTED_GLUON = True
-_SORTED_GLUON_ROWS_PER_THREAD = 16
-_SORTED_GLUON_NUM_WARPS = 2
-_SORTED_GLUON_NUM_WARPS_E4M3 = 4
+# Sorted-layout operands: column widths and warps per program, the Gluon kernel or the Triton one,
+# are the plan's (`sorted_*`, `gathered_narrow_*`, with their reasons and records).
 
 
 # --------------------------------------------------------------------------- helpers
@@ -678,8 +655,9 @@ def quantize_fp8_block_weights(
     scale_t = torch.empty(E, kb, nb, dtype=torch.float32, device=w.device)  # [E, ⌈K/128⌉, ⌈N/128⌉]
     args = (w3, q, scale, q_t, scale_t, N, K, nb, kb, w3.stride(0), w3.stride(1))
     if E > 0 and N > 0 and K > 0:
-        if _WEIGHTS_GLUON and _gluon_here(w.device, "the fp8_block weight quantizer"):
-            _quantize_weight_128x128_gluon_kernel[(nb, kb, E)](*args, num_warps=_WEIGHT_GLUON_NUM_WARPS)
+        plan = kernel_plan(w.device)
+        if plan.weights_gluon and _gluon_here(w.device, "the fp8_block weight quantizer"):
+            _quantize_weight_128x128_gluon_kernel[(nb, kb, E)](*args, num_warps=plan.weight_gluon_num_warps)
         else:
             _quantize_weight_128x128_kernel[(nb, kb, E)](*args, INTERPRETER=interpreting(), BLOCK=_WEIGHT_BLOCK,
                                                          num_warps=8)
@@ -721,22 +699,23 @@ def _launch_quantize_sorted_t(
              a.stride(0), a_scale.stride(0) if scaled else 0)
     flags = dict(SWIGLU=swiglu, HAS_LIMIT=swiglu_limit is not None, GATHER=gathered_topk is not None,
                  HAS_WEIGHTS=topk_weights is not None, SCALED=scaled, FAST_SIGMOID=fast_sigmoid_here())
-    if _SORTED_GLUON and scale_rows == FP8_BLOCK and _gluon_here(device, "the fp8_block transposing quantizer"):
-        rows_per_thread = _SORTED_GLUON_ROWS_PER_THREAD
-        num_warps = _SORTED_GLUON_NUM_WARPS_E4M3 if scaled else _SORTED_GLUON_NUM_WARPS
+    plan = kernel_plan(device)
+    if plan.sorted_gluon and scale_rows == FP8_BLOCK and _gluon_here(device, "the fp8_block transposing quantizer"):
+        rows_per_thread = plan.sorted_gluon_rows_per_thread
+        num_warps = plan.sorted_gluon_num_warps_e4m3 if scaled else plan.sorted_gluon_num_warps
         block_w = _sorted_t_gluon_block_w(rows_per_thread, num_warps)
         if scaled and FP8_BLOCK % block_w:
-            raise ValueError(f"_SORTED_GLUON_ROWS_PER_THREAD, _SORTED_GLUON_NUM_WARPS_E4M3: with a_scale a program's "
+            raise ValueError(f"sorted_gluon_rows_per_thread, sorted_gluon_num_warps_e4m3: with a_scale a program's "
                              f"{block_w} columns must lie within one 128-column scale block")
         tiles = rows // FP8_BLOCK * triton.cdiv(width, block_w)  # at most: the kernel reads num_rows
         _quantize_sorted_t_gluon_kernel[(tiles,)](*pointers, schedule.num_rows, schedule.row_source, *sizes, **flags,
                                                   ROWS_PER_THREAD=rows_per_thread, num_warps=num_warps)
         return q_t.view(torch.float8_e4m3fn), scale_t
-    block_w, num_warps = _SORTED_BLOCK_W, _SORTED_NUM_WARPS
+    block_w, num_warps = plan.sorted_block_w, plan.sorted_num_warps
     if interpreting():
-        block_w = _SORTED_BLOCK_W_INTERPRETER
-    elif gathered_topk is not None and width >= _GATHERED_NARROW_MIN_WIDTH:
-        block_w, num_warps = _GATHERED_NARROW_BLOCK_W, _GATHERED_NARROW_NUM_WARPS
+        block_w = plan.sorted_block_w_interpreter
+    elif gathered_topk is not None and width >= plan.gathered_narrow_min_width:
+        block_w, num_warps = plan.gathered_narrow_block_w, plan.gathered_narrow_num_warps
     if scaled:  # a program's columns within one of a's 128-column scale blocks
         block_w = min(block_w, FP8_BLOCK)
     grid = (rows // scale_rows, triton.cdiv(width, block_w))

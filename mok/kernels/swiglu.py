@@ -9,7 +9,7 @@ pre-activation would come out as ±L (and a NaN token as a finite output) on the
 the interpreter's NumPy kept it.
 
 The sigmoid, σ(x) = 1 / (1 + 2^(−x·log2 e)), is most of an epilogue's arithmetic. With
-`FAST_SIGMOID` (kernels take it as a constexpr, from `fast_sigmoid_here()`) it runs as the
+`fast_sigmoid` (the kernel plan's; kernels take it as a constexpr, from `fast_sigmoid_here()`) it runs as the
 hardware's approximate exp2 and reciprocal with subnormals flushed to zero: 4 instructions,
 2 of them on the special-function unit. `tl.sigmoid` lowers to the same approximations plus a
 rescaling around each for subnormal inputs and outputs, about 12 instructions (ptxas, sm_90a).
@@ -22,15 +22,12 @@ import triton
 import triton.language as tl
 
 from mok.kernels.common import interpreting
-
-# On by default: mixtral-8x7b's down dgrad faster, the rest level (benchmarks/LOG.md, "Eighteenth
-# round"). False gives `tl.sigmoid`.
-FAST_SIGMOID = True
-
+from mok.kernels.plan import kernel_plan
 
 def fast_sigmoid_here() -> bool:
-    """The FAST_SIGMOID constexpr for a launch: the interpreter has no PTX, so always False there."""
-    return FAST_SIGMOID and not interpreting()
+    """The FAST_SIGMOID constexpr for a launch (the plan's `fast_sigmoid`): the interpreter has no
+    PTX, so always False there."""
+    return kernel_plan().fast_sigmoid and not interpreting()
 
 
 @triton.jit

@@ -100,52 +100,13 @@ from mok.kernels.gluon_api import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from mok.kernels.plan import kernel_plan
 from mok.kernels.quant_fp8_block import quantize_row_blocks
 from mok.kernels.schedule import RoutingSchedule
 from mok.kernels.swiglu import fast_sigmoid_here, swiglu_forward
 
-# Ping-pong: one consumer's tile. A 128×128 fp32 accumulator is 128 registers per thread of
-# its warp group; 128×256 spilled (ptxas, sm_90a: 3.7 KB per thread). Six stages of 128×64 A
-# and B tiles (32 KiB each, 192 KiB) measured faster than four on qwen3-30b's down GEMM and
-# down wgrad (log h200-20261130-ping-pong-probe.log).
-PING_PONG_TILE = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_stages=6)
-# Cooperative: the tile both consumers share (64×256 accumulators, 128 registers per thread).
-# Four stages of 48 KiB (two 64×64 A halves, one 256×64 B tile); three measured the same
-# within the noise (log h200-20261201-cooperative-probe.log).
-COOPERATIVE_TILE = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_stages=4)
-# fp8_block GEMMs (cooperative): BLOCK_K the 128-wide scale block. A consumer holds its
-# accumulator and its step's fresh product (64 registers per thread each at 64×128), so a
-# 64×256 accumulator and product would not fit; a 128×256 tile (each consumer's 64×256 in two
-# 128-column accumulators: `_scaled_mma_steps` multiplies half the B tile at a time) fits and
-# lets each stage's A tile serve twice the columns. 48 KiB per stage (two 64×128 A tiles and
-# one 256×128 B tile of e4m3), three stages (four measured the same); GROUP_M 8. Every fp8_block
-# GEMM ran faster on this tile than on 128×128 at six stages, and both faster than the Triton
-# kernel, every output bitwise the Triton kernel's (logs h200-20261201-fp8-wide-scalar-scales-sweep.log,
-# h200-20261201-fp8-wgrad-tma-scales-sweep.log).
-FP8_BLOCK_TILE = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_stages=3, GROUP_M=8)
-# The fp8_block wgrads store each consumer's output tile through shared memory by TMA, left in
-# flight while the next tile's MMAs run (`_wgrad_store_async`); False stores it from registers
-# (`_wgrad_store`), as the bf16 wgrads do. The register stores took up to an eighth of the fp8 wgrads' time
-# (log h200-20261202-fp8-wgrad-nostore.log), and by TMA they run under the MMAs (record
-# h200-20261202-ab-fp8-wgrad-tma-store.json).
-FP8_WGRAD_TMA_STORE = True
-# The fp8_block gate/up (h_q, g, u) and the down dgrad's bf16 product leave the gathered kernel
-# through shared-memory buffers by TMA stores, left in flight under the next tile's MMAs, instead
-# of a layout change through shared memory and 16-byte register stores (`_gate_up_epilogue`).
-# 224 KB of shared memory with the 3-stage ring (the gate/up: 144 KB ring, 80 KB buffers). Faster,
-# the gate/up's outputs still bitwise the Triton kernel's (log h200-20261203-ab-fp8-block-v31.log).
-GATHERED_TMA_STORE = True
-# The fp8_block scatter GEMMs, where they write the sorted layout in bf16 (the down GEMM's y and
-# the gate/up dgrad's dx for `combine` to gather with the schedule's `route_row`; the down dgrad's
-# bf16 product over dOut's sorted rows), leave each consumer's two 128-column tiles the same way,
-# through buffers of their own (64 KB beside the 144 KB ring). Route slots stay register stores:
-# TMA cannot scatter rows on Hopper. Faster into the sorted layout than into route slots (logs
-# h200-20261203-sorted-outputs.log, h200-20261203-e4m3-sorted-t-sweep.log).
-SORTED_TMA_STORE = True
-# The same for the bf16 cooperative wgrads, whose ring then holds 3 stages (`wgrad_tile_config`)
-# so that the buffers fit: their register stores were a noticeable share of the bf16 wgrads' time
-# (log h200-20261202-bf16-wgrad-nostore.log).
-BF16_WGRAD_TMA_STORE = True
+# Tiles and TMA-store flags are the kernel plan's (`plan.KernelPlan`: `ping_pong_tile`,
+# `cooperative_tile`, `fp8_block_warp_specialized_tile`, `*_tma_store`, with their reasons and records).
 # Registers per thread of the consumer warp groups and of the producer warp (setmaxnreg);
 # the default partition (consumer 0) gets what is left of the launch's 168 × 384 threads.
 _CONSUMER_REGISTERS = gl.constexpr(232)
@@ -179,14 +140,16 @@ def available_here() -> bool:
 
 def tile_config(cooperative: bool) -> dict:
     """The tile config that selects these kernels (flag WARP_SPECIALIZED) with either schedule."""
-    return dict(COOPERATIVE_TILE if cooperative else PING_PONG_TILE, WARP_SPECIALIZED=True, COOPERATIVE=cooperative)
+    plan = kernel_plan()
+    return dict(plan.cooperative_tile if cooperative else plan.ping_pong_tile, WARP_SPECIALIZED=True,
+                COOPERATIVE=cooperative)
 
 
 def wgrad_tile_config(cooperative: bool) -> dict:
-    """`tile_config` for the bf16 wgrads: cooperative with `BF16_WGRAD_TMA_STORE`, 3 stages, which
-    leave room for the store buffers (4 measured the same within 3%: `COOPERATIVE_TILE`)."""
+    """`tile_config` for the bf16 wgrads: cooperative with the plan's `bf16_wgrad_tma_store`, 3 stages,
+    which leave room for the store buffers (4 measured the same within 3%: `cooperative_tile`)."""
     cfg = tile_config(cooperative)
-    if cooperative and BF16_WGRAD_TMA_STORE:
+    if cooperative and kernel_plan().bf16_wgrad_tma_store:
         cfg["num_stages"] = 3
     return cfg
 
@@ -194,7 +157,7 @@ def wgrad_tile_config(cooperative: bool) -> dict:
 def fp8_block_tile_config(stacked: bool = False) -> dict:
     """The tile config that selects the fp8_block GEMMs here (cooperative), `stacked` for the
     gate/up wgrad (its A operand the stacked [d_g | d_u]ᵀ)."""
-    return dict(FP8_BLOCK_TILE, WARP_SPECIALIZED=True, COOPERATIVE=True, STACKED=stacked)
+    return dict(kernel_plan().fp8_block_warp_specialized_tile, WARP_SPECIALIZED=True, COOPERATIVE=True, STACKED=stacked)
 
 
 def _check_device(device: torch.device) -> None:
@@ -1111,7 +1074,8 @@ def _launch_scatter(a, a2, b, b2, y, schedule: RoutingSchedule, cfg: dict, b_k_m
     a_desc, b_desc = _descriptor(a, a_block), _descriptor(b, b_block)
     n_dim = y.shape[1]
     # the wide tile only: the 128-column one's six stages leave no room for the buffers
-    tma_store = SORTED_TMA_STORE and fp8 and not scatter and y.dtype == torch.bfloat16 and block_n == 2 * FP8_BLOCK
+    tma_store = (kernel_plan(y.device).sorted_tma_store and fp8 and not scatter and y.dtype == torch.bfloat16
+                 and block_n == 2 * FP8_BLOCK)
     y_desc = _descriptor(y, (a_block[0], _mma_n(block_n, True))) if tma_store else a_desc  # else unread
     _scatter_ws_kernel[(num_sms(y.device),)](
         a_desc, _descriptor(a2, a_block) if two_segments else a_desc,
@@ -1196,8 +1160,8 @@ def _launch_gathered(x_q, x_scale, w_gate: tuple[torch.Tensor, torch.Tensor], w_
     tile_n = cfg["BLOCK_N"] if product else FP8_BLOCK  # the gate/up's tile: 128 columns of h
     num_tiles = (schedule.capacity_rows // cfg["BLOCK_M"]) * triton.cdiv(inter, tile_n)
     w_gate_desc = _descriptor(w_gate[0], half)
-    # TMA stores (`GATHERED_TMA_STORE`): an fp32 product's buffers would not fit beside the ring
-    tma_store = GATHERED_TMA_STORE and out.dtype != torch.float32
+    # TMA stores (the plan's `gathered_tma_store`): an fp32 product's buffers would not fit beside the ring
+    tma_store = kernel_plan(out.device).gathered_tma_store and out.dtype != torch.float32
     h_desc = gate_up_desc = w_gate_desc  # unread without tma_store
     gate_up, gate_up_scale = gate_up_parts(gate_up)
     gate_up_e4m3 = gate_up_scale is not None
@@ -1225,12 +1189,13 @@ def _wgrad_store_box(cfg: dict, fp8: bool) -> tuple[int, int]:
 
 
 def _wgrad_stores_by_tma(cfg: dict, split_m: int, m_dim: int, n_dim: int, fp8: bool, device: torch.device) -> bool:
-    """Whether a cooperative wgrad stores its tiles by TMA (`FP8_WGRAD_TMA_STORE`,
-    `BF16_WGRAD_TMA_STORE`): where each output's rows (out's split_m, out2's the rest) are whole
+    """Whether a cooperative wgrad stores its tiles by TMA (the plan's `fp8_wgrad_tma_store`,
+    `bf16_wgrad_tma_store`): where each output's rows (out's split_m, out2's the rest) are whole
     boxes, so that no box crosses into the other output or the next expert, the rows are 16-byte
     aligned, and the store buffers fit in shared memory beside the ring (not in fp8_block at 128
     columns and 6 stages, nor in bf16 at 4 stages)."""
-    if not (FP8_WGRAD_TMA_STORE if fp8 else BF16_WGRAD_TMA_STORE) or not cfg.get("COOPERATIVE", False):
+    plan = kernel_plan(device)
+    if not (plan.fp8_wgrad_tma_store if fp8 else plan.bf16_wgrad_tma_store) or not cfg.get("COOPERATIVE", False):
         return False
     box_rows = _wgrad_store_box(cfg, fp8)[0]
     stage = (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * (1 if fp8 else 2)  # bytes of A's and B's tiles

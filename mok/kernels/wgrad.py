@@ -63,6 +63,7 @@ from mok.fp8_block import FP8_BLOCK
 from mok.kernels import warp_specialized
 from mok.kernels.common import expert_tile_coordinates, interpreting, launch_programs, round_to_bf16, tma_descriptor
 from mok.kernels.gather import check_sorted_rows
+from mok.kernels.plan import KernelPlan, kernel_plan
 from mok.kernels.quant_fp8_block import sorted_scale_rows
 from mok.kernels.schedule import RoutingSchedule
 
@@ -70,56 +71,9 @@ _SCALE_BLOCK = tl.constexpr(FP8_BLOCK)  # kernels read only constexpr globals
 
 # --------------------------------------------------------------------------- configs
 
-# fp8_block tiles. BLOCK_K = 128 rows is the scale block (the GPU schedule's block_m), one fresh
-# FP8 dot per block. Starting points, not yet timed, sized against H200's limits (227 KiB of
-# shared memory per block, 255 registers per thread) and checked with ptxas for sm_90a
-# (triton 3.6, compiled without a GPU):
-_FP8_BLOCK_TILES = {
-    # One accumulator over the stacked [d_g | d_u] (STACKED), as "down": 128×128 tiles where two
-    # accumulators (one per output, sharing the x tile) only fit at 128×64 (ptxas 203 registers;
-    # 128×128 spilled ~560 B per thread). Faster in the layer than the two-accumulator 128×64
-    # launch on both presets (record h200-20261130-fp8-stacked-wgrad.json).
-    "gate_up": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4, STACKED=True),
-    # 8 warps, one 128×128 accumulator: ptxas 209 registers, no spills; 32 KiB per stage (dyᵀ,
-    # hᵀ), 4 stages = 128 KiB. Not bf16's BLOCK_N = 256: its accumulator plus a fresh 128×256 dot
-    # would spill (the forward's down GEMM measured so with ptxas).
-    "down": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4),
-}
-# Under the interpreter, the same flags with these sizes: BLOCK_K divides S = gcd(16, 128) = 16,
-# the interpreter schedule's block_m; whole 128-wide output tiles keep the interpreter's program
-# count (its cost) low: 8× quicker than 32×64.
-_FP8_BLOCK_INTERPRETER_SIZES = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=16, num_warps=4, num_stages=1)
-
-
-# Intermediate size up to which the down wgrad runs persistent (`wgrad_config`).
-PERSISTENT_DOWN_WGRAD_MAX_INTER = 1024
-# On Hopper the bf16 wgrads without main_grad run warp-specialized (tile-config flag
-# WARP_SPECIALIZED, `warp_specialized.py`), bitwise the Triton kernels' output. The down wgrad
-# up to this intermediate size with the ping-pong schedule: faster at qwen3-30b's I = 768, slower
-# with its 128×128 tiles at I ≥ 2048 (log h200-20261130-ping-pong-probe.log).
-PING_PONG_DOWN_WGRAD_MAX_INTER = 1024
-# Above it with the cooperative schedule (128×256 tiles shared by both consumer warp groups):
-# faster than the Triton kernel on deepseek-v3-slice and mixtral-8x7b in both H200 measurements
-# (logs h200-20261201-cooperative-probe.log, h200-20261201-warp-specialized-sweep.log).
-COOPERATIVE_DOWN_WGRAD = True
-# The gate/up wgrad with the cooperative schedule (consumer 0 d_w_gate's 64 rows, consumer 1
-# d_w_up's, one shared x tile), every shape: faster than the Triton kernel's two 128×128
-# accumulators on every preset (log h200-20261201-warp-specialized-sweep.log).
-COOPERATIVE_GATE_UP_WGRAD = True
-# With main_grad the warp-specialized read-modify-write epilogue spilled in one warp group
-# (ptxas: 200–360 B), so the Triton kernel accumulates.
-# Row tiles of d_w_down [H, I] per column sweep within an expert (GROUP_M,
-# `expert_tile_coordinates`), for either kernel. At 1 the ~132 tiles in flight on mixtral-8x7b
-# (I = 14336: 56 column tiles of 256) cover two or three row tiles, so h[e] (58 MB, above
-# H200's 50 MB L2) streams from HBM about 13 times per expert; at 8 about 4 times, which measured
-# faster on mixtral-8x7b and level where h[e] fits (record h200-20261201-ab-ws-sweep.json).
-DOWN_WGRAD_GROUP_M = 8
-# True runs both fp8_block wgrads without main_grad on Hopper warp-specialized
-# (`warp_specialized.fp8_block_tile_config`: cooperative 128×128, the producer running
-# ahead, one consumer scaling its step's product while the other's MMAs run), bitwise the
-# Triton kernel's output (H200), and faster, alone and in the layer (log
-# h200-20261201-fp8-wgrad-ws-sweep-v2.log, record h200-20261201-ab-fp8-ws-wgrad.json).
-WARP_SPECIALIZED_FP8_BLOCK_WGRAD = True
+# Tile sizes, thresholds and variant flags are the kernel plan's (`plan.KernelPlan`, with each
+# choice's reasons and records). With main_grad the warp-specialized read-modify-write epilogue
+# spilled in one warp group (ptxas: 200–360 B), so the Triton kernel accumulates.
 
 
 def wgrad_config(
@@ -135,38 +89,42 @@ def wgrad_config(
     same within the sweep's drift (record h200-20261130-gate-up-wgrad-stacked.json). It runs
     at 3 stages: 4 stages measured slower on mixtral-8x7b and deepseek-v3-slice in two sweeps. "down" has one accumulator, so it takes 128×256 tiles
     where the output is wide enough, 3 stages, and runs persistent up to
-    `PERSISTENT_DOWN_WGRAD_MAX_INTER` (faster on qwen3-30b, whose experts have ~1K rows,
+    `persistent_down_wgrad_max_inter` (faster on qwen3-30b, whose experts have ~1K rows,
     in both sweeps; slower at I ≥ 2048). BLOCK_K divides the schedule's
     BLOCK_M (128). The reduction runs over an expert's rows, whose count changes every
     step, so it is not part of any key.
     On Hopper the bf16 wgrads run warp-specialized unless `allow_warp_specialized` is False
-    (main_grad): the down wgrad ping-pong up to `PING_PONG_DOWN_WGRAD_MAX_INTER` and cooperative
-    above it (`COOPERATIVE_DOWN_WGRAD`), the gate/up wgrad cooperative (`COOPERATIVE_GATE_UP_WGRAD`).
-    The down wgrad walks its tiles `DOWN_WGRAD_GROUP_M` row tiles per column sweep.
-    fp8_block: `_FP8_BLOCK_TILES`, the same for every shape (under the interpreter with
-    `_FP8_BLOCK_INTERPRETER_SIZES`), or on Hopper without main_grad the warp-specialized
-    kernel with `WARP_SPECIALIZED_FP8_BLOCK_WGRAD`.
+    (main_grad): the down wgrad ping-pong up to `ping_pong_down_wgrad_max_inter` and cooperative
+    above it (`cooperative_down_wgrad`), the gate/up wgrad cooperative (`cooperative_gate_up_wgrad`).
+    The down wgrad walks its tiles `down_wgrad_group_m` row tiles per column sweep.
+    fp8_block: `wgrad_fp8_block_*_tile`, the same for every shape (under the interpreter with
+    `wgrad_fp8_block_interpreter_sizes`), or on Hopper without main_grad the warp-specialized
+    kernel with `warp_specialized_fp8_block_wgrad`. Every threshold and flag named here is a
+    field of the kernel plan (`plan.kernel_plan`).
     """
-    warp_specialized_here = allow_warp_specialized and warp_specialized.available_here()
+    plan = kernel_plan()
+    warp_specialized_here = allow_warp_specialized and plan.warp_specialized
     if precision == "fp8_block":
-        if warp_specialized_here and WARP_SPECIALIZED_FP8_BLOCK_WGRAD:
+        if warp_specialized_here and plan.warp_specialized_fp8_block_wgrad:
             return warp_specialized.fp8_block_tile_config(stacked=kind == "gate_up")
-        return {**_FP8_BLOCK_TILES[kind], **(_FP8_BLOCK_INTERPRETER_SIZES if interpreting() else {})}
+        tiles = {"down": plan.wgrad_fp8_block_down_tile, "gate_up": plan.wgrad_fp8_block_gate_up_tile}[kind]
+        return {**tiles, **(plan.wgrad_fp8_block_interpreter_sizes if interpreting() else {})}
     if interpreting():  # BLOCK_K divides the interpreter's routing BLOCK_M (16)
         return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=16, num_warps=4, num_stages=1)
     if kind == "down":
-        return dict(_down_tiles(n_dim, warp_specialized_here), GROUP_M=DOWN_WGRAD_GROUP_M)
-    if warp_specialized_here and COOPERATIVE_GATE_UP_WGRAD:
+        return dict(_down_tiles(plan, n_dim, warp_specialized_here), GROUP_M=plan.down_wgrad_group_m)
+    if warp_specialized_here and plan.cooperative_gate_up_wgrad:
         return warp_specialized.wgrad_tile_config(cooperative=True)
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
 
 
-def _down_tiles(inter: int, warp_specialized_here: bool) -> dict:
+def _down_tiles(plan: KernelPlan, inter: int, warp_specialized_here: bool) -> dict:
     """The bf16 down wgrad's tiles on the GPU (`wgrad_config`), before GROUP_M."""
-    if warp_specialized_here and (inter <= PING_PONG_DOWN_WGRAD_MAX_INTER or COOPERATIVE_DOWN_WGRAD):
-        return warp_specialized.wgrad_tile_config(cooperative=inter > PING_PONG_DOWN_WGRAD_MAX_INTER)
+    cooperative = inter > plan.ping_pong_down_wgrad_max_inter
+    if warp_specialized_here and (not cooperative or plan.cooperative_down_wgrad):
+        return warp_specialized.wgrad_tile_config(cooperative=cooperative)
     return dict(BLOCK_M=128, BLOCK_N=256 if inter >= 256 else 128, BLOCK_K=64, num_warps=8, num_stages=3,
-                PERSISTENT=inter <= PERSISTENT_DOWN_WGRAD_MAX_INTER)
+                PERSISTENT=inter <= plan.persistent_down_wgrad_max_inter)
 
 
 # --------------------------------------------------------------------------- jit helpers

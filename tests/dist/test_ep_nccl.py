@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 import mok
-from mok import functional
 from mok.kernels.common import interpreting
+from mok.kernels.plan import override
 from mok.reference import ep_moe_backward, ep_moe_forward
 from mok.testing import assert_close_to_reference, make_inputs, make_topk_ids
 from mok.testing.distributed import run_distributed
@@ -136,11 +136,8 @@ def _check_case(case: Case, num_ranks: int, rank: int, group, seed: int, run_twi
     runs = [_run_triton(config, group, x, ids, topk_weights, routed, shared, d_out, case.swiglu_limit, spare)
             for spare in ((0, 0, 7) if run_twice else (0,))]
     if case.precision == "fp8_block":  # quantized after the exchange instead of before: bitwise the same
-        functional.FP8_BLOCK_ON_THE_WIRE = False
-        try:
+        with override(fp8_block_on_the_wire=False):
             bf16_wire = _run_triton(config, group, x, ids, topk_weights, routed, shared, d_out, case.swiglu_limit)
-        finally:
-            functional.FP8_BLOCK_ON_THE_WIRE = True
     ref_args = (x, ids, topk_weights, *routed, *shared)
     ref_out = ep_moe_forward(*ref_args, swiglu_limit=case.swiglu_limit, group=group)
     ref = ep_moe_backward(d_out, *ref_args, swiglu_limit=case.swiglu_limit, group=group)

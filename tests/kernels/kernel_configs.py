@@ -1,6 +1,7 @@
 """The kernel choices of every config-choosing function, recorded over presets and odd shapes on
 three machines: the interpreter, a CUDA GPU without the warp-specialized kernels, and Hopper
-(simulated: the availability checks patched). `python -m tests.kernels.kernel_configs` rewrites
+(simulated: the availability checks patched), first from the module constants the kernel plan
+replaced. `python -m tests.kernels.kernel_configs` rewrites
 `kernel_configs.json`, which `test_plan.py` holds the choosers to."""
 
 import contextlib
@@ -16,24 +17,45 @@ FIXTURE = pathlib.Path(__file__).with_name("kernel_configs.json")
 SHAPES = [(2048, 768), (7168, 2048), (4096, 14336), (64, 32), (256, 128), (128, 256), (6144, 1024),
           (6143, 1025), (2049, 2047), (1024, 8192), (1024, 8191), (8192, 1024), (384, 640), (96, 4096)]
 MACHINES = ("interpreter", "gpu", "hopper")
-# The module constants that chose kernels before the plan, by their old names: values the
-# choosers above do not show (quantizers, gather, the layer's fp8_block flags, TMA stores).
-CONSTANTS = [
-    "dgrad.FP8_BLOCK_DOWN_DGRAD_PRODUCT_BF16", "dgrad._FP8_BLOCK_TILES",
-    "grouped_gemm._FP8_BLOCK_TILES", "wgrad._FP8_BLOCK_TILES", "wgrad._FP8_BLOCK_INTERPRETER_SIZES",
-    "gather.TOKEN_MAJOR_MIN_TOPK", "swiglu.FAST_SIGMOID",
-    "warp_specialized.PING_PONG_TILE", "warp_specialized.COOPERATIVE_TILE", "warp_specialized.FP8_BLOCK_TILE",
-    "warp_specialized.FP8_WGRAD_TMA_STORE", "warp_specialized.GATHERED_TMA_STORE",
-    "warp_specialized.SORTED_TMA_STORE", "warp_specialized.BF16_WGRAD_TMA_STORE",
-    "quant_fp8_block._WEIGHTS_GLUON", "quant_fp8_block._WEIGHT_GLUON_NUM_WARPS",
-    "quant_fp8_block._SORTED_BLOCK_W", "quant_fp8_block._SORTED_NUM_WARPS",
-    "quant_fp8_block._GATHERED_NARROW_MIN_WIDTH", "quant_fp8_block._GATHERED_NARROW_BLOCK_W",
-    "quant_fp8_block._GATHERED_NARROW_NUM_WARPS", "quant_fp8_block._SORTED_BLOCK_W_INTERPRETER",
-    "quant_fp8_block._SORTED_GLUON", "quant_fp8_block._SORTED_GLUON_ROWS_PER_THREAD",
-    "quant_fp8_block._SORTED_GLUON_NUM_WARPS", "quant_fp8_block._SORTED_GLUON_NUM_WARPS_E4M3",
-    "functional.FP8_BLOCK_WGRADS_REQUANTIZE", "functional.FP8_BLOCK_D_GATE_UP_QUANTIZED",
-    "functional.FP8_BLOCK_SORTED_OUTPUTS", "functional.FP8_BLOCK_GATE_UP_E4M3", "functional.FP8_BLOCK_ON_THE_WIRE",
-]
+# The module constants that chose kernels before the plan (recorded from them under "constant|"
+# keys), by their old names, and the plan fields now holding them: values the choosers above do
+# not show (quantizers, gather, the layer's fp8_block flags, TMA stores). A dict: the old dict's
+# entries, each a field.
+CONSTANTS = {
+    "dgrad.FP8_BLOCK_DOWN_DGRAD_PRODUCT_BF16": "fp8_block_down_dgrad_product_bf16",
+    "dgrad._FP8_BLOCK_TILES": {"down": "dgrad_fp8_block_down_tile", "gate_up": "dgrad_fp8_block_gate_up_tile",
+                               "interpreter": "dgrad_fp8_block_interpreter_tile"},
+    "grouped_gemm._FP8_BLOCK_TILES": {"down": "fp8_block_down_tile", "gate_up": "fp8_block_gate_up_tile",
+                                      "interpreter": "fp8_block_interpreter_tile"},
+    "wgrad._FP8_BLOCK_TILES": {"down": "wgrad_fp8_block_down_tile", "gate_up": "wgrad_fp8_block_gate_up_tile"},
+    "wgrad._FP8_BLOCK_INTERPRETER_SIZES": "wgrad_fp8_block_interpreter_sizes",
+    "gather.TOKEN_MAJOR_MIN_TOPK": "token_major_min_topk",
+    "swiglu.FAST_SIGMOID": "fast_sigmoid",
+    "warp_specialized.PING_PONG_TILE": "ping_pong_tile",
+    "warp_specialized.COOPERATIVE_TILE": "cooperative_tile",
+    "warp_specialized.FP8_BLOCK_TILE": "fp8_block_warp_specialized_tile",
+    "warp_specialized.FP8_WGRAD_TMA_STORE": "fp8_wgrad_tma_store",
+    "warp_specialized.GATHERED_TMA_STORE": "gathered_tma_store",
+    "warp_specialized.SORTED_TMA_STORE": "sorted_tma_store",
+    "warp_specialized.BF16_WGRAD_TMA_STORE": "bf16_wgrad_tma_store",
+    "quant_fp8_block._WEIGHTS_GLUON": "weights_gluon",
+    "quant_fp8_block._WEIGHT_GLUON_NUM_WARPS": "weight_gluon_num_warps",
+    "quant_fp8_block._SORTED_BLOCK_W": "sorted_block_w",
+    "quant_fp8_block._SORTED_NUM_WARPS": "sorted_num_warps",
+    "quant_fp8_block._GATHERED_NARROW_MIN_WIDTH": "gathered_narrow_min_width",
+    "quant_fp8_block._GATHERED_NARROW_BLOCK_W": "gathered_narrow_block_w",
+    "quant_fp8_block._GATHERED_NARROW_NUM_WARPS": "gathered_narrow_num_warps",
+    "quant_fp8_block._SORTED_BLOCK_W_INTERPRETER": "sorted_block_w_interpreter",
+    "quant_fp8_block._SORTED_GLUON": "sorted_gluon",
+    "quant_fp8_block._SORTED_GLUON_ROWS_PER_THREAD": "sorted_gluon_rows_per_thread",
+    "quant_fp8_block._SORTED_GLUON_NUM_WARPS": "sorted_gluon_num_warps",
+    "quant_fp8_block._SORTED_GLUON_NUM_WARPS_E4M3": "sorted_gluon_num_warps_e4m3",
+    "functional.FP8_BLOCK_WGRADS_REQUANTIZE": "fp8_block_wgrads_requantize",
+    "functional.FP8_BLOCK_D_GATE_UP_QUANTIZED": "fp8_block_d_gate_up_quantized",
+    "functional.FP8_BLOCK_SORTED_OUTPUTS": "fp8_block_sorted_outputs",
+    "functional.FP8_BLOCK_GATE_UP_E4M3": "fp8_block_gate_up_e4m3",
+    "functional.FP8_BLOCK_ON_THE_WIRE": "fp8_block_on_the_wire",
+}
 
 
 @contextlib.contextmanager
@@ -76,7 +98,8 @@ def choices() -> dict:
                     got[_key("dgrad._fp8_block_warp_specialized", kind, allow)] = (
                         dgrad._fp8_block_warp_specialized(kind, allow))
             for hidden, inter in SHAPES:
-                got[_key("down_wgrad_reads_weighted_h", hidden, inter)] = dgrad.down_wgrad_reads_weighted_h(hidden, inter)
+                got[_key("down_wgrad_reads_weighted_h", hidden, inter)] = (
+                    dgrad.down_wgrad_reads_weighted_h(hidden, inter))
                 got[_key("fp8_block_down_dgrad_gathers", hidden)] = dgrad.fp8_block_down_dgrad_gathers(hidden)
                 for precision in ("bf16", "fp8_block"):
                     for allow in (False, True):
@@ -100,16 +123,16 @@ def _flat(recorded: dict) -> str:
     return "{\n" + ",\n".join(lines) + "\n}\n"
 
 
-def legacy_constants() -> dict:
-    """`CONSTANTS`' values, read from the modules (only the code before the plan has them)."""
-    import importlib
+def plan_constants(plan) -> dict:
+    """`CONSTANTS`' values in `plan`, under their recorded keys."""
 
-    def value(name):
-        module, attribute = name.rsplit(".", 1)
-        prefix = "mok." if module == "functional" else "mok.kernels."
-        return getattr(importlib.import_module(prefix + module), attribute)
+    def value(fields):
+        if isinstance(fields, dict):
+            return {key: dict(getattr(plan, field)) for key, field in fields.items()}
+        got = getattr(plan, fields)
+        return dict(got) if hasattr(got, "keys") else got
 
-    return {f"constant|{name}": value(name) for name in CONSTANTS}
+    return {f"constant|{name}": value(fields) for name, fields in CONSTANTS.items()}
 
 
 def recorded() -> dict:
@@ -118,6 +141,6 @@ def recorded() -> dict:
 
 
 if __name__ == "__main__":
-    old = json.loads(FIXTURE.read_text()) if FIXTURE.exists() else {}
-    constants = {key: value for key, value in old.items() if key.startswith("constant|")} or legacy_constants()
-    FIXTURE.write_text(_flat({**recorded(), **constants}))
+    from mok.kernels.plan import HOPPER
+
+    FIXTURE.write_text(_flat({**recorded(), **plan_constants(HOPPER)}))

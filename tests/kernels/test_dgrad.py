@@ -8,6 +8,7 @@ import torch
 
 from mok import reference
 from mok.fp8_block import fp8_block_dequantize, fp8_block_quantize, fp8_block_quantize_activations
+from mok.kernels import dgrad, warp_specialized
 from mok.kernels.dgrad import (
     dgrad_config,
     down_dgrad_swiglu,
@@ -17,7 +18,7 @@ from mok.kernels.dgrad import (
     gate_up_dgrad_scatter_fp8_block,
 )
 from mok.kernels.grouped_gemm import routing_block_m
-from mok.kernels import dgrad, warp_specialized
+from mok.kernels.plan import kernel_plan
 from mok.kernels.quant_fp8_block import quantize_fp8_block_activations, quantize_fp8_block_gathered
 from mok.kernels.schedule import build_routing_schedule
 from mok.testing import assert_close_to_reference, make_inputs, make_topk_ids
@@ -145,7 +146,7 @@ def test_down_dgrad_prefetch_leaves_the_outputs_bitwise(T, H, I, E, topk):
     gate_up = _sorted(rows, torch.randn(rows.numel(), 2, I, generator=gen), sched.capacity_rows).cuda()
     d_out_sorted = _sorted_tokens(torch.randn(T, H, generator=gen).bfloat16().cuda(), sched, topk)
     default = dgrad_config("down", I, H)
-    assert default["PREFETCH_GATE_UP"] is dgrad.DOWN_DGRAD_PREFETCH_GATE_UP, default
+    assert default["PREFETCH_GATE_UP"] is kernel_plan().down_dgrad_prefetch_gate_up, default
     outs = [down_dgrad_swiglu(d_out_sorted, inp.topk_weights, gate_up, inp.w_down, sched,
                               tile_config={**default, "PREFETCH_GATE_UP": prefetch}) for prefetch in (True, False)]
     ctx = f"{T=} {H=} {I=} {E=} {topk=}"
@@ -372,7 +373,7 @@ def test_fp8_block_down_dgrad_quantizes_d_gate_up(kernel_device, monkeypatch, T,
         f"dx_slots from the views {ctx}"
 
 
-def test_fp8_block_down_dgrad_gathering_is_bitwise_the_sorted_copy(kernel_device, monkeypatch):
+def test_fp8_block_down_dgrad_gathering_is_bitwise_the_sorted_copy(kernel_device, set_plan):
     """The two ways the fp8_block down dgrad reads dOut (its token rows quantized per token and
     gathered inside the loads, or its sorted rows quantized by the gathering quantizer and read
     through TMA) give the same bits: a route's row is its token's, and the products and their
@@ -394,10 +395,10 @@ def test_fp8_block_down_dgrad_gathering_is_bitwise_the_sorted_copy(kernel_device
         for gathers, name in ((True, "gathered"), (False, "sorted")):
             runs[f"{name}, warp-specialized product"] = (gathers, warp_specialized.fp8_block_tile_config())
     outputs = {}
-    monkeypatch.setattr(dgrad, "WARP_SPECIALIZED_FP8_BLOCK_DOWN_DGRAD_PRODUCT", False)  # H alone picks the rows
-    monkeypatch.setattr(dgrad, "FP8_BLOCK_DOWN_DGRAD_PRODUCT_BF16", False)
+    set_plan(warp_specialized_fp8_block_down_dgrad_product=False,  # H alone picks the rows
+             fp8_block_down_dgrad_product_bf16=False)
     for run, (gathers, tiles) in runs.items():
-        monkeypatch.setattr(dgrad, "GATHERED_FP8_BLOCK_DOWN_DGRAD_MAX_HIDDEN", H if gathers else H - 1)
+        set_plan(gathered_fp8_block_down_dgrad_max_hidden=H if gathers else H - 1)
         d_out_pair = quantize_fp8_block_activations(d_out) if gathers else quantize_fp8_block_gathered(d_out, sched, topk)
         d_gate_up, d_topk_weights = down_dgrad_swiglu_fp8_block(*d_out_pair, inp.topk_weights, gate_up, *w_down_t,
                                                                 sched, tile_config=tiles)

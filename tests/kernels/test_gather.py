@@ -4,7 +4,6 @@ router-weighted row, rounded once to bf16), padding rows are exact zeros."""
 import pytest
 import torch
 
-from mok.kernels import gather
 from mok.kernels.gather import gather_sorted_rows
 from mok.kernels.grouped_gemm import routing_block_m
 from mok.kernels.quant import mxfp8_round
@@ -14,9 +13,9 @@ from mok.testing import make_inputs
 
 @pytest.mark.parametrize("token_major", [False, True])
 @pytest.mark.parametrize("T, H, E, topk", [(37, 40, 5, 2), (1, 16, 3, 3), (50, 600, 4, 1), (21, 72, 6, 4)])
-def test_gather_sorted_rows(kernel_device, monkeypatch, T, H, E, topk, token_major):
+def test_gather_sorted_rows(kernel_device, set_plan, T, H, E, topk, token_major):
     """Both orders of the copy (row-major, token-major) at every topk."""
-    monkeypatch.setattr(gather, "TOKEN_MAJOR_MIN_TOPK", 1 if token_major else topk + 1)
+    set_plan(token_major_min_topk=1 if token_major else topk + 1)
     inp = make_inputs(T, H, 16, E, topk, seed=T, device=kernel_device)
     sched = build_routing_schedule(inp.topk_ids, E, routing_block_m(), torch.zeros(1, dtype=torch.int32, device=kernel_device))
     d_out = torch.randn(T, H, generator=torch.Generator().manual_seed(1)).bfloat16().to(kernel_device)

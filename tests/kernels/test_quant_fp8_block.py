@@ -17,8 +17,9 @@ import triton.language as tl
 from mok.fp8_block import fp8_block_quantize, fp8_block_quantize_activations
 from mok.kernels import quant_fp8_block as qf
 from mok.kernels.common import interpreting
-from mok.kernels.grouped_gemm import routing_block_m
 from mok.kernels.gather import gather_sorted_rows
+from mok.kernels.grouped_gemm import routing_block_m
+from mok.kernels.plan import HOPPER, override
 from mok.kernels.quant_fp8_block import (
     _abs_max_bits,
     quantize_fp8_block_activations,
@@ -428,7 +429,7 @@ def test_sorted_t_gluon_compiles_for_sm90a_without_spills(variant):
     resident per SM (≤ 168 registers)."""
     element, flags = _GLUON_VARIANTS[variant]
     kernel = qf._quantize_sorted_t_gluon_kernel
-    constants = dict(flags, FAST_SIGMOID=True, ROWS_PER_THREAD=qf._SORTED_GLUON_ROWS_PER_THREAD)
+    constants = dict(flags, FAST_SIGMOID=True, ROWS_PER_THREAD=HOPPER.sorted_gluon_rows_per_thread)
     pointer_types = {"a_ptr": f"*{element}", "q_t_ptr": "*u8", "scale_t_ptr": "*fp32", "topk_weights_ptr": "*fp32",
                      "a_scale_ptr": "*fp32"}
     signature = {name: "constexpr" if name in constants else pointer_types.get(name, "*i32") if name.endswith("_ptr")
@@ -436,8 +437,8 @@ def test_sorted_t_gluon_compiles_for_sm90a_without_spills(variant):
     aligned = tuple(name for name in signature if name.endswith("_ptr")) + ("width", "capacity_rows", "stride_a_r")
     registers, spilled = gluon_ptxas_report("mok.kernels.quant_fp8_block", "_quantize_sorted_t_gluon_kernel",
                                             signature, constants, aligned,
-                                            num_warps=qf._SORTED_GLUON_NUM_WARPS_E4M3 if flags["SCALED"]
-                                            else qf._SORTED_GLUON_NUM_WARPS)
+                                            num_warps=HOPPER.sorted_gluon_num_warps_e4m3 if flags["SCALED"]
+                                            else HOPPER.sorted_gluon_num_warps)
     assert spilled == 0 and registers <= 168, f"{variant}: {registers} registers, {spilled} bytes spilled"
 
 
@@ -452,7 +453,7 @@ def test_weights_gluon_compiles_for_sm90a_without_spills(element):
                  for name in kernel.arg_names}
     aligned = tuple(name for name in signature if name.endswith("_ptr")) + ("N", "K", "stride_w_e", "stride_w_n")
     registers, spilled = gluon_ptxas_report("mok.kernels.quant_fp8_block", "_quantize_weight_128x128_gluon_kernel",
-                                            signature, {}, aligned, num_warps=qf._WEIGHT_GLUON_NUM_WARPS)
+                                            signature, {}, aligned, num_warps=HOPPER.weight_gluon_num_warps)
     assert spilled == 0, f"{element}: {registers} registers, {spilled} bytes spilled"
 
 
@@ -488,15 +489,13 @@ def test_sorted_t_gluon_is_bitwise_the_triton_kernel(monkeypatch, rows_per_threa
     h_pair = quantize_fp8_block_activations(a.bfloat16().cuda(), sched.num_rows)
     num_rows, slots = int(sched.num_rows), [slot for _, _, slot in blocks]
     for name, call in calls.items():
-        monkeypatch.setattr(qf, "_SORTED_GLUON", False)
-        want_q, want_scale = call()
-        monkeypatch.setattr(qf, "_SORTED_GLUON", True)
-        monkeypatch.setattr(qf, "_SORTED_GLUON_ROWS_PER_THREAD", rows_per_thread)
-        monkeypatch.setattr(qf, "_SORTED_GLUON_NUM_WARPS", num_warps)
-        monkeypatch.setattr(qf, "_SORTED_GLUON_NUM_WARPS_E4M3", num_warps)
-        monkeypatch.setattr(qf, "_quantize_sorted_t_kernel", None)  # the Triton kernel must not run
-        got_q, got_scale = call()
-        monkeypatch.undo()
+        with override(sorted_gluon=False):
+            want_q, want_scale = call()
+        with override(sorted_gluon=True, sorted_gluon_rows_per_thread=rows_per_thread,
+                      sorted_gluon_num_warps=num_warps, sorted_gluon_num_warps_e4m3=num_warps):
+            monkeypatch.setattr(qf, "_quantize_sorted_t_kernel", None)  # the Triton kernel must not run
+            got_q, got_scale = call()
+            monkeypatch.undo()
         _assert_same([got_q[:, :num_rows].contiguous(), got_scale[slots]],
                      [want_q[:, :num_rows].contiguous(), want_scale[slots]], f"{name} {ctx}")
         if name == "sorted bf16":

@@ -8,9 +8,8 @@ import torch
 import triton
 
 from mok.fp8_block import fp8_block_dequantize, fp8_block_quantize
-from mok.kernels import warp_specialized as ws
-from mok.kernels import wgrad
 from mok.kernels import dgrad
+from mok.kernels import warp_specialized as ws
 from mok.kernels.dgrad import (
     dgrad_config,
     down_dgrad_swiglu,
@@ -27,6 +26,7 @@ from mok.kernels.grouped_gemm import (
     gemm_config,
     routing_block_m,
 )
+from mok.kernels.plan import HOPPER, kernel_plan, override
 from mok.kernels.quant_fp8_block import (
     quantize_fp8_block_activations,
     quantize_fp8_block_gathered,
@@ -119,7 +119,7 @@ def test_kernels_compile_for_sm90a_without_spills(cooperative, two_operands):
     scatter_meta = dict(meta, SCATTER=True, TMA_STORE=False, TWO_SEGMENTS=two_operands, B_K_MAJOR=not two_operands,
                         FP8=False, GROUP_M=8)
     # the wgrad at its own stages, cooperative with its TMA stores
-    wgrad_meta = dict(meta, TWO_OUTPUTS=two_operands, FP8=False, TMA_STORE=cooperative and ws.BF16_WGRAD_TMA_STORE,
+    wgrad_meta = dict(meta, TWO_OUTPUTS=two_operands, FP8=False, TMA_STORE=cooperative and HOPPER.bf16_wgrad_tma_store,
                       GROUP_M=8, STAGES=ws.wgrad_tile_config(cooperative)["num_stages"])
     report = {
         "scatter GEMM": _ptxas_report("_scatter_ws_kernel", _scatter_signature((rows, block_k), b_block,
@@ -155,7 +155,7 @@ def test_fp8_block_kernels_compile_for_sm90a_without_spills(kernel, wide):
                 GROUP_M=cfg["GROUP_M"], STAGES=cfg["num_stages"])
     a_block, b_block = (block_m // 2, block_k), (block_n, block_k)
     if kernel == "wgrad":
-        meta = dict(meta, TWO_OUTPUTS=False, TMA_STORE=ws.FP8_WGRAD_TMA_STORE)
+        meta = dict(meta, TWO_OUTPUTS=False, TMA_STORE=HOPPER.fp8_wgrad_tma_store)
         report = _ptxas_report("_wgrad_ws_kernel", _wgrad_signature(a_block, b_block, torch.float8_e4m3fn, meta), meta)
     else:
         product, sorted_rows = kernel == "down dgrad product", kernel.endswith("sorted rows")
@@ -219,7 +219,7 @@ def test_defaults_choose_it_only_where_it_runs():
         assert "WARP_SPECIALIZED" not in config
 
 
-def test_errors_name_the_tile_config(kernel_device, monkeypatch):
+def test_errors_name_the_tile_config(kernel_device, set_plan):
     """An explicit WARP_SPECIALIZED config is refused, naming it, where the kernels cannot run
     (not a Hopper GPU, or the interpreter), with main_grad, and ping-pong for the gate/up wgrad
     and the fp8_block GEMMs."""
@@ -227,7 +227,7 @@ def test_errors_name_the_tile_config(kernel_device, monkeypatch):
     flag = torch.zeros(1, dtype=torch.int32, device=kernel_device)
     sched = build_routing_schedule(inp.topk_ids, 4, routing_block_m(), flag)
     h = torch.randn(sched.capacity_rows, 64).bfloat16().to(kernel_device)
-    config = dict(_WS_CONFIG, BLOCK_M=sched.block_m, BLOCK_K=min(sched.block_m, ws.PING_PONG_TILE["BLOCK_K"]))
+    config = dict(_WS_CONFIG, BLOCK_M=sched.block_m, BLOCK_K=min(sched.block_m, HOPPER.ping_pong_tile["BLOCK_K"]))
     if not ws.warp_specialized_available(h.device):
         with pytest.raises(ValueError, match="tile_config: WARP_SPECIALIZED needs a Hopper GPU"):
             down_scatter(h, inp.w_down, sched, 16, tile_config=config)
@@ -267,8 +267,8 @@ def test_errors_name_the_tile_config(kernel_device, monkeypatch):
                                          "BLOCK_N 256"):
         down_dgrad_swiglu_fp8_block(*token_rows, inp.topk_weights, gate_up, *weight[2:], sched,
                                     tile_config=dict(fp8_config, BLOCK_N=128))
-    monkeypatch.setattr(dgrad, "WARP_SPECIALIZED_FP8_BLOCK_DOWN_DGRAD_PRODUCT", False)  # H alone picks the rows
-    monkeypatch.setattr(dgrad, "GATHERED_FP8_BLOCK_DOWN_DGRAD_MAX_HIDDEN", 0)  # dOut's sorted rows
+    set_plan(warp_specialized_fp8_block_down_dgrad_product=False,  # H alone picks the rows
+             gathered_fp8_block_down_dgrad_max_hidden=0)  # dOut's sorted rows
     with pytest.raises(ValueError, match="tile_config: the fp8_block down dgrad needs COOPERATIVE"):
         down_dgrad_swiglu_fp8_block(*rows, inp.topk_weights, gate_up, *weight[2:], sched,
                                     tile_config=dict(fp8_config, COOPERATIVE=False))
@@ -386,7 +386,7 @@ _FP8_CASES = [(T, -(-H // 128) * 128, -(-I // 128) * 128, E, topk, skewed) for T
 def test_fp8_block_scatter_gemms_are_bitwise_the_triton_kernel(T, H, I, E, topk, skewed, wide, sorted_rows):
     """The fp8_block down GEMM and gate/up dgrad (two K segments over the weights' transposed
     copies, each with its own row and weight scales), scattered to the slots, or with
-    `sorted_rows` stored in the sorted layout (by TMA stores, `SORTED_TMA_STORE`, at the wide
+    `sorted_rows` stored in the sorted layout (by TMA stores, the plan's `sorted_tma_store`, at the wide
     tile): the rows in use bitwise the Triton kernel's, and each route's row bitwise its slot's."""
     inp, sched = _inputs(T, H, I, E, topk, skewed, seed=6)
     h, d_gate, d_up = (quantize_fp8_block_activations(torch.randn(sched.capacity_rows, I, device="cuda"))
@@ -436,7 +436,7 @@ def _route_term_sums(d_out, w_down_t, gate_up, sched, topk, swiglu_limit, gather
 @pytest.mark.parametrize("swiglu_limit", [None, 1.5])
 @pytest.mark.parametrize("T, H, I, E, topk, skewed", _FP8_CASES)
 def test_fp8_block_down_dgrad_product_is_the_triton_kernel(T, H, I, E, topk, skewed, swiglu_limit, gathers,
-                                                           monkeypatch):
+                                                           set_plan):
     """The fp8_block down dgrad as the warp-specialized GEMM into an fp32 product (dOut's sorted
     rows through TMA, or its token rows gathered by the producer) and the epilogue on it:
     d_gate_up bitwise the fused Triton kernel's on every row in use (padding rows' zeros
@@ -445,8 +445,8 @@ def test_fp8_block_down_dgrad_product_is_the_triton_kernel(T, H, I, E, topk, ske
     relative), padding rows' zeros exact, each d_topk_weights within the product's bf16 rounding
     of its terms (2^-8 of Σ|a·h|: the sum itself may cancel)."""
     assert dgrad_config("down", I, H, "fp8_block").get("WARP_SPECIALIZED"), "the default on Hopper"
-    monkeypatch.setattr(dgrad, "WARP_SPECIALIZED_FP8_BLOCK_DOWN_DGRAD_PRODUCT", False)  # H alone picks the rows
-    monkeypatch.setattr(dgrad, "GATHERED_FP8_BLOCK_DOWN_DGRAD_MAX_HIDDEN", 1 << 20 if gathers else 0)
+    set_plan(warp_specialized_fp8_block_down_dgrad_product=False,  # H alone picks the rows
+             gathered_fp8_block_down_dgrad_max_hidden=1 << 20 if gathers else 0)
     inp, sched = _inputs(T, H, I, E, topk, skewed, seed=8)
     gen = torch.Generator().manual_seed(T)  # (this torch build seeds CUDA's generator anew in each process)
     gate_up = torch.randn(sched.capacity_rows, 2, I, generator=gen).bfloat16().cuda()
@@ -465,12 +465,11 @@ def test_fp8_block_down_dgrad_product_is_the_triton_kernel(T, H, I, E, topk, ske
         excess = (got - expected[1]).abs() - bound * term_sums
         assert excess.max() <= 0, f"d_topk_weights, {what} {params}: off by {excess.max()} more than allowed"
 
-    with monkeypatch.context() as exact:
-        exact.setattr(dgrad, "FP8_BLOCK_DOWN_DGRAD_PRODUCT_BF16", False)
+    with override(fp8_block_down_dgrad_product_bf16=False):
         got = run(ws.fp8_block_tile_config())
     _check_bitwise(got[0][:rows], expected[0][:rows], f"d_gate_up {params}")
     check_d_topk_weights(got[1], 2.0**-16, "fp32 product")
-    assert dgrad.FP8_BLOCK_DOWN_DGRAD_PRODUCT_BF16, "the default"
+    assert kernel_plan().fp8_block_down_dgrad_product_bf16, "the default"
     got = run(ws.fp8_block_tile_config())
     torch.testing.assert_close(got[0][:rows].float(), expected[0][:rows].float(), rtol=2.0**-7, atol=0.0,
                                msg=lambda m: f"d_gate_up, bf16 product {params}: {m}")
@@ -511,7 +510,7 @@ def test_fp8_block_gate_up_is_bitwise_the_triton_kernel(T, H, I, E, topk, skewed
 
 @hopper
 @pytest.mark.gpu
-def test_fp8_block_layer_with_the_warp_specialized_gate_up_is_bitwise_the_same(monkeypatch):
+def test_fp8_block_layer_with_the_warp_specialized_gate_up_is_bitwise_the_same(set_plan):
     """A forward and backward of the fp8_block layer through `mok.forward` / `mok.backward`
     with the warp-specialized gate/up on: every output and gradient bitwise the Triton kernel's run."""
     import mok
@@ -527,10 +526,10 @@ def test_fp8_block_layer_with_the_warp_specialized_gate_up_is_bitwise_the_same(m
         out, ctx = mok.forward(config, workspace, schedule, *args)
         return (out, *mok.backward(config, workspace, schedule, ctx, d_out, *args))
 
-    monkeypatch.setattr("mok.kernels.grouped_gemm.WARP_SPECIALIZED_FP8_BLOCK_GATE_UP", False)
+    set_plan(warp_specialized_fp8_block_gate_up=False)
     assert "WARP_SPECIALIZED" not in gemm_config("gate_up", 384, 512, "fp8_block")
     expected = step()
-    monkeypatch.setattr("mok.kernels.grouped_gemm.WARP_SPECIALIZED_FP8_BLOCK_GATE_UP", True)
+    set_plan(warp_specialized_fp8_block_gate_up=True)
     assert gemm_config("gate_up", 384, 512, "fp8_block") == ws.fp8_block_tile_config()
     for name, got, want in zip(("out", *Gradients._fields), step(), expected, strict=True):
         assert (got is None and want is None) or torch.equal(got, want), name
@@ -573,8 +572,8 @@ def test_fp8_block_wgrads_are_bitwise_the_triton_kernel(T, H, I, E, topk, skewed
 @hopper
 @pytest.mark.gpu
 @pytest.mark.parametrize("T, H, I, E, topk, skewed", _CASES)
-def test_fp8_block_wgrads_store_by_tma_bitwise_as_from_registers(monkeypatch, T, H, I, E, topk, skewed):
-    """The TMA stores (FP8_WGRAD_TMA_STORE) write what the register stores do, and run exactly
+def test_fp8_block_wgrads_store_by_tma_bitwise_as_from_registers(set_plan, T, H, I, E, topk, skewed):
+    """The TMA stores (the plan's `fp8_wgrad_tma_store`) write what the register stores do, and run exactly
     where every 64-row box lies in one output (H, and I for the gate/up wgrad's two outputs, in
     whole boxes): with the shipped tile, not at 128 columns and 6 stages (no room beside the ring)."""
     sched, runs = _fp8_wgrad_runs(T, H, I, E, topk, skewed)
@@ -586,9 +585,9 @@ def test_fp8_block_wgrads_store_by_tma_bitwise_as_from_registers(monkeypatch, T,
         assert ws._wgrad_stores_by_tma(cfg, m_dim, stacked_rows, n_dim, True, device) == (m_dim % 64 == 0), params
         assert not ws._wgrad_stores_by_tma(_fp8_tile(cfg, wide=False), m_dim, stacked_rows, n_dim, True, device), \
             params
-        monkeypatch.setattr(ws, "FP8_WGRAD_TMA_STORE", False)
+        set_plan(fp8_wgrad_tma_store=False)
         expected = run(cfg)
-        monkeypatch.setattr(ws, "FP8_WGRAD_TMA_STORE", True)
+        set_plan(fp8_wgrad_tma_store=True)
         for g, e in zip(run(cfg), expected, strict=True):
             _check_bitwise(g, e, params)
 
@@ -596,7 +595,7 @@ def test_fp8_block_wgrads_store_by_tma_bitwise_as_from_registers(monkeypatch, T,
 @hopper
 @pytest.mark.gpu
 def test_bf16_wgrads_store_by_tma_where_the_buffers_fit():
-    """The cooperative bf16 wgrads store by TMA (BF16_WGRAD_TMA_STORE) at their 3 stages with
+    """The cooperative bf16 wgrads store by TMA (the plan's `bf16_wgrad_tma_store`) at their 3 stages with
     whole 64-row boxes; not at 4 stages (no room beside the ring), not ping-pong, not with rows
     that are no multiple of 64 (then the bitwise tests above run the register stores)."""
     device = torch.device("cuda")
@@ -616,7 +615,7 @@ def test_defaults_choose_the_schedule_by_reduction_on_hopper():
     Triton kernels for the long down GEMM, with main_grad and for peer stores
     (`allow_warp_specialized=False`)."""
     assert gemm_config("down", 2048, 768) == ws.tile_config(cooperative=False)
-    group_m = dict(GROUP_M=wgrad.DOWN_WGRAD_GROUP_M)
+    group_m = dict(GROUP_M=HOPPER.down_wgrad_group_m)
     assert wgrad_config("down", 2048, 768) == dict(ws.wgrad_tile_config(cooperative=False), **group_m)
     assert "WARP_SPECIALIZED" not in gemm_config("down", 7168, 2048)
     assert wgrad_config("down", 4096, 14336) == dict(ws.wgrad_tile_config(cooperative=True), **group_m)
