@@ -11,7 +11,7 @@ from torch import nn
 from mok.config import PRECISIONS, MoKConfig
 from mok.functional import check_errors, expert_counts, moe, pack_gate_up
 from mok.kernels.grouped_gemm import gate_up_packed
-from mok.validation import check_alignment
+from mok.validation import check_alignment, flatten_tokens
 
 
 class MoKMoE(nn.Module):
@@ -133,18 +133,15 @@ class MoKMoE(nn.Module):
         """`expert_counts_out`: an int32/int64 [num_experts] device tensor that receives the
         routes each global expert got in this call (summed over the EP group), with no host
         sync (`mok.expert_counts`)."""
-        for name, t in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        if x.dim() < 1 or x.shape[-1] != self.hidden_size:
+        x_rows, id_rows, weight_rows, lead = flatten_tokens(x, topk_ids, topk_weights)  # [T, H], [T, topk] ×2
+        if x.shape[-1] != self.hidden_size:
             raise ValueError(f"x: expected a tensor of shape [..., {self.hidden_size}], got {tuple(x.shape)}")
-        if topk_ids.dim() < 1 or topk_ids.shape[-1] != self.topk:
+        if topk_ids.shape[-1] != self.topk:
             raise ValueError(f"topk_ids: expected shape [..., {self.topk}] (the layer's topk), got {tuple(topk_ids.shape)}")
-        lead = x.shape[:-1]
         out = moe(
-            x.reshape(-1, self.hidden_size).contiguous(),
-            topk_ids.reshape(-1, topk_ids.shape[-1]).contiguous(),
-            topk_weights.reshape(-1, topk_weights.shape[-1]).contiguous(),
+            x_rows.contiguous(),
+            id_rows.contiguous(),
+            weight_rows.contiguous(),
             self.w_gate,
             self.w_up,
             self.w_down,
@@ -157,9 +154,7 @@ class MoKMoE(nn.Module):
             workspace_cache=self._workspaces,
         )
         if expert_counts_out is not None:
-            expert_counts(
-                topk_ids.reshape(-1, topk_ids.shape[-1]), self.num_experts, group=self.ep_group, out=expert_counts_out
-            )
+            expert_counts(id_rows, self.num_experts, group=self.ep_group, out=expert_counts_out)
         return out.view(*lead, self.hidden_size)
 
     def check_errors(self, *, blocking: bool = True) -> None:
