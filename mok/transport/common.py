@@ -27,6 +27,7 @@ import torch.distributed as dist
 from mok import ops
 from mok.config import MoKConfig
 from mok.kernels.common import ERROR_CAPACITY_OVERFLOW
+from mok.kernels.dgrad import fp8_block_down_dgrad_gathers
 from mok.kernels.schedule import sorted_route_rows
 
 
@@ -63,6 +64,33 @@ class RouteCapacity:
         """C of the once-per-(token, rank) plan: token rows one rank may send one peer. Each
         row carries ≥ 1 route, so the routes a rank may receive bound its rows too."""
         return min(self.max_local_tokens, -(-self.receive_capacity // self.world_size))
+
+
+class TokenPairs:
+    """What both transports' dispatches share about one call's (token, rank) pairs. A subclass
+    holds world_size (P), rank, send_capacity (C), token_slot [T·P] int32 and fp8_wire."""
+
+    @property
+    def num_expert_rows(self) -> int:
+        """P·C: rows of every buffer this rank sends or receives."""
+        return self.world_size * self.send_capacity
+
+    def d_out_on_fp8_wire(self, hidden_size: int) -> bool:
+        """Whether dOut travels quantized: with `fp8_wire`, where the fp8_block down dgrad reads
+        dOut's per-token quantization (`dgrad.fp8_block_down_dgrad_gathers`); elsewhere it
+        needs dOut's bf16 rows."""
+        return self.fp8_wire and fp8_block_down_dgrad_gathers(hidden_size)
+
+    def dispatched_row_bytes(self, hidden_size: int) -> tuple[int, int]:
+        """(bytes of one x row, of one dOut row) on the wire: H bf16, or H e4m3 and H/128 fp32 scales."""
+        fp8_row, bf16_row = hidden_size + hidden_size // 128 * 4, hidden_size * 2
+        return (fp8_row if self.fp8_wire else bf16_row), (fp8_row if self.d_out_on_fp8_wire(hidden_size) else bf16_row)
+
+    def peer_rows(self) -> int:
+        """Token rows this rank's tokens need on other ranks per exchange: its (token, rank)
+        pairs with another rank. Counts on the device: a host sync, for reports only."""
+        pairs = self.token_slot.view(-1, self.world_size) >= 0  # [T, P]
+        return int(pairs.sum()) - int(pairs[:, self.rank].sum())
 
 
 def _or_flags(flags: torch.Tensor) -> torch.Tensor:

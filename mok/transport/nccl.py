@@ -40,8 +40,7 @@ import torch
 import torch.distributed as dist
 
 from mok import ops
-from mok.kernels.dgrad import fp8_block_down_dgrad_gathers
-from mok.transport.common import RouteCapacity, token_plan, token_receiver_schedule
+from mok.transport.common import RouteCapacity, TokenPairs, token_plan, token_receiver_schedule
 
 
 def _exchange(send: torch.Tensor, group) -> torch.Tensor:
@@ -53,7 +52,7 @@ def _exchange(send: torch.Tensor, group) -> torch.Tensor:
 
 
 @dataclass(frozen=True, eq=False)
-class NcclDispatch:
+class NcclDispatch(TokenPairs):
     """The (token, rank) pairs of one layer call and the row moves along them (module docstring)."""
 
     group: dist.ProcessGroup | None
@@ -67,11 +66,6 @@ class NcclDispatch:
     received_routes: torch.Tensor  # [P·C·k_l] int32: each received route's index, −1: empty
     fp8_wire: bool = False  # fp8_block: x (and dOut, where the dgrad reads it per token) travel in e4m3 + scales
 
-    @property
-    def num_expert_rows(self) -> int:
-        """P·C: rows of every buffer this rank sends or receives."""
-        return self.world_size * self.send_capacity
-
     def peer_bytes(self, hidden_size: int, with_backward: bool) -> int:
         """Bytes this rank sends its P − 1 peers in one forward (and backward), C rows per
         peer in each exchange: the plan's expert ids (C·k_l + 1 int32), x rows and their
@@ -81,26 +75,10 @@ class NcclDispatch:
         block a rank exchanges with itself stays on the device."""
         int32, bf16, fp32 = 4, 2, 4
         rows, k_l = self.send_capacity, self.routes_per_row
-        fp8_row = hidden_size + hidden_size // 128 * fp32
-        x_row = fp8_row if self.fp8_wire else hidden_size * bf16
-        d_out_row = fp8_row if self.d_out_on_fp8_wire(hidden_size) else hidden_size * bf16
+        x_row, d_out_row = self.dispatched_row_bytes(hidden_size)
         forward = (rows * k_l + 1) * int32 + rows * (x_row + hidden_size * bf16 + k_l * fp32)
         backward = rows * (d_out_row + hidden_size * bf16 + k_l * fp32)
         return (self.world_size - 1) * (forward + (backward if with_backward else 0))
-
-    def d_out_on_fp8_wire(self, hidden_size: int) -> bool:
-        """Whether dOut travels quantized: with `fp8_wire`, where the fp8_block down dgrad reads
-        dOut's per-token quantization (`dgrad.fp8_block_down_dgrad_gathers`); elsewhere it
-        needs dOut's bf16 rows."""
-        return self.fp8_wire and fp8_block_down_dgrad_gathers(hidden_size)
-
-    def peer_rows(self) -> int:
-        """Token rows this rank's tokens need on other ranks per exchange: its (token, rank)
-        pairs with another rank (what a transport moving only real rows would send; the
-        equal-split exchanges move C per peer). Counts on the device: a host sync, for
-        reports only."""
-        pairs = self.token_slot.view(-1, self.world_size) >= 0  # [T, P]
-        return int(pairs.sum()) - int(pairs[:, self.rank].sum())
 
     def _send_rows(self, rows: torch.Tensor | tuple[torch.Tensor, ...]):
         """[T, W] token rows (or a tuple of such, e.g. e4m3 rows and their scales) → the rows

@@ -67,8 +67,7 @@ import torch.distributed as dist
 from mok import ops
 from mok.config import MoKConfig
 from mok.kernels import comm
-from mok.kernels.dgrad import fp8_block_down_dgrad_gathers
-from mok.transport.common import RouteCapacity, check_same_across_ranks, token_plan, token_receiver_schedule
+from mok.transport.common import RouteCapacity, TokenPairs, check_same_across_ranks, token_plan, token_receiver_schedule
 
 # One push per kind and call; the receiver counts each kind's arrivals apart.
 _KINDS = ("plan", "x", "x_scale", "weights", "y", "d_out", "d_out_scale", "dx", "d_weight")
@@ -226,7 +225,7 @@ class SymmetricTransport(RouteCapacity):
         return index
 
 
-class SymmetricDispatch:
+class SymmetricDispatch(TokenPairs):
     """The (token, rank) pairs of one layer call and the row moves along them (module docstring)."""
 
     def __init__(self, transport: SymmetricTransport, capacity: int, topk: int, routes_per_row: int,
@@ -234,6 +233,7 @@ class SymmetricDispatch:
                  fp8_wire: bool = False):
         self.transport = transport
         self.world_size = transport.world_size  # P
+        self.rank = transport.rank
         self.send_capacity = capacity  # C
         self.topk = topk
         self.routes_per_row = routes_per_row  # k_l
@@ -252,21 +252,6 @@ class SymmetricDispatch:
         self.return_route = torch.where(received_routes >= 0, rank * num_routes + routes % num_routes, -1).to(torch.int32)
         self._x_generation = None
 
-    @property
-    def num_expert_rows(self) -> int:
-        """P·C: rows of the received buffers."""
-        return self.world_size * self.send_capacity
-
-    def d_out_on_fp8_wire(self, hidden_size: int) -> bool:
-        """As `NcclDispatch.d_out_on_fp8_wire`."""
-        return self.fp8_wire and fp8_block_down_dgrad_gathers(hidden_size)
-
-    def peer_rows(self) -> int:
-        """Token rows this rank sends other ranks per dispatch: its (token, rank) pairs with
-        another rank. Counts on the device: a host sync, for reports only."""
-        pairs = self.token_slot.view(-1, self.world_size) >= 0  # [T, P]
-        return int(pairs.sum()) - int(pairs[:, self.transport.rank].sum())
-
     def peer_bytes(self, hidden_size: int, with_backward: bool) -> int:
         """Bytes this rank pushes to its peers in one forward (and backward): the plan's block,
         then H-wide bf16 rows: x and dOut once per (own token, other rank), y and dx parts once
@@ -281,9 +266,7 @@ class SymmetricDispatch:
         received = self.received_routes >= 0
         in_routes = int((received & (torch.arange(received.shape[0], device=received.device) // num_routes != rank)).sum())
         int32, bf16, fp32 = 4, 2, 4
-        fp8_row = hidden_size + hidden_size // 128 * fp32
-        x_row = fp8_row if self.fp8_wire else hidden_size * bf16
-        d_out_row = fp8_row if self.d_out_on_fp8_wire(hidden_size) else hidden_size * bf16
+        x_row, d_out_row = self.dispatched_row_bytes(hidden_size)
         plan = (self.world_size - 1) * transport._info_width(num_routes) * int32
         forward = plan + out_rows * x_row + in_rows * hidden_size * bf16 + out_routes * fp32
         backward = out_rows * d_out_row + in_rows * hidden_size * bf16 + in_routes * fp32
