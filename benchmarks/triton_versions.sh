@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # mok under a second Triton release beside the installed one, on one GPU machine.
 #   usage: TRITON_TARBALL=path.tar.xz bash benchmarks/triton_versions.sh STEP...
-#   STEPS: tests  the GPU suite under the second release (four pytest processes side by side);
+#   STEPS: tests  the GPU suite under the second release (five pytest processes side by side);
+#          base-tests  the same under the installed release;
+#          rerun  RERUN_TESTS (pytest arguments) under the second release;
 #          ws-tests  its Gluon kernels' GPU tests alone;
 #          bench  the layer under both releases in alternating processes (BENCH_ARGS, ROUNDS),
 #                 then one record of both with the ratios (benchmarks/compare_triton.py).
@@ -27,21 +29,31 @@ for run in base other; do
     | tee -a "$OUT/versions.txt"
 done
 T=${STEP_TIMEOUT:-540}
+# The GPU suite in five pytest processes side by side (compiling dominates; one process per
+# group keeps each group inside a call's limit).
+suite() {
+  local run=$1 name=$2 args="-q -p no:cacheprovider -rfE"
+  $run timeout $T python3 -m pytest $args tests/kernels/test_warp_specialized.py tests/kernels/test_gluon_api.py \
+    -k "not compile" > "$OUT/$name-g1.log" 2>&1 &
+  $run timeout $T python3 -m pytest $args tests/test_triton_backward.py tests/test_gpu_forward.py > "$OUT/$name-g2.log" 2>&1 &
+  $run timeout $T python3 -m pytest $args tests/kernels/test_dgrad.py tests/kernels/test_wgrad.py > "$OUT/$name-g3.log" 2>&1 &
+  $run timeout $T python3 -m pytest $args tests/kernels --ignore=tests/kernels/test_warp_specialized.py \
+    --ignore=tests/kernels/test_gluon_api.py --ignore=tests/kernels/test_dgrad.py --ignore=tests/kernels/test_wgrad.py \
+    > "$OUT/$name-g4.log" 2>&1 &
+  $run timeout $T python3 -m pytest $args tests --ignore=tests/kernels --ignore=tests/dist \
+    --ignore=tests/test_triton_backward.py --ignore=tests/test_gpu_forward.py > "$OUT/$name-g5.log" 2>&1 &
+  wait
+  for g in 1 2 3 4 5; do echo "-- $name g$g"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/$name-g$g.log" | tail -12; done
+}
 for step in "$@"; do
   echo "== $step ($(date +%T))"
   case $step in
-    tests)
-      pytest_args="-q -p no:cacheprovider -rfE"
-      other timeout $T python3 -m pytest $pytest_args tests/kernels/test_warp_specialized.py tests/kernels/test_gluon_api.py \
-        -k "not compile" > "$OUT/tests-g1.log" 2>&1 &
-      other timeout $T python3 -m pytest $pytest_args tests/test_triton_backward.py tests/test_gpu_forward.py \
-        > "$OUT/tests-g2.log" 2>&1 &
-      other timeout $T python3 -m pytest $pytest_args tests/kernels --ignore=tests/kernels/test_warp_specialized.py \
-        --ignore=tests/kernels/test_gluon_api.py > "$OUT/tests-g3.log" 2>&1 &
-      other timeout $T python3 -m pytest $pytest_args tests --ignore=tests/kernels --ignore=tests/dist \
-        --ignore=tests/test_triton_backward.py --ignore=tests/test_gpu_forward.py > "$OUT/tests-g4.log" 2>&1 &
-      wait
-      for g in 1 2 3 4; do echo "-- g$g"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests-g$g.log" | tail -12; done ;;
+    tests|base-tests)  # tests: under the second release; base-tests: under the installed one
+      run=other; [ $step = base-tests ] && run=base
+      suite $run $step ;;
+    rerun)  # RERUN_TESTS under the second release
+      other timeout $T python3 -m pytest -q -p no:cacheprovider -rfE $RERUN_TESTS > "$OUT/rerun.log" 2>&1
+      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/rerun.log" | tail -12 ;;
     ws-tests)
       other timeout $T python3 -m pytest -q -p no:cacheprovider -rfE tests/kernels/test_warp_specialized.py \
         tests/kernels/test_gluon_api.py -k "not compile" 2>&1 | tail -15 | tee "$OUT/ws-tests.log" ;;

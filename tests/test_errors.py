@@ -51,8 +51,9 @@ def test_moe_names_a_non_tensor_argument(name, kind):
 def _landed(workspace, flags: int, done: bool, monkeypatch):
     """Makes the workspace's host copy read `flags`, landed or not, as a CUDA copy would."""
     monkeypatch.setattr(functional._ErrorCopy, "_skipped", staticmethod(lambda error_flag: False))
-    workspace.error_copy.host = torch.tensor([flags], dtype=torch.int32)
-    workspace.error_copy.copied = _Event(done)
+    # through monkeypatch, so that undo() gives the workspace back its real pinned copy and event
+    monkeypatch.setattr(workspace.error_copy, "host", torch.tensor([flags], dtype=torch.int32))
+    monkeypatch.setattr(workspace.error_copy, "copied", _Event(done))
 
 
 def test_check_errors_without_blocking_reads_only_a_landed_copy(monkeypatch):

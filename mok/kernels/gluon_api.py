@@ -115,7 +115,14 @@ def unavailable_reason(device: torch.device, hopper_kernels: bool) -> str | None
     if not hopper_kernels:
         return None
     index = torch.cuda.current_device() if device.index is None else device.index
-    return _probe(torch.cuda.get_device_capability(index))
+    return _probe_reason(index)
+
+
+# Compiling the probe is host work that torch.compile cannot trace: under a trace the result
+# enters the graph as a constant, computed (and cached) outside it.
+@torch.compiler.assume_constant_result
+def _probe_reason(device_index: int) -> str | None:
+    return _probe(torch.cuda.get_device_capability(device_index))
 
 
 @functools.cache
@@ -141,12 +148,19 @@ def usable(device: torch.device, what: str, hopper_kernels: bool = False) -> boo
     caller's check). If not, warns once per reason, naming the Triton version and `what`."""
     reason = unavailable_reason(device, hopper_kernels)
     if reason is not None:
-        _warn_once(reason, what)
+        _warn_fallback(reason, what)
     return reason is None
+
+
+@torch.compiler.assume_constant_result
+def _warn_fallback(reason: str, what: str) -> bool:
+    """Warns once per (reason, what), outside any torch.compile trace."""
+    _warn_once(reason, what)
+    return True
 
 
 @functools.cache
 def _warn_once(reason: str, what: str) -> None:
     warnings.warn(f"mok: Triton {triton.__version__}: {reason}; {what} falls back to its plain Triton kernel "
                   f"(correct, slower). mok's Gluon kernels are tested with Triton 3.6 to 3.9.", RuntimeWarning,
-                  stacklevel=3)
+                  stacklevel=4)

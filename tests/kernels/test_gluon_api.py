@@ -6,6 +6,7 @@ Triton version and what falls back."""
 import subprocess
 import sys
 import textwrap
+import threading
 import warnings
 
 import pytest
@@ -81,4 +82,26 @@ def test_a_failing_probe_keeps_hopper_on_the_triton_gemms(monkeypatch):
     gluon_api._warn_once.cache_clear()
     with pytest.warns(RuntimeWarning, match="falls back"):
         assert not warp_specialized.warp_specialized_available(torch.device("cuda"))
+    gluon_api._warn_once.cache_clear()
+
+
+def test_the_probe_runs_outside_a_compiled_graph(monkeypatch):
+    """Under torch.compile(fullgraph=True) the probe and its warning are host work that dynamo
+    must not trace (building a kernel calls untraceable builtins): their result enters the graph
+    as a constant."""
+    def probe(capability):
+        threading.get_ident()  # what dynamo cannot trace, as triton.compile's internals
+        return f"a Gluon probe kernel does not compile on sm_{capability[0]}{capability[1]}"
+
+    monkeypatch.setattr(gluon_api, "_probe", probe)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    gluon_api._warn_once.cache_clear()
+
+    def step(x):
+        hopper = gluon_api.usable(torch.device("cuda", 0), "the warp-specialized Hopper GEMMs", hopper_kernels=True)
+        return x + 1 if hopper else x - 1
+
+    with pytest.warns(RuntimeWarning, match="does not compile on sm_90"):
+        out = torch.compile(step, fullgraph=True, backend="eager")(torch.zeros(3))
+    assert torch.equal(out, torch.full((3,), -1.0))
     gluon_api._warn_once.cache_clear()
