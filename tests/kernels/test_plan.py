@@ -233,7 +233,10 @@ SIZES = {
     "down_wgrad_group_m", "ping_pong_tile", "cooperative_tile", "fp8_block_warp_specialized_tile",
     "weight_gluon_num_warps", "sorted_block_w", "sorted_num_warps", "gathered_narrow_block_w",
     "gathered_narrow_num_warps", "sorted_block_w_interpreter", "sorted_gluon_rows_per_thread",
-    "sorted_gluon_num_warps", "sorted_gluon_num_warps_e4m3",
+    "sorted_gluon_num_warps", "sorted_gluon_num_warps_e4m3", "fp8_block_quantized_epilogue_rows",
+    "gather_rows_per_program", "gather_tokens_per_program", "combine_block_t", "combine_block_h", "combine_num_warps",
+    "schedule_routes_per_chunk", "schedule_scan_tile_elements", "mxfp8_tile_m", "mxfp8_tile_n",
+    "fp8_block_activation_block_m", "push_rows", "push_cols", "push_num_warps", "copy_elements",
 }
 
 
