@@ -12,11 +12,12 @@ import torch
 from mok.bench.presets import PRESETS
 from mok.kernels import combine as combine_kernels
 from mok.kernels.grouped_gemm import routing_block_m
+from mok.kernels.plan import override
 from mok.kernels.schedule import build_routing_schedule
 from mok.testing import make_inputs
 from mok.testing.timing import time_ms
 
-# (BLOCK_T, BLOCK_H, NUM_WARPS)
+# (the plan's combine_block_t, combine_block_h, combine_num_warps)
 CONFIGS = [(16, 512, 4), (8, 512, 4), (16, 256, 4), (8, 1024, 4), (16, 1024, 8), (32, 256, 4), (4, 2048, 8)]
 SHAPES = ("qwen3-30b", "deepseek-v3-slice")
 
@@ -38,13 +39,13 @@ def main() -> None:
         gbytes = (num_slots + p.num_tokens) * p.hidden_size * 2 / 1e9
         first = None
         for block_t, block_h, warps in CONFIGS + CONFIGS[::-1]:
-            combine_kernels.BLOCK_T, combine_kernels.BLOCK_H, combine_kernels.NUM_WARPS = block_t, block_h, warps
-            for layout, call in calls.items():
-                out = call()
-                first = out if first is None else first
-                ms = time_ms(call, warmup=3, reps=30)["median"]
-                print(f"{name:18s} {layout:6s} BLOCK_T={block_t:2d} BLOCK_H={block_h:4d} warps={warps}  {ms:.3f} ms "
-                      f"{gbytes * 1e3 / ms:5.0f} GB/s same={torch.equal(out, first)}", flush=True)
+            with override(combine_block_t=block_t, combine_block_h=block_h, combine_num_warps=warps):
+                for layout, call in calls.items():
+                    out = call()
+                    first = out if first is None else first
+                    ms = time_ms(call, warmup=3, reps=30)["median"]
+                    print(f"{name:18s} {layout:6s} BLOCK_T={block_t:2d} BLOCK_H={block_h:4d} warps={warps}  "
+                          f"{ms:.3f} ms {gbytes * 1e3 / ms:5.0f} GB/s same={torch.equal(out, first)}", flush=True)
 
 
 if __name__ == "__main__":

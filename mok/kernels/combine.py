@@ -17,14 +17,9 @@ import triton
 import triton.language as tl
 
 from mok.kernels.common import interpreting, round_to_bf16
+from mok.kernels.plan import kernel_plan
 
-# Tokens × hidden columns per program, and its warps. H200 (`benchmarks/sweeps/combine.py`, log
-# h200-20261203-combine-sweep.log; ms, y in route slots / in the sorted layout gathered by
-# route_row): qwen3-30b 8×512 0.142 / 0.149, 16×512 0.144 / 0.154, 4×2048 at 8 warps 0.141 / 0.154;
-# deepseek-v3-slice 0.247 / 0.255, 0.251 / 0.262, 0.245 / 0.276.
-BLOCK_T = 8
-BLOCK_H = 512
-NUM_WARPS = 4
+# Tokens × hidden columns per program and its warps: the plan's `combine_*`, with their record.
 
 
 @triton.jit
@@ -89,13 +84,14 @@ def combine(
     if y_shared is not None and (y_shared.shape != (num_tokens, hidden) or y_shared.stride(1) != 1):
         raise ValueError(f"y_shared: expected a [{num_tokens}, {hidden}] tensor, got {list(y_shared.shape)}")
     out = torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=y.device)  # [T, H]
-    block_t, block_h = BLOCK_T, min(BLOCK_H, triton.next_power_of_2(hidden))
+    plan = kernel_plan(y.device)
+    block_t, block_h = plan.combine_block_t, min(plan.combine_block_h, triton.next_power_of_2(hidden))
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(hidden, block_h))
     _combine_kernel[grid](
         y, topk_weights, y if y_shared is None else y_shared, topk_weights if route_row is None else route_row, out,
         num_tokens, hidden,
         y.stride(0), 0 if y_shared is None else y_shared.stride(0), out.stride(0),
         TOPK=topk, HAS_SHARED=y_shared is not None, SORTED=route_row is not None, INTERPRETER=interpreting(),
-        BLOCK_T=block_t, BLOCK_H=block_h, num_warps=NUM_WARPS,
+        BLOCK_T=block_t, BLOCK_H=block_h, num_warps=plan.combine_num_warps,
     )
     return out

@@ -41,15 +41,10 @@ import triton
 import triton.language as tl
 
 from mok.kernels.common import ERROR_PEER_TIMEOUT, interpreting
+from mok.kernels.plan import kernel_plan
 
 _TIMEOUT_BIT = tl.constexpr(ERROR_PEER_TIMEOUT)  # kernels read only constexpr globals
 
-# A push program moves ROWS × COLS elements per step: big steps keep enough stores in
-# flight over NVLink (a probe on two H200s: 2048-element steps with 4 warps reached half the link
-# rate of 64 KB steps). Untuned beyond that measurement.
-_PUSH_ROWS = 16
-_PUSH_COLS = 1024
-_PUSH_WARPS = 8
 # Polls of a wait under the interpreter, where there is no clock and no other rank runs
 # concurrently: the pushes it waits for have either happened already or never will.
 _INTERPRETER_POLLS = 4
@@ -199,14 +194,15 @@ def push_rows(
         raise ValueError(f"expected 0 <= my_rank < P={num_ranks} and positive capacity, num_programs and "
                          f"routes_per_row; got {my_rank=} {capacity=} {num_programs=} {routes_per_row=}")
     width = src.shape[1]
+    plan = kernel_plan(device)
     _push_rows_kernel[(num_programs,)](
         src, index, dst_peer_ptrs,
         arrivals_peer_ptrs, kind * num_ranks + my_rank, error_flag,
         index.shape[0], width, my_rank, num_ranks, capacity, routes_per_row, num_dst_rows,
         src.stride(0), stride_dst,
         BY_SLOT=by_slot,
-        BLOCK_R=_PUSH_ROWS, BLOCK_W=min(triton.next_power_of_2(width), _PUSH_COLS),
-        BLOCK_P=triton.next_power_of_2(num_ranks), num_warps=_PUSH_WARPS,
+        BLOCK_R=plan.push_rows, BLOCK_W=min(triton.next_power_of_2(width), plan.push_cols),
+        BLOCK_P=triton.next_power_of_2(num_ranks), num_warps=plan.push_num_warps,
     )
 
 

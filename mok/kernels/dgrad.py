@@ -123,12 +123,6 @@ _SCALE_BLOCK = tl.constexpr(FP8_BLOCK)  # kernels read only constexpr globals
 # Tile sizes, thresholds and variant flags are the kernel plan's (`plan.KernelPlan`, with each
 # choice's reasons and records).
 
-# Rows per step of the epilogue on a given product that quantizes d_g, d_u (PRODUCT_GIVEN and
-# QUANTIZED): each row's 128 columns together, so the chunk's d_g, d_u are all live at once. 16 rows
-# measured fastest of 8 to 64, with or without each chunk's loads issued a chunk ahead (logs
-# h200-20261203-d-gate-up-quantized.log, h200-20261203-epilogue-loads-ahead.log).
-_QUANTIZED_EPILOGUE_ROWS = 16
-
 
 def down_wgrad_reads_weighted_h(hidden: int, inter: int) -> bool:
     """Whether a bf16 down wgrad of these sizes reads dOut's sorted rows and the down dgrad's w·h
@@ -620,7 +614,7 @@ def _launch_down_dgrad_swiglu(
     else:
         d_gate_up = torch.empty(gate_up.shape, dtype=torch.bfloat16, device=device)  # [capacity_rows, 2, I]
         d_gate_up_scale = d_gate_up  # unwritten stand-in
-    epilogue_rows = min(_QUANTIZED_EPILOGUE_ROWS, cfg["BLOCK_M"])
+    epilogue_rows = min(kernel_plan(device).fp8_block_quantized_epilogue_rows, cfg["BLOCK_M"])
     weighted = topk_weights is not None
     num_slots = topk_weights.numel() if weighted else 0
     # [T·topk, I / BLOCK_N] fp32: every slot a placed route points to is fully written.

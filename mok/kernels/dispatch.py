@@ -20,9 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-# Item rows × row elements per program of the copies (4K elements keep a tile in registers;
-# the copies are bound by memory, untuned).
-_COPY_ELEMENTS = 4096
+from mok.kernels.plan import kernel_plan
 
 
 @triton.jit
@@ -64,9 +62,11 @@ def _unpack_rows_kernel(
 # --------------------------------------------------------------------------- launchers
 
 
-def _copy_grid(num_routes: int, width: int) -> tuple[tuple[int, int], int, int]:
-    block_w = min(triton.next_power_of_2(width), _COPY_ELEMENTS)
-    block_r = max(1, _COPY_ELEMENTS // block_w)
+def _copy_grid(num_routes: int, width: int, device: torch.device) -> tuple[tuple[int, int], int, int]:
+    """(grid, rows, row elements) of a copy: the plan's `copy_elements` per program."""
+    elements = kernel_plan(device).copy_elements
+    block_w = min(triton.next_power_of_2(width), elements)
+    block_r = max(1, elements // block_w)
     return (triton.cdiv(num_routes, block_r), triton.cdiv(width, block_w)), block_r, block_w
 
 
@@ -98,7 +98,7 @@ def pack_rows(
         raise ValueError(f"src: expected {num_routes} / routes_per_row={routes_per_row} rows (one per token or "
                          f"per route of route_slot), got {src.shape[0]}")
     send = torch.empty(num_send_rows, src.shape[1], dtype=src.dtype, device=src.device)  # [P·C, W]
-    grid, block_r, block_w = _copy_grid(num_routes, src.shape[1])
+    grid, block_r, block_w = _copy_grid(num_routes, src.shape[1], src.device)
     _pack_rows_kernel[grid](
         src, route_slot, send, num_routes, src.shape[1], routes_per_row, src.stride(0), send.stride(0),
         BLOCK_R=block_r, BLOCK_W=block_w, num_warps=4,
@@ -115,7 +115,7 @@ def unpack_rows(
     _check_rows("recv", recv, route_slot.device)
     num_routes, width = route_slot.shape[0], recv.shape[1]
     dst = torch.empty(num_routes, width, dtype=recv.dtype, device=recv.device)  # [T·topk, W]
-    grid, block_r, block_w = _copy_grid(num_routes, width)
+    grid, block_r, block_w = _copy_grid(num_routes, width, recv.device)
     _unpack_rows_kernel[grid](
         recv, route_slot, dst, num_routes, width, recv.stride(0), dst.stride(0),
         BLOCK_R=block_r, BLOCK_W=block_w, num_warps=4,

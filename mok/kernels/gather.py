@@ -62,10 +62,6 @@ from mok.kernels.quant import mxfp8_round_tile
 from mok.kernels.schedule import RoutingSchedule
 from mok.mxfp8 import MX_BLOCK
 
-ROWS_PER_PROGRAM = 16  # row-major: 16 rows × H columns per program, ~8K programs for 131K rows
-TOKENS_PER_PROGRAM = 16  # token-major: 16 tokens × 256 columns per step, 4 warps (8 to 32 tokens,
-# 256 to 1024 columns, 4 or 8 warps all measured within 3% of it on H200)
-
 
 @triton.jit
 def sorted_row_routes(rows, row_ok, row_source_ptr, topk):
@@ -238,18 +234,19 @@ def gather_sorted_rows(
     strides = (x.stride(0), x.stride(0) if d_out is None else d_out.stride(0), x_sorted.stride(0))
     meta = dict(HAS_D_OUT=d_out is not None, HAS_WEIGHTS=topk_weights is not None, INTERPRETER=interpreting(),
                 num_warps=4)
-    if topk >= kernel_plan(device).token_major_min_topk and not mxfp8:
-        token_programs = triton.cdiv(num_tokens, TOKENS_PER_PROGRAM)
+    plan = kernel_plan(device)
+    if topk >= plan.token_major_min_topk and not mxfp8:
+        token_programs = triton.cdiv(num_tokens, plan.gather_tokens_per_program)
         _scatter_token_rows_kernel[(token_programs + schedule.num_local_experts,)](
             *sources, *copies, schedule.route_row, schedule.expert_offsets, schedule.expert_counts,
             num_tokens, hidden, topk, token_programs, *strides,
-            TOKENS=TOKENS_PER_PROGRAM, BLOCK_H=min(256, triton.next_power_of_2(hidden)), **meta,
+            TOKENS=plan.gather_tokens_per_program, BLOCK_H=min(256, triton.next_power_of_2(hidden)), **meta,
         )
     else:
         # mxfp8: one block of rows, 64 columns: three tiles and the rounding's temporaries stay in
         # registers (32 x 256 columns spilled, over ten times slower on H200); 8 warps measured
         # slower than 4 (benchmarks/LOG.md, "mxfp8, the whole layer").
-        rows_per_program = MX_BLOCK if mxfp8 else ROWS_PER_PROGRAM
+        rows_per_program = MX_BLOCK if mxfp8 else plan.gather_rows_per_program
         _gather_sorted_rows_kernel[(triton.cdiv(schedule.capacity_rows, rows_per_program),)](
             *sources, *copies, schedule.row_source, schedule.num_rows, hidden, topk, *strides,
             MXFP8=mxfp8, ROWS=rows_per_program, BLOCK_H=min(64 if mxfp8 else 256, triton.next_power_of_2(hidden)),

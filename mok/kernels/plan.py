@@ -2,7 +2,8 @@
 variant flags for each, and `kernel_plan(device)` to pick it.
 
 Every config-choosing function (`grouped_gemm.gemm_config`, `dgrad.dgrad_config`,
-`wgrad.wgrad_config`, the quantizers' and the layer's fp8_block choices) reads the plan; nothing
+`wgrad.wgrad_config`, the quantizers' and the layer's fp8_block choices) and every other launcher's
+sizes (the combine, the gathers, the schedule, the expert-parallel copies) read the plan; nothing
 else chooses. Records and logs named next to a field are under `benchmarks/results/`, measured on
 H200. `override(**fields)` runs a block under a variant of the plan (`python -m mok.bench --variant`).
 """
@@ -92,6 +93,11 @@ class KernelPlan:
     # That product in bf16 (False: fp32, d_gate_up bitwise the fused kernel's): half its bytes, a
     # faster epilogue, room for the TMA stores (log h200-20261203-ab-fp8-block-v31.log).
     fp8_block_down_dgrad_product_bf16: bool = True
+    # Rows per step of the fp8_block down dgrad's epilogue on a given product that quantizes d_g, d_u
+    # (PRODUCT_GIVEN and QUANTIZED): each row's 128 columns together, so the chunk's d_g, d_u are all
+    # live at once. 16 measured fastest of 8 to 64, with or without each chunk's loads issued a chunk
+    # ahead (logs h200-20261203-d-gate-up-quantized.log, h200-20261203-epilogue-loads-ahead.log).
+    fp8_block_quantized_epilogue_rows: int = 16
     # The bf16 down dgrad prefetches its epilogue's g, u into L2: bitwise the same, a few percent
     # faster (record h200-20261202-down-dgrad-prefetch.json).
     down_dgrad_prefetch_gate_up: bool = True
@@ -171,6 +177,11 @@ class KernelPlan:
     # The bf16 gather runs token-major from this topk on: faster at 8, slower at 2 (log
     # h200-20261130-gather-token-major.log).
     token_major_min_topk: int = 4
+    # Its programs: row-major 16 rows × H columns (~8K programs for 131K rows); token-major 16 tokens ×
+    # 256 columns per step, 4 warps (8 to 32 tokens, 256 to 1024 columns, 4 or 8 warps all measured
+    # within 3% of it on H200).
+    gather_rows_per_program: int = 16
+    gather_tokens_per_program: int = 16
     # SwiGLU's sigmoid as one PTX sequence (never under the interpreter): mixtral-8x7b's down dgrad
     # faster (benchmarks/LOG.md, "Eighteenth round").
     fast_sigmoid: bool = True
@@ -190,6 +201,38 @@ class KernelPlan:
     # Under expert parallelism x (and dOut where gathered) travel as e4m3 + scales; needs
     # fp8_block_wgrads_requantize.
     fp8_block_on_the_wire: bool = True
+
+    # ---- the combine, the schedule, the activation quantizers, the expert-parallel copies
+    # The combine's tokens × hidden columns per program, and its warps. H200 (`benchmarks/sweeps/combine.py`,
+    # log h200-20261203-combine-sweep.log; ms, y in route slots / in the sorted layout gathered by
+    # route_row): qwen3-30b 8×512 0.142 / 0.149, 16×512 0.144 / 0.154, 4×2048 at 8 warps 0.141 / 0.154;
+    # deepseek-v3-slice 0.247 / 0.255, 0.251 / 0.262, 0.245 / 0.276.
+    combine_block_t: int = 8
+    combine_block_h: int = 512
+    combine_num_warps: int = 4
+    # Routes one count/place program of the schedule handles (a power of two: the place kernel sorts
+    # them in registers): 1024 gives 128 programs for qwen3-30b's 16K tokens × topk 8, one per SM.
+    schedule_routes_per_chunk: int = 1024
+    # The schedule's scan walks [rows, EXPERTS_PAD] tiles of about this many elements.
+    schedule_scan_tile_elements: int = 8192
+    # The mxfp8 quantizers' largest tile, 64 × 128 elements: 8 KiB of bf16 in, two 8 KiB byte tiles out.
+    # Untuned; big enough to amortise the index math, small enough for 4 warps' registers (64 fp32
+    # values per thread), both sides multiples of MX_BLOCK so blocks never straddle tiles.
+    mxfp8_tile_m: int = 64
+    mxfp8_tile_n: int = 128
+    # The fp8_block activation quantizer's rows × one 128-wide K block per program (32 scales, 4 KiB of
+    # fp8 out). Untuned (memory bound, each element read once): enough programs for any realistic
+    # M·K/4096, and few enough under the interpreter.
+    fp8_block_activation_block_m: int = 32
+    # A push program (peer stores) moves rows × columns per step: big steps keep enough stores in flight
+    # over NVLink (a probe on two H200s: 2048-element steps with 4 warps reached half the link rate of
+    # 64 KB steps). Untuned beyond that measurement.
+    push_rows: int = 16
+    push_cols: int = 1024
+    push_num_warps: int = 8
+    # Item rows × row elements per program of the dispatch's copies (4K elements keep a tile in
+    # registers; the copies are bound by memory, untuned).
+    copy_elements: int = 4096
 
 
 # H100 / H200: the warp-specialized GEMMs and every measured choice.

@@ -55,16 +55,11 @@ import triton
 import triton.language as tl
 
 from mok.kernels.common import interpreting, round_to_bf16
+from mok.kernels.plan import kernel_plan
 from mok.kernels.schedule import RoutingSchedule
 from mok.mxfp8 import E4M3_NAN_BYTE, E8M0_NAN, MX_BLOCK, _check_block_dim, _check_input
 
 __all__ = ["mxfp8_quantize_triton", "validate_mxfp8_quantize_args", "mxfp8_round", "mxfp8_round_tile"]
-
-# Tile: 64 x 128 elements = 8 KiB of bf16 in, two 8 KiB byte tiles out. Untuned; big
-# enough to amortise the index math, small enough for 4 warps' registers (64 fp32 values
-# per thread), and both sides multiples of MX_BLOCK so blocks never straddle tiles.
-BLOCK_M_MAX = 64
-BLOCK_N_MAX = 128
 
 
 # --------------------------------------------------------------------------- helpers
@@ -298,6 +293,14 @@ def validate_mxfp8_quantize_args(t: object, rowwise: bool, colwise: bool) -> Non
         _check_block_dim("M (second to last)", shape[-2], shape)
 
 
+def _tile(M: int, N: int, device: torch.device) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) of a launch over [M, N]: the plan's `mxfp8_tile_m`, `mxfp8_tile_n`, or less for a
+    smaller operand, both multiples of MX_BLOCK so that blocks never straddle tiles."""
+    plan = kernel_plan(device)
+    return (min(plan.mxfp8_tile_m, max(MX_BLOCK, triton.next_power_of_2(M))),
+            min(plan.mxfp8_tile_n, max(MX_BLOCK, triton.next_power_of_2(N))))
+
+
 def mxfp8_quantize_triton(
     t: torch.Tensor, rowwise: bool = True, colwise: bool = False
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
@@ -322,8 +325,7 @@ def mxfp8_quantize_triton(
 
     if t.numel() > 0:
         bits = x3.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)  # same strides
-        block_m = min(BLOCK_M_MAX, max(MX_BLOCK, triton.next_power_of_2(M)))
-        block_n = min(BLOCK_N_MAX, max(MX_BLOCK, triton.next_power_of_2(N)))
+        block_m, block_n = _tile(M, N, t.device)
         grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n), E)
         dummy = q if q is not None else q_t  # unused pointer slots get any uint8 tensor
         _mxfp8_quantize_kernel[grid](
@@ -360,8 +362,7 @@ def mxfp8_round(
     rows_out = torch.empty(t.shape, dtype=torch.bfloat16, device=t.device) if rowwise else None
     cols_out = torch.empty(t.shape, dtype=torch.bfloat16, device=t.device) if colwise else None
     if t.numel() > 0:
-        block_m = min(BLOCK_M_MAX, max(MX_BLOCK, triton.next_power_of_2(M)))
-        block_n = min(BLOCK_N_MAX, max(MX_BLOCK, triton.next_power_of_2(N)))
+        block_m, block_n = _tile(M, N, t.device)
         out = rows_out if rows_out is not None else cols_out
         sched = (schedule.row_source, schedule.num_rows) if schedule is not None else (out, out)  # unused without it
         _mxfp8_round_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, block_n), E)](

@@ -120,9 +120,7 @@ _E4M3_NAN_BYTE = tl.constexpr(0x7F)
 _BLOCK = tl.constexpr(FP8_BLOCK)
 
 # Tile configs. Untuned: the quantizers are memory bound and read each element once.
-# Activations: 32 rows × one 128-wide K block per program (32 scales, 4 KiB of fp8 out);
-# enough programs for any realistic M·K/4096, and few enough under the interpreter.
-_ACT_BLOCK_M = 32
+# Activations: the plan's `fp8_block_activation_block_m` rows × one 128-wide K block per program.
 # Weights: one 128×128 block per program (the scale's granularity; the transposed store
 # needs the whole block's amax first).
 _WEIGHT_BLOCK = FP8_BLOCK
@@ -591,13 +589,14 @@ def quantize_fp8_block_activations(
     q = torch.empty(x.shape[0], K, dtype=torch.uint8, device=x.device)  # [M, K] e4m3 bytes
     scale = torch.empty(x.shape[0], num_k_blocks, dtype=torch.float32, device=x.device)  # [M, ⌈K/128⌉]
     if x.shape[0] > 0 and K > 0:
-        grid = (triton.cdiv(x.shape[0], _ACT_BLOCK_M), num_k_blocks)
+        block_m = kernel_plan(x.device).fp8_block_activation_block_m
+        grid = (triton.cdiv(x.shape[0], block_m), num_k_blocks)
         _quantize_act_1x128_kernel[grid](
             x, q, scale, scale if num_rows is None else num_rows,  # scale: unread
             x.shape[0], K, num_k_blocks,
             x.stride(0), q.stride(0),
             HAS_NUM_ROWS=num_rows is not None, INTERPRETER=interpreting(),
-            BLOCK_M=_ACT_BLOCK_M, BLOCK_K=FP8_BLOCK, num_warps=4,
+            BLOCK_M=block_m, BLOCK_K=FP8_BLOCK, num_warps=4,
         )
     return q.view(torch.float8_e4m3fn), scale
 

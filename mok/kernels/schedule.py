@@ -10,7 +10,7 @@ expert the routes keep ascending t·topk + j. Everything stays on the device: ca
 come from the host (T·topk + E_l·(BLOCK_M − 1) rows at most), counts never leave the GPU.
 
 Three launches, a counting sort without atomics on data (hence deterministic), over
-chunks of CHUNK_TOKENS tokens (about ROUTES_PER_CHUNK routes each):
+chunks of CHUNK_TOKENS tokens (about the plan's `schedule_routes_per_chunk` routes each):
 1. `_count_routes_kernel` (one program per chunk): a histogram of the chunk's expert ids;
    flags ids out of range or repeated within a row.
 2. `_scan_counts_kernel` (one program): prefix sums over chunks and experts, the
@@ -43,14 +43,9 @@ import triton
 import triton.language as tl
 
 from mok.kernels.common import ERROR_BAD_EXPERT_ID, interpreting
+from mok.kernels.plan import kernel_plan
 
 _BAD_ID_BIT = tl.constexpr(ERROR_BAD_EXPERT_ID)  # kernels read only constexpr globals
-
-# Routes one count/place program handles (a power of two: the place kernel sorts them in
-# registers). 1024 gives 128 programs for qwen3-30b's 16K tokens × topk 8, one per SM.
-ROUTES_PER_CHUNK = 1024
-# The scan walks [rows, EXPERTS_PAD] tiles of about this many elements.
-_SCAN_TILE_ELEMENTS = 8192
 
 
 @dataclass(frozen=True, eq=False)
@@ -249,8 +244,9 @@ def _count_and_scan(topk_ids, num_experts, block_m, row_source, tile_expert, err
     device = topk_ids.device
     experts_pad = triton.next_power_of_2(num_experts)
     topk_pad = triton.next_power_of_2(topk)
+    plan = kernel_plan(device)
     # Fewer tokens than a chunk holds: one chunk of just enough (a smaller sort).
-    chunk_tokens = max(1, min(ROUTES_PER_CHUNK // topk_pad, triton.next_power_of_2(num_tokens)))
+    chunk_tokens = max(1, min(plan.schedule_routes_per_chunk // topk_pad, triton.next_power_of_2(num_tokens)))
     num_chunks = triton.cdiv(num_tokens, chunk_tokens)
     if (experts_pad + 1) * chunk_tokens * topk_pad >= 2**31:
         raise ValueError(f"num_local_experts: {num_experts} experts with topk {topk} overflow the schedule's sort keys")
@@ -264,12 +260,12 @@ def _count_and_scan(topk_ids, num_experts, block_m, row_source, tile_expert, err
     meta = dict(CHUNK_TOKENS=chunk_tokens, TOPK_PAD=topk_pad, ROUTES=chunk_tokens * topk_pad, EXPERTS_PAD=experts_pad,
                 SKIP_EMPTY_IDS=skip_empty_ids)
     _count_routes_kernel[(num_chunks,)](topk_ids, chunk_counts, error_flag, num_tokens, topk, num_experts, **meta)
-    per_step = max(1, _SCAN_TILE_ELEMENTS // experts_pad)
+    per_step = max(1, plan.schedule_scan_tile_elements // experts_pad)
     _scan_counts_kernel[(1,)](
         chunk_counts, row_base, row_source, tile_expert, expert_offsets, expert_counts, num_rows,
         num_experts, num_chunks, tile_expert.shape[0],
         BLOCK_M=block_m, EXPERTS_PAD=experts_pad, CHUNKS_PER_STEP=per_step,
-        EXPERTS_PER_STEP=max(1, _SCAN_TILE_ELEMENTS // block_m), TILES_PER_STEP=per_step, num_warps=8,
+        EXPERTS_PER_STEP=max(1, plan.schedule_scan_tile_elements // block_m), TILES_PER_STEP=per_step, num_warps=8,
     )
     return row_base, expert_offsets, expert_counts, num_rows, meta
 

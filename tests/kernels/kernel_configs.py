@@ -19,8 +19,9 @@ SHAPES = [(2048, 768), (7168, 2048), (4096, 14336), (64, 32), (256, 128), (128, 
 MACHINES = ("interpreter", "gpu", "hopper")
 # The module constants that chose kernels before the plan (recorded from them under "constant|"
 # keys), by their old names, and the plan fields now holding them: values the choosers above do
-# not show (quantizers, gather, the layer's fp8_block flags, TMA stores). A dict: the old dict's
-# entries, each a field.
+# not show (quantizers, gather, the layer's fp8_block flags, TMA stores; the launch sizes of the combine,
+# the gathers, the schedule, the activation quantizers and the copies, moved in later). A dict: the old
+# dict's entries, each a field.
 CONSTANTS = {
     "dgrad.FP8_BLOCK_DOWN_DGRAD_PRODUCT_BF16": "fp8_block_down_dgrad_product_bf16",
     "dgrad._FP8_BLOCK_TILES": {"down": "dgrad_fp8_block_down_tile", "gate_up": "dgrad_fp8_block_gate_up_tile",
@@ -55,6 +56,21 @@ CONSTANTS = {
     "functional.FP8_BLOCK_SORTED_OUTPUTS": "fp8_block_sorted_outputs",
     "functional.FP8_BLOCK_GATE_UP_E4M3": "fp8_block_gate_up_e4m3",
     "functional.FP8_BLOCK_ON_THE_WIRE": "fp8_block_on_the_wire",
+    "dgrad._QUANTIZED_EPILOGUE_ROWS": "fp8_block_quantized_epilogue_rows",
+    "gather.ROWS_PER_PROGRAM": "gather_rows_per_program",
+    "gather.TOKENS_PER_PROGRAM": "gather_tokens_per_program",
+    "combine.BLOCK_T": "combine_block_t",
+    "combine.BLOCK_H": "combine_block_h",
+    "combine.NUM_WARPS": "combine_num_warps",
+    "schedule.ROUTES_PER_CHUNK": "schedule_routes_per_chunk",
+    "schedule._SCAN_TILE_ELEMENTS": "schedule_scan_tile_elements",
+    "quant.BLOCK_M_MAX": "mxfp8_tile_m",
+    "quant.BLOCK_N_MAX": "mxfp8_tile_n",
+    "quant_fp8_block._ACT_BLOCK_M": "fp8_block_activation_block_m",
+    "comm._PUSH_ROWS": "push_rows",
+    "comm._PUSH_COLS": "push_cols",
+    "comm._PUSH_WARPS": "push_num_warps",
+    "dispatch._COPY_ELEMENTS": "copy_elements",
 }
 
 

@@ -313,7 +313,7 @@ _QUANTIZING_PATHS = ("fused", "product given", "bf16 product given", "bf16 produ
     [(*case, path, "bf16") for case in _QUANTIZING_CASES for path in _QUANTIZING_PATHS]
     + [(*_QUANTIZING_CASES[0], path, "e4m3") for path in ("fused", "bf16 product given, 4-row chunks")],
 )
-def test_fp8_block_down_dgrad_quantizes_d_gate_up(kernel_device, monkeypatch, T, H, I, E, topk, limit, path, saved):
+def test_fp8_block_down_dgrad_quantizes_d_gate_up(kernel_device, set_plan, T, H, I, E, topk, limit, path, saved):
     """With `quantize_d_gate_up` the epilogue's e4m3 d_g, d_u and their scales are bitwise what
     `quantize_fp8_block_activations` makes of the bf16 output of the same call without it (rows
     below num_rows; padding rows included), d_topk_weights to fp32 rounding: rows of very different
@@ -323,7 +323,7 @@ def test_fp8_block_down_dgrad_quantizes_d_gate_up(kernel_device, monkeypatch, T,
     each chunk's loads issued a chunk ahead). saved "e4m3": g, u read as the forward saves them with
     gate_up_e4m3 (the NaN then fills its whole 128-column block of g)."""
     if "4-row chunks" in path:
-        monkeypatch.setattr(dgrad, "_QUANTIZED_EPILOGUE_ROWS", 4)
+        set_plan(fp8_block_quantized_epilogue_rows=4)
     inp, sched, rows, slots, experts, pad = _fp8_block_case(kernel_device, T, H, I, E, topk, E - 1)
     ctx = f"{T=} {H=} {I=} {E=} {topk=} {limit=} {path=} {saved=}"
     gen = torch.Generator().manual_seed(2)
