@@ -181,6 +181,68 @@ def test_gpu_ep_two_ranks_low_precisions(backend):
     _assert_no_failures(_low_precision_worker, timeout_s=600, backend=backend)
 
 
+def _shared_gpu_symmetric_worker(rank: int, world_size: int) -> list[str]:
+    """Both ranks on GPU 0 (gloo group) through the symmetric transport, if symmetric memory
+    lets two processes share a device (else one message starting "unsupported"): bf16 with a
+    shared expert against the EP reference, a step under set_sync_debug_mode("error") bitwise
+    the first, and the step captured in a CUDA graph, whose replay gives it again."""
+    torch.cuda.set_device(0)
+    group = dist.group.WORLD
+    T, H, I, E_l, topk, I_s = 512 + 64 * rank, 512, 256, 4, 4, 256
+    g, routed, shared, d_out, args = _rank_inputs(rank, world_size, T, H, I, E_l, topk, I_s, seed=20 + rank)
+    config = mok.MoKConfig(backend="triton", transport="symmetric")
+    try:
+        ws = mok.create_workspace(config, group, device="cuda", num_local_tokens=T, hidden_size=H, topk=topk)
+    except Exception as err:  # noqa: BLE001 - the answer to "does symmetric memory allow it"
+        return [f"unsupported: {type(err).__name__}: {str(err).splitlines()[0]}"]
+
+    def step():
+        schedule = mok.build_schedule(ws, config, g.topk_ids, num_local_experts=E_l)
+        out, ctx = mok.forward(config, ws, schedule, *args)
+        return out, mok.backward(config, ws, schedule, ctx, d_out, *args)
+
+    first = step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        again = step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    flags = int(ws.error_flag.item())
+    ref_args = tuple(t.cpu() for t in (g.x, g.topk_ids, g.topk_weights, *routed, *shared))
+    ref_out = ep_moe_forward(*ref_args, group=group)
+    ref = ep_moe_backward(d_out.cpu(), *ref_args, group=group)
+    where = f"P={world_size} {rank=} {T=} {H=} {I=} {E_l=} {topk=} {I_s=} (both ranks on GPU 0)"
+    failures = []
+    try:
+        assert flags == 0, f"error flag {flags} {where}"
+        assert _equal_results(first, again), f"the step under sync debug mode differs from the first {where}"
+        assert _equal_results(first, captured), f"the CUDA graph's replay differs from the eager step {where}"
+        out, grads = first
+        assert_close_to_reference(out.cpu(), ref_out, name="out", context=where)
+        for name, got, expected in zip(ref._fields, grads, ref):
+            assert_close_to_reference(got.cpu(), expected, name=name, context=where, check_cosine=True)
+    except AssertionError as err:
+        failures.append(str(err))
+    return failures
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_symmetric_transport_two_ranks_on_one_gpu():
+    failures = run_distributed(_shared_gpu_symmetric_worker, 2, timeout_s=600, backend="gloo")
+    unsupported = [msg for msgs in failures for msg in msgs if msg.startswith("unsupported")]
+    if unsupported:
+        pytest.skip(f"symmetric memory does not let two processes share a GPU here: {unsupported[0]}")
+    reports = [f"[rank {r}] {msg}" for r, msgs in enumerate(failures) for msg in msgs]
+    assert not reports, "\n\n".join(reports)
+
+
 def _symmetric_bytes_worker(rank: int, world_size: int) -> list[str]:
     """The symmetric transport's own count of the bytes a rank pushes (`peer_bytes`, what the
     benchmark records) against a count from every rank's topk_ids in plain torch: x and dOut

@@ -196,3 +196,57 @@ def test_comm_launchers_reject_bad_arguments():
         wait_arrivals(counters, counters.long(), torch.zeros(1, dtype=torch.int32), 0, 1, 1.0)
     with pytest.raises(ValueError, match="kind"):
         wait_arrivals(counters, counters.clone(), torch.zeros(1, dtype=torch.int32), 2, 1, 1.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_push_and_wait_need_no_host_sync_and_replay_in_a_cuda_graph():
+    """P ranks in one process, every token to every rank: a round of pushes and waits runs
+    under set_sync_debug_mode("error"), and captured in a CUDA graph each replay moves the
+    rows its sources hold then (the counters keep counting across replays)."""
+    P, C, T, H, num_programs = 3, 8, 7, 384, 2
+    dev = torch.device("cuda")
+    recv = [torch.full((P * C, H), float("nan"), dtype=torch.bfloat16, device=dev) for _ in range(P)]
+    arrivals = [torch.zeros(1, P, dtype=torch.int32, device=dev) for _ in range(P)]
+    expected = [torch.zeros(1, P, dtype=torch.int32, device=dev) for _ in range(P)]
+    flags = [torch.zeros(1, dtype=torch.int32, device=dev) for _ in range(P)]
+    src = [torch.empty(T, H, dtype=torch.bfloat16, device=dev) for _ in range(P)]
+    # pair (t, p) at t·P + p: send row p·C + t
+    slot = (torch.arange(P, device=dev) * C + torch.arange(T, device=dev)[:, None]).view(-1).to(torch.int32)
+
+    def exchange():
+        for rank in range(P):
+            push_rows(src[rank], slot, _peer_ptrs(recv), H, _peer_ptrs(arrivals), 0, flags[rank], num_dst_rows=P * C,
+                      my_rank=rank, capacity=C, by_slot=True, num_programs=num_programs, routes_per_row=P)
+        for rank in range(P):
+            wait_arrivals(arrivals[rank], expected[rank], flags[rank], 0, num_programs, timeout_s=10.0)
+
+    def check(how: str):
+        for p in range(P):
+            for source in range(P):
+                got = recv[p][source * C: source * C + T]
+                assert torch.equal(got, src[source]), f"{how}: rows of {source=} at {p=} {P=} {C=} {T=} {H=}"
+        assert all(int(f) == 0 for f in flags), f"{how}: error flags {[int(f) for f in flags]}"
+
+    gen = torch.Generator(device=dev).manual_seed(3)
+    for s in src:
+        s.copy_(torch.randn(T, H, device=dev, generator=gen))
+    exchange()  # compiles
+    torch.cuda.synchronize()
+    for s in src:
+        s.copy_(torch.randn(T, H, device=dev, generator=gen))
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        exchange()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    check("under sync debug mode")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        exchange()
+    for replay in range(2):
+        for s in src:
+            s.copy_(torch.randn(T, H, device=dev, generator=gen))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(f"graph replay {replay}")
