@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
 import threading
+from collections.abc import Iterator
 
 import torch
 
@@ -25,12 +27,40 @@ def interpreting() -> bool:
 _INTERPRETER_PROGRAMS = 3
 
 
+# SMs of each CUDA device (by index) that exchanges in flight on another stream hold
+# (`sms_left_free`); persistent launches leave them free.
+_HELD_SMS: dict[int, int] = {}
+
+
 @functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def num_sms(device) -> int:
-    """Streaming multiprocessors of a CUDA device: the programs of a persistent launch."""
+    """Programs of a persistent launch on `device`: its streaming multiprocessors less those an
+    exchange running beside the launch holds (`sms_left_free`)."""
     if device.type != "cuda":
         return _INTERPRETER_PROGRAMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return max(1, _sm_count(index) - _HELD_SMS.get(index, 0))
+
+
+@contextlib.contextmanager
+def sms_left_free(device: torch.device, count: int) -> Iterator[None]:
+    """Persistent launches inside the block leave `count` SMs of `device` free: a persistent
+    grid fills every SM and holds it to the end (a kernel that needs most of an SM's
+    registers cannot share it), so a communication kernel running beside it on another stream
+    would otherwise wait for it, or delay its programs by its own length."""
+    if device.type != "cuda":
+        yield
+        return
+    index = torch.cuda.current_device() if device.index is None else device.index
+    _HELD_SMS[index] = _HELD_SMS.get(index, 0) + count
+    try:
+        yield
+    finally:
+        _HELD_SMS[index] -= count
 
 
 def gate_up_parts(gate_up):

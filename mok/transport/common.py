@@ -12,6 +12,12 @@ routes there. Rows of source p sit at p·C + c (c: the token's place among this 
 to p, ascending t); route q of row i (its q-th route to that rank, ascending j) is received
 route i·k_l + q.
 
+Overlap (`overlapped`): an exchange is started (`start_*` of a dispatch: what it sends is
+prepared on the current stream, the sending runs on the device's side stream), the caller
+queues work that does not need it, then the exchange's `finish` makes the side stream's work
+visible to the current stream (a stream wait, no host sync) and returns what arrived. The
+side stream forks from the current one and joins it again, so a CUDA graph captures both.
+
 Receiver's schedule (`token_receiver_schedule`): every received row is a token with
 topk = k_l, so the single-GPU kernels run unchanged on the received rows. The schedule is
 built over the interleaved order c·P + p, so that inside each expert, ascending order takes
@@ -21,12 +27,16 @@ mapped back to the rows where the exchange put them.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
 from mok import ops
 from mok.config import MoKConfig
-from mok.kernels.common import ERROR_CAPACITY_OVERFLOW
+from mok.kernels.common import ERROR_CAPACITY_OVERFLOW, sms_left_free
 from mok.kernels.dgrad import fp8_block_down_dgrad_gathers
 from mok.kernels.schedule import sorted_route_rows
 
@@ -85,6 +95,22 @@ class TokenPairs:
         """(bytes of one x row, of one dOut row) on the wire: H bf16, or H e4m3 and H/128 fp32 scales."""
         fp8_row, bf16_row = hidden_size + hidden_size // 128 * 4, hidden_size * 2
         return (fp8_row if self.fp8_wire else bf16_row), (fp8_row if self.d_out_on_fp8_wire(hidden_size) else bf16_row)
+
+    def dispatch(self, x: torch.Tensor, topk_weights: torch.Tensor):
+        """`start_dispatch`, landed: the received rows and their routes' weights."""
+        return finish_now(self.start_dispatch(x, topk_weights), x.device)
+
+    def combine(self, part_rows: torch.Tensor) -> torch.Tensor:
+        """`start_combine`, landed: this rank's tokens' partial rows from each rank."""
+        return finish_now(self.start_combine(part_rows), part_rows.device)
+
+    def dispatch_grad(self, d_out: torch.Tensor):
+        """`start_dispatch_grad`, landed: the dOut rows of the received rows."""
+        return finish_now(self.start_dispatch_grad(d_out), d_out.device)
+
+    def combine_grad(self, dx_rows: torch.Tensor, d_weight_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`start_combine_grad`, landed: dx partial rows and d_topk_weights."""
+        return finish_now(self.start_combine_grad(dx_rows, d_weight_rows), dx_rows.device)
 
     def peer_rows(self) -> int:
         """Token rows this rank's tokens need on other ranks per exchange: its (token, rank)
@@ -163,3 +189,61 @@ def token_receiver_schedule(
     flat = ids.reshape(-1)
     received_routes = torch.where(flat >= 0, torch.arange(flat.shape[0], device=flat.device, dtype=torch.int32), -1)
     return (row_source, *tables, route_row), received_routes
+
+
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The stream exchanges run on beside the GEMMs of `device` (None off CUDA: no streams)."""
+    if device.type != "cuda":
+        return None
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(index)
+    return _SIDE_STREAMS[index]
+
+
+@contextlib.contextmanager
+def sending(device: torch.device) -> Iterator[None]:
+    """Runs the block on the side stream, after everything queued on the current stream so far
+    (what it sends must stay alive until the exchange's finish: the caller holds it)."""
+    side = side_stream(device)
+    if side is None:
+        yield
+        return
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        yield
+
+
+class Arrival:
+    """What an exchange delivers to `overlapped`'s caller: `value`, once the block has ended."""
+
+    value: Any = None
+
+
+@contextlib.contextmanager
+def overlapped(finish: Callable[[], Any], device: torch.device, comm_sms: int, overlap: bool = True
+               ) -> Iterator[Arrival]:
+    """The block's work queued beside an exchange in flight (a dispatch's `start_*` gave its
+    `finish`), persistent launches leaving `comm_sms` SMs to the exchange; then the current
+    stream waits for the side stream and `arrival.value` = finish(). With `overlap` False the
+    exchange finishes before the block instead."""
+    arrival = Arrival()
+    if not overlap:
+        arrival.value = finish_now(finish, device)
+        yield arrival
+        return
+    with sms_left_free(device, comm_sms):
+        yield arrival
+    arrival.value = finish_now(finish, device)
+
+
+def finish_now(finish: Callable[[], Any], device: torch.device) -> Any:
+    """The exchange whose `finish` this is, landed for the current stream: its result."""
+    side = side_stream(device)
+    if side is not None:
+        torch.cuda.current_stream(device).wait_stream(side)
+    return finish()
+

@@ -34,20 +34,37 @@ the source), so results do not depend on the capacity.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from mok import ops
-from mok.transport.common import RouteCapacity, TokenPairs, token_plan, token_receiver_schedule
+from mok.transport.common import RouteCapacity, TokenPairs, sending, token_plan, token_receiver_schedule
 
 
 def _exchange(send: torch.Tensor, group) -> torch.Tensor:
     """all_to_all_single with equal splits: block p of `send` goes to rank p, block p of
     the result came from rank p."""
+    return _start_exchange(send, group, beside=False)()
+
+
+def _start_exchange(send: torch.Tensor, group, beside: bool = True) -> Callable[[], torch.Tensor]:
+    """`_exchange` started (`beside`: from the side stream, `common.sending`); its finish
+    returns the result. Every exchange of the transport passes here."""
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
+    with sending(send.device) if beside else contextlib.nullcontext():
+        work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+    return functools.partial(_received, work, send, recv)
+
+
+def _received(work, send: torch.Tensor, recv: torch.Tensor) -> torch.Tensor:
+    """recv once `work` has landed (for the current stream); `send` stays alive until then."""
+    work.wait()
     return recv
 
 
@@ -80,23 +97,26 @@ class NcclDispatch(TokenPairs):
         backward = rows * (d_out_row + hidden_size * bf16 + k_l * fp32)
         return (self.world_size - 1) * (forward + (backward if with_backward else 0))
 
-    def _send_rows(self, rows: torch.Tensor | tuple[torch.Tensor, ...]):
-        """[T, W] token rows (or a tuple of such, e.g. e4m3 rows and their scales) → the rows
-        [P·C, W] of the (token, rank) pairs received here."""
+    def _start_send_rows(self, rows: torch.Tensor | tuple[torch.Tensor, ...]) -> Callable[[], Any]:
+        """[T, W] token rows (or a tuple of such, e.g. e4m3 rows and their scales) on their way;
+        the finish gives the rows [P·C, W] of the (token, rank) pairs received here."""
         if isinstance(rows, tuple):
-            return tuple(self._send_rows(t) for t in rows)
+            parts = [self._start_send_rows(t) for t in rows]
+            return lambda: tuple(finish() for finish in parts)
         # e4m3 travels as bytes: collectives (gloo) take no fp8 dtype
         raw = rows.view(torch.uint8) if rows.dtype == torch.float8_e4m3fn else rows
         packed = ops.pack_rows(raw, self.token_slot, self.world_size, self.num_expert_rows)
-        return _exchange(packed, self.group).view(rows.dtype)
+        finish = _start_exchange(packed, self.group)
+        return lambda: finish().view(rows.dtype)
 
-    def dispatch(self, x: torch.Tensor, topk_weights: torch.Tensor):
-        """[T, H] token rows and [T, topk] router weights → the received rows [P·C, H] (with
-        `fp8_wire`: quantized in 1×128 blocks before they travel, the pair of e4m3 rows and
-        their [P·C, H/128] fp32 scales) and their routes' weights [P·C, k_l] fp32 (0 for empty
-        routes)."""
-        rows = self._send_rows(ops.quantize_fp8_block_activations(x) if self.fp8_wire else x)
-        return rows, _exchange(self._pack_weights(topk_weights), self.group).view(-1, self.routes_per_row)
+    def start_dispatch(self, x: torch.Tensor, topk_weights: torch.Tensor) -> Callable[[], Any]:
+        """[T, H] token rows and [T, topk] router weights on their way; the finish gives the
+        received rows [P·C, H] (with `fp8_wire`: quantized in 1×128 blocks before they travel,
+        the pair of e4m3 rows and their [P·C, H/128] fp32 scales) and their routes' weights
+        [P·C, k_l] fp32 (0 for empty routes)."""
+        rows = self._start_send_rows(ops.quantize_fp8_block_activations(x) if self.fp8_wire else x)
+        weights = _start_exchange(self._pack_weights(topk_weights), self.group)
+        return lambda: (rows(), weights().view(-1, self.routes_per_row))
 
     def _pack_weights(self, topk_weights: torch.Tensor) -> torch.Tensor:
         """[P·C·k_l] fp32: each sent route's weight, zeros elsewhere (the expert side's sums
@@ -110,23 +130,25 @@ class NcclDispatch(TokenPairs):
         """The received token rows for the backward: what `dispatch` returned, kept as is."""
         return expert_x
 
-    def combine(self, part_rows: torch.Tensor) -> torch.Tensor:
-        """[P·C, H] partial rows of the received rows → [P·C, H] this rank's tokens' partial
-        rows from each rank, pair (t, p) at row token_slot[t·P + p]."""
-        return _exchange(part_rows, self.group)
+    def start_combine(self, part_rows: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """[P·C, H] partial rows of the received rows on their way back; the finish gives
+        [P·C, H] this rank's tokens' partial rows from each rank, pair (t, p) at row
+        token_slot[t·P + p]."""
+        return _start_exchange(part_rows, self.group)
 
-    def dispatch_grad(self, d_out: torch.Tensor):
-        """dOut rows [P·C, H] of the received rows (where `d_out_on_fp8_wire`: the pair of e4m3
-        rows and scales, quantized before they travel)."""
+    def start_dispatch_grad(self, d_out: torch.Tensor) -> Callable[[], Any]:
+        """dOut rows on their way; the finish gives those [P·C, H] of the received rows (where
+        `d_out_on_fp8_wire`: the pair of e4m3 rows and scales, quantized before they travel)."""
         quantized = self.d_out_on_fp8_wire(d_out.shape[1])
-        return self._send_rows(ops.quantize_fp8_block_activations(d_out) if quantized else d_out)
+        return self._start_send_rows(ops.quantize_fp8_block_activations(d_out) if quantized else d_out)
 
-    def combine_grad(self, dx_rows: torch.Tensor, d_weight_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """dx partial rows [P·C, H] (as `combine`) and d_topk_weights [T, topk] fp32 from the
-        experts' ranks' [P·C, k_l] router-weight gradients."""
-        d_weights = _exchange(d_weight_rows.reshape(-1, 1), self.group)  # [P·C·k_l, 1]
-        d_topk_weights = ops.unpack_rows(d_weights, self.route_place).view(-1, self.topk)
-        return self.combine(dx_rows), d_topk_weights
+    def start_combine_grad(self, dx_rows: torch.Tensor, d_weight_rows: torch.Tensor) -> Callable[[], Any]:
+        """dx partial rows [P·C, H] and the [P·C, k_l] router-weight gradients on their way back;
+        the finish gives the dx partial rows (as `start_combine`'s) and d_topk_weights [T, topk]
+        fp32."""
+        d_weights = _start_exchange(d_weight_rows.reshape(-1, 1), self.group)  # [P·C·k_l, 1]
+        dx = self.start_combine(dx_rows)
+        return lambda: (dx(), ops.unpack_rows(d_weights(), self.route_place).view(-1, self.topk))
 
 
 class NcclTransport(RouteCapacity):

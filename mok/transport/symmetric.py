@@ -59,7 +59,10 @@ one rank at a fixed place; the counters are the only atomics.
 
 from __future__ import annotations
 
+import functools
 import socket
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -67,7 +70,8 @@ import torch.distributed as dist
 from mok import ops
 from mok.config import MoKConfig
 from mok.kernels import comm
-from mok.transport.common import RouteCapacity, TokenPairs, check_same_across_ranks, token_plan, token_receiver_schedule
+from mok.transport.common import (RouteCapacity, TokenPairs, check_same_across_ranks, finish_now, sending, token_plan,
+                                  token_receiver_schedule)
 
 # One push per kind and call; the receiver counts each kind's arrivals apart.
 _KINDS = ("plan", "x", "x_scale", "weights", "y", "d_out", "d_out_scale", "dx", "d_weight")
@@ -277,18 +281,24 @@ class SymmetricDispatch(TokenPairs):
         rows = torch.arange(self.num_expert_rows, device=self.token_slot.device)
         return rows // self.send_capacity
 
-    def _send_rows(self, kind: str, rows: torch.Tensor, region: str, quantized: bool):
-        """[T, H] token rows → the rows [P·C, H] of the pairs received here (a view of `region`);
-        `quantized`: in fp8_block's 1×128 blocks, as the pair of e4m3 rows and their [P·C, H/128]
-        scales (views of `region`'s bytes)."""
-        transport, num_rows = self.transport, self.num_expert_rows
+    def _start_send_rows(self, kind: str, rows: torch.Tensor, region: str, quantized: bool) -> Callable[[], Any]:
+        """[T, H] token rows on their way (pushed from the side stream); the finish gives the rows
+        [P·C, H] of the pairs received here (a view of `region`); `quantized`: in fp8_block's 1×128
+        blocks, as the pair of e4m3 rows and their [P·C, H/128] scales (views of `region`'s bytes)."""
+        transport = self.transport
         sends = {kind: (rows, region)}
         if quantized:
             q, scale = ops.quantize_fp8_block_activations(rows)
             sends = {kind: (q.view(torch.uint8), region + "_q"), kind + "_scale": (scale, region + "_scale")}
-        for name, (src, dst) in sends.items():
-            transport.push(name, src, self.token_slot, dst, by_slot=True, capacity=self.send_capacity,
-                           routes_per_row=self.world_size)
+        with sending(rows.device):
+            for name, (src, dst) in sends.items():
+                transport.push(name, src, self.token_slot, dst, by_slot=True, capacity=self.send_capacity,
+                               routes_per_row=self.world_size)
+        return functools.partial(self._received_rows, sends, region, quantized)
+
+    def _received_rows(self, sends: dict, region: str, quantized: bool):
+        """What `_start_send_rows` delivers, once its pushes (`sends`, alive until now) arrived."""
+        transport, num_rows = self.transport, self.num_expert_rows
         for name in sends:
             transport.wait(name)
         if quantized:
@@ -296,24 +306,31 @@ class SymmetricDispatch(TokenPairs):
                     transport.views[region + "_scale"][:num_rows])
         return transport.views[region][:num_rows]
 
-    def _push_x(self, x: torch.Tensor):
-        received = self._send_rows("x", x, "recv_x", self.fp8_wire)
+    def _start_push_x(self, x: torch.Tensor) -> Callable[[], Any]:
+        finish = self._start_send_rows("x", x, "recv_x", self.fp8_wire)
         self.transport.x_generation += 1
         self._x_generation = self.transport.x_generation
-        return received
+        return finish
 
-    def dispatch(self, x: torch.Tensor, topk_weights: torch.Tensor):
-        """[T, H] token rows and [T, topk] router weights → the received rows [P·C, H] (a view of
-        the transport's recv_x; rows no source filled hold stale values, and the schedule skips
-        them; with `fp8_wire` the pair of e4m3 rows and scales, quantized before they travel) and
-        their routes' weights [P·C, k_l] fp32 (a copy; 0 for empty routes)."""
-        transport = self.transport
+    def start_dispatch(self, x: torch.Tensor, topk_weights: torch.Tensor) -> Callable[[], Any]:
+        """[T, H] token rows and [T, topk] router weights on their way; the finish gives the
+        received rows [P·C, H] (a view of the transport's recv_x; rows no source filled hold
+        stale values, and the schedule skips them; with `fp8_wire` the pair of e4m3 rows and
+        scales, quantized before they travel) and their routes' weights [P·C, k_l] fp32 (a copy;
+        0 for empty routes)."""
         num_routes = self.send_capacity * self.routes_per_row
-        transport.push("weights", topk_weights.reshape(-1, 1).float(), self.route_place, "recv_weights", by_slot=True,
-                       capacity=num_routes)
-        expert_x = self._push_x(x)
-        transport.wait("weights")
-        weights = transport.views["recv_weights"][: self.world_size * num_routes]
+        weights = topk_weights.reshape(-1, 1).float()
+        with sending(x.device):
+            self.transport.push("weights", weights, self.route_place, "recv_weights", by_slot=True,
+                                capacity=num_routes)
+        rows = self._start_push_x(x)
+        return functools.partial(self._dispatched, rows, weights)
+
+    def _dispatched(self, rows: Callable[[], Any], sent_weights: torch.Tensor):
+        expert_x = rows()
+        self.transport.wait("weights")
+        num_routes = self.send_capacity * self.routes_per_row
+        weights = self.transport.views["recv_weights"][: self.world_size * num_routes]
         weights = torch.where(self.received_routes >= 0, weights, 0.0)  # stale values where no route came
         return expert_x, weights.view(-1, self.routes_per_row)
 
@@ -321,34 +338,44 @@ class SymmetricDispatch(TokenPairs):
         """The received token rows for the backward: `expert_x` if no later dispatch has
         overwritten them, else sent again (every rank decides alike: same call sequence)."""
         if self._x_generation != self.transport.x_generation:
-            return self._push_x(x)
+            return finish_now(self._start_push_x(x), x.device)
         return expert_x
 
-    def combine(self, part_rows: torch.Tensor) -> torch.Tensor:
-        """[P·C, H] partial rows of the received rows → [P·C, H] this rank's tokens' partial
-        rows from each rank, pair (t, p) at row token_slot[t·P + p] (a view of y_parts)."""
-        return self._return_rows("y", part_rows, "y_parts")
+    def start_combine(self, part_rows: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """[P·C, H] partial rows of the received rows on their way back; the finish gives
+        [P·C, H] this rank's tokens' partial rows from each rank, pair (t, p) at row
+        token_slot[t·P + p] (a view of y_parts)."""
+        return self._start_return_rows("y", part_rows, "y_parts")
 
-    def _return_rows(self, kind: str, rows: torch.Tensor, region: str) -> torch.Tensor:
-        transport = self.transport
-        transport.push(kind, rows, self.return_row, region, by_slot=False, capacity=self.send_capacity)
-        transport.wait(kind)
-        return transport.views[region][: self.num_expert_rows]
+    def _start_return_rows(self, kind: str, rows: torch.Tensor, region: str) -> Callable[[], torch.Tensor]:
+        with sending(rows.device):
+            self.transport.push(kind, rows, self.return_row, region, by_slot=False, capacity=self.send_capacity)
+        return functools.partial(self._returned_rows, kind, rows, region)
 
-    def dispatch_grad(self, d_out: torch.Tensor):
-        """dOut rows [P·C, H] of the received rows (a view of recv_d_out; where
-        `d_out_on_fp8_wire`, the pair of e4m3 rows and scales)."""
-        return self._send_rows("d_out", d_out, "recv_d_out", self.d_out_on_fp8_wire(d_out.shape[1]))
+    def _returned_rows(self, kind: str, sent: torch.Tensor, region: str) -> torch.Tensor:
+        self.transport.wait(kind)
+        return self.transport.views[region][: self.num_expert_rows]
 
-    def combine_grad(self, dx_rows: torch.Tensor, d_weight_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """dx partial rows [P·C, H] (as `combine`, a view of dx_parts) and d_topk_weights
-        [T, topk] fp32 (a copy: it leaves the layer) from the experts' ranks' [P·C, k_l]
-        router-weight gradients."""
-        transport = self.transport
+    def start_dispatch_grad(self, d_out: torch.Tensor) -> Callable[[], Any]:
+        """dOut rows on their way; the finish gives those [P·C, H] of the received rows (a view
+        of recv_d_out; where `d_out_on_fp8_wire`, the pair of e4m3 rows and scales)."""
+        return self._start_send_rows("d_out", d_out, "recv_d_out", self.d_out_on_fp8_wire(d_out.shape[1]))
+
+    def start_combine_grad(self, dx_rows: torch.Tensor, d_weight_rows: torch.Tensor) -> Callable[[], Any]:
+        """dx partial rows [P·C, H] and the [P·C, k_l] router-weight gradients on their way back;
+        the finish gives the dx partial rows (as `start_combine`'s, a view of dx_parts) and
+        d_topk_weights [T, topk] fp32 (a copy: it leaves the layer)."""
         num_routes = self.send_capacity * self.routes_per_row
-        transport.push("d_weight", d_weight_rows.reshape(-1, 1), self.return_route, "d_weight_slots", by_slot=False,
-                       capacity=num_routes)
-        dx = self._return_rows("dx", dx_rows, "dx_parts")
-        transport.wait("d_weight")
-        d_weights = transport.views["d_weight_slots"][: self.world_size * num_routes].view(-1, 1)
-        return dx, ops.unpack_rows(d_weights, self.route_place).view(-1, self.topk)
+        d_weights = d_weight_rows.reshape(-1, 1)
+        with sending(dx_rows.device):
+            self.transport.push("d_weight", d_weights, self.return_route, "d_weight_slots", by_slot=False,
+                                capacity=num_routes)
+        dx = self._start_return_rows("dx", dx_rows, "dx_parts")
+        return functools.partial(self._combined_grad, dx, d_weights)
+
+    def _combined_grad(self, dx: Callable[[], torch.Tensor], sent_d_weights: torch.Tensor):
+        dx_parts = dx()
+        self.transport.wait("d_weight")
+        num_routes = self.send_capacity * self.routes_per_row
+        d_weights = self.transport.views["d_weight_slots"][: self.world_size * num_routes].view(-1, 1)
+        return dx_parts, ops.unpack_rows(d_weights, self.route_place).view(-1, self.topk)

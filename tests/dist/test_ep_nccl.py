@@ -99,17 +99,17 @@ def _local_inputs(case: Case, num_ranks: int, rank: int, seed: int):
 @contextlib.contextmanager
 def _count_peer_bytes(num_ranks: int):
     """[bytes]: what the transport's exchanges hand the other ranks (all blocks but the own)."""
-    exchange, sent = nccl._exchange, [0]
+    exchange, sent = nccl._start_exchange, [0]
 
-    def counting_exchange(send, group):
+    def counting_exchange(send, group, *args, **kwargs):
         sent[0] += send.numel() * send.element_size() // num_ranks * (num_ranks - 1)
-        return exchange(send, group)
+        return exchange(send, group, *args, **kwargs)
 
-    nccl._exchange = counting_exchange
+    nccl._start_exchange = counting_exchange
     try:
         yield sent
     finally:
-        nccl._exchange = exchange
+        nccl._start_exchange = exchange
 
 
 def _run_triton(config, group, x, ids, topk_weights, routed, shared, d_out, swiglu_limit, spare_tokens=0):
