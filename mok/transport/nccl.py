@@ -70,7 +70,9 @@ def _received(work, send: torch.Tensor, recv: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True, eq=False)
 class NcclDispatch(TokenPairs):
-    """The (token, rank) pairs of one layer call and the row moves along them (module docstring)."""
+    """The (token, rank) pairs of one layer call and the row moves along them (module docstring).
+    The `start_*` calls take the symmetric transport's `num_programs` and ignore it: NCCL sizes
+    its own kernels."""
 
     group: dist.ProcessGroup | None
     world_size: int  # P
@@ -109,7 +111,8 @@ class NcclDispatch(TokenPairs):
         finish = _start_exchange(packed, self.group)
         return lambda: finish().view(rows.dtype)
 
-    def start_dispatch(self, x: torch.Tensor, topk_weights: torch.Tensor) -> Callable[[], Any]:
+    def start_dispatch(self, x: torch.Tensor, topk_weights: torch.Tensor, num_programs: int | None = None
+                       ) -> Callable[[], Any]:
         """[T, H] token rows and [T, topk] router weights on their way; the finish gives the
         received rows [P·C, H] (with `fp8_wire`: quantized in 1×128 blocks before they travel,
         the pair of e4m3 rows and their [P·C, H/128] fp32 scales) and their routes' weights
@@ -130,19 +133,20 @@ class NcclDispatch(TokenPairs):
         """The received token rows for the backward: what `dispatch` returned, kept as is."""
         return expert_x
 
-    def start_combine(self, part_rows: torch.Tensor) -> Callable[[], torch.Tensor]:
+    def start_combine(self, part_rows: torch.Tensor, num_programs: int | None = None) -> Callable[[], torch.Tensor]:
         """[P·C, H] partial rows of the received rows on their way back; the finish gives
         [P·C, H] this rank's tokens' partial rows from each rank, pair (t, p) at row
         token_slot[t·P + p]."""
         return _start_exchange(part_rows, self.group)
 
-    def start_dispatch_grad(self, d_out: torch.Tensor) -> Callable[[], Any]:
+    def start_dispatch_grad(self, d_out: torch.Tensor, num_programs: int | None = None) -> Callable[[], Any]:
         """dOut rows on their way; the finish gives those [P·C, H] of the received rows (where
         `d_out_on_fp8_wire`: the pair of e4m3 rows and scales, quantized before they travel)."""
         quantized = self.d_out_on_fp8_wire(d_out.shape[1])
         return self._start_send_rows(ops.quantize_fp8_block_activations(d_out) if quantized else d_out)
 
-    def start_combine_grad(self, dx_rows: torch.Tensor, d_weight_rows: torch.Tensor) -> Callable[[], Any]:
+    def start_combine_grad(self, dx_rows: torch.Tensor, d_weight_rows: torch.Tensor, num_programs: int | None = None
+                           ) -> Callable[[], Any]:
         """dx partial rows [P·C, H] and the [P·C, k_l] router-weight gradients on their way back;
         the finish gives the dx partial rows (as `start_combine`'s) and d_topk_weights [T, topk]
         fp32."""

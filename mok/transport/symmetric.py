@@ -117,7 +117,8 @@ class SymmetricTransport(RouteCapacity):
         self.num_programs.update({kind: config.bwd_num_comm_sms for kind in ("d_out", "d_out_scale", "dx", "d_weight")})
         # the receivers count the senders' programs: every rank must launch alike
         check_same_across_ranks(group, {"config.fwd_num_comm_sms": config.fwd_num_comm_sms,
-                                        "config.bwd_num_comm_sms": config.bwd_num_comm_sms}, device)
+                                        "config.bwd_num_comm_sms": config.bwd_num_comm_sms,
+                                        "config.overlap_comm_sms": config.overlap_comm_sms}, device)
         num_ranks, capacity = self.world_size, self.token_capacity()
         rows, routes = num_ranks * capacity, num_ranks * capacity * topk  # k_l <= topk: the most routes
         self.regions = {  # name -> (shape, dtype)
@@ -173,19 +174,22 @@ class SymmetricTransport(RouteCapacity):
         """L: words of one source's plan row (its ids and its error flag), whole chunks."""
         return -(-(num_ids + 1) // _INFO_CHUNK) * _INFO_CHUNK
 
-    def push(self, kind: str, src: torch.Tensor, index: torch.Tensor, region: str, **kwargs) -> None:
-        """Pushes rows of `src` into `region`'s rows on the ranks `index` says (`comm.push_rows`)."""
+    def push(self, kind: str, src: torch.Tensor, index: torch.Tensor, region: str, num_programs: int | None = None,
+             **kwargs) -> None:
+        """Pushes rows of `src` into `region`'s rows on the ranks `index` says (`comm.push_rows`)
+        from `num_programs` programs (None: the config's for `kind`; every rank pushes a kind
+        alike, and its `wait` names the same count)."""
         shape = self.shapes[region]
         row_width = shape[1] if len(shape) == 2 else 1
         comm.push_rows(src, index, self.peer_ptrs[region], row_width, self.peer_ptrs["arrivals"], _KINDS.index(kind),
-                       self.error_flag, num_dst_rows=shape[0], my_rank=self.rank, num_programs=self.num_programs[kind],
-                       **kwargs)
+                       self.error_flag, num_dst_rows=shape[0], my_rank=self.rank,
+                       num_programs=num_programs or self.num_programs[kind], **kwargs)
 
-    def wait(self, kind: str) -> None:
-        """Peers' pushes of `kind` visible here (bounded; `comm.wait_arrivals`): every program
-        of each peer's push has signalled."""
+    def wait(self, kind: str, num_programs: int | None = None) -> None:
+        """Peers' pushes of `kind` (from `num_programs` programs each, as `push`) visible here
+        (bounded; `comm.wait_arrivals`): every program of each peer's push has signalled."""
         comm.wait_arrivals(self.views["arrivals"], self.expected, self.error_flag, _KINDS.index(kind),
-                           self.num_programs[kind], self.config.peer_timeout_s)
+                           num_programs or self.num_programs[kind], self.config.peer_timeout_s)
 
     def plan(
         self, topk_ids: torch.Tensor, num_local_experts: int, error_flag: torch.Tensor, block_m: int,
@@ -281,7 +285,8 @@ class SymmetricDispatch(TokenPairs):
         rows = torch.arange(self.num_expert_rows, device=self.token_slot.device)
         return rows // self.send_capacity
 
-    def _start_send_rows(self, kind: str, rows: torch.Tensor, region: str, quantized: bool) -> Callable[[], Any]:
+    def _start_send_rows(self, kind: str, rows: torch.Tensor, region: str, quantized: bool,
+                         num_programs: int | None = None) -> Callable[[], Any]:
         """[T, H] token rows on their way (pushed from the side stream); the finish gives the rows
         [P·C, H] of the pairs received here (a view of `region`); `quantized`: in fp8_block's 1×128
         blocks, as the pair of e4m3 rows and their [P·C, H/128] scales (views of `region`'s bytes)."""
@@ -292,28 +297,30 @@ class SymmetricDispatch(TokenPairs):
             sends = {kind: (q.view(torch.uint8), region + "_q"), kind + "_scale": (scale, region + "_scale")}
         with sending(rows.device):
             for name, (src, dst) in sends.items():
-                transport.push(name, src, self.token_slot, dst, by_slot=True, capacity=self.send_capacity,
-                               routes_per_row=self.world_size)
-        return functools.partial(self._received_rows, sends, region, quantized)
+                transport.push(name, src, self.token_slot, dst, num_programs, by_slot=True,
+                               capacity=self.send_capacity, routes_per_row=self.world_size)
+        return functools.partial(self._received_rows, sends, region, quantized, num_programs)
 
-    def _received_rows(self, sends: dict, region: str, quantized: bool):
+    def _received_rows(self, sends: dict, region: str, quantized: bool, num_programs: int | None):
         """What `_start_send_rows` delivers, once its pushes (`sends`, alive until now) arrived."""
         transport, num_rows = self.transport, self.num_expert_rows
         for name in sends:
-            transport.wait(name)
+            transport.wait(name, num_programs)
         if quantized:
             return (transport.views[region + "_q"][:num_rows].view(torch.float8_e4m3fn),
                     transport.views[region + "_scale"][:num_rows])
         return transport.views[region][:num_rows]
 
-    def _start_push_x(self, x: torch.Tensor) -> Callable[[], Any]:
-        finish = self._start_send_rows("x", x, "recv_x", self.fp8_wire)
+    def _start_push_x(self, x: torch.Tensor, num_programs: int | None = None) -> Callable[[], Any]:
+        finish = self._start_send_rows("x", x, "recv_x", self.fp8_wire, num_programs)
         self.transport.x_generation += 1
         self._x_generation = self.transport.x_generation
         return finish
 
-    def start_dispatch(self, x: torch.Tensor, topk_weights: torch.Tensor) -> Callable[[], Any]:
-        """[T, H] token rows and [T, topk] router weights on their way; the finish gives the
+    def start_dispatch(self, x: torch.Tensor, topk_weights: torch.Tensor, num_programs: int | None = None
+                       ) -> Callable[[], Any]:
+        """[T, H] token rows and [T, topk] router weights on their way (pushed by `num_programs`
+        programs, None: the config's); the finish gives the
         received rows [P·C, H] (a view of the transport's recv_x; rows no source filled hold
         stale values, and the schedule skips them; with `fp8_wire` the pair of e4m3 rows and
         scales, quantized before they travel) and their routes' weights [P·C, k_l] fp32 (a copy;
@@ -321,14 +328,14 @@ class SymmetricDispatch(TokenPairs):
         num_routes = self.send_capacity * self.routes_per_row
         weights = topk_weights.reshape(-1, 1).float()
         with sending(x.device):
-            self.transport.push("weights", weights, self.route_place, "recv_weights", by_slot=True,
+            self.transport.push("weights", weights, self.route_place, "recv_weights", num_programs, by_slot=True,
                                 capacity=num_routes)
-        rows = self._start_push_x(x)
-        return functools.partial(self._dispatched, rows, weights)
+        rows = self._start_push_x(x, num_programs)
+        return functools.partial(self._dispatched, rows, weights, num_programs)
 
-    def _dispatched(self, rows: Callable[[], Any], sent_weights: torch.Tensor):
+    def _dispatched(self, rows: Callable[[], Any], sent_weights: torch.Tensor, num_programs: int | None):
         expert_x = rows()
-        self.transport.wait("weights")
+        self.transport.wait("weights", num_programs)
         num_routes = self.send_capacity * self.routes_per_row
         weights = self.transport.views["recv_weights"][: self.world_size * num_routes]
         weights = torch.where(self.received_routes >= 0, weights, 0.0)  # stale values where no route came
@@ -341,41 +348,44 @@ class SymmetricDispatch(TokenPairs):
             return finish_now(self._start_push_x(x), x.device)
         return expert_x
 
-    def start_combine(self, part_rows: torch.Tensor) -> Callable[[], torch.Tensor]:
+    def start_combine(self, part_rows: torch.Tensor, num_programs: int | None = None) -> Callable[[], torch.Tensor]:
         """[P·C, H] partial rows of the received rows on their way back; the finish gives
         [P·C, H] this rank's tokens' partial rows from each rank, pair (t, p) at row
         token_slot[t·P + p] (a view of y_parts)."""
-        return self._start_return_rows("y", part_rows, "y_parts")
+        return self._start_return_rows("y", part_rows, "y_parts", num_programs)
 
-    def _start_return_rows(self, kind: str, rows: torch.Tensor, region: str) -> Callable[[], torch.Tensor]:
+    def _start_return_rows(self, kind: str, rows: torch.Tensor, region: str, num_programs: int | None
+                           ) -> Callable[[], torch.Tensor]:
         with sending(rows.device):
-            self.transport.push(kind, rows, self.return_row, region, by_slot=False, capacity=self.send_capacity)
-        return functools.partial(self._returned_rows, kind, rows, region)
+            self.transport.push(kind, rows, self.return_row, region, num_programs, by_slot=False,
+                                capacity=self.send_capacity)
+        return functools.partial(self._returned_rows, kind, rows, region, num_programs)
 
-    def _returned_rows(self, kind: str, sent: torch.Tensor, region: str) -> torch.Tensor:
-        self.transport.wait(kind)
+    def _returned_rows(self, kind: str, sent: torch.Tensor, region: str, num_programs: int | None) -> torch.Tensor:
+        self.transport.wait(kind, num_programs)
         return self.transport.views[region][: self.num_expert_rows]
 
-    def start_dispatch_grad(self, d_out: torch.Tensor) -> Callable[[], Any]:
+    def start_dispatch_grad(self, d_out: torch.Tensor, num_programs: int | None = None) -> Callable[[], Any]:
         """dOut rows on their way; the finish gives those [P·C, H] of the received rows (a view
         of recv_d_out; where `d_out_on_fp8_wire`, the pair of e4m3 rows and scales)."""
-        return self._start_send_rows("d_out", d_out, "recv_d_out", self.d_out_on_fp8_wire(d_out.shape[1]))
+        return self._start_send_rows("d_out", d_out, "recv_d_out", self.d_out_on_fp8_wire(d_out.shape[1]), num_programs)
 
-    def start_combine_grad(self, dx_rows: torch.Tensor, d_weight_rows: torch.Tensor) -> Callable[[], Any]:
+    def start_combine_grad(self, dx_rows: torch.Tensor, d_weight_rows: torch.Tensor, num_programs: int | None = None
+                           ) -> Callable[[], Any]:
         """dx partial rows [P·C, H] and the [P·C, k_l] router-weight gradients on their way back;
         the finish gives the dx partial rows (as `start_combine`'s, a view of dx_parts) and
         d_topk_weights [T, topk] fp32 (a copy: it leaves the layer)."""
         num_routes = self.send_capacity * self.routes_per_row
         d_weights = d_weight_rows.reshape(-1, 1)
         with sending(dx_rows.device):
-            self.transport.push("d_weight", d_weights, self.return_route, "d_weight_slots", by_slot=False,
-                                capacity=num_routes)
-        dx = self._start_return_rows("dx", dx_rows, "dx_parts")
-        return functools.partial(self._combined_grad, dx, d_weights)
+            self.transport.push("d_weight", d_weights, self.return_route, "d_weight_slots", num_programs,
+                                by_slot=False, capacity=num_routes)
+        dx = self._start_return_rows("dx", dx_rows, "dx_parts", num_programs)
+        return functools.partial(self._combined_grad, dx, d_weights, num_programs)
 
-    def _combined_grad(self, dx: Callable[[], torch.Tensor], sent_d_weights: torch.Tensor):
+    def _combined_grad(self, dx: Callable[[], torch.Tensor], sent_d_weights: torch.Tensor, num_programs: int | None):
         dx_parts = dx()
-        self.transport.wait("d_weight")
+        self.transport.wait("d_weight", num_programs)
         num_routes = self.send_capacity * self.routes_per_row
         d_weights = self.transport.views["d_weight_slots"][: self.world_size * num_routes].view(-1, 1)
         return dx_parts, ops.unpack_rows(d_weights, self.route_place).view(-1, self.topk)
