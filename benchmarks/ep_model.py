@@ -16,11 +16,20 @@ dOut dispatch, dx combine), for two designs and two wire formats:
 
 and the predicted step time at each EP size P:
 
-    no overlap:  compute + Σ exchanges
-    overlap:     max(compute, Σ exchanges) + first-chunk latency
-    exchange  =  bytes / link + 10 µs          first-chunk latency = per pass (fwd, bwd), one
-                                               chunk of `--chunk-rows` rows in before the first
-                                               tile and one back after the last
+    serial:  compute + Σ exchanges
+    ideal:   max(compute, Σ exchanges) + first-chunk latency (every exchange hidden under GEMMs
+             in chunks of `--chunk-rows` rows: one chunk in before the first tile, one back
+             after the last, per pass)
+    built:   mok's overlap with `MoKConfig.overlap_comm_sms` = `--overlap-sms` C: the x
+             dispatch beside the shared expert's forward, the dOut dispatch beside its backward,
+             the dx return beside the routed weight gradients; each such exchange, pushed from C
+             programs, costs max(W·S/(S − C), its time at C programs) − W over the work W beside
+             it (the persistent GEMMs leave C of the S SMs free); the y return and, without a
+             shared expert, the dispatches stay serial. W from the compute time by FLOPs: the
+             shared expert's forward 6·T·H·I_s and backward twice that, the routed wgrads
+             6·T·k·H·I, of a step of 3 × the forward's FLOPs.
+    exchange = bytes / rate + 10 µs, rate = link · min(1, programs / 32): the link's rate was
+             measured from 32 programs and is taken as proportional below that.
 
 What it assumes:
 - Routing: each rank's T tokens choose topk distinct experts uniformly among E (sampled,
@@ -34,7 +43,7 @@ What it assumes:
 - Link: one bandwidth per direction per rank for all peers together (`--link-gbps`; the
   default is the measured peer-store rate over NVLink on H200). Beyond one NVLink domain
   (P > 8 on HGX boards) pass the network's rate instead (e.g. 50 for 400 Gb/s InfiniBand).
-  Exchanges do not slow the GEMMs when they overlap (the comm SMs are taken as free).
+  In the ideal column exchanges do not slow the GEMMs (the comm SMs are taken as free).
 - `deepseek-v3` is a whole DeepSeek-V3 MoE layer: E 256, topk 8, H 7168, I 2048, 8192 tokens
   per rank and one shared expert (I_s 2048); per rank it does deepseek-v3-slice's work, so it
   takes that preset's compute time.
@@ -63,6 +72,8 @@ FP8_RECORDS = (RESULTS / "h200-20261204-fp8-block-v39-qwen3-30b.json",
                RESULTS / "h200-20261204-fp8-block-v39-deepseek-v3-slice.json")
 EP2_RECORD = RESULTS / "h200-20261130-qwen3-30b-ep2-fused.json"
 EXCHANGE_LATENCY_MS = 0.010
+LINK_PROGRAMS = 32  # the programs the link rate was measured from
+SMS = 132  # H100 SXM and H200
 CHECK_TOLERANCE = 0.15
 EXCHANGES = ("x", "y", "d_out", "dx")
 DESIGNS = ("per-route", "once-per-rank")
@@ -117,6 +128,26 @@ def step_ms(compute_ms: float, sent: dict[str, int], link_gbps: float, chunk_byt
     return compute_ms + exchange_ms, max(compute_ms, exchange_ms) + first_chunk_ms
 
 
+def built_ms(compute_ms: float, sent: dict[str, int], link_gbps: float, preset: Preset, overlap_sms: int) -> float:
+    """The step with the overlap as built (module docstring), `overlap_sms` = C."""
+    def exchange(kind: str, programs: int) -> float:
+        rate = link_gbps * min(1.0, programs / LINK_PROGRAMS)
+        return sent[kind] / (rate * 1e6) + EXCHANGE_LATENCY_MS
+
+    routed = preset.num_tokens * preset.topk * preset.hidden_size * preset.intermediate_size
+    shared = preset.num_tokens * preset.hidden_size * preset.shared_intermediate_size
+    ms_per_unit = compute_ms / (3 * (routed + shared))
+    beside = {"x": shared * ms_per_unit, "d_out": 2 * shared * ms_per_unit, "dx": routed * ms_per_unit}
+    step = compute_ms
+    for kind in EXCHANGES:
+        work = beside.get(kind, 0.0) if overlap_sms else 0.0
+        if work == 0.0:
+            step += exchange(kind, LINK_PROGRAMS)
+        else:
+            step += max(work * SMS / (SMS - overlap_sms), exchange(kind, overlap_sms)) - work
+    return step
+
+
 def record_ms(paths, preset: str, precision: str) -> float | None:
     """The single-GPU mok fwd+bwd time of `preset` in `precision` from the first record that has it."""
     for path in paths:
@@ -153,7 +184,7 @@ def compute_times(args) -> dict[tuple[str, str], float]:
 
 
 def model_rows(preset: Preset, world_sizes, compute: dict, link_gbps: float, chunk_rows: int, seed: int,
-               topk_ids: torch.Tensor | None = None) -> list[dict]:
+               topk_ids: torch.Tensor | None = None, overlap_sms: int = 4) -> list[dict]:
     """One dict per (P, design, wire): bytes per exchange, compute and step times."""
     rows = []
     ids = topk_ids
@@ -171,10 +202,11 @@ def model_rows(preset: Preset, world_sizes, compute: dict, link_gbps: float, chu
                 compute_ms = compute[preset.name, wire]
                 chunk = chunk_rows * row_bytes(preset.hidden_size, wire)
                 plain, overlapped = (None, None) if compute_ms is None else step_ms(compute_ms, sent, link_gbps, chunk)
+                built = None if compute_ms is None else built_ms(compute_ms, sent, link_gbps, preset, overlap_sms)
                 rows.append({"preset": preset.name, "ep": world_size, "design": design, "wire": wire,
                              "bytes": sent, "rows": traffic.remote_routes if design == "per-route"
                              else traffic.remote_pairs, "compute_ms": compute_ms, "step_ms": plain,
-                             "overlap_ms": overlapped})
+                             "overlap_ms": overlapped, "built_ms": built})
     return rows
 
 
@@ -182,10 +214,11 @@ def _fmt_ms(value: float | None) -> str:
     return "     —" if value is None else f"{value:6.2f}"
 
 
-def print_table(rows: list[dict], link_gbps: float) -> None:
-    print(f"bytes a rank sends its peers per exchange (MB) and fwd+bwd step (ms) at {link_gbps:g} GB/s per direction")
+def print_table(rows: list[dict], link_gbps: float, overlap_sms: int) -> None:
+    print(f"bytes a rank sends its peers per exchange (MB) and fwd+bwd step (ms) at {link_gbps:g} GB/s per direction; "
+          f"built: overlap_comm_sms = {overlap_sms}")
     print(f"{'preset':18} {'EP':>3} {'design':14} {'wire':4} {'rows':>8} {'x':>8} {'y':>8} {'dOut':>8} {'dx':>8} "
-          f"{'total':>8} {'compute':>7} {'serial':>6} {'overlap':>7}")
+          f"{'total':>8} {'compute':>7} {'serial':>6} {'ideal':>6} {'built':>6}")
     for r in rows:
         if "skipped" in r:
             print(f"{r['preset']:18} {r['ep']:>3} ({r['skipped']})")
@@ -193,7 +226,7 @@ def print_table(rows: list[dict], link_gbps: float) -> None:
         mb = [r["bytes"][k] / 1e6 for k in EXCHANGES]
         print(f"{r['preset']:18} {r['ep']:>3} {r['design']:14} {r['wire']:4} {r['rows']:>8} "
               + " ".join(f"{v:8.1f}" for v in mb) + f" {sum(mb):8.1f} {_fmt_ms(r['compute_ms']):>7} "
-              f"{_fmt_ms(r['step_ms'])} {_fmt_ms(r['overlap_ms']):>7}")
+              f"{_fmt_ms(r['step_ms'])} {_fmt_ms(r['overlap_ms'])} {_fmt_ms(r['built_ms'])}")
 
 
 def check_ep2(rows: list[dict]) -> tuple[float, float]:
@@ -209,6 +242,7 @@ def main(argv=None) -> int:
     parser.add_argument("--ep", default="2,4,8,16,32,64", help="EP sizes")
     parser.add_argument("--link-gbps", type=float, default=341.0, help="GB/s per direction per rank")
     parser.add_argument("--chunk-rows", type=int, default=1024, help="rows of one overlap step")
+    parser.add_argument("--overlap-sms", type=int, default=4, help="MoKConfig.overlap_comm_sms of the built column")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--topk-ids", help="a torch.save'd [T, topk] tensor of global ids, used for every preset")
     parser.add_argument("--record", default=str(BF16_RECORD), help="single-GPU record of the bf16 compute times")
@@ -218,6 +252,8 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--check", action="store_true", help="compare with the measured EP = 2 step (exit 1 beyond 15%%)")
     args = parser.parse_args(argv)
+    if not 0 <= args.overlap_sms < SMS:
+        raise ValueError(f"--overlap-sms: expected 0 <= C < {SMS}, got {args.overlap_sms}")
     names = args.preset.split(",")
     for name in names:
         if name not in MODEL_PRESETS:
@@ -226,8 +262,8 @@ def main(argv=None) -> int:
     topk_ids = torch.load(args.topk_ids) if args.topk_ids else None
     compute = compute_times(args)
     rows = [r for name in names for r in model_rows(MODEL_PRESETS[name], world_sizes, compute, args.link_gbps,
-                                                     args.chunk_rows, args.seed, topk_ids)]
-    print_table(rows, args.link_gbps)
+                                                     args.chunk_rows, args.seed, topk_ids, args.overlap_sms)]
+    print_table(rows, args.link_gbps, args.overlap_sms)
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
     if args.check:

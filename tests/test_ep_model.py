@@ -42,3 +42,20 @@ def test_model_runs_and_matches_the_ep2_record(tmp_path, capsys):
                        str(tmp_path / "rows.json")]) == 0
     out = capsys.readouterr().out
     assert "check: qwen3-30b EP=2 per-route bf16" in out, out
+
+
+def test_built_overlap_hides_the_dx_return_at_its_best_and_costs_the_gemms_the_held_sms():
+    """The built column: with no overlap SMs it is the serial step; at a C where the dx return
+    at C programs fits under the routed wgrads it hides most of that exchange; holding many SMs
+    slows the GEMMs beside it by W·C/(S − C)."""
+    model = _model()
+    preset = model.MODEL_PRESETS["qwen3-30b"]
+    sent = {"x": 68_000_000, "y": 67_000_000, "d_out": 67_000_000, "dx": 67_000_000}
+    serial, _ = model.step_ms(8.0, sent, 341.0, 0)
+    assert abs(model.built_ms(8.0, sent, 341.0, preset, 0) - serial) < 1e-9
+    dx_ms = sent["dx"] / 341e6 + model.EXCHANGE_LATENCY_MS
+    wgrad_ms = 8.0 / 3  # qwen3-30b has no shared expert: the routed wgrads are a third of the step
+    held = 3
+    expected = serial - dx_ms + wgrad_ms * model.SMS / (model.SMS - held) - wgrad_ms
+    assert abs(model.built_ms(8.0, sent, 341.0, preset, held) - expected) < 1e-9
+    assert model.built_ms(8.0, sent, 341.0, preset, 66) > serial, "half the SMs held costs more than the exchange"
