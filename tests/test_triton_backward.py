@@ -9,8 +9,11 @@ import pytest
 import torch
 
 import mok
-from mok import functional, ops, reference
-from mok.testing import ODD_CASES, TOLERANCES, OddCase, assert_close_to_reference, make_inputs
+from mok import ops, reference
+from mok.precision import base as precision_base
+from mok.precision import bf16 as bf16_recipe
+from mok.precision import recipe, routed_weight_copies
+from mok.testing import ODD_CASES, TOLERANCES, OddCase, assert_close_to_reference, make_inputs, saved_tensors
 from mok.testing.memory import poison_free_memory
 from mok.testing.timing import capture_cuda_graph
 
@@ -90,10 +93,10 @@ def test_down_wgrad_goes_last_where_its_operands_are_smaller_than_its_gradient()
         return torch.empty(experts, hidden, inter, dtype=torch.bfloat16, device="meta")
 
     mixtral = (operands(17408, 4096, 14336), w_down(8, 4096, 14336))
-    assert functional._down_wgrad_last(*mixtral, None)
-    assert not functional._down_wgrad_last(*mixtral, torch.empty(8, 4096, 14336, device="meta")), "main_grad: early"
-    assert not functional._down_wgrad_last(operands(147456, 2048, 768), w_down(128, 2048, 768), None)  # qwen3-30b
-    assert not functional._down_wgrad_last(operands(69632, 7168, 2048), w_down(32, 7168, 2048), None)  # deepseek
+    assert bf16_recipe._down_wgrad_last(*mixtral, None)
+    assert not bf16_recipe._down_wgrad_last(*mixtral, torch.empty(8, 4096, 14336, device="meta")), "main_grad: early"
+    assert not bf16_recipe._down_wgrad_last(operands(147456, 2048, 768), w_down(128, 2048, 768), None)  # qwen3-30b
+    assert not bf16_recipe._down_wgrad_last(operands(69632, 7168, 2048), w_down(32, 7168, 2048), None)  # deepseek
 
 
 @pytest.mark.parametrize("limit", [None, 0.6])
@@ -113,10 +116,10 @@ def test_down_wgrad_from_weighted_h_where_i_is_below_h(kernel_device, set_plan, 
     for reads_weighted_h in (True, False):
         set_plan(down_wgrad_reads_weighted_h=reads_weighted_h)
         _, context = mok.forward(config, ws, sched, *args, limit)
-        saved[reads_weighted_h] = set(context.saved)
+        saved[reads_weighted_h] = set(saved_tensors(context))
         grads[reads_weighted_h] = mok.backward(config, ws, sched, context, d_out, *args, limit)
-    assert saved[True] == {"gate_up", "gate_up_shared", "h_shared"}, f"{saved[True]} {ctx}"
-    assert saved[False] == saved[True] | {"h"}, f"{saved[False]} {ctx}"
+    assert saved[True] == {"routed.gate_up", "shared.gate_up", "shared.h"}, f"{saved[True]} {ctx}"
+    assert saved[False] == saved[True] | {"routed.h"}, f"{saved[False]} {ctx}"
     for name, on, off, r in zip(ref._fields, grads[True], grads[False], ref):
         if name != "d_w_down":
             assert torch.equal(on, off), f"{name}: moved by the down wgrad's operands {ctx}"
@@ -138,9 +141,9 @@ def test_triton_backward_run_twice_and_recompute_bitwise(kernel_device, monkeypa
     first = mok.backward(config, ws, sched, ctx, d_out, *args)
     again = mok.backward(config, ws, sched, ctx, d_out, *args)
     recomputed = mok.backward(config, ws, sched, mok.recompute_forward_context(config, ws, sched, *args), d_out.float(), *args)
-    moved = {}  # the down wgrad right after the down dgrad, or after the gate/up GEMMs
+    moved = {}  # the down wgrad before or after the gate/up wgrad
     for last in (False, True):
-        monkeypatch.setattr(functional, "_down_wgrad_last", lambda operands, w_down, main_down, last=last: last)
+        monkeypatch.setattr(bf16_recipe, "_down_wgrad_last", lambda operands, w_down, main_down, last=last: last)
         moved[last] = mok.backward(config, ws, sched, ctx, d_out, *args)
     monkeypatch.undo()
     released = mok.backward(config, ws, sched, ctx, d_out, *args, release_context=True)
@@ -150,7 +153,7 @@ def test_triton_backward_run_twice_and_recompute_bitwise(kernel_device, monkeypa
         assert torch.equal(a, c), f"{name}: recompute (+ fp32 d_out) differs {T=} {H=} {I=} {E=} {topk=} {I_s=}"
         assert torch.equal(a, d), f"{name}: release_context differs {T=} {H=} {I=} {E=} {topk=} {I_s=}"
     # A released context gave up its activations and serves no second backward.
-    assert ctx.released and not {"gate_up", "h", "gate_up_shared", "h_shared"} & set(ctx.saved)
+    assert ctx.released and not {"routed.gate_up", "routed.h", "shared.gate_up", "shared.h"} & set(saved_tensors(ctx))
     with pytest.raises(ValueError, match="^context: its activations were released by an earlier backward"):
         mok.backward(config, ws, sched, ctx, d_out, *args)
     mok.check_errors(ws)
@@ -171,10 +174,10 @@ def test_autograd_releases_activations_unless_the_graph_is_kept(kernel_device):
     out = mok.moe(x, inp.topk_ids, topk_weights, *weights, config=config)
     context = out.grad_fn.state[3]
     out.backward(d_out, retain_graph=True)
-    assert not context.released and "gate_up" in context.saved, "retain_graph=True: the context must stay whole"
+    assert not context.released and "routed.gate_up" in saved_tensors(context), "retain_graph=True: the context must stay whole"
     first = x.grad.clone()
     out.backward(d_out)
-    assert context.released and "gate_up" not in context.saved and "h" not in context.saved
+    assert context.released and not {"routed.gate_up", "routed.h"} & set(saved_tensors(context))
     assert torch.equal(x.grad, first * 2), "the second backward must add the same d_x (doubling is exact in bf16)"
 
 
@@ -521,7 +524,7 @@ def test_low_precision_layer_run_twice_and_weight_cache(kernel_device, monkeypat
 
     with torch.no_grad():
         inp.w_down.mul_(-1)  # an optimizer's in-place update: a new version of w_down
-    copies = functional._triton_routed_weights(precision, routed)
+    copies = recipe(precision).prepare_weights(*routed)
     assert [id(w) for w in quantized[3:]] == [id(inp.w_down)], f"only the updated weight is quantized again {ctx}"
     want = quantize(inp.w_down, True, True) if precision == "mxfp8" else quantize(inp.w_down)
     for got, expected in zip(copies[2], want):
@@ -534,14 +537,14 @@ def test_fp8_block_wgrads_requantize_the_forwards_copies(kernel_device, monkeypa
     out, d_x and d_topk_weights are bitwise the same and every routed weight gradient differs
     (their operands are quantized twice), both ways within the accuracy bars."""
     layer = _RecordedLayer(kernel_device, monkeypatch, "fp8_block", seed=4)
-    copies = {"x_q", "x_scale", "h_q", "h_scale"}
+    copies = {"routed.x_q", "routed.x_scale", "routed.h_q", "routed.h_scale"}
     out, context = layer.forward()
-    assert copies <= set(context.saved), f"{set(context.saved)} {layer.ctx}"
+    assert copies <= set(saved_tensors(context)), f"{set(saved_tensors(context))} {layer.ctx}"
     grads = layer.backward(context, release_context=True)
-    assert not copies & set(context.saved), f"the backward leaves {set(context.saved)} {layer.ctx}"
+    assert not copies & set(saved_tensors(context)), f"the backward leaves {set(saved_tensors(context))} {layer.ctx}"
     set_plan(fp8_block_wgrads_requantize=False)
     out_off, context_off = layer.forward()
-    assert not copies & set(context_off.saved), f"{set(context_off.saved)} {layer.ctx}"
+    assert not copies & set(saved_tensors(context_off)), f"{set(saved_tensors(context_off))} {layer.ctx}"
     grads_off = layer.backward(context_off)
     assert torch.equal(out, out_off), layer.ctx
     for name in ("d_x", "d_topk_weights"):
@@ -560,14 +563,15 @@ def test_fp8_block_gate_up_saved_in_e4m3(kernel_device, monkeypatch, set_plan):
     layer = _RecordedLayer(kernel_device, monkeypatch, "fp8_block", seed=14)
     set_plan(fp8_block_gate_up_e4m3=True)
     out, context = layer.forward()
-    gate_up, gate_up_scale = context.saved["gate_up"], context.saved["gate_up_scale"]
+    gate_up, gate_up_scale = context.saved.routed.gate_up, context.saved.routed.gate_up_scale
     rows, _, inter = gate_up.shape
     assert gate_up.dtype == torch.float8_e4m3fn and gate_up_scale.shape == (rows, 2, inter // 128), layer.ctx
     grads = layer.backward(context)
     set_plan(fp8_block_gate_up_e4m3=False)
     out_off, context_off = layer.forward()
-    assert context_off.saved["gate_up"].dtype == torch.bfloat16 and "gate_up_scale" not in context_off.saved
-    assert context_off.saved["gate_up"].nbytes == 2 * gate_up.nbytes, layer.ctx
+    saved_off = context_off.saved.routed
+    assert saved_off.gate_up.dtype == torch.bfloat16 and saved_off.gate_up_scale is None, layer.ctx
+    assert saved_off.gate_up.nbytes == 2 * gate_up.nbytes, layer.ctx
     grads_off = layer.backward(context_off)
     assert torch.equal(out, out_off) and torch.equal(grads.d_w_down, grads_off.d_w_down), layer.ctx
     for name in ("d_x", "d_topk_weights", "d_w_gate", "d_w_up"):
@@ -576,7 +580,8 @@ def test_fp8_block_gate_up_saved_in_e4m3(kernel_device, monkeypatch, set_plan):
         _assert_low_precision_within_bars("fp8_block", out, g, layer.inp, layer.d_out, layer.ctx)
     set_plan(fp8_block_gate_up_e4m3=True)
     _, context_limit = layer.forward(swiglu_limit=0.5)
-    assert context_limit.saved["gate_up"].dtype == torch.bfloat16 and "gate_up_scale" not in context_limit.saved
+    saved_limit = context_limit.saved.routed
+    assert saved_limit.gate_up.dtype == torch.bfloat16 and saved_limit.gate_up_scale is None, layer.ctx
 
 
 def test_fp8_block_d_gate_up_quantized_in_the_epilogue(kernel_device, monkeypatch, set_plan):
@@ -605,15 +610,15 @@ def test_fp8_block_sorted_outputs_are_bitwise_the_route_slots(kernel_device, mon
     keeps route_row (the inverse of row_source) for the backward, which consumes it."""
     layer = _RecordedLayer(kernel_device, monkeypatch, "fp8_block", seed=13)
     out, context = layer.forward()
-    route_row = context.saved["route_row"]
+    route_row = context.saved.route_row
     slots = torch.arange(route_row.numel(), device=route_row.device, dtype=torch.int32)
     row_source = layer.sched.routing[0]
     assert torch.equal(row_source[route_row.long()], slots), f"route_row is not row_source's inverse {layer.ctx}"
     grads = layer.backward(context, release_context=True)
-    assert "route_row" not in context.saved, f"the backward leaves {set(context.saved)} {layer.ctx}"
+    assert context.saved.route_row is None, f"the backward leaves {set(saved_tensors(context))} {layer.ctx}"
     set_plan(fp8_block_sorted_outputs=False)
     out_off, context_off = layer.forward()
-    assert "route_row" not in context_off.saved, layer.ctx
+    assert context_off.saved.route_row is None, layer.ctx
     grads_off = layer.backward(context_off)
     assert torch.equal(out, out_off), layer.ctx
     for name, g in grads._asdict().items():
@@ -633,12 +638,12 @@ def test_backward_reads_the_forwards_weight_copies(kernel_device, monkeypatch, p
     quantized, routed, ctx = layer.quantized, layer.routed, layer.ctx
 
     def step(cached: bool):
-        functional._WEIGHT_COPY_CACHE.clear()
+        precision_base._WEIGHT_COPY_CACHE.clear()
         quantized.clear()
         _, context = layer.forward()
         assert [id(w) for w in quantized] == [id(w) for w in routed], ctx
         if not cached:
-            functional._WEIGHT_COPY_CACHE.clear()
+            precision_base._WEIGHT_COPY_CACHE.clear()
         grads = layer.backward(context, release_context=True)
         assert [id(w) for w in quantized] == [id(w) for w in routed], f"the backward quantized again {ctx}"
         assert context.released and context.routed_weights == (), ctx
@@ -650,16 +655,16 @@ def test_backward_reads_the_forwards_weight_copies(kernel_device, monkeypatch, p
 
 @pytest.mark.parametrize("precision", ["fp8_block", "mxfp8"])
 def test_routed_weight_copies_are_fresh_and_the_layers_own(kernel_device, monkeypatch, precision):
-    """`functional.routed_weight_copies` (what the benchmark times as a weight update's cost)
+    """`precision.routed_weight_copies` (what the benchmark times as a weight update's cost)
     quantizes every weight on each call, cache or not, into the same bits as the copies the
     layer's forward reads; a precision without copies is refused by name."""
     layer = _RecordedLayer(kernel_device, monkeypatch, precision, seed=11)
     _, context = layer.forward()
     layer.quantized.clear()
-    copies = functional.routed_weight_copies(layer.routed, precision)
+    copies = routed_weight_copies(layer.routed, precision)
     assert [id(w) for w in layer.quantized] == [id(w) for w in layer.routed], layer.ctx
     for fresh, used in zip(copies, context.routed_weights, strict=True):
         for a, b in zip(fresh, used, strict=True):
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), layer.ctx
     with pytest.raises(ValueError, match=r"^precision: expected one of \['fp8_block', 'mxfp8'\], got 'bf16'"):
-        functional.routed_weight_copies(layer.routed, "bf16")
+        routed_weight_copies(layer.routed, "bf16")

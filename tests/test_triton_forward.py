@@ -7,7 +7,7 @@ import torch
 
 import mok
 from mok import reference
-from mok.testing import ODD_CASES, assert_close_to_reference, make_inputs
+from mok.testing import ODD_CASES, assert_close_to_reference, make_inputs, saved_tensors
 
 
 @pytest.mark.parametrize("case", ODD_CASES)
@@ -38,14 +38,15 @@ def test_triton_context_and_recompute(kernel_device):
     args = (inp.x, inp.topk_weights, inp.ws_gate, inp.ws_up, inp.ws_down, inp.w_gate, inp.w_up, inp.w_down)
     _, ctx = mok.forward(config, ws, sched, *args)
     again = mok.recompute_forward_context(config, ws, sched, *args)
-    assert ctx.saved.keys() == again.saved.keys() == {"gate_up", "h", "gate_up_shared", "h_shared"}
+    saved, saved_again = saved_tensors(ctx), saved_tensors(again)
+    assert saved.keys() == saved_again.keys() == {"routed.gate_up", "routed.h", "shared.gate_up", "shared.h"}
     # Rows past the schedule's num_rows are never written: compare the rows in use.
     rows = int(sched.routing[4])
-    for name in ctx.saved:
-        a, b = ctx.saved[name], again.saved[name]
-        if name in ("h", "gate_up"):
+    for name in saved:
+        a, b = saved[name], saved_again[name]
+        if name in ("routed.h", "routed.gate_up"):
             a, b = a[:rows], b[:rows]
-        if name in ("h_shared", "gate_up_shared"):
+        if name in ("shared.h", "shared.gate_up"):
             a, b = a[:33], b[:33]
         assert torch.equal(a, b), name
 

@@ -41,8 +41,8 @@ import mok
 from mok import reference
 from mok.bench.baselines import SonicMoE, grouped_mm_available, torch_ep_moe, torch_moe
 from mok.bench.presets import Preset
-from mok.functional import routed_weight_copies
 from mok.kernels.plan import check_fields, override
+from mok.precision import routed_weight_copies
 from mok.reference import Gradients
 from mok.testing import TOLERANCES, cosine_similarity, make_inputs, mismatch_report, relative_error
 from mok.testing.inputs import MoEInputs

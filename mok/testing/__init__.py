@@ -1,9 +1,11 @@
 """Testing helpers shipped with mok, used by its tests and its benchmark alike.
 
 One definition of each accuracy statistic (relative L1 error, cosine), a
-mismatch report that says where and by how much, and seeded input generators.
+mismatch report that says where and by how much, seeded input generators, and the
+tensors a forward context holds.
 """
 
+from mok.testing.context import saved_tensors
 from mok.testing.errors import (
     assert_close_to_reference,
     cosine_similarity,
@@ -26,4 +28,5 @@ __all__ = [
     "max_rel_err",
     "mismatch_report",
     "relative_error",
+    "saved_tensors",
 ]

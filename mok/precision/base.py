@@ -1,0 +1,141 @@
+"""The interface every precision recipe implements, and what the recipes share: taking saved
+tensors out as they are read, the weight-gradient call, the FP8 recipes' cached weight copies."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+
+def take(holder: Any, *names: str) -> Any:
+    """The fields `names` of the dataclass `holder`, each set to None there: where `holder` had a
+    tensor's only reference, the tensor is freed after its last reader instead of with `holder`."""
+    values = tuple(getattr(holder, name) for name in names)
+    for name in names:
+        setattr(holder, name, None)
+    return values[0] if len(values) == 1 else values
+
+
+def weight_grads(fresh_op, accumulate_op, operands, main_grads, routing, block_m, scales=()):
+    """`fresh_op`'s new gradient(s) from `operands` (and their fp8_block `scales`); or, when
+    `main_grads` holds buffers, `accumulate_op` adds into them in place and they are
+    returned in the gradients' places."""
+    if main_grads[0] is None:
+        return fresh_op(*operands, routing, block_m, *scales)
+    accumulate_op(*main_grads, *operands, routing, block_m, *scales)
+    return main_grads if len(main_grads) > 1 else main_grads[0]
+
+
+class Recipe(ABC):
+    """How the routed experts' GEMMs run in one precision: the operands they read, what the
+    forward keeps for the backward, and the backward in two calls, data gradients first, then
+    weight gradients. One stateless instance per precision (`mok.precision.recipe`).
+
+    `routing` is a schedule's tensors (`ops.routing_schedule`) and `block_m` the M tile they pad
+    to; `topk` is routes per token row and `num_slots` the rows of y and dx in route slots
+    (T·topk). `sorted_rows=True`, only where `sorted_outputs()`, leaves y and dx in the sorted
+    layout instead ([capacity_rows, H])."""
+
+    name: ClassVar[str]
+    # Whether `prepare_weights` makes copies of the weights (which the forward's context keeps for
+    # the backward, as autograd would keep saved tensors) rather than passing them through.
+    weights_are_copies: ClassVar[bool] = False
+    # Whether the reference backend reads the routed gate and up weights as given, views with a
+    # contiguous last dim included (it rounds them otherwise).
+    strided_reference_weights: ClassVar[bool] = True
+
+    def prepare_weights(self, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> tuple:
+        """The routed weights as this recipe's kernels read them, forward and backward."""
+        return w_gate, w_up, w_down
+
+    def reference_operands(self, x, w_gate, w_up, w_down) -> tuple:
+        """(x, w_gate, w_up, w_down) as the reference backend computes with them: rounded
+        through the format the kernels read them in."""
+        return x, w_gate, w_up, w_down
+
+    def sorted_outputs(self) -> bool:
+        """Whether on one rank the routed experts leave y and dx in the sorted layout."""
+        return False
+
+    def sends_fp8_rows(self) -> bool:
+        """Whether under expert parallelism x (and dOut) travel to the experts' ranks in e4m3 with
+        1×128 scales: `forward` and `backward_data` then get such (rows, scales) pairs."""
+        return False
+
+    @abstractmethod
+    def forward(self, x, weights, routing, block_m, topk, num_slots, swiglu_limit, needs_backward, *,
+                sorted_rows=False) -> tuple[torch.Tensor, Any]:
+        """(y [num_slots, H] bf16, each route's unweighted expert output, and what `backward_data`
+        reads: this recipe's saved dataclass, None without `needs_backward`)."""
+
+    @abstractmethod
+    def backward_data(self, d_out, x, topk_weights, weights, saved, routing, block_m, topk, num_slots,
+                      swiglu_limit, *, sorted_rows=False) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """(dx [num_slots, H] bf16, d_topk_weights [T, topk] fp32, state): the down dgrad with the
+        SwiGLU backward and the router-weight gradient, then the gate/up dgrad. Takes what it
+        reads out of `saved` (`take`); `state` holds what `backward_weights` reads."""
+
+    @abstractmethod
+    def backward_weights(self, state: Any, main_grads: tuple) -> tuple:
+        """(d_w_gate, d_w_up, d_w_down) [E_l, ...] bf16 from `backward_data`'s state, taking its
+        operands out as it goes; a weight with a `main_grads` buffer (fp32 or bf16) gets its
+        gradient added into it, in place, and the buffer stands in its place."""
+
+
+# weight -> ((precision, its _version, its data_ptr), its copies); an entry goes with its weight.
+_WEIGHT_COPY_CACHE = WeakIdKeyDictionary()
+
+
+@torch.compiler.assume_constant_result
+def capturing_cuda_graph() -> bool:
+    """Whether the current CUDA stream is capturing a graph. Folded to a constant while
+    torch.compile traces (torch 2.11's dynamo refused the bool-returning call in a
+    fullgraph trace on H200), where weights are quantized inside the graph anyway."""
+    return torch.cuda.is_current_stream_capturing()
+
+
+class QuantizedRecipe(Recipe):
+    """A recipe whose GEMMs read low-precision copies of the routed weights (both orientations,
+    one launch per weight)."""
+
+    weights_are_copies = True
+    strided_reference_weights = False
+
+    @abstractmethod
+    def weight_copy(self, w: torch.Tensor) -> tuple:
+        """w's copies as this recipe's GEMMs read them."""
+
+    @abstractmethod
+    def round_operand(self, t: torch.Tensor, is_weight: bool) -> torch.Tensor:
+        """t [..., N, K] rounded through this recipe's format along K, in fp32 (the reference's
+        operands). K is the forward GEMM's reduction dim for x [T, H] and for every routed weight."""
+
+    def prepare_weights(self, w_gate, w_up, w_down) -> tuple:
+        """Each weight's copies, made once per version of it: forward and backward of a step share
+        them, and an optimizer's in-place update (which bumps `w._version`) makes the next call
+        quantize again. The key is host state, so a hit costs no device work and no sync. While
+        torch.compile traces or a CUDA graph captures, w is quantized on every call instead, so the
+        graph holds the quantization and each replay reads the weight as it is then; so is an
+        inference-mode tensor, which has no version counter."""
+        return tuple(self._cached_copy(w) for w in (w_gate, w_up, w_down))
+
+    def _cached_copy(self, w: torch.Tensor) -> tuple:
+        if torch.compiler.is_compiling() or (w.is_cuda and capturing_cuda_graph()) or w.is_inference():
+            return self.weight_copy(w)
+        key = (self.name, w._version, w.data_ptr())
+        cached = _WEIGHT_COPY_CACHE.get(w)
+        if cached is None or cached[0] != key:
+            cached = _WEIGHT_COPY_CACHE[w] = (key, self.weight_copy(w))
+        return cached[1]
+
+    def fresh_weight_copies(self, weights) -> tuple:
+        """Every weight's copies made anew, no cache: what each in-place update of the weights adds
+        to the step that follows it."""
+        return tuple(self.weight_copy(w) for w in weights)
+
+    def reference_operands(self, x, w_gate, w_up, w_down) -> tuple:
+        x = self.round_operand(x, is_weight=False)
+        return x, *(self.round_operand(w, is_weight=True) for w in (w_gate, w_up, w_down))
