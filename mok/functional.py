@@ -37,6 +37,7 @@ from mok import ops
 from mok.config import MoKConfig
 from mok.kernels.common import interpreting
 from mok.kernels.grouped_gemm import routing_block_m
+from mok.kernels.schedule import RoutingSchedule
 from mok.kernels.common import ERROR_BAD_EXPERT_ID, ERROR_CAPACITY_OVERFLOW, ERROR_PEER_TIMEOUT
 from mok.precision import recipe, take
 from mok.precision.base import capturing_cuda_graph
@@ -302,8 +303,8 @@ class Schedule:
 
     topk_ids: [T, topk] global expert ids. num_experts = num_local_experts · P.
     On the triton backend, `routing` holds the device schedule of the routed experts and
-    `shared_routing` the one of the shared expert (every token to one expert), both as
-    the tensors of `mok.ops.routing_schedule`, and `block_m` the M tile they pad to.
+    `shared_routing` the one of the shared expert (every token to one expert), both
+    `RoutingSchedule`s (`mok.ops.routing_schedule`), which the ops take as they are.
     Under expert parallelism `dispatch` moves rows to the experts' ranks and back, and
     `routing` covers the rows this rank's experts receive (each a token row sent once per
     (token, rank), with topk = k_l = min(topk, E_l) routes).
@@ -313,9 +314,8 @@ class Schedule:
     num_local_experts: int
     num_experts: int
     backend: str
-    routing: tuple[torch.Tensor, ...] | None = None
-    shared_routing: tuple[torch.Tensor, ...] | None = None
-    block_m: int = 0
+    routing: RoutingSchedule | None = None
+    shared_routing: RoutingSchedule | None = None
     dispatch: Dispatch | None = None
 
 
@@ -363,7 +363,7 @@ def build_schedule(
         shared_routing = ops.routing_schedule(all_tokens, workspace.error_flag, 1, block_m)
     if config.strict:
         check_errors(workspace)
-    return Schedule(topk_ids, num_local_experts, num_experts, backend, routing, shared_routing, block_m, dispatch)
+    return Schedule(topk_ids, num_local_experts, num_experts, backend, routing, shared_routing, dispatch)
 
 
 # --------------------------------------------------------------------------- forward / backward
@@ -453,10 +453,9 @@ def _routed_forward(routed_recipe, schedule, x, topk_weights, routed, swiglu_lim
     if dispatch is None:
         sorted_rows = routed_recipe.sorted_outputs()
         y, routed_saved = routed_recipe.forward(
-            x, routed, schedule.routing, schedule.block_m, topk, x.shape[0] * topk, swiglu_limit, needs_backward,
-            sorted_rows=sorted_rows,
+            x, routed, schedule.routing, topk, x.shape[0] * topk, swiglu_limit, needs_backward, sorted_rows=sorted_rows
         )
-        route_row = ops.routing_from_tensors(schedule.routing, schedule.block_m).route_row if sorted_rows else None
+        route_row = schedule.routing.route_row if sorted_rows else None
         return y, route_row, topk_weights, SavedActivations(routed_saved, route_row=route_row)
     return _per_rank_forward(routed_recipe, schedule, x, topk_weights, routed, swiglu_limit, needs_backward)
 
@@ -471,8 +470,7 @@ def _per_rank_forward(routed_recipe, schedule, x, topk_weights, routed, swiglu_l
     expert_x, expert_weights = dispatch.dispatch(x, topk_weights)
     k_l = dispatch.routes_per_row
     y_routes, routed_saved = routed_recipe.forward(
-        expert_x, routed, schedule.routing, schedule.block_m, k_l, dispatch.num_expert_rows * k_l, swiglu_limit,
-        needs_backward,
+        expert_x, routed, schedule.routing, k_l, dispatch.num_expert_rows * k_l, swiglu_limit, needs_backward
     )
     parts = ops.combine(y_routes, expert_weights, None, dispatch.received_routes)  # [P·C, H]
     y = dispatch.combine(parts)
@@ -493,7 +491,7 @@ def _triton_forward(routed_recipe, schedule, x, topk_weights, shared, routed, sw
     if shared[0] is not None:
         shared_experts = tuple(w.unsqueeze(0) for w in shared)  # one expert of the grouped GEMMs
         y_shared, saved.shared = _SHARED_RECIPE.forward(
-            x, shared_experts, schedule.shared_routing, schedule.block_m, 1, num_tokens, swiglu_limit, needs_backward,
+            x, shared_experts, schedule.shared_routing, 1, num_tokens, swiglu_limit, needs_backward,
             token_order=True,
         )
     return ops.combine(y, weights, y_shared, route_row), saved if needs_backward else None
@@ -573,8 +571,8 @@ def _routed_backward(routed_recipe, schedule, saved, d_out, x, topk_weights, rou
     if schedule.dispatch is None:
         route_row = take(saved, "route_row")
         dx, d_topk_weights, state = routed_recipe.backward_data(
-            d_out, x, topk_weights, routed, saved.routed, schedule.routing, schedule.block_m, topk,
-            num_tokens * topk, swiglu_limit, sorted_rows=route_row is not None,
+            d_out, x, topk_weights, routed, saved.routed, schedule.routing, topk, num_tokens * topk, swiglu_limit,
+            sorted_rows=route_row is not None,
         )
         return dx, route_row, d_topk_weights, routed_recipe.backward_weights(state, main_grads)
     return _per_rank_backward(routed_recipe, schedule, saved, d_out, x, routed, swiglu_limit, main_grads)
@@ -593,8 +591,8 @@ def _per_rank_backward(routed_recipe, schedule, saved, d_out, x, routed, swiglu_
     expert_d_out = dispatch.dispatch_grad(d_out)
     k_l = dispatch.routes_per_row
     dx_routes, d_weights, state = routed_recipe.backward_data(
-        expert_d_out, expert_x, expert_weights, routed, saved.routed, schedule.routing, schedule.block_m,
-        k_l, dispatch.num_expert_rows * k_l, swiglu_limit,
+        expert_d_out, expert_x, expert_weights, routed, saved.routed, schedule.routing, k_l,
+        dispatch.num_expert_rows * k_l, swiglu_limit,
     )
     grads = routed_recipe.backward_weights(state, main_grads)
     received = dispatch.received_routes.view(-1, k_l) >= 0  # [P·C, k_l]
@@ -623,7 +621,7 @@ def _triton_backward(routed_recipe, schedule, saved, d_out, x, topk_weights, sha
     if shared[0] is not None:
         shared_experts = tuple(w.unsqueeze(0) for w in shared)  # one expert of the grouped GEMMs
         dx_shared, _, state = _SHARED_RECIPE.backward_data(
-            d_out, x, None, shared_experts, shared_saved, schedule.shared_routing, schedule.block_m, 1, num_tokens,
+            d_out, x, None, shared_experts, shared_saved, schedule.shared_routing, 1, num_tokens,
             swiglu_limit, token_order=True,
         )
         grads = _SHARED_RECIPE.backward_weights(

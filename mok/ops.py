@@ -9,14 +9,16 @@ dispatcher costs tens of microseconds per op in Python, which a layer of a few s
 launches notices. Under `torch.compile` they call the registered op, so the compiled
 graph holds `mok::<name>` nodes.
 
-The schedule travels as one list of six tensors (row_source, tile_expert,
-expert_offsets, expert_counts, num_rows, route_row); `routing_tensors` /
-`routing_from_tensors` convert.
+Every op that follows a schedule takes it as the `RoutingSchedule` (`kernels/schedule.py`) that
+`routing_schedule` returns. A custom op's schema holds tensors and plain values only, so at the
+op's boundary `_custom_op` passes the schedule as its six tensors (`routing_tensors`) and block_m
+and rebuilds the dataclass inside; in eager mode the dataclass goes straight through.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 
@@ -27,12 +29,13 @@ from mok.kernels.schedule import RoutingSchedule, build_routing_schedule, capaci
 
 
 def routing_tensors(schedule: RoutingSchedule) -> list[torch.Tensor]:
-    """[row_source, tile_expert, expert_offsets, expert_counts, num_rows, route_row] of a schedule."""
+    """[row_source, tile_expert, expert_offsets, expert_counts, num_rows, route_row] of a schedule:
+    how it crosses a custom op's boundary (with its block_m)."""
     return [schedule.row_source, schedule.tile_expert, schedule.expert_offsets, schedule.expert_counts, schedule.num_rows,
             schedule.route_row]
 
 
-def routing_from_tensors(schedule_tensors: list[torch.Tensor], block_m: int) -> RoutingSchedule:
+def _routing_from_tensors(schedule_tensors: list[torch.Tensor], block_m: int) -> RoutingSchedule:
     row_source, tile_expert, expert_offsets, expert_counts, num_rows, route_row = schedule_tensors
     return RoutingSchedule(
         row_source, tile_expert, expert_offsets, expert_counts, num_rows, route_row,
@@ -42,39 +45,75 @@ def routing_from_tensors(schedule_tensors: list[torch.Tensor], block_m: int) -> 
 
 def _custom_op(name: str, mutates_args: tuple[str, ...] = ()):
     """Registers the decorated function as `mok::<name>`; returns a wrapper that runs it
-    directly in eager mode and as the op while torch.compile traces. `wrapper.op` is the
-    registered op (for `register_fake`)."""
+    directly in eager mode and as the op while torch.compile traces. A `routing` parameter
+    (a `RoutingSchedule`, passed positionally) becomes the op's `schedule_tensors` and `block_m`.
+    `wrapper.op` is the registered op, `wrapper.op_args(*args)` the wrapper's arguments as the op
+    takes them, and `wrapper.register_fake` registers a fake implementation with the function's
+    own signature."""
 
     def register(fn):
-        op = torch.library.custom_op(f"mok::{name}", fn, mutates_args=mutates_args)
+        at = _routing_position(fn)
+        op = torch.library.custom_op(f"mok::{name}", _taking_tensors(fn, at), mutates_args=mutates_args)
+
+        def op_args(*args):
+            if at is None:
+                return args
+            routing = args[at]
+            return (*args[:at], routing_tensors(routing), routing.block_m, *args[at + 1:])
 
         @functools.wraps(fn)
         def wrapper(*args):
             if torch.compiler.is_compiling():
-                return op(*args)
+                return op(*op_args(*args))
             return fn(*args)
 
         wrapper.op = op
+        wrapper.op_args = op_args
+        wrapper.register_fake = lambda fake: op.register_fake(_taking_tensors(fake, at))
         return wrapper
 
     return register
+
+
+def _routing_position(fn) -> int | None:
+    """The index of fn's `routing` parameter, or None without one."""
+    names = list(inspect.signature(fn).parameters)
+    return names.index("routing") if "routing" in names else None
+
+
+def _taking_tensors(fn, at: int | None):
+    """fn with its `routing` parameter (at index `at`) taken as the schedule's tensors and block_m,
+    the signature torch.library infers the op's schema from."""
+    if at is None:
+        return fn
+
+    @functools.wraps(fn)
+    def taking_tensors(*args):
+        return fn(*args[:at], _routing_from_tensors(args[at], args[at + 1]), *args[at + 2:])
+
+    signature = inspect.signature(fn)
+    params = list(signature.parameters.values())
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    flat = [inspect.Parameter("schedule_tensors", kind, annotation=list[torch.Tensor]),
+            inspect.Parameter("block_m", kind, annotation=int)]
+    taking_tensors.__signature__ = signature.replace(parameters=params[:at] + flat + params[at + 1:])
+    return taking_tensors
 
 
 # --------------------------------------------------------------------------- schedule
 
 
 @_custom_op("routing_schedule", ("error_flag",))
-def routing_schedule(
+def _routing_schedule(
     topk_ids: torch.Tensor, error_flag: torch.Tensor, num_local_experts: int, block_m: int,
     skip_empty_ids: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(row_source, tile_expert, expert_offsets, expert_counts, num_rows, route_row) of `schedule.py`;
-    with `skip_empty_ids`, ids of −1 are empty entries (no route), not errors."""
+    """`routing_tensors` of `schedule.build_routing_schedule`'s schedule."""
     schedule = build_routing_schedule(topk_ids, num_local_experts, block_m, error_flag, skip_empty_ids)
     return tuple(routing_tensors(schedule))
 
 
-@routing_schedule.op.register_fake
+@_routing_schedule.register_fake
 def _(topk_ids, error_flag, num_local_experts, block_m, skip_empty_ids=False):
     rows = capacity_rows(topk_ids.shape[0] * topk_ids.shape[1], num_local_experts, block_m)
     new = topk_ids.new_empty
@@ -88,6 +127,16 @@ def _(topk_ids, error_flag, num_local_experts, block_m, skip_empty_ids=False):
     )
 
 
+def routing_schedule(
+    topk_ids: torch.Tensor, error_flag: torch.Tensor, num_local_experts: int, block_m: int,
+    skip_empty_ids: bool = False,
+) -> RoutingSchedule:
+    """`mok::routing_schedule`: the schedule of `kernels/schedule.py` over topk_ids [T, topk]; with
+    `skip_empty_ids`, ids of −1 are empty entries (no route), not errors."""
+    return _routing_from_tensors(_routing_schedule(topk_ids, error_flag, num_local_experts, block_m, skip_empty_ids),
+                                 block_m)
+
+
 # --------------------------------------------------------------------------- grouped GEMMs
 
 
@@ -96,23 +145,21 @@ def gate_up_swiglu(
     x: torch.Tensor,
     w_gate: torch.Tensor,
     w_up: torch.Tensor,
-    schedule_tensors: list[torch.Tensor],
-    block_m: int,
+    routing: RoutingSchedule,
     topk: int,
     swiglu_limit: float | None,
     store_gate_up: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """h [rows, I] bf16 and gate_up [rows, 2, I] bf16 (an empty [0, 2, I] when not stored)."""
-    routing = routing_from_tensors(schedule_tensors, block_m)
     h, gate_up = grouped_gemm.gate_up_swiglu(x, w_gate, w_up, routing, topk, swiglu_limit, store_gate_up)
     if gate_up is None:
         gate_up = h.new_empty(0, 2, h.shape[1])
     return h, gate_up
 
 
-@gate_up_swiglu.op.register_fake
-def _(x, w_gate, w_up, schedule_tensors, block_m, topk, swiglu_limit, store_gate_up):
-    rows, inter = schedule_tensors[0].shape[0], w_gate.shape[1]
+@gate_up_swiglu.register_fake
+def _(x, w_gate, w_up, routing, topk, swiglu_limit, store_gate_up):
+    rows, inter = routing.capacity_rows, w_gate.shape[1]
     return x.new_empty(rows, inter), x.new_empty(rows if store_gate_up else 0, 2, inter)
 
 
@@ -120,17 +167,15 @@ def _(x, w_gate, w_up, schedule_tensors, block_m, topk, swiglu_limit, store_gate
 def down_scatter(
     h: torch.Tensor,
     w_down: torch.Tensor,
-    schedule_tensors: list[torch.Tensor],
-    block_m: int,
+    routing: RoutingSchedule,
     num_slots: int,
 ) -> torch.Tensor:
     """y [num_slots, H] bf16, each route's unweighted expert output in its slot."""
-    routing = routing_from_tensors(schedule_tensors, block_m)
     return grouped_gemm.down_scatter(h, w_down, routing, num_slots)
 
 
-@down_scatter.op.register_fake
-def _(h, w_down, schedule_tensors, block_m, num_slots):
+@down_scatter.register_fake
+def _(h, w_down, routing, num_slots):
     return h.new_empty(num_slots, w_down.shape[1])
 
 
@@ -142,8 +187,7 @@ def gate_up_swiglu_fp8_block(
     w_gate_scale: torch.Tensor,
     w_up_q: torch.Tensor,
     w_up_scale: torch.Tensor,
-    schedule_tensors: list[torch.Tensor],
-    block_m: int,
+    routing: RoutingSchedule,
     topk: int,
     swiglu_limit: float | None,
     store_gate_up: bool,
@@ -152,7 +196,6 @@ def gate_up_swiglu_fp8_block(
     """h_q [rows, I] e4m3, h_scale [rows, I/128] fp32 (h in 1×128 blocks), gate_up [rows, 2, I]
     bf16 (an empty [0, 2, I] when not stored) and an empty [0] fp32; with `gate_up_e4m3`, gate_up
     [rows, 2, I] e4m3 and its scales [rows, 2, I/128] fp32 (1×128 blocks along I)."""
-    routing = routing_from_tensors(schedule_tensors, block_m)
     h_q, h_scale, gate_up = grouped_gemm.gate_up_swiglu_fp8_block(
         x_q, x_scale, w_gate_q, w_gate_scale, w_up_q, w_up_scale, routing, topk, swiglu_limit, store_gate_up,
         gate_up_e4m3=gate_up_e4m3,
@@ -163,10 +206,10 @@ def gate_up_swiglu_fp8_block(
     return h_q, h_scale, gate_up, gate_up_scale
 
 
-@gate_up_swiglu_fp8_block.op.register_fake
-def _(x_q, x_scale, w_gate_q, w_gate_scale, w_up_q, w_up_scale, schedule_tensors, block_m, topk, swiglu_limit,
+@gate_up_swiglu_fp8_block.register_fake
+def _(x_q, x_scale, w_gate_q, w_gate_scale, w_up_q, w_up_scale, routing, topk, swiglu_limit,
       store_gate_up, gate_up_e4m3=False):
-    rows, inter = schedule_tensors[0].shape[0], w_gate_q.shape[1]
+    rows, inter = routing.capacity_rows, w_gate_q.shape[1]
     stored_rows = rows if store_gate_up else 0
     if gate_up_e4m3:
         gate_up = x_q.new_empty(stored_rows, 2, inter)
@@ -188,21 +231,19 @@ def down_scatter_fp8_block(
     h_scale: torch.Tensor,
     w_down_q: torch.Tensor,
     w_down_scale: torch.Tensor,
-    schedule_tensors: list[torch.Tensor],
-    block_m: int,
+    routing: RoutingSchedule,
     num_slots: int,
     sorted_rows: bool = False,
 ) -> torch.Tensor:
     """y [num_slots, H] bf16 from the fp8_block h and w_down, each route's unweighted output in its
     slot; `sorted_rows`: y [capacity_rows, H], each sorted row's at its own index."""
-    routing = routing_from_tensors(schedule_tensors, block_m)
     return grouped_gemm.down_scatter_fp8_block(h_q, h_scale, w_down_q, w_down_scale, routing, num_slots,
                                                sorted_rows=sorted_rows)
 
 
-@down_scatter_fp8_block.op.register_fake
-def _(h_q, h_scale, w_down_q, w_down_scale, schedule_tensors, block_m, num_slots, sorted_rows=False):
-    rows = schedule_tensors[0].shape[0] if sorted_rows else num_slots
+@down_scatter_fp8_block.register_fake
+def _(h_q, h_scale, w_down_q, w_down_scale, routing, num_slots, sorted_rows=False):
+    rows = routing.capacity_rows if sorted_rows else num_slots
     return h_scale.new_empty(rows, w_down_q.shape[1], dtype=torch.bfloat16)
 
 
@@ -217,7 +258,7 @@ def combine(y: torch.Tensor, topk_weights: torch.Tensor, y_shared: torch.Tensor 
     return combine_kernels.combine(y, topk_weights, y_shared, route_row)
 
 
-@combine.op.register_fake
+@combine.register_fake
 def _(y, topk_weights, y_shared, route_row=None):
     return y.new_empty(topk_weights.shape[0], y.shape[1])
 
@@ -232,22 +273,20 @@ def gather_sorted_rows(
     x: torch.Tensor,
     d_out: torch.Tensor,
     topk_weights: torch.Tensor | None,
-    schedule_tensors: list[torch.Tensor],
-    block_m: int,
+    routing: RoutingSchedule,
     topk: int,
     mxfp8: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x_sorted, d_out_sorted, dy_sorted = w·dOut [rows, H] bf16 in the sorted layout
     (zeros at padding; dy_sorted an empty [0, H] without topk_weights); with `mxfp8`, each
     rounded to the MXFP8 grid of the GEMM that reads it."""
-    routing = routing_from_tensors(schedule_tensors, block_m)
     x_sorted, d_out_sorted, dy_sorted = gather.gather_sorted_rows(x, d_out, topk_weights, routing, topk, mxfp8)
     return x_sorted, d_out_sorted, x.new_empty(0, x.shape[1]) if dy_sorted is None else dy_sorted
 
 
-@gather_sorted_rows.op.register_fake
-def _(x, d_out, topk_weights, schedule_tensors, block_m, topk, mxfp8=False):
-    rows, hidden = schedule_tensors[0].shape[0], x.shape[1]
+@gather_sorted_rows.register_fake
+def _(x, d_out, topk_weights, routing, topk, mxfp8=False):
+    rows, hidden = routing.capacity_rows, x.shape[1]
     return x.new_empty(rows, hidden), x.new_empty(rows, hidden), x.new_empty(0 if topk_weights is None else rows, hidden)
 
 
@@ -260,15 +299,13 @@ def down_dgrad_swiglu(
     topk_weights: torch.Tensor | None,
     gate_up: torch.Tensor,
     w_down: torch.Tensor,
-    schedule_tensors: list[torch.Tensor],
-    block_m: int,
+    routing: RoutingSchedule,
     swiglu_limit: float | None,
     store_weighted_h: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """d_gate_up [rows, 2, I] bf16, d_topk_weights [T, topk] fp32 (an empty [0] fp32
     when topk_weights is None: the shared expert has no router weight), and with
     `store_weighted_h` w·h [rows, I] bf16 for the down wgrad (else an empty [0, I])."""
-    routing = routing_from_tensors(schedule_tensors, block_m)
     weighted_h = _weighted_h_buffer(gate_up, store_weighted_h)
     d_gate_up, d_topk_weights = dgrad.down_dgrad_swiglu(
         d_out_sorted, topk_weights, gate_up, w_down, routing, swiglu_limit,
@@ -294,8 +331,8 @@ def _fake_down_dgrad(gate_up: torch.Tensor, topk_weights: torch.Tensor | None) -
     return gate_up.new_empty(gate_up.shape, dtype=torch.bfloat16), gate_up.new_empty(shape, dtype=torch.float32)
 
 
-@down_dgrad_swiglu.op.register_fake
-def _(d_out_sorted, topk_weights, gate_up, w_down, schedule_tensors, block_m, swiglu_limit, store_weighted_h=False):
+@down_dgrad_swiglu.register_fake
+def _(d_out_sorted, topk_weights, gate_up, w_down, routing, swiglu_limit, store_weighted_h=False):
     return *_fake_down_dgrad(gate_up, topk_weights), _weighted_h_buffer(gate_up, store_weighted_h)
 
 
@@ -304,17 +341,15 @@ def gate_up_dgrad_scatter(
     d_gate_up: torch.Tensor,
     w_gate: torch.Tensor,
     w_up: torch.Tensor,
-    schedule_tensors: list[torch.Tensor],
-    block_m: int,
+    routing: RoutingSchedule,
     num_slots: int,
 ) -> torch.Tensor:
     """dx_slots [num_slots, H] bf16: d_g·Wg + d_u·Wu of each route, in its slot."""
-    routing = routing_from_tensors(schedule_tensors, block_m)
     return dgrad.gate_up_dgrad_scatter(d_gate_up, w_gate, w_up, routing, num_slots)
 
 
-@gate_up_dgrad_scatter.op.register_fake
-def _(d_gate_up, w_gate, w_up, schedule_tensors, block_m, num_slots):
+@gate_up_dgrad_scatter.register_fake
+def _(d_gate_up, w_gate, w_up, routing, num_slots):
     return d_gate_up.new_empty(num_slots, w_gate.shape[2])
 
 
@@ -326,8 +361,7 @@ def down_dgrad_swiglu_fp8_block(
     gate_up: torch.Tensor,
     w_down_t_q: torch.Tensor,
     w_down_t_scale: torch.Tensor,
-    schedule_tensors: list[torch.Tensor],
-    block_m: int,
+    routing: RoutingSchedule,
     swiglu_limit: float | None,
     quantize_d_gate_up: bool = False,
     gate_up_scale: torch.Tensor | None = None,
@@ -339,7 +373,6 @@ def down_dgrad_swiglu_fp8_block(
     d_gate_up [rows, 2, I] bf16 and an empty [0] fp32, or with
     `quantize_d_gate_up` d_gate_up [rows, 2, I] e4m3 and its scales [rows, 2, I/128] fp32 (1×128
     blocks along I); d_topk_weights [T, topk] fp32 (empty [0] without topk_weights)."""
-    routing = routing_from_tensors(schedule_tensors, block_m)
     saved = gate_up if gate_up_scale is None else (gate_up, gate_up_scale)
     d_gate_up, d_topk_weights = dgrad.down_dgrad_swiglu_fp8_block(
         d_out_q, d_out_scale, topk_weights, saved, w_down_t_q, w_down_t_scale, routing, swiglu_limit,
@@ -350,8 +383,8 @@ def down_dgrad_swiglu_fp8_block(
     return *d_gate_up, _empty_if_none(d_topk_weights, gate_up)
 
 
-@down_dgrad_swiglu_fp8_block.op.register_fake
-def _(d_out_q, d_out_scale, topk_weights, gate_up, w_down_t_q, w_down_t_scale, schedule_tensors, block_m, swiglu_limit,
+@down_dgrad_swiglu_fp8_block.register_fake
+def _(d_out_q, d_out_scale, topk_weights, gate_up, w_down_t_q, w_down_t_scale, routing, swiglu_limit,
       quantize_d_gate_up=False, gate_up_scale=None):
     d_gate_up, d_topk_weights = _fake_down_dgrad(gate_up, topk_weights)
     if not quantize_d_gate_up:
@@ -371,24 +404,22 @@ def gate_up_dgrad_scatter_fp8_block(
     w_gate_t_scale: torch.Tensor,
     w_up_t_q: torch.Tensor,
     w_up_t_scale: torch.Tensor,
-    schedule_tensors: list[torch.Tensor],
-    block_m: int,
+    routing: RoutingSchedule,
     num_slots: int,
     sorted_rows: bool = False,
 ) -> torch.Tensor:
     """dx_slots [num_slots, H] bf16 from d_g, d_u quantized in 1×128 blocks and the gate/up
     weights' transposed fp8_block copies; `sorted_rows`: dx [capacity_rows, H] in the sorted layout."""
-    routing = routing_from_tensors(schedule_tensors, block_m)
     return dgrad.gate_up_dgrad_scatter_fp8_block(
         d_gate_q, d_gate_scale, d_up_q, d_up_scale, w_gate_t_q, w_gate_t_scale, w_up_t_q, w_up_t_scale,
         routing, num_slots, sorted_rows=sorted_rows,
     )
 
 
-@gate_up_dgrad_scatter_fp8_block.op.register_fake
+@gate_up_dgrad_scatter_fp8_block.register_fake
 def _(d_gate_q, d_gate_scale, d_up_q, d_up_scale, w_gate_t_q, w_gate_t_scale, w_up_t_q, w_up_t_scale,
-      schedule_tensors, block_m, num_slots, sorted_rows=False):
-    rows = schedule_tensors[0].shape[0] if sorted_rows else num_slots
+      routing, num_slots, sorted_rows=False):
+    rows = routing.capacity_rows if sorted_rows else num_slots
     return d_gate_scale.new_empty(rows, w_gate_t_q.shape[1], dtype=torch.bfloat16)
 
 
@@ -409,19 +440,18 @@ def _wgrad_widths(a: torch.Tensor, b: torch.Tensor, fp8: bool) -> tuple[int, int
 def down_wgrad(
     dy: torch.Tensor,
     h: torch.Tensor,
-    schedule_tensors: list[torch.Tensor],
-    block_m: int,
+    routing: RoutingSchedule,
     dy_scale: torch.Tensor | None = None,
     h_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """d_w_down [E_l, H, I] bf16 = Σ_rows (w·dOut)ᵀ h per expert, fp32 accumulation."""
-    return _down_wgrad(dy, h, schedule_tensors, block_m, dy_scale, h_scale, None)
+    return _down_wgrad(dy, h, routing, dy_scale, h_scale, None)
 
 
-@down_wgrad.op.register_fake
-def _(dy, h, schedule_tensors, block_m, dy_scale=None, h_scale=None):
+@down_wgrad.register_fake
+def _(dy, h, routing, dy_scale=None, h_scale=None):
     hidden, inter = _wgrad_widths(dy, h, dy_scale is not None)
-    return h.new_empty(schedule_tensors[3].shape[0], hidden, inter, dtype=torch.bfloat16)
+    return h.new_empty(routing.num_local_experts, hidden, inter, dtype=torch.bfloat16)
 
 
 @_custom_op("down_wgrad_accumulate", ("main_grad",))
@@ -429,22 +459,20 @@ def down_wgrad_accumulate(
     main_grad: torch.Tensor,
     dy: torch.Tensor,
     h: torch.Tensor,
-    schedule_tensors: list[torch.Tensor],
-    block_m: int,
+    routing: RoutingSchedule,
     dy_scale: torch.Tensor | None = None,
     h_scale: torch.Tensor | None = None,
 ) -> None:
     """main_grad [E_l, H, I] fp32/bf16 += d_w_down, in place (Megatron-style main_grad)."""
-    _down_wgrad(dy, h, schedule_tensors, block_m, dy_scale, h_scale, main_grad)
+    _down_wgrad(dy, h, routing, dy_scale, h_scale, main_grad)
 
 
-@down_wgrad_accumulate.op.register_fake
-def _(main_grad, dy, h, schedule_tensors, block_m, dy_scale=None, h_scale=None):
+@down_wgrad_accumulate.register_fake
+def _(main_grad, dy, h, routing, dy_scale=None, h_scale=None):
     return None
 
 
-def _down_wgrad(dy, h, schedule_tensors, block_m, dy_scale, h_scale, main_grad):
-    routing = routing_from_tensors(schedule_tensors, block_m)
+def _down_wgrad(dy, h, routing, dy_scale, h_scale, main_grad):
     if dy_scale is None:
         return wgrad.down_wgrad(dy, h, routing, main_grad=main_grad)
     return wgrad.down_wgrad_fp8_block(dy, dy_scale, h, h_scale, routing, main_grad=main_grad)
@@ -454,21 +482,20 @@ def _down_wgrad(dy, h, schedule_tensors, block_m, dy_scale, h_scale, main_grad):
 def gate_up_wgrad(
     d_gate_up: torch.Tensor,
     x: torch.Tensor,
-    schedule_tensors: list[torch.Tensor],
-    block_m: int,
+    routing: RoutingSchedule,
     d_gate_up_scale: torch.Tensor | None = None,
     x_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(d_w_gate, d_w_up) [E_l, I, H] bf16 = Σ_rows d_gᵀ x, d_uᵀ x per expert, fp32 accumulation.
     fp8_block: d_gate_up's copy is d_gᵀ then d_uᵀ, [2·I, rows]."""
-    return _gate_up_wgrad(d_gate_up, x, schedule_tensors, block_m, d_gate_up_scale, x_scale, None, None)
+    return _gate_up_wgrad(d_gate_up, x, routing, d_gate_up_scale, x_scale, None, None)
 
 
-@gate_up_wgrad.op.register_fake
-def _(d_gate_up, x, schedule_tensors, block_m, d_gate_up_scale=None, x_scale=None):
+@gate_up_wgrad.register_fake
+def _(d_gate_up, x, routing, d_gate_up_scale=None, x_scale=None):
     fp8 = d_gate_up_scale is not None
     inter, hidden = _wgrad_widths(d_gate_up, x, fp8)
-    shape = (schedule_tensors[3].shape[0], inter // 2 if fp8 else inter, hidden)
+    shape = (routing.num_local_experts, inter // 2 if fp8 else inter, hidden)
     return x.new_empty(shape, dtype=torch.bfloat16), x.new_empty(shape, dtype=torch.bfloat16)
 
 
@@ -478,22 +505,20 @@ def gate_up_wgrad_accumulate(
     main_grad_up: torch.Tensor,
     d_gate_up: torch.Tensor,
     x: torch.Tensor,
-    schedule_tensors: list[torch.Tensor],
-    block_m: int,
+    routing: RoutingSchedule,
     d_gate_up_scale: torch.Tensor | None = None,
     x_scale: torch.Tensor | None = None,
 ) -> None:
     """main_grad_gate, main_grad_up [E_l, I, H] fp32/bf16 += d_w_gate, d_w_up, in place."""
-    _gate_up_wgrad(d_gate_up, x, schedule_tensors, block_m, d_gate_up_scale, x_scale, main_grad_gate, main_grad_up)
+    _gate_up_wgrad(d_gate_up, x, routing, d_gate_up_scale, x_scale, main_grad_gate, main_grad_up)
 
 
-@gate_up_wgrad_accumulate.op.register_fake
-def _(main_grad_gate, main_grad_up, d_gate_up, x, schedule_tensors, block_m, d_gate_up_scale=None, x_scale=None):
+@gate_up_wgrad_accumulate.register_fake
+def _(main_grad_gate, main_grad_up, d_gate_up, x, routing, d_gate_up_scale=None, x_scale=None):
     return None
 
 
-def _gate_up_wgrad(d_gate_up, x, schedule_tensors, block_m, d_gate_up_scale, x_scale, main_gate, main_up):
-    routing = routing_from_tensors(schedule_tensors, block_m)
+def _gate_up_wgrad(d_gate_up, x, routing, d_gate_up_scale, x_scale, main_gate, main_up):
     if d_gate_up_scale is None:
         return wgrad.gate_up_wgrad(d_gate_up, x, routing, main_gate, main_up)
     return wgrad.gate_up_wgrad_fp8_block(d_gate_up, d_gate_up_scale, x, x_scale, routing, main_gate, main_up)
@@ -521,14 +546,15 @@ def _fake_row_blocks(like: torch.Tensor, rows: int, width: int) -> tuple[torch.T
     )
 
 
-def _fake_sorted_t(like: torch.Tensor, rows: int, width: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _fake_sorted_t(like: torch.Tensor, routing: RoutingSchedule, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Fake (q_t [W, rows] e4m3, scale_t [rows / S, W] fp32) of a transposing sorted-layout quantizer."""
+    rows = routing.capacity_rows
     return like.new_empty(width, rows, dtype=torch.float8_e4m3fn), like.new_empty(
-        rows // sorted_scale_rows(block_m), width, dtype=torch.float32
+        rows // sorted_scale_rows(routing.block_m), width, dtype=torch.float32
     )
 
 
-@quantize_fp8_block_activations.op.register_fake
+@quantize_fp8_block_activations.register_fake
 def _(x, num_rows=None):
     return _fake_row_blocks(x, *x.shape)
 
@@ -541,7 +567,7 @@ def quantize_fp8_block_weights(
     return quant_fp8_block.quantize_fp8_block_weights(w)
 
 
-@quantize_fp8_block_weights.op.register_fake
+@quantize_fp8_block_weights.register_fake
 def _(w):
     *lead, N, K = w.shape
     nb, kb = -(-N // 128), -(-K // 128)
@@ -554,66 +580,63 @@ def _(w):
 
 @_custom_op("quantize_fp8_block_sorted_t", ())
 def quantize_fp8_block_sorted_t(
-    a: torch.Tensor, schedule_tensors: list[torch.Tensor], block_m: int, a_scale: torch.Tensor | None = None
+    a: torch.Tensor, routing: RoutingSchedule, a_scale: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q_t [W, rows] e4m3, scale_t [rows / S, W] fp32): a sorted-layout [R, W] operand in 1×128
     blocks along its rows, per expert, transposed (`quant_fp8_block.quantize_fp8_block_sorted_t`);
     with `a_scale`, a is e4m3 in 1×128 blocks along W, dequantized first."""
-    routing = routing_from_tensors(schedule_tensors, block_m)
     return quant_fp8_block.quantize_fp8_block_sorted_t(a, routing, a_scale)
 
 
-@quantize_fp8_block_sorted_t.op.register_fake
-def _(a, schedule_tensors, block_m, a_scale=None):
-    return _fake_sorted_t(a, schedule_tensors[0].shape[0], a.shape[1], block_m)
+@quantize_fp8_block_sorted_t.register_fake
+def _(a, routing, a_scale=None):
+    return _fake_sorted_t(a, routing, a.shape[1])
 
 
 @_custom_op("quantize_fp8_block_gathered", ())
 def quantize_fp8_block_gathered(
-    x: torch.Tensor, schedule_tensors: list[torch.Tensor], block_m: int, topk: int
+    x: torch.Tensor, routing: RoutingSchedule, topk: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q [rows, K] e4m3, scale [rows, K/128] fp32): token rows x [T, K] gathered into the
     sorted layout and quantized in 1×128 blocks along K, without a bf16 copy
     (`quant_fp8_block.quantize_fp8_block_gathered`); rows past num_rows unwritten."""
-    return quant_fp8_block.quantize_fp8_block_gathered(x, routing_from_tensors(schedule_tensors, block_m), topk)
+    return quant_fp8_block.quantize_fp8_block_gathered(x, routing, topk)
 
 
-@quantize_fp8_block_gathered.op.register_fake
-def _(x, schedule_tensors, block_m, topk):
-    return _fake_row_blocks(x, schedule_tensors[0].shape[0], x.shape[1])
+@quantize_fp8_block_gathered.register_fake
+def _(x, routing, topk):
+    return _fake_row_blocks(x, routing.capacity_rows, x.shape[1])
 
 
 @_custom_op("quantize_fp8_block_gathered_t", ())
 def quantize_fp8_block_gathered_t(
-    a: torch.Tensor, topk_weights: torch.Tensor | None, schedule_tensors: list[torch.Tensor], block_m: int, topk: int,
+    a: torch.Tensor, topk_weights: torch.Tensor | None, routing: RoutingSchedule, topk: int,
     a_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q_t [W, rows] e4m3, scale_t [rows / S, W] fp32): token rows a [T, W] (times the router
     weights, when given) gathered into the sorted layout and quantized as
     `quantize_fp8_block_sorted_t`, without a bf16 copy (`quant_fp8_block.quantize_fp8_block_gathered_t`);
     with `a_scale`, a is e4m3 in 1×128 blocks along W, dequantized first."""
-    routing = routing_from_tensors(schedule_tensors, block_m)
     return quant_fp8_block.quantize_fp8_block_gathered_t(a, routing, topk, topk_weights, a_scale)
 
 
-@quantize_fp8_block_gathered_t.op.register_fake
-def _(a, topk_weights, schedule_tensors, block_m, topk, a_scale=None):
-    return _fake_sorted_t(a, schedule_tensors[0].shape[0], a.shape[1], block_m)
+@quantize_fp8_block_gathered_t.register_fake
+def _(a, topk_weights, routing, topk, a_scale=None):
+    return _fake_sorted_t(a, routing, a.shape[1])
 
 
 @_custom_op("quantize_fp8_block_swiglu_sorted_t", ())
 def quantize_fp8_block_swiglu_sorted_t(
-    gate_up: torch.Tensor, schedule_tensors: list[torch.Tensor], block_m: int, swiglu_limit: float | None
+    gate_up: torch.Tensor, routing: RoutingSchedule, swiglu_limit: float | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q_t [I, rows] e4m3, scale_t [rows / S, I] fp32): h recomputed from the saved g, u
     [rows, 2, I] and quantized as `quantize_fp8_block_sorted_t`."""
-    routing = routing_from_tensors(schedule_tensors, block_m)
     return quant_fp8_block.quantize_fp8_block_swiglu_sorted_t(gate_up, routing, swiglu_limit)
 
 
-@quantize_fp8_block_swiglu_sorted_t.op.register_fake
-def _(gate_up, schedule_tensors, block_m, swiglu_limit):
-    return _fake_sorted_t(gate_up, schedule_tensors[0].shape[0], gate_up.shape[2], block_m)
+@quantize_fp8_block_swiglu_sorted_t.register_fake
+def _(gate_up, routing, swiglu_limit):
+    return _fake_sorted_t(gate_up, routing, gate_up.shape[2])
 
 
 # --------------------------------------------------------------------------- mxfp8 quantize
@@ -637,7 +660,7 @@ def _mxfp8_quantize(
     )
 
 
-@_mxfp8_quantize.op.register_fake
+@_mxfp8_quantize.register_fake
 def _(t, rowwise, colwise):
     quant.validate_mxfp8_quantize_args(t, rowwise, colwise)
     *lead, M, N = t.shape
@@ -674,7 +697,7 @@ def _mxfp8_round(t: torch.Tensor, rowwise: bool, colwise: bool) -> tuple[torch.T
     return _pair_or_empty(t, quant.mxfp8_round(t, rowwise, colwise))
 
 
-@_mxfp8_round.op.register_fake
+@_mxfp8_round.register_fake
 def _(t, rowwise, colwise):
     quant.validate_mxfp8_quantize_args(t, rowwise, colwise)
     return _rounded_fake(t, rowwise, colwise)
@@ -682,28 +705,28 @@ def _(t, rowwise, colwise):
 
 @_custom_op("mxfp8_round_sorted", ())
 def _mxfp8_round_sorted(
-    a: torch.Tensor, schedule_tensors: list[torch.Tensor], block_m: int, rowwise: bool, colwise: bool
+    a: torch.Tensor, routing: RoutingSchedule, rowwise: bool, colwise: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`mok::mxfp8_round` of a sorted-layout operand [rows, W] (padding rows zeros)."""
-    return _pair_or_empty(a, quant.mxfp8_round(a, rowwise, colwise, routing_from_tensors(schedule_tensors, block_m)))
+    return _pair_or_empty(a, quant.mxfp8_round(a, rowwise, colwise, routing))
 
 
-@_mxfp8_round_sorted.op.register_fake
-def _(a, schedule_tensors, block_m, rowwise, colwise):
+@_mxfp8_round_sorted.register_fake
+def _(a, routing, rowwise, colwise):
     return _rounded_fake(a, rowwise, colwise)
 
 
 def mxfp8_round(
     t: torch.Tensor, rowwise: bool = True, colwise: bool = False,
-    schedule_tensors: list[torch.Tensor] | None = None, block_m: int = 0,
+    routing: RoutingSchedule | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """t rounded to the MXFP8 grid along its rows and/or columns, bf16 (`quant.mxfp8_round`;
-    with `schedule_tensors`, t is an operand in that schedule's sorted layout); None for the
+    with `routing`, t is an operand in that schedule's sorted layout); None for the
     orientation not asked for."""
-    if schedule_tensors is None:
+    if routing is None:
         rows, cols = _mxfp8_round(t, rowwise, colwise)
     else:
-        rows, cols = _mxfp8_round_sorted(t, schedule_tensors, block_m, rowwise, colwise)
+        rows, cols = _mxfp8_round_sorted(t, routing, rowwise, colwise)
     return rows if rowwise else None, cols if colwise else None
 
 
@@ -718,7 +741,7 @@ def pack_rows(src: torch.Tensor, route_slot: torch.Tensor, routes_per_row: int, 
     return dispatch.pack_rows(src, route_slot, routes_per_row, num_send_rows)
 
 
-@pack_rows.op.register_fake
+@pack_rows.register_fake
 def _(src, route_slot, routes_per_row, num_send_rows):
     return src.new_empty(num_send_rows, src.shape[1])
 
@@ -729,6 +752,6 @@ def unpack_rows(recv: torch.Tensor, route_slot: torch.Tensor) -> torch.Tensor:
     return dispatch.unpack_rows(recv, route_slot)
 
 
-@unpack_rows.op.register_fake
+@unpack_rows.register_fake
 def _(recv, route_slot):
     return recv.new_empty(route_slot.shape[0], recv.shape[1])

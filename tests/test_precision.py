@@ -39,20 +39,20 @@ def test_recipe_forward_and_backward_match_reference(kernel_device, precision, h
     d_out = torch.randn(T, hidden, generator=torch.Generator().manual_seed(inter)).bfloat16().to(kernel_device)
     ctx = f"{precision} {T=} H={hidden} I={inter} {E=} {topk=} {main_grads=}"
     r = recipe(precision)
-    block_m = routing_block_m()
-    routing = ops.routing_schedule(inp.topk_ids, torch.zeros(1, dtype=torch.int32, device=kernel_device), E, block_m)
+    flag = torch.zeros(1, dtype=torch.int32, device=kernel_device)
+    routing = ops.routing_schedule(inp.topk_ids, flag, E, routing_block_m())
     sorted_rows = r.sorted_outputs()
-    route_row = routing[5] if sorted_rows else None
+    route_row = routing.route_row if sorted_rows else None
     weights = r.prepare_weights(inp.w_gate, inp.w_up, inp.w_down)
     routed = (inp.x, inp.topk_ids, inp.topk_weights, inp.w_gate, inp.w_up, inp.w_down)
 
-    y, saved = r.forward(inp.x, weights, routing, block_m, topk, T * topk, None, True, sorted_rows=sorted_rows)
+    y, saved = r.forward(inp.x, weights, routing, topk, T * topk, None, True, sorted_rows=sorted_rows)
     out = ops.combine(y, inp.topk_weights, None, route_row)
     assert_close_to_reference(out, reference.moe_forward(*routed), precision, name="out", context=ctx,
                               check_cosine=True)
 
-    dx, d_topk_weights, state = r.backward_data(d_out, inp.x, inp.topk_weights, weights, saved, routing, block_m, topk,
-                                                T * topk, None, sorted_rows=sorted_rows)
+    dx, d_topk_weights, state = r.backward_data(d_out, inp.x, inp.topk_weights, weights, saved, routing, topk, T * topk,
+                                                None, sorted_rows=sorted_rows)
     assert all(value is None for value in vars(saved).values()), f"backward_data left {vars(saved)} {ctx}"
     buffers = tuple(torch.zeros_like(w, dtype=torch.float32) for w in routed[3:]) if main_grads else (None,) * 3
     grads = r.backward_weights(state, buffers)

@@ -192,28 +192,28 @@ def test_backward_ops_schema_and_fake_impls(kernel_device):
     block_m = routing_block_m()
     routing = ops.routing_schedule(inp.topk_ids, torch.zeros(1, dtype=torch.int32, device=kernel_device), E, block_m)
     gen = torch.Generator().manual_seed(0)
-    rows = routing[0].shape[0]
+    rows = routing.capacity_rows
     h = torch.randn(rows, I, generator=gen).bfloat16().to(kernel_device)
     gate_up = torch.randn(rows, 2, I, generator=gen).bfloat16().to(kernel_device)
     d_out = torch.randn(T, H, generator=gen).bfloat16().to(kernel_device)
     zeros = lambda *shape: torch.zeros(*shape, device=kernel_device)  # noqa: E731
     sorted_rows = torch.randn(rows, H, generator=gen).bfloat16().to(kernel_device)
     cases = [
-        (ops.gather_sorted_rows, (inp.x, d_out, inp.topk_weights, list(routing), block_m, topk)),
-        (ops.gather_sorted_rows, (inp.x, d_out, None, list(routing), block_m, topk)),
-        (ops.down_dgrad_swiglu, (sorted_rows, inp.topk_weights, gate_up, inp.w_down, list(routing), block_m, 0.5)),
-        (ops.down_dgrad_swiglu, (sorted_rows, None, gate_up, inp.w_down, list(routing), block_m, None)),
-        (ops.down_dgrad_swiglu, (sorted_rows, inp.topk_weights, gate_up, inp.w_down, list(routing), block_m, None, True)),
-        (ops.gate_up_dgrad_scatter, (gate_up, inp.w_gate, inp.w_up, list(routing), block_m, T * topk)),
-        (ops.down_wgrad, (sorted_rows, h, list(routing), block_m)),
-        (ops.down_wgrad_accumulate, (zeros(E, H, I), sorted_rows, h, list(routing), block_m)),
-        (ops.gate_up_wgrad, (gate_up, sorted_rows, list(routing), block_m)),
-        (ops.gate_up_wgrad_accumulate, (zeros(E, I, H), zeros(E, I, H), gate_up, sorted_rows, list(routing), block_m)),
+        (ops.gather_sorted_rows, (inp.x, d_out, inp.topk_weights, routing, topk)),
+        (ops.gather_sorted_rows, (inp.x, d_out, None, routing, topk)),
+        (ops.down_dgrad_swiglu, (sorted_rows, inp.topk_weights, gate_up, inp.w_down, routing, 0.5)),
+        (ops.down_dgrad_swiglu, (sorted_rows, None, gate_up, inp.w_down, routing, None)),
+        (ops.down_dgrad_swiglu, (sorted_rows, inp.topk_weights, gate_up, inp.w_down, routing, None, True)),
+        (ops.gate_up_dgrad_scatter, (gate_up, inp.w_gate, inp.w_up, routing, T * topk)),
+        (ops.down_wgrad, (sorted_rows, h, routing)),
+        (ops.down_wgrad_accumulate, (zeros(E, H, I), sorted_rows, h, routing)),
+        (ops.gate_up_wgrad, (gate_up, sorted_rows, routing)),
+        (ops.gate_up_wgrad_accumulate, (zeros(E, I, H), zeros(E, I, H), gate_up, sorted_rows, routing)),
     ]
     for op, args in cases:
         # The schema check (declared mutations) reruns the op: only for the ops that mutate.
         checks = ("test_schema", "test_faketensor") if op in (ops.down_wgrad_accumulate, ops.gate_up_wgrad_accumulate) else ("test_faketensor",)
-        torch.library.opcheck(op.op, args, test_utils=checks)
+        torch.library.opcheck(op.op, op.op_args(*args), test_utils=checks)
 
 
 # --------------------------------------------------------------------------- GPU only
@@ -612,7 +612,7 @@ def test_fp8_block_sorted_outputs_are_bitwise_the_route_slots(kernel_device, mon
     out, context = layer.forward()
     route_row = context.saved.route_row
     slots = torch.arange(route_row.numel(), device=route_row.device, dtype=torch.int32)
-    row_source = layer.sched.routing[0]
+    row_source = layer.sched.routing.row_source
     assert torch.equal(row_source[route_row.long()], slots), f"route_row is not row_source's inverse {layer.ctx}"
     grads = layer.backward(context, release_context=True)
     assert context.saved.route_row is None, f"the backward leaves {set(saved_tensors(context))} {layer.ctx}"

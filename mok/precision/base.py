@@ -9,6 +9,8 @@ from typing import Any, ClassVar
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from mok.kernels.schedule import RoutingSchedule
+
 
 def take(holder: Any, *names: str) -> Any:
     """The fields `names` of the dataclass `holder`, each set to None there: where `holder` had a
@@ -19,13 +21,13 @@ def take(holder: Any, *names: str) -> Any:
     return values[0] if len(values) == 1 else values
 
 
-def weight_grads(fresh_op, accumulate_op, operands, main_grads, routing, block_m, scales=()):
+def weight_grads(fresh_op, accumulate_op, operands, main_grads, routing: RoutingSchedule, scales=()):
     """`fresh_op`'s new gradient(s) from `operands` (and their fp8_block `scales`); or, when
     `main_grads` holds buffers, `accumulate_op` adds into them in place and they are
     returned in the gradients' places."""
     if main_grads[0] is None:
-        return fresh_op(*operands, routing, block_m, *scales)
-    accumulate_op(*main_grads, *operands, routing, block_m, *scales)
+        return fresh_op(*operands, routing, *scales)
+    accumulate_op(*main_grads, *operands, routing, *scales)
     return main_grads if len(main_grads) > 1 else main_grads[0]
 
 
@@ -34,10 +36,10 @@ class Recipe(ABC):
     forward keeps for the backward, and the backward in two calls, data gradients first, then
     weight gradients. One stateless instance per precision (`mok.precision.recipe`).
 
-    `routing` is a schedule's tensors (`ops.routing_schedule`) and `block_m` the M tile they pad
-    to; `topk` is routes per token row and `num_slots` the rows of y and dx in route slots
-    (T·topk). `sorted_rows=True`, only where `sorted_outputs()`, leaves y and dx in the sorted
-    layout instead ([capacity_rows, H])."""
+    `routing` is the experts' `RoutingSchedule` (`ops.routing_schedule`); `topk` is routes per
+    token row and `num_slots` the rows of y and dx in route slots (T·topk). `sorted_rows=True`,
+    only where `sorted_outputs()`, leaves y and dx in the sorted layout instead
+    ([capacity_rows, H])."""
 
     name: ClassVar[str]
     # Whether `prepare_weights` makes copies of the weights (which the forward's context keeps for
@@ -66,13 +68,13 @@ class Recipe(ABC):
         return False
 
     @abstractmethod
-    def forward(self, x, weights, routing, block_m, topk, num_slots, swiglu_limit, needs_backward, *,
+    def forward(self, x, weights, routing, topk, num_slots, swiglu_limit, needs_backward, *,
                 sorted_rows=False) -> tuple[torch.Tensor, Any]:
         """(y [num_slots, H] bf16, each route's unweighted expert output, and what `backward_data`
         reads: this recipe's saved dataclass, None without `needs_backward`)."""
 
     @abstractmethod
-    def backward_data(self, d_out, x, topk_weights, weights, saved, routing, block_m, topk, num_slots,
+    def backward_data(self, d_out, x, topk_weights, weights, saved, routing, topk, num_slots,
                       swiglu_limit, *, sorted_rows=False) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """(dx [num_slots, H] bf16, d_topk_weights [T, topk] fp32, state): the down dgrad with the
         SwiGLU backward and the router-weight gradient, then the gate/up dgrad. Takes what it

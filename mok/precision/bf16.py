@@ -9,6 +9,7 @@ import torch
 
 from mok import ops
 from mok.kernels.dgrad import down_wgrad_reads_weighted_h
+from mok.kernels.schedule import RoutingSchedule
 from mok.precision.base import Recipe, take, weight_grads
 
 
@@ -29,8 +30,7 @@ class Bf16WgradOperands:
     dy: torch.Tensor | None  # [rows, H]: w·dOut, or dOut where h is w·h
     h: torch.Tensor | None  # [rows, I]: h, or w·h
     w_down: torch.Tensor  # [E_l, H, I]: the down weight the forward read (d_w_down's shape)
-    routing: Sequence[torch.Tensor]
-    block_m: int
+    routing: RoutingSchedule
 
 
 class Bf16Recipe(Recipe):
@@ -45,20 +45,19 @@ class Bf16Recipe(Recipe):
     # gather_sorted_rows rounds its sorted copies to the MXFP8 grid
     rounds_sorted_rows = False
 
-    def forward(self, x, weights, routing, block_m, topk, num_slots, swiglu_limit, needs_backward, *,
+    def forward(self, x, weights, routing, topk, num_slots, swiglu_limit, needs_backward, *,
                 sorted_rows=False, token_order=False):
         w_gate, w_up, w_down = weights
         h, gate_up = ops.gate_up_swiglu(
-            self._gate_up_operand(x), self._forward_weight(w_gate), self._forward_weight(w_up), routing, block_m, topk,
+            self._gate_up_operand(x), self._forward_weight(w_gate), self._forward_weight(w_up), routing, topk,
             swiglu_limit, needs_backward,
         )
-        y = ops.down_scatter(self._down_operand(h, routing, block_m), self._forward_weight(w_down), routing, block_m,
-                             num_slots)
+        y = ops.down_scatter(self._down_operand(h, routing), self._forward_weight(w_down), routing, num_slots)
         if not needs_backward:
             return y, None
         return y, Bf16Saved(gate_up, None if self._reads_weighted_h(w_down, token_order) else h)
 
-    def backward_data(self, d_out, x, topk_weights, weights, saved, routing, block_m, topk, num_slots, swiglu_limit,
+    def backward_data(self, d_out, x, topk_weights, weights, saved, routing, topk, num_slots, swiglu_limit,
                       *, sorted_rows=False, token_order=False):
         """The GEMMs read x and dOut in the sorted layout. The down wgrad reduces (w·dOut)ᵀ·h over
         the rows; where w·h is the smaller operand it reads dOutᵀ·(w·h) instead, w·h written by the
@@ -70,24 +69,23 @@ class Bf16Recipe(Recipe):
             x_sorted, d_out_sorted, dy_sorted = x, d_out, d_out
         else:
             x_sorted, d_out_sorted, dy_sorted = ops.gather_sorted_rows(
-                x, d_out, None if weighted_h else topk_weights, routing, block_m, topk, self.rounds_sorted_rows
+                x, d_out, None if weighted_h else topk_weights, routing, topk, self.rounds_sorted_rows
             )
         d_gate_up, d_topk_weights, h = ops.down_dgrad_swiglu(
-            d_out_sorted, topk_weights, take(saved, "gate_up"), self._dgrad_weight(w_down), routing, block_m,
+            d_out_sorted, topk_weights, take(saved, "gate_up"), self._dgrad_weight(w_down), routing,
             swiglu_limit, weighted_h,
         )
         if weighted_h:  # (dOut, w·h) stand in for (w·dOut, h)
             dy_sorted = d_out_sorted
         else:
-            h = self._wgrad_h_operand(take(saved, "h"), routing, block_m)
+            h = self._wgrad_h_operand(take(saved, "h"), routing)
         del d_out_sorted
-        d_gate_up_dgrad, d_gate_up_wgrad = self._d_gate_up_operands(d_gate_up, routing, block_m)
+        d_gate_up_dgrad, d_gate_up_wgrad = self._d_gate_up_operands(d_gate_up, routing)
         del d_gate_up
         dx = ops.gate_up_dgrad_scatter(
-            d_gate_up_dgrad, self._dgrad_weight(w_gate), self._dgrad_weight(w_up), routing, block_m, num_slots
+            d_gate_up_dgrad, self._dgrad_weight(w_gate), self._dgrad_weight(w_up), routing, num_slots
         )
-        operands = Bf16WgradOperands(x_sorted, d_gate_up_wgrad, dy_sorted, h, self._forward_weight(w_down), routing,
-                                     block_m)
+        operands = Bf16WgradOperands(x_sorted, d_gate_up_wgrad, dy_sorted, h, self._forward_weight(w_down), routing)
         return dx, d_topk_weights, operands
 
     def backward_weights(self, state: Bf16WgradOperands, main_grads):
@@ -95,10 +93,8 @@ class Bf16Recipe(Recipe):
         down_last = _down_wgrad_last((state.dy, state.h), state.w_down, main_down)
         if not down_last:
             d_w_down = self._down_weight_grad(state, main_down)
-        d_w_gate, d_w_up = weight_grads(
-            ops.gate_up_wgrad, ops.gate_up_wgrad_accumulate, take(state, "d_gate_up", "x"), (main_gate, main_up),
-            state.routing, state.block_m,
-        )
+        d_w_gate, d_w_up = weight_grads(ops.gate_up_wgrad, ops.gate_up_wgrad_accumulate, take(state, "d_gate_up", "x"),
+                                        (main_gate, main_up), state.routing)
         if down_last:
             d_w_down = self._down_weight_grad(state, main_down)
         return d_w_gate, d_w_up, d_w_down
@@ -107,7 +103,7 @@ class Bf16Recipe(Recipe):
     def _down_weight_grad(state: Bf16WgradOperands, main_down):
         """d_w_down from w·dOut's sorted copy and h (or main_down after `+=`)."""
         return weight_grads(ops.down_wgrad, ops.down_wgrad_accumulate, take(state, "dy", "h"), (main_down,),
-                            state.routing, state.block_m)
+                            state.routing)
 
     def _reads_weighted_h(self, w_down, token_order: bool) -> bool:
         """Whether the routed experts' down wgrad reads dOut's sorted rows and the down dgrad's w·h
@@ -120,7 +116,7 @@ class Bf16Recipe(Recipe):
     def _gate_up_operand(self, x):
         return x
 
-    def _down_operand(self, h, routing, block_m):
+    def _down_operand(self, h, routing):
         return h
 
     def _forward_weight(self, w):
@@ -129,10 +125,10 @@ class Bf16Recipe(Recipe):
     def _dgrad_weight(self, w):
         return w
 
-    def _wgrad_h_operand(self, h, routing, block_m):
+    def _wgrad_h_operand(self, h, routing):
         return h
 
-    def _d_gate_up_operands(self, d_gate_up, routing, block_m):
+    def _d_gate_up_operands(self, d_gate_up, routing):
         """(d_g, d_u as the gate/up dgrad reads them, as the gate/up wgrad reads them)."""
         return d_gate_up, d_gate_up
 

@@ -6,7 +6,6 @@ their reasons and records."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -16,6 +15,7 @@ from mok import ops
 from mok.fp8_block import FP8_BLOCK, fp8_block_round
 from mok.kernels.dgrad import fp8_block_down_dgrad_gathers
 from mok.kernels.plan import kernel_plan
+from mok.kernels.schedule import RoutingSchedule
 from mok.precision.base import QuantizedRecipe, take, weight_grads
 
 
@@ -54,8 +54,7 @@ class Fp8BlockWgradOperands:
     dy: tuple | None  # dOut's token rows [T, H] (times the router weights when quantized)
     h_t: tuple | None  # hᵀ quantized down the rows: [I, rows] e4m3, [rows / S, I] fp32
     topk_weights: torch.Tensor
-    routing: Sequence[torch.Tensor]
-    block_m: int
+    routing: RoutingSchedule
     topk: int
 
 
@@ -82,7 +81,7 @@ class Fp8BlockRecipe(QuantizedRecipe):
         plan = kernel_plan()
         return plan.fp8_block_on_the_wire and plan.fp8_block_wgrads_requantize
 
-    def forward(self, x, weights, routing, block_m, topk, num_slots, swiglu_limit, needs_backward, *,
+    def forward(self, x, weights, routing, topk, num_slots, swiglu_limit, needs_backward, *,
                 sorted_rows=False):
         """The backward gets g, u (in e4m3 with their scales where the plan's `fp8_block_gate_up_e4m3`
         applies) and, with the plan's `fp8_block_wgrads_requantize`, the e4m3 copies of x and h."""
@@ -94,17 +93,16 @@ class Fp8BlockRecipe(QuantizedRecipe):
                         and swiglu_limit is None)
         # g, u: [rows, 2, I] bf16, or e4m3 with scales [rows, 2, I/128]
         h_q, h_scale, gate_up, gate_up_scale = ops.gate_up_swiglu_fp8_block(
-            x_q, x_scale, w_gate.q, w_gate.scale, w_up.q, w_up.scale, routing, block_m, topk, swiglu_limit,
+            x_q, x_scale, w_gate.q, w_gate.scale, w_up.q, w_up.scale, routing, topk, swiglu_limit,
             needs_backward, gate_up_e4m3,
         )
-        y = ops.down_scatter_fp8_block(h_q, h_scale, w_down.q, w_down.scale, routing, block_m, num_slots,
-                                       sorted_rows)
+        y = ops.down_scatter_fp8_block(h_q, h_scale, w_down.q, w_down.scale, routing, num_slots, sorted_rows)
         if not needs_backward:
             return y, None
         copies = (x_q, x_scale, h_q, h_scale) if plan.fp8_block_wgrads_requantize else (None,) * 4
         return y, Fp8BlockSaved(gate_up, gate_up_scale if gate_up_e4m3 else None, *copies)
 
-    def backward_data(self, d_out, x, topk_weights, weights, saved, routing, block_m, topk, num_slots, swiglu_limit,
+    def backward_data(self, d_out, x, topk_weights, weights, saved, routing, topk, num_slots, swiglu_limit,
                       *, sorted_rows=False):
         """dOut is quantized in 1×128 blocks along H for the down dgrad (its sorted rows, or, where the
         down dgrad gathers them itself, per token); with the plan's `fp8_block_d_gate_up_quantized`
@@ -113,19 +111,19 @@ class Fp8BlockRecipe(QuantizedRecipe):
         copy, where the down dgrad read one) down the rows; else x and w·dOut come from their bf16
         token rows and h is recomputed from g, u."""
         w_gate, w_up, w_down = weights
-        rows_in_use = routing[4]  # [1] int32: the schedule's num_rows; the quantizers skip the rest
+        rows_in_use = routing.num_rows  # [1] int32; the quantizers skip the rest
         if isinstance(d_out, tuple):  # quantized per token before the dispatch (`sends_fp8_rows`)
             per_token_d_out, d_out_pair = True, d_out
         elif per_token_d_out := fp8_block_down_dgrad_gathers(d_out.shape[1]):
             # [T, H] e4m3, [T, H/128] fp32: the down dgrad gathers
             d_out_pair = ops.quantize_fp8_block_activations(d_out)
         else:  # [rows, H] e4m3, [rows, H/128] fp32
-            d_out_pair = ops.quantize_fp8_block_gathered(d_out, routing, block_m, topk)
+            d_out_pair = ops.quantize_fp8_block_gathered(d_out, routing, topk)
         gate_up, gate_up_scale = take(saved, "gate_up", "gate_up_scale")
         # d_g, d_u: [rows, 2, I] bf16 (and an empty scale), or e4m3 with its 1×128 scales [rows, 2, I/128]
         quantized = kernel_plan().fp8_block_d_gate_up_quantized
         d_gate_up, d_gate_up_scale, d_topk_weights = ops.down_dgrad_swiglu_fp8_block(
-            *d_out_pair, topk_weights, gate_up, w_down.q_t, w_down.scale_t, routing, block_m, swiglu_limit, quantized,
+            *d_out_pair, topk_weights, gate_up, w_down.q_t, w_down.scale_t, routing, swiglu_limit, quantized,
             gate_up_scale,
         )
         # x received in e4m3 (`sends_fp8_rows`) is the forward's x_q: the same rows, sent again where
@@ -137,47 +135,47 @@ class Fp8BlockRecipe(QuantizedRecipe):
         del d_out_pair
         # h's goes first, so that g, u are freed before the gate/up GEMMs
         if requantize:
-            h_t = ops.quantize_fp8_block_sorted_t(take(saved, "h_q"), routing, block_m, take(saved, "h_scale"))
+            h_t = ops.quantize_fp8_block_sorted_t(take(saved, "h_q"), routing, take(saved, "h_scale"))
         else:
-            h_t = ops.quantize_fp8_block_swiglu_sorted_t(gate_up, routing, block_m, swiglu_limit)
+            h_t = ops.quantize_fp8_block_swiglu_sorted_t(gate_up, routing, swiglu_limit)
         del gate_up, gate_up_scale
         if quantized:
             d_gate_pair, d_up_pair = ((d_gate_up[:, j], d_gate_up_scale[:, j]) for j in (0, 1))
         else:
             d_gate_pair, d_up_pair = (ops.quantize_fp8_block_activations(d_gate_up[:, j], rows_in_use) for j in (0, 1))
         dx = ops.gate_up_dgrad_scatter_fp8_block(
-            *d_gate_pair, *d_up_pair, w_gate.q_t, w_gate.scale_t, w_up.q_t, w_up.scale_t, routing, block_m, num_slots,
+            *d_gate_pair, *d_up_pair, w_gate.q_t, w_gate.scale_t, w_up.q_t, w_up.scale_t, routing, num_slots,
             sorted_rows,
         )
         del d_gate_pair, d_up_pair
         operands = Fp8BlockWgradOperands(d_gate_up, d_gate_up_scale if quantized else None, x_pair, dy_pair, h_t,
-                                         topk_weights, routing, block_m, topk)
+                                         topk_weights, routing, topk)
         return dx, d_topk_weights, operands
 
     def backward_weights(self, state: Fp8BlockWgradOperands, main_grads):
         """Each wgrad's operands are quantized right before it runs: [W, rows] e4m3 and [rows / S, W]
         fp32 each."""
         main_gate, main_up, main_down = main_grads
-        routing, block_m, topk = state.routing, state.block_m, state.topk
+        routing, topk = state.routing, state.topk
         d_gate_up, d_gate_up_scale = take(state, "d_gate_up", "d_gate_up_scale")
         d_gate_up_t = ops.quantize_fp8_block_sorted_t(  # d_gᵀ, d_uᵀ: [2·I, rows]
-            d_gate_up.flatten(1), routing, block_m, None if d_gate_up_scale is None else d_gate_up_scale.flatten(1)
+            d_gate_up.flatten(1), routing, None if d_gate_up_scale is None else d_gate_up_scale.flatten(1)
         )
         del d_gate_up, d_gate_up_scale
         x_rows, x_scale = take(state, "x")
-        x_t = ops.quantize_fp8_block_gathered_t(x_rows, None, routing, block_m, topk, x_scale)  # [H, rows]
+        x_t = ops.quantize_fp8_block_gathered_t(x_rows, None, routing, topk, x_scale)  # [H, rows]
         del x_rows, x_scale
         d_w_gate, d_w_up = weight_grads(
             ops.gate_up_wgrad, ops.gate_up_wgrad_accumulate, (d_gate_up_t[0], x_t[0]), (main_gate, main_up), routing,
-            block_m, scales=(d_gate_up_t[1], x_t[1]),
+            scales=(d_gate_up_t[1], x_t[1]),
         )
         del d_gate_up_t, x_t
         dy_rows, dy_scale = take(state, "dy")
-        dy_t = ops.quantize_fp8_block_gathered_t(dy_rows, state.topk_weights, routing, block_m, topk, dy_scale)
+        dy_t = ops.quantize_fp8_block_gathered_t(dy_rows, state.topk_weights, routing, topk, dy_scale)
         del dy_rows, dy_scale
         h_t = take(state, "h_t")
         d_w_down = weight_grads(
-            ops.down_wgrad, ops.down_wgrad_accumulate, (dy_t[0], h_t[0]), (main_down,), routing, block_m,
+            ops.down_wgrad, ops.down_wgrad_accumulate, (dy_t[0], h_t[0]), (main_down,), routing,
             scales=(dy_t[1], h_t[1]),
         )
         return d_w_gate, d_w_up, d_w_down

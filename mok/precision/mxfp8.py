@@ -46,8 +46,8 @@ class Mxfp8Recipe(QuantizedRecipe, Bf16Recipe):
     def _gate_up_operand(self, x):
         return ops.mxfp8_round(x)[0]  # [T, H] along H
 
-    def _down_operand(self, h, routing, block_m):
-        return ops.mxfp8_round(h, True, False, routing, block_m)[0]  # [rows, I] along I
+    def _down_operand(self, h, routing):
+        return ops.mxfp8_round(h, True, False, routing)[0]  # [rows, I] along I
 
     def _forward_weight(self, w):
         return w.rows
@@ -55,9 +55,9 @@ class Mxfp8Recipe(QuantizedRecipe, Bf16Recipe):
     def _dgrad_weight(self, w):
         return w.cols
 
-    def _wgrad_h_operand(self, h, routing, block_m):
-        return ops.mxfp8_round(h, False, True, routing, block_m)[1]  # [rows, I] along the rows
+    def _wgrad_h_operand(self, h, routing):
+        return ops.mxfp8_round(h, False, True, routing)[1]  # [rows, I] along the rows
 
-    def _d_gate_up_operands(self, d_gate_up, routing, block_m):
-        rows, cols = ops.mxfp8_round(d_gate_up.flatten(1), True, True, routing, block_m)
+    def _d_gate_up_operands(self, d_gate_up, routing):
+        rows, cols = ops.mxfp8_round(d_gate_up.flatten(1), True, True, routing)
         return rows.view_as(d_gate_up), cols.view_as(d_gate_up)

@@ -28,6 +28,7 @@ mapped back to the rows where the exchange put them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -38,7 +39,7 @@ from mok import ops
 from mok.config import MoKConfig
 from mok.kernels.common import ERROR_CAPACITY_OVERFLOW, sms_left_free
 from mok.kernels.dgrad import fp8_block_down_dgrad_gathers
-from mok.kernels.schedule import sorted_route_rows
+from mok.kernels.schedule import RoutingSchedule, sorted_route_rows
 
 
 def check_same_across_ranks(group: dist.ProcessGroup | None, values: dict[str, int], device: torch.device) -> None:
@@ -170,25 +171,23 @@ def token_receiver_schedule(
     num_local_experts: int,
     routes_per_row: int,  # k_l
     block_m: int,
-) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    """(the schedule (the tensors of `ops.routing_schedule`) of the P·C received rows as tokens
-    with topk = k_l, received_routes [P·C·k_l] int32: each received route's own index, −1 for
-    an empty one); ORs the sources' flags into `error_flag`."""
+) -> tuple[RoutingSchedule, torch.Tensor]:
+    """(the schedule of the P·C received rows as tokens with topk = k_l, received_routes
+    [P·C·k_l] int32: each received route's own index, −1 for an empty one); ORs the sources'
+    flags into `error_flag`."""
     num_ranks = recv_ids.shape[0]
     capacity = (recv_ids.shape[1] - 1) // routes_per_row
     error_flag.bitwise_or_(_or_flags(recv_ids[:, -1]))
     ids = recv_ids[:, :-1].reshape(num_ranks, capacity, routes_per_row)
     interleaved_ids = ids.transpose(0, 1).contiguous().view(capacity * num_ranks, routes_per_row)  # row c·P + p
-    interleaved, *tables, interleaved_route_row = ops.routing_schedule(
-        interleaved_ids, error_flag, num_local_experts, block_m, True
-    )
-    token, q = interleaved // routes_per_row, interleaved % routes_per_row
+    interleaved = ops.routing_schedule(interleaved_ids, error_flag, num_local_experts, block_m, True)
+    token, q = interleaved.row_source // routes_per_row, interleaved.row_source % routes_per_row
     received = (token % num_ranks * capacity + token // num_ranks) * routes_per_row + q
-    row_source = torch.where(interleaved >= 0, received, interleaved)
-    route_row = interleaved_route_row.view(capacity, num_ranks, routes_per_row).transpose(0, 1).reshape(-1)
+    row_source = torch.where(interleaved.row_source >= 0, received, interleaved.row_source)
+    route_row = interleaved.route_row.view(capacity, num_ranks, routes_per_row).transpose(0, 1).reshape(-1)
     flat = ids.reshape(-1)
     received_routes = torch.where(flat >= 0, torch.arange(flat.shape[0], device=flat.device, dtype=torch.int32), -1)
-    return (row_source, *tables, route_row), received_routes
+    return dataclasses.replace(interleaved, row_source=row_source, route_row=route_row), received_routes
 
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from mok import ops
+from mok.kernels.schedule import RoutingSchedule
 from mok.transport.common import RouteCapacity, TokenPairs, sending, token_plan, token_receiver_schedule
 
 
@@ -162,10 +163,9 @@ class NcclTransport(RouteCapacity):
     def plan(
         self, topk_ids: torch.Tensor, num_local_experts: int, error_flag: torch.Tensor, block_m: int,
         fp8_wire: bool = False,
-    ) -> tuple[NcclDispatch, tuple[torch.Tensor, ...]]:
+    ) -> tuple[NcclDispatch, RoutingSchedule]:
         """This call's dispatch (`fp8_wire`: x and dOut travel in fp8_block), and the schedule
-        (the tensors of `ops.routing_schedule`) of the P·C rows this rank's experts receive, as
-        tokens with topk = k_l. A collective."""
+        of the P·C rows this rank's experts receive, as tokens with topk = k_l. A collective."""
         num_ranks, capacity = self.world_size, self.token_capacity()
         routes_per_row = min(topk_ids.shape[1], num_local_experts)
         token_slot, route_place, send_expert = token_plan(topk_ids, num_local_experts, num_ranks, capacity,

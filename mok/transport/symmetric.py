@@ -70,6 +70,7 @@ import torch.distributed as dist
 from mok import ops
 from mok.config import MoKConfig
 from mok.kernels import comm
+from mok.kernels.schedule import RoutingSchedule
 from mok.transport.common import (RouteCapacity, TokenPairs, check_same_across_ranks, finish_now, sending, token_plan,
                                   token_receiver_schedule)
 
@@ -194,10 +195,9 @@ class SymmetricTransport(RouteCapacity):
     def plan(
         self, topk_ids: torch.Tensor, num_local_experts: int, error_flag: torch.Tensor, block_m: int,
         fp8_wire: bool = False,
-    ) -> tuple[SymmetricDispatch, tuple[torch.Tensor, ...]]:
+    ) -> tuple[SymmetricDispatch, RoutingSchedule]:
         """This call's dispatch (`fp8_wire`: x and dOut travel in fp8_block), and the schedule
-        (the tensors of `ops.routing_schedule`) of the P·C rows this rank's experts receive, as
-        tokens with topk = k_l. Every rank must call it."""
+        of the P·C rows this rank's experts receive, as tokens with topk = k_l. Every rank must call it."""
         if fp8_wire and "recv_x_q" not in self.views:
             raise ValueError(f"fp8_wire: expected a hidden size that is a multiple of 128, got {self.regions['recv_x'][0][1]}")
         num_ranks, capacity = self.world_size, self.token_capacity()

@@ -289,9 +289,11 @@ def _plan_worker(rank: int, world_size: int) -> list[str]:
         failures.append(f"router weights did not travel with their routes {ctx}")
     if int(ws.error_flag) != 0:
         failures.append(f"error flag {int(ws.error_flag)} {ctx}")
-    row_source, tile_expert, _, expert_counts, num_rows, route_row = schedule.routing
-    capacity, block_m = dispatch.send_capacity, schedule.block_m
-    row_source = row_source[: int(num_rows)]
+    routing = schedule.routing
+    row_source, tile_expert, expert_counts, route_row = (routing.row_source, routing.tile_expert,
+                                                         routing.expert_counts, routing.route_row)
+    capacity, block_m = dispatch.send_capacity, routing.block_m
+    row_source = row_source[: int(routing.num_rows)]
     placed = (row_source >= 0).nonzero().flatten()
     if placed.numel() != int(expert_counts.sum()) or placed.numel() != int((dispatch.received_routes >= 0).sum()):
         failures.append(f"{placed.numel()} rows placed for {int(expert_counts.sum())} received routes {ctx}")

@@ -453,14 +453,13 @@ def test_fp8_block_dgrad_ops_and_run_twice(kernel_device):
     inp = make_inputs(T, H, I, E, topk, seed=6, device=kernel_device)
     block_m = routing_block_m()
     flag = torch.zeros(1, dtype=torch.int32, device=kernel_device)
-    routing = list(ops.routing_schedule(inp.topk_ids, flag, E, block_m))
-    sched = ops.routing_from_tensors(routing, block_m)
+    sched = ops.routing_schedule(inp.topk_ids, flag, E, block_m)
     gen = torch.Generator().manual_seed(4)
     gate_up = torch.randn(sched.capacity_rows, 2, I, generator=gen).bfloat16().to(kernel_device)
     d_out = torch.randn(T, H, generator=gen).bfloat16().to(kernel_device)
     d_out_pair = quantize_fp8_block_activations(d_out)
     w_down_t = fp8_block_quantize(inp.w_down)[2:]
-    down_args = (*d_out_pair, inp.topk_weights, gate_up, *w_down_t, routing, block_m, 0.5)
+    down_args = (*d_out_pair, inp.topk_weights, gate_up, *w_down_t, sched, 0.5)
     d_gate_up, no_scale, d_topk_weights = ops.down_dgrad_swiglu_fp8_block(*down_args)
     again = down_dgrad_swiglu_fp8_block(*d_out_pair, inp.topk_weights, gate_up, *w_down_t, sched, 0.5)
     rows = int(sched.num_rows)
@@ -475,7 +474,7 @@ def test_fp8_block_dgrad_ops_and_run_twice(kernel_device):
     # g, u saved in e4m3 (the forward's gate_up_e4m3; no limit)
     saved_q, saved_scale = quantize_fp8_block_activations(gate_up.view(-1, I))
     saved_pair = (saved_q.view(gate_up.shape), saved_scale.view(sched.capacity_rows, 2, I // 128))
-    e4m3_args = (*d_out_pair, inp.topk_weights, saved_pair[0], *w_down_t, routing, block_m, None, True, saved_pair[1])
+    e4m3_args = (*d_out_pair, inp.topk_weights, saved_pair[0], *w_down_t, sched, None, True, saved_pair[1])
     e4m3_q, e4m3_scale, e4m3_d_topk_weights = ops.down_dgrad_swiglu_fp8_block(*e4m3_args)
     (again_q, again_scale), again_d_topk_weights = down_dgrad_swiglu_fp8_block(
         *d_out_pair, inp.topk_weights, saved_pair, *w_down_t, sched, None, quantize_d_gate_up=True)
@@ -484,16 +483,17 @@ def test_fp8_block_dgrad_ops_and_run_twice(kernel_device):
 
     grads = [x for j in (0, 1) for x in quantize_fp8_block_activations(d_gate_up[:, j])]
     weights = [x for w in (inp.w_gate, inp.w_up) for x in fp8_block_quantize(w)[2:]]
-    gate_up_args = (*grads, *weights, routing, block_m, T * topk)
+    gate_up_args = (*grads, *weights, sched, T * topk)
     dx = ops.gate_up_dgrad_scatter_fp8_block(*gate_up_args)
     assert torch.equal(dx, gate_up_dgrad_scatter_fp8_block(*grads, *weights, sched, T * topk))
     route_row = sched.route_row
     dx_sorted = ops.gate_up_dgrad_scatter_fp8_block(*gate_up_args, True)  # sorted_rows
     assert dx_sorted.shape == (sched.capacity_rows, H) and torch.equal(dx_sorted[route_row.long()], dx)
+    down_op, gate_up_op = ops.down_dgrad_swiglu_fp8_block, ops.gate_up_dgrad_scatter_fp8_block
     for args in (down_args, quantized_args, e4m3_args, e4m3_args[:-2] + (False, saved_pair[1])):
-        torch.library.opcheck(ops.down_dgrad_swiglu_fp8_block.op, args, test_utils=("test_faketensor",))
+        torch.library.opcheck(down_op.op, down_op.op_args(*args), test_utils=("test_faketensor",))
     for args in (gate_up_args, (*gate_up_args, True)):
-        torch.library.opcheck(ops.gate_up_dgrad_scatter_fp8_block.op, args, test_utils=("test_faketensor",))
+        torch.library.opcheck(gate_up_op.op, gate_up_op.op_args(*args), test_utils=("test_faketensor",))
 
 
 def test_fp8_block_dgrad_launchers_reject_mismatches(kernel_device):

@@ -115,15 +115,14 @@ def test_receiver_schedule_places_every_received_route(kernel_device):
     recv_ids = torch.cat([ids.view(P, C * k_l), torch.zeros(P, 1, dtype=torch.int32)], dim=1)
     recv_ids[1, -1] = ERROR_CAPACITY_OVERFLOW  # one source's flag
     flag = torch.zeros(1, dtype=torch.int32, device=kernel_device)
-    (row_source, *_, num_rows, route_row), received = token_receiver_schedule(
-        recv_ids.to(kernel_device), flag, E_l, k_l, routing_block_m())
+    schedule, received = token_receiver_schedule(recv_ids.to(kernel_device), flag, E_l, k_l, routing_block_m())
     assert int(flag) == ERROR_CAPACITY_OVERFLOW
     flat = ids.view(-1)
     assert torch.equal(received.cpu(), torch.where(flat >= 0, torch.arange(flat.numel(), dtype=torch.int32), -1))
-    placed = row_source[: int(num_rows)].cpu()
+    placed = schedule.row_source[: int(schedule.num_rows)].cpu()
     placed = placed[placed >= 0].sort().values
     assert torch.equal(placed, (flat >= 0).nonzero().flatten().int())
-    assert torch.equal((route_row.cpu() >= 0), flat >= 0)
+    assert torch.equal((schedule.route_row.cpu() >= 0), flat >= 0)
 
 
 def test_dispatch_ops_fake_impls(kernel_device):

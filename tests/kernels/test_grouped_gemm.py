@@ -364,10 +364,9 @@ def test_fp8_block_ops_and_run_twice(kernel_device):
     inp = make_inputs(T, H, I, E, topk, seed=6, device=kernel_device)
     block_m = routing_block_m()
     flag = torch.zeros(1, dtype=torch.int32, device=kernel_device)
-    routing = list(ops.routing_schedule(inp.topk_ids, flag, E, block_m))
-    sched = ops.routing_from_tensors(routing, block_m)
+    sched = ops.routing_schedule(inp.topk_ids, flag, E, block_m)
     (x_q, x_scale), w_gate, w_up, w_down = _fp8_block_operands(inp)
-    gate_up_args = (x_q, x_scale, *w_gate, *w_up, routing, block_m, topk, 0.5, True)
+    gate_up_args = (x_q, x_scale, *w_gate, *w_up, sched, topk, 0.5, True)
     h_q, h_scale, gate_up, no_scale = ops.gate_up_swiglu_fp8_block(*gate_up_args)
     again = gate_up_swiglu_fp8_block(x_q, x_scale, *w_gate, *w_up, sched, topk, 0.5, True)
     rows = int(sched.num_rows)
@@ -380,17 +379,16 @@ def test_fp8_block_ops_and_run_twice(kernel_device):
                                                             gate_up_e4m3=True)
     assert torch.equal(gate_up_q[:rows].view(torch.uint8), again_q[:rows].view(torch.uint8))
     assert torch.equal(gate_up_scale[:rows], again_scale[:rows])
-    down_args = (h_q, h_scale, *w_down, routing, block_m, T * topk)
+    down_args = (h_q, h_scale, *w_down, sched, T * topk)
     y = ops.down_scatter_fp8_block(*down_args)
     assert torch.equal(y, down_scatter_fp8_block(h_q, h_scale, *w_down, sched, T * topk))
     # sorted_rows: each route's row at its sorted row, bitwise the slot's
     route_row = sched.route_row
     y_sorted = ops.down_scatter_fp8_block(*down_args, True)
     assert y_sorted.shape == (sched.capacity_rows, H) and torch.equal(y_sorted[route_row.long()], y)
-    for args in (gate_up_args, e4m3_args):
-        torch.library.opcheck(ops.gate_up_swiglu_fp8_block.op, args, test_utils=("test_faketensor",))
-    for args in (down_args, (*down_args, True)):
-        torch.library.opcheck(ops.down_scatter_fp8_block.op, args, test_utils=("test_faketensor",))
+    for op, args in ((ops.gate_up_swiglu_fp8_block, gate_up_args), (ops.gate_up_swiglu_fp8_block, e4m3_args),
+                     (ops.down_scatter_fp8_block, down_args), (ops.down_scatter_fp8_block, (*down_args, True))):
+        torch.library.opcheck(op.op, op.op_args(*args), test_utils=("test_faketensor",))
     torch.library.opcheck(ops.combine.op, (y_sorted, inp.topk_weights, None, route_row),
                           test_utils=("test_faketensor",))
 

@@ -372,8 +372,8 @@ def test_fp8_block_backward_ops_and_fake_impls(kernel_device):
     inp = make_inputs(T, H, I, E, topk, seed=7, device=kernel_device)
     block_m = routing_block_m()
     flag = torch.zeros(1, dtype=torch.int32, device=kernel_device)
-    routing = list(ops.routing_schedule(inp.topk_ids, flag, E, block_m))
-    rows = routing[0].shape[0]
+    routing = ops.routing_schedule(inp.topk_ids, flag, E, block_m)
+    rows = routing.capacity_rows
     gen = torch.Generator().manual_seed(7)
     gate_up = torch.randn(rows, 2, I, generator=gen).bfloat16().to(kernel_device)
     x_sorted = torch.randn(rows, H, generator=gen).bfloat16().to(kernel_device)
@@ -383,17 +383,17 @@ def test_fp8_block_backward_ops_and_fake_impls(kernel_device):
     x_t, h_t, d_gate_up_t = (fp8(H, rows), scales(H)), (fp8(I, rows), scales(I)), (fp8(2 * I, rows), scales(2 * I))
     zeros = lambda *shape: torch.zeros(*shape, device=kernel_device)  # noqa: E731
     cases = [
-        (ops.quantize_fp8_block_activations, (x_sorted, routing[4])),
+        (ops.quantize_fp8_block_activations, (x_sorted, routing.num_rows)),
         (ops.quantize_fp8_block_weights, (inp.w_gate,)),
-        (ops.quantize_fp8_block_sorted_t, (x_sorted, routing, block_m)),
-        (ops.quantize_fp8_block_swiglu_sorted_t, (gate_up, routing, block_m, 0.5)),
-        (ops.down_wgrad, (x_t[0], h_t[0], routing, block_m, x_t[1], h_t[1])),
-        (ops.gate_up_wgrad, (d_gate_up_t[0], x_t[0], routing, block_m, d_gate_up_t[1], x_t[1])),
-        (ops.down_wgrad_accumulate, (zeros(E, H, I), x_t[0], h_t[0], routing, block_m, x_t[1], h_t[1])),
+        (ops.quantize_fp8_block_sorted_t, (x_sorted, routing)),
+        (ops.quantize_fp8_block_swiglu_sorted_t, (gate_up, routing, 0.5)),
+        (ops.down_wgrad, (x_t[0], h_t[0], routing, x_t[1], h_t[1])),
+        (ops.gate_up_wgrad, (d_gate_up_t[0], x_t[0], routing, d_gate_up_t[1], x_t[1])),
+        (ops.down_wgrad_accumulate, (zeros(E, H, I), x_t[0], h_t[0], routing, x_t[1], h_t[1])),
         (ops.gate_up_wgrad_accumulate,
-         (zeros(E, I, H), zeros(E, I, H), d_gate_up_t[0], x_t[0], routing, block_m, d_gate_up_t[1], x_t[1])),
+         (zeros(E, I, H), zeros(E, I, H), d_gate_up_t[0], x_t[0], routing, d_gate_up_t[1], x_t[1])),
     ]
     # Fake impls only: opcheck's schema test compares inputs with float ops that float8 lacks on the
     # CPU; the accumulating ops declare their mutations as the bf16 ones, whose schema is checked.
     for op, args in cases:
-        torch.library.opcheck(op.op, args, test_utils=("test_faketensor",))
+        torch.library.opcheck(op.op, op.op_args(*args), test_utils=("test_faketensor",))
