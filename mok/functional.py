@@ -35,15 +35,15 @@ import torch.distributed as dist
 from mok import reference
 from mok import ops
 from mok.config import MoKConfig
-from mok.kernels.common import interpreting
 from mok.kernels.grouped_gemm import routing_block_m
 from mok.kernels.schedule import RoutingSchedule
-from mok.kernels.common import ERROR_BAD_EXPERT_ID, ERROR_CAPACITY_OVERFLOW, ERROR_PEER_TIMEOUT
+from mok.kernels.common import ERROR_BAD_EXPERT_ID, ERROR_CAPACITY_OVERFLOW, ERROR_PEER_TIMEOUT, interpreting
 from mok.precision import recipe, take
 from mok.precision.base import capturing_cuda_graph
 from mok.precision.bf16 import Bf16Saved
 from mok.reference import Gradients
 from mok.transport import Dispatch, Transport, check_same_across_ranks, create_transport
+from mok.transport.common import overlapped
 from mok.validation import check_layer_inputs, check_tensor, check_topk_ids_values, flatten_tokens
 
 __all__ = [
@@ -442,12 +442,15 @@ def _reference_call(fn, config, workspace, schedule, x, topk_weights, ws_gate, w
         return fn(*args, swiglu_limit=swiglu_limit, routed_x=routed_x)
 
 
-def _routed_forward(routed_recipe, schedule, x, topk_weights, routed, swiglu_limit, needs_backward):
-    """(y, route_row, combine weights, what the backward reads): y [T·topk, H] of the routed
-    experts in route slots and route_row None, or where the recipe has `sorted_outputs` y
-    [capacity_rows, H] in the sorted layout and route_row [T·topk] each route's row of it (also
-    kept for the backward's dx); the weights are topk_weights. Under expert parallelism the token
-    rows travel to the experts' ranks and y comes back (`_per_rank_forward`)."""
+def _routed_forward(routed_recipe, schedule, x, topk_weights, routed, swiglu_limit, needs_backward, beside,
+                    overlap_sms):
+    """(y, route_row, combine weights, what the backward reads, what `beside()` returned): y
+    [T·topk, H] of the routed experts in route slots and route_row None, or where the recipe has
+    `sorted_outputs` y [capacity_rows, H] in the sorted layout and route_row [T·topk] each route's
+    row of it (also kept for the backward's dx); the weights are topk_weights. Under expert
+    parallelism the token rows travel to the experts' ranks and y comes back (`_per_rank_forward`).
+    `beside` (None: nothing) is work that does not need the routed experts: it runs beside the
+    dispatch where `overlap_sms` (`MoKConfig.overlap_comm_sms`) says so."""
     dispatch = schedule.dispatch
     topk = topk_weights.shape[1]
     if dispatch is None:
@@ -456,18 +459,38 @@ def _routed_forward(routed_recipe, schedule, x, topk_weights, routed, swiglu_lim
             x, routed, schedule.routing, topk, x.shape[0] * topk, swiglu_limit, needs_backward, sorted_rows=sorted_rows
         )
         route_row = schedule.routing.route_row if sorted_rows else None
-        return y, route_row, topk_weights, SavedActivations(routed_saved, route_row=route_row)
-    return _per_rank_forward(routed_recipe, schedule, x, topk_weights, routed, swiglu_limit, needs_backward)
+        return y, route_row, topk_weights, SavedActivations(routed_saved, route_row=route_row), _run(beside)
+    return _per_rank_forward(routed_recipe, schedule, x, topk_weights, routed, swiglu_limit, needs_backward, beside,
+                             overlap_sms)
 
 
-def _per_rank_forward(routed_recipe, schedule, x, topk_weights, routed, swiglu_limit, needs_backward):
+def _run(work):
+    """work() (None for no work)."""
+    return None if work is None else work()
+
+
+def _beside_exchange(start, device: torch.device, work, overlap_sms: int, always: bool = False):
+    """(what the exchange `start(num_programs)` delivers, work()): the exchange beside `work`
+    (`transport.overlapped`) where `overlap_sms` > 0 and there is work (`always`: the work is
+    there in any case), else finished before it."""
+    beside = overlap_sms > 0 and (always or work is not None)
+    with overlapped(start(overlap_sms if beside else None), device, overlap_sms, beside) as arrival:
+        result = _run(work)
+    return arrival.value, result
+
+
+def _per_rank_forward(routed_recipe, schedule, x, topk_weights, routed, swiglu_limit, needs_backward, beside,
+                      overlap_sms):
     """`_routed_forward` with each token row sent once per (token, rank) (`mok.transport`): each
     received row is a token with topk = k_l, whose routes the expert's rank sums (Σ_q w·y,
     ascending q, fp32, one bf16 row); y is [P·C, H] of those partial rows back at the source,
-    route_row the pairs' rows (token_slot [T·P]) and the combine weights ones [T, P]."""
+    route_row the pairs' rows (token_slot [T·P]) and the combine weights ones [T, P]. `beside`
+    runs while the x rows travel."""
     dispatch = schedule.dispatch
     # [P·C, H] (or e4m3 rows and their scales: the recipe's `sends_fp8_rows`), [P·C, k_l]
-    expert_x, expert_weights = dispatch.dispatch(x, topk_weights)
+    (expert_x, expert_weights), beside_result = _beside_exchange(
+        lambda programs: dispatch.start_dispatch(x, topk_weights, programs), x.device, beside, overlap_sms
+    )
     k_l = dispatch.routes_per_row
     y_routes, routed_saved = routed_recipe.forward(
         expert_x, routed, schedule.routing, k_l, dispatch.num_expert_rows * k_l, swiglu_limit, needs_backward
@@ -476,24 +499,30 @@ def _per_rank_forward(routed_recipe, schedule, x, topk_weights, routed, swiglu_l
     y = dispatch.combine(parts)
     ones = torch.ones(x.shape[0], dispatch.world_size, dtype=torch.float32, device=x.device)  # [T, P]
     saved = SavedActivations(routed_saved, expert_x=expert_x, expert_weights=expert_weights)
-    return y, dispatch.token_slot, ones, saved
+    return y, dispatch.token_slot, ones, saved, beside_result
 
 
-def _triton_forward(routed_recipe, schedule, x, topk_weights, shared, routed, swiglu_limit, needs_backward):
+def _triton_forward(routed_recipe, schedule, x, topk_weights, shared, routed, swiglu_limit, needs_backward,
+                    overlap_sms=0):
     """out and what the backward reads (None without `needs_backward`): the recipes' saved
     pre-activations of every routed row and of the shared expert's. `routed` as the recipe's
     `prepare_weights` gives them."""
     num_tokens = topk_weights.shape[0]
-    y, route_row, weights, saved = _routed_forward(
-        routed_recipe, schedule, x, topk_weights, routed, swiglu_limit, needs_backward
-    )
-    y_shared = None
-    if shared[0] is not None:
+
+    def shared_forward():
         shared_experts = tuple(w.unsqueeze(0) for w in shared)  # one expert of the grouped GEMMs
-        y_shared, saved.shared = _SHARED_RECIPE.forward(
+        return _SHARED_RECIPE.forward(
             x, shared_experts, schedule.shared_routing, 1, num_tokens, swiglu_limit, needs_backward,
             token_order=True,
         )
+
+    y, route_row, weights, saved, shared_result = _routed_forward(
+        routed_recipe, schedule, x, topk_weights, routed, swiglu_limit, needs_backward,
+        shared_forward if shared[0] is not None else None, overlap_sms,
+    )
+    y_shared = None
+    if shared_result is not None:
+        y_shared, saved.shared = shared_result
     return ops.combine(y, weights, y_shared, route_row), saved if needs_backward else None
 
 
@@ -528,7 +557,7 @@ def _forward_checked(config, workspace, schedule, x, topk_weights, shared, route
         routed_recipe = recipe(config.precision)
         routed = routed_recipe.prepare_weights(*routed)
         out, saved = _triton_forward(routed_recipe, schedule, x, topk_weights, shared, routed, swiglu_limit,
-                                     needs_backward)
+                                     needs_backward, config.overlap_comm_sms)
         if config.strict:
             check_errors(workspace)
         workspace.error_copy.take(workspace.error_flag)
@@ -561,12 +590,13 @@ def recompute_forward_context(
     )[1]
 
 
-def _routed_backward(routed_recipe, schedule, saved, d_out, x, topk_weights, routed, swiglu_limit, main_grads):
+def _routed_backward(routed_recipe, schedule, saved, d_out, x, topk_weights, routed, swiglu_limit, main_grads, beside,
+                     overlap_sms):
     """(dx_slots [T·topk, H], route_row None), or where the forward kept one (`_routed_forward`)
-    (dx [capacity_rows, H] in the sorted layout, route_row); d_topk_weights [T, topk] fp32 and the
-    routed weight gradients. Under expert parallelism the dOut rows travel to the experts'
-    ranks (which kept the router weights from the forward and apply them in fp32), and partial
-    dx rows and router-weight gradients come back (`_per_rank_backward`)."""
+    (dx [capacity_rows, H] in the sorted layout, route_row); d_topk_weights [T, topk] fp32, the
+    routed weight gradients and what `beside()` returned. Under expert parallelism the dOut rows
+    travel to the experts' ranks (which kept the router weights from the forward and apply them in
+    fp32), and partial dx rows and router-weight gradients come back (`_per_rank_backward`)."""
     num_tokens, topk = topk_weights.shape
     if schedule.dispatch is None:
         route_row = take(saved, "route_row")
@@ -574,37 +604,44 @@ def _routed_backward(routed_recipe, schedule, saved, d_out, x, topk_weights, rou
             d_out, x, topk_weights, routed, saved.routed, schedule.routing, topk, num_tokens * topk, swiglu_limit,
             sorted_rows=route_row is not None,
         )
-        return dx, route_row, d_topk_weights, routed_recipe.backward_weights(state, main_grads)
-    return _per_rank_backward(routed_recipe, schedule, saved, d_out, x, routed, swiglu_limit, main_grads)
+        return dx, route_row, d_topk_weights, routed_recipe.backward_weights(state, main_grads), _run(beside)
+    return _per_rank_backward(routed_recipe, schedule, saved, d_out, x, routed, swiglu_limit, main_grads, beside,
+                              overlap_sms)
 
 
-def _per_rank_backward(routed_recipe, schedule, saved, d_out, x, routed, swiglu_limit, main_grads):
+def _per_rank_backward(routed_recipe, schedule, saved, d_out, x, routed, swiglu_limit, main_grads, beside,
+                       overlap_sms):
     """`_routed_backward` with dOut rows sent once per (token, rank) (`_per_rank_forward`): the
     expert's rank runs the backward of each received row's k_l routes (their router weights
     kept from the forward), sums the row's dx over them (ascending q, fp32, one bf16 row) and
     returns it with the routes' router-weight gradients. (dx [P·C, H] partial rows, route_row
-    token_slot [T·P], d_topk_weights [T, topk], grads)."""
+    token_slot [T·P], d_topk_weights [T, topk], grads, what `beside()` returned). `beside` runs
+    while the dOut rows travel, the weight gradients while the dx rows travel back."""
     dispatch = schedule.dispatch
     expert_x = dispatch.received_x(take(saved, "expert_x"), x)  # [P·C, H] (or e4m3 rows and scales)
     expert_weights = take(saved, "expert_weights")  # [P·C, k_l]
     # [P·C, H] (or e4m3 rows and scales: the recipe's `sends_fp8_rows`)
-    expert_d_out = dispatch.dispatch_grad(d_out)
+    expert_d_out, beside_result = _beside_exchange(
+        lambda programs: dispatch.start_dispatch_grad(d_out, programs), d_out.device, beside, overlap_sms
+    )
     k_l = dispatch.routes_per_row
     dx_routes, d_weights, state = routed_recipe.backward_data(
         expert_d_out, expert_x, expert_weights, routed, saved.routed, schedule.routing, k_l,
         dispatch.num_expert_rows * k_l, swiglu_limit,
     )
-    grads = routed_recipe.backward_weights(state, main_grads)
     received = dispatch.received_routes.view(-1, k_l) >= 0  # [P·C, k_l]
     dx_parts = ops.combine(dx_routes, received.float(), None, dispatch.received_routes)  # [P·C, H]
     # empty routes have no row, so nothing wrote their gradient
     d_weights = torch.where(received, d_weights, 0.0)
-    dx, d_topk_weights = dispatch.combine_grad(dx_parts, d_weights)
-    return dx, dispatch.token_slot, d_topk_weights, grads
+    (dx, d_topk_weights), grads = _beside_exchange(
+        lambda programs: dispatch.start_combine_grad(dx_parts, d_weights, programs), d_out.device,
+        lambda: routed_recipe.backward_weights(state, main_grads), overlap_sms, always=True,
+    )
+    return dx, dispatch.token_slot, d_topk_weights, grads, beside_result
 
 
 def _triton_backward(routed_recipe, schedule, saved, d_out, x, topk_weights, shared, routed, swiglu_limit,
-                     main_grads) -> Gradients:
+                     main_grads, overlap_sms=0) -> Gradients:
     """The backward on one GPU, no host sync: per expert group the recipe's data gradients (down
     dgrad + SwiGLU backward + router-weight gradient, gate/up dgrad into route slots), then its
     wgrad GEMMs; then d_x = dx_shared + Σ_j dx_slots (the combine with unit weights, ascending j;
@@ -613,12 +650,8 @@ def _triton_backward(routed_recipe, schedule, saved, d_out, x, topk_weights, sha
     num_tokens, topk = topk_weights.shape
     shared_saved = take(saved, "shared")
     d_out = d_out.to(torch.bfloat16)  # a GEMM operand (no copy when it already is bf16)
-    dx_slots, route_row, d_topk_weights, routed_grads = _routed_backward(
-        routed_recipe, schedule, saved, d_out, x, topk_weights, routed, swiglu_limit,
-        tuple(main_grads.get(n) for n in _ROUTED),
-    )
-    dx_shared, shared_grads = None, (None, None, None)
-    if shared[0] is not None:
+
+    def shared_backward():
         shared_experts = tuple(w.unsqueeze(0) for w in shared)  # one expert of the grouped GEMMs
         dx_shared, _, state = _SHARED_RECIPE.backward_data(
             d_out, x, None, shared_experts, shared_saved, schedule.shared_routing, 1, num_tokens,
@@ -627,7 +660,13 @@ def _triton_backward(routed_recipe, schedule, saved, d_out, x, topk_weights, sha
         grads = _SHARED_RECIPE.backward_weights(
             state, tuple(None if main_grads.get(n) is None else main_grads[n].unsqueeze(0) for n in _SHARED)
         )
-        shared_grads = tuple(g.squeeze(0) for g in grads)
+        return dx_shared, tuple(g.squeeze(0) for g in grads)
+
+    dx_slots, route_row, d_topk_weights, routed_grads, shared_result = _routed_backward(
+        routed_recipe, schedule, saved, d_out, x, topk_weights, routed, swiglu_limit,
+        tuple(main_grads.get(n) for n in _ROUTED), shared_backward if shared[0] is not None else None, overlap_sms,
+    )
+    dx_shared, shared_grads = shared_result if shared_result is not None else (None, (None, None, None))
     # unweighted sum over the routes (or, under expert parallelism once per rank, the P partial rows)
     num_parts = topk if route_row is None else route_row.shape[0] // num_tokens
     ones = torch.ones(num_tokens, num_parts, dtype=torch.float32, device=x.device)  # [T, topk or P]
@@ -692,7 +731,7 @@ def backward(
         saved = context.saved if release_context else context.saved.copy()  # taken from as the backward reads
         grads = _triton_backward(
             routed_recipe, schedule, saved, d_out, x, topk_weights, (ws_gate, ws_up, ws_down), routed, swiglu_limit,
-            main_grads,
+            main_grads, config.overlap_comm_sms,
         )
         workspace.error_copy.take(workspace.error_flag)
         return grads

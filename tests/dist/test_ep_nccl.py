@@ -17,6 +17,7 @@ checks with `MOK_EP_CPU_WORLD`, e.g. W = 8 for P = 8 and 4:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -135,6 +136,9 @@ def _check_case(case: Case, num_ranks: int, rank: int, group, seed: int, run_twi
     # run twice, then on a larger capacity: all bitwise equal
     runs = [_run_triton(config, group, x, ids, topk_weights, routed, shared, d_out, case.swiglu_limit, spare)
             for spare in ((0, 0, 7) if run_twice else (0,))]
+    # the exchanges beside the shared expert and the weight gradients (on CPU in order): bitwise the same
+    overlap = _run_triton(dataclasses.replace(config, overlap_comm_sms=4), group, x, ids, topk_weights, routed, shared,
+                          d_out, case.swiglu_limit) if run_twice else None
     if case.precision == "fp8_block":  # quantized after the exchange instead of before: bitwise the same
         with override(fp8_block_on_the_wire=False):
             bf16_wire = _run_triton(config, group, x, ids, topk_weights, routed, shared, d_out, case.swiglu_limit)
@@ -172,8 +176,11 @@ def _check_case(case: Case, num_ranks: int, rank: int, group, seed: int, run_twi
         assert torch.equal(out, bf16_wire[0]), f"out differs with x quantized after the exchange {ctx}"
         for name, a, b in zip(grads._fields, grads, bf16_wire[1]):
             assert (a is None and b is None) or torch.equal(a, b), f"{name} differs with fp8 off the wire {ctx}"
-    for i, (out_again, grads_again, *_) in enumerate(runs[1:]):
-        how = ("run to run", "with a larger capacity")[i]
+    again = [(how, run) for how, run in zip(("run to run", "with a larger capacity"), runs[1:])]
+    if overlap is not None:
+        assert overlap[3] == peer_bytes, f"overlap_comm_sms=4 moved {overlap[3]} bytes, not {peer_bytes} {ctx}"
+        again.append(("with overlap_comm_sms=4", overlap))
+    for how, (out_again, grads_again, *_) in again:
         assert torch.equal(out, out_again), f"out differs {how} {ctx}"
         for name, a, b in zip(grads._fields, grads, grads_again):
             assert (a is None and b is None) or torch.equal(a, b), f"{name} differs {how} {ctx}"
