@@ -9,6 +9,7 @@ one-GPU case without a GPU).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -184,19 +185,22 @@ def test_gpu_ep_two_ranks_low_precisions(backend):
 def _shared_gpu_symmetric_worker(rank: int, world_size: int) -> list[str]:
     """Both ranks on GPU 0 (gloo group) through the symmetric transport, if symmetric memory
     lets two processes share a device (else one message starting "unsupported"): bf16 with a
-    shared expert against the EP reference, a step under set_sync_debug_mode("error") bitwise
-    the first, and the step captured in a CUDA graph, whose replay gives it again."""
+    shared expert against the EP reference; steps under set_sync_debug_mode("error"), without
+    and with the exchanges beside other work (overlap_comm_sms), bitwise the first; and the
+    latter captured in a CUDA graph, whose replay gives it again."""
     torch.cuda.set_device(0)
     group = dist.group.WORLD
     T, H, I, E_l, topk, I_s = 512 + 64 * rank, 512, 256, 4, 4, 256
     g, routed, shared, d_out, args = _rank_inputs(rank, world_size, T, H, I, E_l, topk, I_s, seed=20 + rank)
     config = mok.MoKConfig(backend="triton", transport="symmetric")
+    overlap = dataclasses.replace(config, overlap_comm_sms=4)
     try:
         ws = mok.create_workspace(config, group, device="cuda", num_local_tokens=T, hidden_size=H, topk=topk)
     except Exception as err:  # noqa: BLE001 - the answer to "does symmetric memory allow it"
         return [f"unsupported: {type(err).__name__}: {str(err).splitlines()[0]}"]
+    ws_overlap = mok.create_workspace(overlap, group, device="cuda", num_local_tokens=T, hidden_size=H, topk=topk)
 
-    def step():
+    def step(config=config, ws=ws):
         schedule = mok.build_schedule(ws, config, g.topk_ids, num_local_experts=E_l)
         out, ctx = mok.forward(config, ws, schedule, *args)
         return out, mok.backward(config, ws, schedule, ctx, d_out, *args)
@@ -206,14 +210,15 @@ def _shared_gpu_symmetric_worker(rank: int, world_size: int) -> list[str]:
     torch.cuda.set_sync_debug_mode("error")
     try:
         again = step()
+        beside = step(overlap, ws_overlap)  # exchanges on the side stream, beside the shared expert and the wgrads
     finally:
         torch.cuda.set_sync_debug_mode(0)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = step()
+        captured = step(overlap, ws_overlap)
     graph.replay()
     torch.cuda.synchronize()
-    flags = int(ws.error_flag.item())
+    flags = int(ws.error_flag.item()) | int(ws_overlap.error_flag.item())
     ref_args = tuple(t.cpu() for t in (g.x, g.topk_ids, g.topk_weights, *routed, *shared))
     ref_out = ep_moe_forward(*ref_args, group=group)
     ref = ep_moe_backward(d_out.cpu(), *ref_args, group=group)
@@ -222,7 +227,8 @@ def _shared_gpu_symmetric_worker(rank: int, world_size: int) -> list[str]:
     try:
         assert flags == 0, f"error flag {flags} {where}"
         assert _equal_results(first, again), f"the step under sync debug mode differs from the first {where}"
-        assert _equal_results(first, captured), f"the CUDA graph's replay differs from the eager step {where}"
+        assert _equal_results(first, beside), f"overlap_comm_sms=4 differs from 0 {where}"
+        assert _equal_results(first, captured), f"the CUDA graph's replay (overlap_comm_sms=4) differs {where}"
         out, grads = first
         assert_close_to_reference(out.cpu(), ref_out, name="out", context=where)
         for name, got, expected in zip(ref._fields, grads, ref):

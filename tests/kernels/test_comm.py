@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from mok.kernels.comm import push_rows, wait_arrivals
-from mok.kernels.common import ERROR_CAPACITY_OVERFLOW, ERROR_PEER_TIMEOUT
+from mok.kernels.common import ERROR_CAPACITY_OVERFLOW, ERROR_PEER_TIMEOUT, num_sms, sms_left_free
 from mok.kernels.grouped_gemm import routing_block_m
 from mok.testing import make_topk_ids
 from mok.transport.common import token_plan, token_receiver_schedule
@@ -250,3 +250,16 @@ def test_push_and_wait_need_no_host_sync_and_replay_in_a_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         check(f"graph replay {replay}")
+
+
+def test_persistent_launches_leave_the_held_sms_free(kernel_device):
+    """Inside `sms_left_free` a persistent launch takes that many programs fewer (nested holds
+    add up, and leaving the block gives them back); without SMs to count nothing changes."""
+    device = torch.device(kernel_device)
+    full = num_sms(device)
+    with sms_left_free(device, 4):
+        with sms_left_free(device, 2):
+            inner = num_sms(device)
+        outer = num_sms(device)
+    expected = (full - 6, full - 4) if device.type == "cuda" else (full, full)
+    assert (inner, outer) == expected and num_sms(device) == full, f"{full=} {inner=} {outer=} {device=}"
