@@ -21,9 +21,9 @@ import functools
 import torch
 
 from mok.fp8_block import FP8_BLOCK
-from mok.kernels import combine as combine_kernels
+from mok.kernels.routing import combine as combine_kernels
 from mok.kernels import grouped_gemm
-from mok.kernels.schedule import RoutingSchedule, build_routing_schedule, capacity_rows
+from mok.kernels.routing.schedule import RoutingSchedule, build_routing_schedule, capacity_rows
 
 
 def routing_tensors(schedule: RoutingSchedule) -> list[torch.Tensor]:
@@ -68,7 +68,7 @@ def routing_schedule(
     topk_ids: torch.Tensor, error_flag: torch.Tensor, num_local_experts: int, block_m: int,
     skip_empty_ids: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(row_source, tile_expert, expert_offsets, expert_counts, num_rows, route_row) of `schedule.py`;
+    """(row_source, tile_expert, expert_offsets, expert_counts, num_rows, route_row) of `kernels/routing/schedule.py`;
     with `skip_empty_ids`, ids of −1 are empty entries (no route), not errors."""
     schedule = build_routing_schedule(topk_ids, num_local_experts, block_m, error_flag, skip_empty_ids)
     return tuple(routing_tensors(schedule))
@@ -224,7 +224,8 @@ def _(y, topk_weights, y_shared, route_row=None):
 
 # --------------------------------------------------------------------------- backward: sorted rows
 
-from mok.kernels import dgrad, gather, wgrad  # noqa: E402  (the backward section keeps its imports here)
+from mok.kernels import dgrad, wgrad  # noqa: E402  (the backward section keeps its imports here)
+from mok.kernels.routing import gather  # noqa: E402
 
 
 @_custom_op("gather_sorted_rows", ())

@@ -20,7 +20,7 @@ from mok.bench.presets import PRESETS
 from mok.kernels import quant_fp8_block
 from mok.kernels.grouped_gemm import routing_block_m
 from mok.kernels.plan import override
-from mok.kernels.schedule import build_routing_schedule
+from mok.kernels.routing.schedule import build_routing_schedule
 from mok.testing import make_inputs
 from mok.testing.timing import time_ms
 

@@ -99,7 +99,7 @@ from mok.kernels.common import (
     tile_coordinates,
     tma_descriptor,
 )
-from mok.kernels.gather import check_sorted_rows
+from mok.kernels.routing.gather import check_sorted_rows
 from mok.kernels.plan import kernel_plan
 from mok.kernels.grouped_gemm import (
     check_fp8_block_pair,
@@ -113,7 +113,7 @@ from mok.kernels.grouped_gemm import (
     sorted_rows_tile,
 )
 from mok.kernels.quant_fp8_block import dequantize_row_blocks, quantize_row_blocks
-from mok.kernels.schedule import RoutingSchedule
+from mok.kernels.routing.schedule import RoutingSchedule
 from mok.kernels.swiglu import fast_sigmoid_here, swiglu_backward
 
 _SCALE_BLOCK = tl.constexpr(FP8_BLOCK)  # kernels read only constexpr globals

@@ -76,10 +76,10 @@ from mok.kernels.common import (
     tma_descriptor,
     tma_descriptor_pair,
 )
-from mok.kernels.gather import gather_sorted_rows
+from mok.kernels.routing.gather import gather_sorted_rows
 from mok.kernels.plan import kernel_plan
 from mok.kernels.quant_fp8_block import quantize_row_blocks
-from mok.kernels.schedule import RoutingSchedule
+from mok.kernels.routing.schedule import RoutingSchedule
 from mok.kernels.swiglu import fast_sigmoid_here, swiglu_forward
 
 _SCALE_BLOCK = tl.constexpr(FP8_BLOCK)  # kernels read only constexpr globals

@@ -93,10 +93,10 @@ import triton.language as tl
 from mok.fp8_block import FP8_BLOCK
 from mok.kernels.common import interpreting, round_to_bf16
 from mok.kernels import gluon_api
-from mok.kernels.gather import gather_sorted_rows, sorted_row_routes
+from mok.kernels.routing.gather import gather_sorted_rows, sorted_row_routes
 from mok.kernels.gluon_api import gl, gluon
 from mok.kernels.plan import kernel_plan
-from mok.kernels.schedule import RoutingSchedule
+from mok.kernels.routing.schedule import RoutingSchedule
 from mok.kernels.swiglu import fast_sigmoid_here, swiglu_forward
 from mok.mxfp8 import check_float_input
 

@@ -85,7 +85,7 @@ from mok.kernels.common import (
     tile_coordinates,
     tma_descriptor,
 )
-from mok.kernels.gather import sorted_row_routes
+from mok.kernels.routing.gather import sorted_row_routes
 from mok.kernels import gluon_api
 from mok.kernels.gluon_api import (
     async_copy,
@@ -102,7 +102,7 @@ from mok.kernels.gluon_api import (
 )
 from mok.kernels.plan import kernel_plan
 from mok.kernels.quant_fp8_block import quantize_row_blocks
-from mok.kernels.schedule import RoutingSchedule
+from mok.kernels.routing.schedule import RoutingSchedule
 from mok.kernels.swiglu import fast_sigmoid_here, swiglu_forward
 
 # Tiles and TMA-store flags are the kernel plan's (`plan.KernelPlan`: `ping_pong_tile`,

@@ -62,10 +62,10 @@ import triton.language as tl
 from mok.fp8_block import FP8_BLOCK
 from mok.kernels import warp_specialized
 from mok.kernels.common import expert_tile_coordinates, interpreting, launch_programs, round_to_bf16, tma_descriptor
-from mok.kernels.gather import check_sorted_rows
+from mok.kernels.routing.gather import check_sorted_rows
 from mok.kernels.plan import KernelPlan, kernel_plan
 from mok.kernels.quant_fp8_block import sorted_scale_rows
-from mok.kernels.schedule import RoutingSchedule
+from mok.kernels.routing.schedule import RoutingSchedule
 
 _SCALE_BLOCK = tl.constexpr(FP8_BLOCK)  # kernels read only constexpr globals
 

@@ -38,7 +38,7 @@ from mok import ops
 from mok.config import MoKConfig
 from mok.kernels.common import ERROR_CAPACITY_OVERFLOW, sms_left_free
 from mok.kernels.dgrad import fp8_block_down_dgrad_gathers
-from mok.kernels.schedule import sorted_route_rows
+from mok.kernels.routing.schedule import sorted_route_rows
 
 
 def check_same_across_ranks(group: dist.ProcessGroup | None, values: dict[str, int], device: torch.device) -> None:

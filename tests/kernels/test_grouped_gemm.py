@@ -7,7 +7,7 @@ import triton.language as tl
 
 from mok import reference
 from mok.fp8_block import fp8_block_dequantize, fp8_block_quantize
-from mok.kernels.combine import combine
+from mok.kernels.routing.combine import combine
 from mok.kernels.common import last_wave_tile_coordinates, num_sms
 from mok.kernels.grouped_gemm import (
     down_scatter,
@@ -21,7 +21,7 @@ from mok.kernels.grouped_gemm import (
 )
 from mok.kernels.dgrad import dgrad_config, gate_up_dgrad_scatter
 from mok.kernels.quant_fp8_block import quantize_fp8_block_activations
-from mok.kernels.schedule import build_routing_schedule
+from mok.kernels.routing.schedule import build_routing_schedule
 from mok.testing import assert_close_to_reference, make_inputs, make_topk_ids
 
 

@@ -229,7 +229,7 @@ def test_round_sorted_layout_masks_padding_and_skips_unused_rows(kernel_device):
     reach their block's scale nor survive (they come out zero); rows past num_rows stay as
     they were in the output (unwritten), which the comparison below leaves out."""
     from mok.kernels.grouped_gemm import routing_block_m
-    from mok.kernels.schedule import build_routing_schedule
+    from mok.kernels.routing.schedule import build_routing_schedule
 
     T, E, topk, W = 37, 5, 2, 64
     ids = torch.randint(0, E, (T, topk), generator=torch.Generator().manual_seed(2)).to(kernel_device)

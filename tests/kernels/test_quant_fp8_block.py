@@ -17,7 +17,7 @@ import triton.language as tl
 from mok.fp8_block import fp8_block_quantize, fp8_block_quantize_activations
 from mok.kernels import quant_fp8_block as qf
 from mok.kernels.common import interpreting
-from mok.kernels.gather import gather_sorted_rows
+from mok.kernels.routing.gather import gather_sorted_rows
 from mok.kernels.grouped_gemm import routing_block_m
 from mok.kernels.plan import HOPPER, override
 from mok.kernels.quant_fp8_block import (
@@ -30,7 +30,7 @@ from mok.kernels.quant_fp8_block import (
     quantize_fp8_block_weights,
     sorted_scale_rows,
 )
-from mok.kernels.schedule import build_routing_schedule
+from mok.kernels.routing.schedule import build_routing_schedule
 from mok.testing import make_topk_ids
 from mok.testing.fp8 import dequantize_sorted_t, sorted_column_blocks
 from mok.testing.sm90 import gluon_ptxas_report

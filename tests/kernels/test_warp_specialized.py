@@ -17,7 +17,7 @@ from mok.kernels.dgrad import (
     gate_up_dgrad_scatter,
     gate_up_dgrad_scatter_fp8_block,
 )
-from mok.kernels.gather import gather_sorted_rows
+from mok.kernels.routing.gather import gather_sorted_rows
 from mok.kernels.grouped_gemm import (
     down_scatter,
     down_scatter_fp8_block,
@@ -33,7 +33,7 @@ from mok.kernels.quant_fp8_block import (
     quantize_fp8_block_sorted_t,
     quantize_fp8_block_swiglu_sorted_t,
 )
-from mok.kernels.schedule import build_routing_schedule
+from mok.kernels.routing.schedule import build_routing_schedule
 from mok.kernels.wgrad import (
     down_wgrad,
     down_wgrad_fp8_block,

@@ -13,8 +13,8 @@ from mok.kernels.quant_fp8_block import (
     quantize_fp8_block_swiglu_sorted_t,
     sorted_scale_rows,
 )
-from mok.kernels.schedule import build_routing_schedule
-from mok.kernels.gather import gather_sorted_rows
+from mok.kernels.routing.schedule import build_routing_schedule
+from mok.kernels.routing.gather import gather_sorted_rows
 from mok.kernels.wgrad import down_wgrad, down_wgrad_fp8_block, gate_up_wgrad, gate_up_wgrad_fp8_block, wgrad_config
 from mok.testing import assert_close_to_reference, make_inputs
 from mok.testing.fp8 import dequantize_sorted_t

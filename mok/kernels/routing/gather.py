@@ -59,7 +59,7 @@ import triton.language as tl
 from mok.kernels.common import interpreting, round_to_bf16
 from mok.kernels.plan import kernel_plan
 from mok.kernels.quant import mxfp8_round_tile
-from mok.kernels.schedule import RoutingSchedule
+from mok.kernels.routing.schedule import RoutingSchedule
 from mok.mxfp8 import MX_BLOCK
 
 
