@@ -710,7 +710,7 @@ def mxfp8_round(
 
 # --------------------------------------------------------------------------- expert-parallel dispatch
 
-from mok.kernels import dispatch  # noqa: E402  (appended section keeps its imports here)
+from mok.kernels.comm import dispatch  # noqa: E402  (appended section keeps its imports here)
 
 
 @_custom_op("pack_rows", ())
