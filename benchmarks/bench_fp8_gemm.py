@@ -28,7 +28,7 @@ from mok.bench.presets import GPU_PRESETS, PRESETS
 from mok.fp8_block import fp8_block_dequantize, fp8_block_quantize
 from mok.kernels import dgrad, grouped_gemm
 from mok.kernels.routing.gather import gather_sorted_rows
-from mok.kernels.quant_fp8_block import quantize_fp8_block_activations
+from mok.kernels.quant.fp8_block import quantize_fp8_block_activations
 from mok.kernels.routing.schedule import build_routing_schedule
 from mok.testing import make_inputs, relative_error
 from mok.testing.timing import time_ms

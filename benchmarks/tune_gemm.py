@@ -40,7 +40,7 @@ from mok.kernels.grouped_gemm import (
     gate_up_swiglu_fp8_block,
     gemm_config,
 )
-from mok.kernels.quant_fp8_block import quantize_fp8_block_activations, quantize_fp8_block_sorted_t
+from mok.kernels.quant.fp8_block import quantize_fp8_block_activations, quantize_fp8_block_sorted_t
 from mok.kernels.routing.schedule import build_routing_schedule
 from mok.kernels.wgrad import down_wgrad, down_wgrad_fp8_block, gate_up_wgrad, gate_up_wgrad_fp8_block, wgrad_config
 from mok.testing import make_inputs

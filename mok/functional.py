@@ -459,7 +459,7 @@ class _Fp8BlockWeight(NamedTuple):
 
 class _Mxfp8Weight(NamedTuple):
     """A routed weight [E_l, N, K] as the mxfp8 GEMMs read it on Hopper: rounded to the MXFP8
-    grid and held in bf16 (`quant.mxfp8_round`, exact), `rows` in blocks of 32 along K for the
+    grid and held in bf16 (`quant.mxfp8.mxfp8_round`, exact), `rows` in blocks of 32 along K for the
     forward, `cols` along N for the dgrads; both [E_l, N, K]."""
 
     rows: torch.Tensor
@@ -544,7 +544,7 @@ def _expert_mlp(x, w_gate, w_up, w_down, routing, block_m, topk, num_slots, swig
     from g, u, and x from its bf16 rows.
 
     With `_Mxfp8Weight`s the bf16 GEMMs read operands rounded to the MXFP8 grid (exact in bf16,
-    `quant.mxfp8_round`): x and h in blocks of 32 along H and I, the weights' `rows` copies.
+    `quant.mxfp8.mxfp8_round`): x and h in blocks of 32 along H and I, the weights' `rows` copies.
     The backward gets h unrounded (its wgrad rounds it along the rows)."""
     if isinstance(w_gate, _Fp8BlockWeight):
         # [T, H] e4m3, [T, H/128] fp32 (x arrives quantized from the dispatch: the plan's `fp8_block_on_the_wire`)

@@ -502,8 +502,8 @@ def _gate_up_wgrad(d_gate_up, x, schedule_tensors, block_m, d_gate_up_scale, x_s
 
 # --------------------------------------------------------------------------- fp8_block quantize
 
-from mok.kernels import quant_fp8_block  # noqa: E402  (appended section keeps its imports here)
-from mok.kernels.quant_fp8_block import sorted_scale_rows  # noqa: E402
+from mok.kernels.quant import fp8_block as quant_fp8_block  # noqa: E402  (appended section keeps its imports here)
+from mok.kernels.quant.fp8_block import sorted_scale_rows  # noqa: E402
 
 
 @_custom_op("quantize_fp8_block_activations", ())
@@ -619,16 +619,16 @@ def _(gate_up, schedule_tensors, block_m, swiglu_limit):
 
 # --------------------------------------------------------------------------- mxfp8 quantize
 
-from mok.kernels import quant  # noqa: E402  (appended section keeps its imports here)
+from mok.kernels.quant import mxfp8 as quant_mxfp8  # noqa: E402  (appended section keeps its imports here)
 
 
 @_custom_op("mxfp8_quantize", ())
 def _mxfp8_quantize(
     t: torch.Tensor, rowwise: bool, colwise: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q, scale, q_t, scale_t) of `quant.mxfp8_quantize_triton`; a pair not asked for is an
+    """(q, scale, q_t, scale_t) of `quant_mxfp8.mxfp8_quantize_triton`; a pair not asked for is an
     empty [0] tensor of its dtype (custom ops cannot return None)."""
-    q, scale, q_t, scale_t = quant.mxfp8_quantize_triton(t, rowwise, colwise)
+    q, scale, q_t, scale_t = quant_mxfp8.mxfp8_quantize_triton(t, rowwise, colwise)
     empty = lambda dtype: t.new_empty(0, dtype=dtype)  # noqa: E731
     return (
         empty(torch.float8_e4m3fn) if q is None else q,
@@ -640,7 +640,7 @@ def _mxfp8_quantize(
 
 @_mxfp8_quantize.op.register_fake
 def _(t, rowwise, colwise):
-    quant.validate_mxfp8_quantize_args(t, rowwise, colwise)
+    quant_mxfp8.validate_mxfp8_quantize_args(t, rowwise, colwise)
     *lead, M, N = t.shape
     new = t.new_empty
     return (
@@ -671,13 +671,13 @@ def _rounded_fake(t, rowwise, colwise):
 
 @_custom_op("mxfp8_round", ())
 def _mxfp8_round(t: torch.Tensor, rowwise: bool, colwise: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows, cols) of `quant.mxfp8_round`, bf16 in t's shape (one not asked for: empty [0])."""
-    return _pair_or_empty(t, quant.mxfp8_round(t, rowwise, colwise))
+    """(rows, cols) of `quant_mxfp8.mxfp8_round`, bf16 in t's shape (one not asked for: empty [0])."""
+    return _pair_or_empty(t, quant_mxfp8.mxfp8_round(t, rowwise, colwise))
 
 
 @_mxfp8_round.op.register_fake
 def _(t, rowwise, colwise):
-    quant.validate_mxfp8_quantize_args(t, rowwise, colwise)
+    quant_mxfp8.validate_mxfp8_quantize_args(t, rowwise, colwise)
     return _rounded_fake(t, rowwise, colwise)
 
 
@@ -686,7 +686,8 @@ def _mxfp8_round_sorted(
     a: torch.Tensor, schedule_tensors: list[torch.Tensor], block_m: int, rowwise: bool, colwise: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`mok::mxfp8_round` of a sorted-layout operand [rows, W] (padding rows zeros)."""
-    return _pair_or_empty(a, quant.mxfp8_round(a, rowwise, colwise, routing_from_tensors(schedule_tensors, block_m)))
+    return _pair_or_empty(a, quant_mxfp8.mxfp8_round(a, rowwise, colwise,
+                                                 routing_from_tensors(schedule_tensors, block_m)))
 
 
 @_mxfp8_round_sorted.op.register_fake
@@ -698,7 +699,7 @@ def mxfp8_round(
     t: torch.Tensor, rowwise: bool = True, colwise: bool = False,
     schedule_tensors: list[torch.Tensor] | None = None, block_m: int = 0,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """t rounded to the MXFP8 grid along its rows and/or columns, bf16 (`quant.mxfp8_round`;
+    """t rounded to the MXFP8 grid along its rows and/or columns, bf16 (`quant_mxfp8.mxfp8_round`;
     with `schedule_tensors`, t is an operand in that schedule's sorted layout); None for the
     orientation not asked for."""
     if schedule_tensors is None:

@@ -68,7 +68,8 @@ def test_arithmetic_cost_diagnostic_names_its_variants_and_refuses_others(monkey
     family or variant stops with the usage."""
     import inspect
 
-    from mok.kernels import quant_fp8_block, warp_specialized
+    from mok.kernels import warp_specialized
+    from mok.kernels.quant import fp8_block as quant_fp8_block
 
     sweep = _sweep("fp8_arithmetic_cost")
     for variants, helper in ((sweep.WGRAD, warp_specialized._add_scaled),

@@ -17,7 +17,7 @@ import sys
 import torch
 
 from mok.bench.presets import PRESETS
-from mok.kernels import quant_fp8_block
+from mok.kernels.quant import fp8_block as quant_fp8_block
 from mok.kernels.grouped_gemm import routing_block_m
 from mok.kernels.plan import override
 from mok.kernels.routing.schedule import build_routing_schedule

@@ -72,7 +72,7 @@ through the quantizers' own `quantize_row_blocks`), which the gate/up dgrad read
 views, rows 2·I bytes apart. The product's epilogue then takes EPILOGUE_ROWS rows at a time,
 each row's 128 columns together. Padding rows quantize to zeros and stay exact zeros. The
 gate/up wgrad reduces over rows, so it needs its own quantization, of the bf16 d_gate_up or
-of the e4m3 copy (`quant_fp8_block`'s SCALED transposing quantizer).
+of the e4m3 copy (`quant/fp8_block.py`'s SCALED transposing quantizer).
 
 Caller contract: the schedule was built with the same BLOCK_M as these kernels' tiles
 (checked); `gate_up` holds the forward's pre-activations for every row below `num_rows`.
@@ -112,7 +112,7 @@ from mok.kernels.grouped_gemm import (
     scatter_rows_to_slots,
     sorted_rows_tile,
 )
-from mok.kernels.quant_fp8_block import dequantize_row_blocks, quantize_row_blocks
+from mok.kernels.quant.fp8_block import dequantize_row_blocks, quantize_row_blocks
 from mok.kernels.routing.schedule import RoutingSchedule
 from mok.kernels.swiglu import fast_sigmoid_here, swiglu_backward
 

@@ -47,7 +47,7 @@ bf16 mode) to recompute h and the SwiGLU derivative; h_q is not kept (the down w
 reduces over rows, so it needs h quantized along rows, not along I). Its dgrad GEMMs reduce
 over I (gate/up) and H (down), so they read the weights' transposed copies (`q_t`,
 `scale_t` of `mok.fp8_block_quantize`), K-major again; its wgrads reduce over rows, so a
-separate quantizer (`quant_fp8_block.quantize_fp8_block_sorted_t`) re-quantizes their
+separate quantizer (`quant.fp8_block.quantize_fp8_block_sorted_t`) re-quantizes their
 operands along the rows (x_q's blocks run along H).
 
 Every output element is computed by one program with a fixed K loop: deterministic.
@@ -78,7 +78,7 @@ from mok.kernels.common import (
 )
 from mok.kernels.routing.gather import gather_sorted_rows
 from mok.kernels.plan import kernel_plan
-from mok.kernels.quant_fp8_block import quantize_row_blocks
+from mok.kernels.quant.fp8_block import quantize_row_blocks
 from mok.kernels.routing.schedule import RoutingSchedule
 from mok.kernels.swiglu import fast_sigmoid_here, swiglu_forward
 

@@ -152,7 +152,7 @@ class KernelPlan:
     # The bf16 cooperative wgrads by TMA stores, at 3 stages (log h200-20261202-bf16-wgrad-nostore.log).
     bf16_wgrad_tma_store: bool = True
 
-    # ---- fp8_block quantizers (`quant_fp8_block.py`)
+    # ---- fp8_block quantizers (`quant/fp8_block.py`)
     # Weights by the Gluon kernel on an NVIDIA GPU: faster on every preset, bitwise the Triton
     # kernel's (log h200-20261202-weight-quantizers-gluon.log).
     weights_gluon: bool = True

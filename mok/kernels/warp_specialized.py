@@ -101,7 +101,7 @@ from mok.kernels.gluon_api import (
     warpgroup_mma_wait,
 )
 from mok.kernels.plan import kernel_plan
-from mok.kernels.quant_fp8_block import quantize_row_blocks
+from mok.kernels.quant.fp8_block import quantize_row_blocks
 from mok.kernels.routing.schedule import RoutingSchedule
 from mok.kernels.swiglu import fast_sigmoid_here, swiglu_forward
 

@@ -36,7 +36,7 @@ padding: the forward's h is zero there because its gathered x rows are).
 fp8_block (the constexpr PRECISION, launchers `*_fp8_block`): the reduction runs
 over rows, so both operands are quantized in 1×128 blocks along the rows, per expert
 (a separate launch per operand ahead of these GEMMs: x and w·dOut gathered from the token
-rows by `quant_fp8_block.quantize_fp8_block_gathered_t`, d_gate_up viewed as [rows, 2·I] by
+rows by `quant.fp8_block.quantize_fp8_block_gathered_t`, d_gate_up viewed as [rows, 2·I] by
 `quantize_fp8_block_sorted_t`, and h recomputed from the saved g, u by
 `quantize_fp8_block_swiglu_sorted_t`; the forward's h_q has its blocks along I and is not
 kept). Each operand arrives transposed, aqᵀ [W, capacity_rows] with its scales sa
@@ -64,7 +64,7 @@ from mok.kernels import warp_specialized
 from mok.kernels.common import expert_tile_coordinates, interpreting, launch_programs, round_to_bf16, tma_descriptor
 from mok.kernels.routing.gather import check_sorted_rows
 from mok.kernels.plan import KernelPlan, kernel_plan
-from mok.kernels.quant_fp8_block import sorted_scale_rows
+from mok.kernels.quant.fp8_block import sorted_scale_rows
 from mok.kernels.routing.schedule import RoutingSchedule
 
 _SCALE_BLOCK = tl.constexpr(FP8_BLOCK)  # kernels read only constexpr globals

@@ -19,7 +19,7 @@ from mok.kernels.dgrad import (
 )
 from mok.kernels.grouped_gemm import routing_block_m
 from mok.kernels.plan import kernel_plan
-from mok.kernels.quant_fp8_block import quantize_fp8_block_activations, quantize_fp8_block_gathered
+from mok.kernels.quant.fp8_block import quantize_fp8_block_activations, quantize_fp8_block_gathered
 from mok.kernels.routing.schedule import build_routing_schedule
 from mok.testing import assert_close_to_reference, make_inputs, make_topk_ids
 

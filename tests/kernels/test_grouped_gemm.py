@@ -20,7 +20,7 @@ from mok.kernels.grouped_gemm import (
     scatter_grid,
 )
 from mok.kernels.dgrad import dgrad_config, gate_up_dgrad_scatter
-from mok.kernels.quant_fp8_block import quantize_fp8_block_activations
+from mok.kernels.quant.fp8_block import quantize_fp8_block_activations
 from mok.kernels.routing.schedule import build_routing_schedule
 from mok.testing import assert_close_to_reference, make_inputs, make_topk_ids
 

@@ -9,7 +9,7 @@ import torch
 import mok
 from mok import mxfp8, ops
 from mok.kernels.common import interpreting
-from mok.kernels.quant import mxfp8_quantize_triton, mxfp8_round
+from mok.kernels.quant.mxfp8 import mxfp8_quantize_triton, mxfp8_round
 
 NAMES = ("q", "scale", "q_t", "scale_t")
 

@@ -27,7 +27,7 @@ from mok.kernels.grouped_gemm import (
     routing_block_m,
 )
 from mok.kernels.plan import HOPPER, kernel_plan, override
-from mok.kernels.quant_fp8_block import (
+from mok.kernels.quant.fp8_block import (
     quantize_fp8_block_activations,
     quantize_fp8_block_gathered,
     quantize_fp8_block_sorted_t,

@@ -8,7 +8,7 @@ import torch
 from mok.kernels import warp_specialized as ws
 from mok.kernels.common import num_sms
 from mok.kernels.grouped_gemm import routing_block_m
-from mok.kernels.quant_fp8_block import (
+from mok.kernels.quant.fp8_block import (
     quantize_fp8_block_sorted_t,
     quantize_fp8_block_swiglu_sorted_t,
     sorted_scale_rows,

@@ -25,15 +25,15 @@ caller asks for no dy (`topk_weights=None`). dy carries one bf16 rounding of w·
 (relative 2^-9 per element, far inside the bf16 accuracy bar).
 
 mxfp8 (`mxfp8=True`): each copy comes out rounded to the MXFP8 grid of the GEMM that reads it
-(`quant.mxfp8_round`): d_out_sorted in blocks of 32 along H (the down dgrad reduces over H),
+(`quant.mxfp8.mxfp8_round`): d_out_sorted in blocks of 32 along H (the down dgrad reduces over H),
 x_sorted and dy_sorted in blocks of 32 rows (the wgrads reduce over rows), dy from the fp32
 product w·dOut. A program then copies 32 rows, one block: the schedule pads every expert
 to a multiple of BLOCK_M (a multiple of 32), so the block is one expert's, padding zeros.
 
 fp8_block makes no bf16 copy: its quantizers read the token rows through row_source
-themselves (`quant_fp8_block.quantize_fp8_block_gathered_t`), or quantize the token rows once
+themselves (`quant.fp8_block.quantize_fp8_block_gathered_t`), or quantize the token rows once
 and copy the e4m3 rows and their scales here as bf16 pairs
-(`quant_fp8_block.quantize_fp8_block_gathered`), or its down dgrad gathers dOut's quantized
+(`quant.fp8_block.quantize_fp8_block_gathered`), or its down dgrad gathers dOut's quantized
 token rows; each bitwise as if from these copies.
 
 Two orders of the same copy. Row-major (`_gather_sorted_rows_kernel`): a program per block
@@ -58,7 +58,7 @@ import triton.language as tl
 
 from mok.kernels.common import interpreting, round_to_bf16
 from mok.kernels.plan import kernel_plan
-from mok.kernels.quant import mxfp8_round_tile
+from mok.kernels.quant.mxfp8 import mxfp8_round_tile
 from mok.kernels.routing.schedule import RoutingSchedule
 from mok.mxfp8 import MX_BLOCK
 
@@ -68,7 +68,7 @@ def sorted_row_routes(rows, row_ok, row_source_ptr, topk):
     """(slot, token, valid) of sorted rows: slot = row_source[r], the route t·topk + j (0 where
     none), its token t = slot // topk, and whether the row has a route (padding rows, −1,
     and rows not `row_ok` have none and read nothing). Also the fp8_block quantizers'
-    gathering loads (`quant_fp8_block`)."""
+    gathering loads (`quant/fp8_block.py`)."""
     source = tl.load(row_source_ptr + rows, mask=row_ok, other=-1)
     valid = source >= 0
     slot = tl.where(valid, source, 0)
