@@ -36,8 +36,8 @@ from mok import reference
 from mok import ops
 from mok.config import MoKConfig
 from mok.kernels.common import interpreting
-from mok.kernels.dgrad import down_wgrad_reads_weighted_h, fp8_block_down_dgrad_gathers
-from mok.kernels.grouped_gemm import routing_block_m
+from mok.kernels.gemm.dgrad import down_wgrad_reads_weighted_h, fp8_block_down_dgrad_gathers
+from mok.kernels.gemm.common import routing_block_m
 from mok.kernels.plan import kernel_plan
 from mok.kernels.common import ERROR_BAD_EXPERT_ID, ERROR_CAPACITY_OVERFLOW, ERROR_PEER_TIMEOUT
 from mok.fp8_block import FP8_BLOCK, fp8_block_round

@@ -22,7 +22,8 @@ import torch
 
 from mok.fp8_block import FP8_BLOCK
 from mok.kernels.routing import combine as combine_kernels
-from mok.kernels import grouped_gemm
+from mok.kernels.gemm import down as down_kernels
+from mok.kernels.gemm import gate_up as gate_up_kernels
 from mok.kernels.routing.schedule import RoutingSchedule, build_routing_schedule, capacity_rows
 
 
@@ -104,7 +105,7 @@ def gate_up_swiglu(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """h [rows, I] bf16 and gate_up [rows, 2, I] bf16 (an empty [0, 2, I] when not stored)."""
     routing = routing_from_tensors(schedule_tensors, block_m)
-    h, gate_up = grouped_gemm.gate_up_swiglu(x, w_gate, w_up, routing, topk, swiglu_limit, store_gate_up)
+    h, gate_up = gate_up_kernels.gate_up_swiglu(x, w_gate, w_up, routing, topk, swiglu_limit, store_gate_up)
     if gate_up is None:
         gate_up = h.new_empty(0, 2, h.shape[1])
     return h, gate_up
@@ -126,7 +127,7 @@ def down_scatter(
 ) -> torch.Tensor:
     """y [num_slots, H] bf16, each route's unweighted expert output in its slot."""
     routing = routing_from_tensors(schedule_tensors, block_m)
-    return grouped_gemm.down_scatter(h, w_down, routing, num_slots)
+    return down_kernels.down_scatter(h, w_down, routing, num_slots)
 
 
 @down_scatter.op.register_fake
@@ -153,7 +154,7 @@ def gate_up_swiglu_fp8_block(
     bf16 (an empty [0, 2, I] when not stored) and an empty [0] fp32; with `gate_up_e4m3`, gate_up
     [rows, 2, I] e4m3 and its scales [rows, 2, I/128] fp32 (1×128 blocks along I)."""
     routing = routing_from_tensors(schedule_tensors, block_m)
-    h_q, h_scale, gate_up = grouped_gemm.gate_up_swiglu_fp8_block(
+    h_q, h_scale, gate_up = gate_up_kernels.gate_up_swiglu_fp8_block(
         x_q, x_scale, w_gate_q, w_gate_scale, w_up_q, w_up_scale, routing, topk, swiglu_limit, store_gate_up,
         gate_up_e4m3=gate_up_e4m3,
     )
@@ -196,7 +197,7 @@ def down_scatter_fp8_block(
     """y [num_slots, H] bf16 from the fp8_block h and w_down, each route's unweighted output in its
     slot; `sorted_rows`: y [capacity_rows, H], each sorted row's at its own index."""
     routing = routing_from_tensors(schedule_tensors, block_m)
-    return grouped_gemm.down_scatter_fp8_block(h_q, h_scale, w_down_q, w_down_scale, routing, num_slots,
+    return down_kernels.down_scatter_fp8_block(h_q, h_scale, w_down_q, w_down_scale, routing, num_slots,
                                                sorted_rows=sorted_rows)
 
 
@@ -224,7 +225,7 @@ def _(y, topk_weights, y_shared, route_row=None):
 
 # --------------------------------------------------------------------------- backward: sorted rows
 
-from mok.kernels import dgrad, wgrad  # noqa: E402  (the backward section keeps its imports here)
+from mok.kernels.gemm import dgrad, wgrad  # noqa: E402  (the backward section keeps its imports here)
 from mok.kernels.routing import gather  # noqa: E402
 
 

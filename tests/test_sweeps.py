@@ -90,7 +90,7 @@ def test_arithmetic_cost_diagnostic_names_its_variants_and_refuses_others(monkey
 def test_tile_waves_routing_adds_one_m_tile_per_extra_expert(num_tokens, num_experts, topk):
     import torch
 
-    from mok.kernels.grouped_gemm import routing_block_m
+    from mok.kernels.gemm.common import routing_block_m
 
     sweep = _sweep("tile_waves")
     block_m = routing_block_m()
@@ -105,9 +105,9 @@ def test_tile_waves_routing_adds_one_m_tile_per_extra_expert(num_tokens, num_exp
 
 
 def test_tile_waves_sweep_times_split_and_whole_last_waves(monkeypatch):
-    from mok.kernels import dgrad, grouped_gemm
+    from mok.kernels.gemm import common, dgrad
 
-    for module in (dgrad, grouped_gemm):  # the GPU's tile configs, also under the interpreter
+    for module in (dgrad, common):  # the GPU's tile configs, also under the interpreter
         monkeypatch.setattr(module, "interpreting", lambda: False)
     sweep = _sweep("tile_waves")
     p = PRESETS["mixtral-8x7b"]
@@ -121,7 +121,7 @@ def test_tile_waves_sweep_times_split_and_whole_last_waves(monkeypatch):
 
 @pytest.mark.parametrize("preset", GPU_PRESETS)
 def test_down_dgrad_prefetch_sweep_times_the_default_with_and_without_it(preset):
-    from mok.kernels.dgrad import dgrad_config
+    from mok.kernels.gemm.dgrad import dgrad_config
 
     sweep = _sweep("down_dgrad_prefetch")
     (kind, candidates), = sweep.configs().items()

@@ -11,7 +11,7 @@ import torch
 
 from mok.bench.presets import PRESETS
 from mok.kernels.routing import combine as combine_kernels
-from mok.kernels.grouped_gemm import routing_block_m
+from mok.kernels.gemm.common import routing_block_m
 from mok.kernels.plan import override
 from mok.kernels.routing.schedule import build_routing_schedule
 from mok.testing import make_inputs

@@ -38,7 +38,8 @@ sys.path[:0] = [str(pathlib.Path(__file__).parents[1]), str(pathlib.Path(__file_
 import fp8_sorted_quantizers  # noqa: E402
 import tune_gemm  # noqa: E402
 
-from mok.kernels import warp_specialized, wgrad  # noqa: E402
+from mok.kernels import warp_specialized  # noqa: E402
+from mok.kernels.gemm import wgrad  # noqa: E402
 from mok.kernels.quant import fp8_block as quant_fp8_block  # noqa: E402
 from mok.kernels.plan import override  # noqa: E402
 

@@ -18,8 +18,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).parents[1]))
 import tune_gemm  # noqa: E402
 
 from mok.kernels import warp_specialized  # noqa: E402
-from mok.kernels.dgrad import dgrad_config  # noqa: E402
-from mok.kernels.grouped_gemm import gemm_config  # noqa: E402
+from mok.kernels.gemm.dgrad import dgrad_config  # noqa: E402
+from mok.kernels.gemm.common import gemm_config  # noqa: E402
 
 GROUP_M = (8, 16, 32)
 

@@ -1,8 +1,8 @@
 """Which kernels run, per GPU architecture: one frozen `KernelPlan` of tile sizes, thresholds and
 variant flags for each, and `kernel_plan(device)` to pick it.
 
-Every config-choosing function (`grouped_gemm.gemm_config`, `dgrad.dgrad_config`,
-`wgrad.wgrad_config`, the quantizers' and the layer's fp8_block choices) and every other launcher's
+Every config-choosing function (`gemm.common.gemm_config`, `gemm.dgrad.dgrad_config`,
+`gemm.wgrad.wgrad_config`, the quantizers' and the layer's fp8_block choices) and every other launcher's
 sizes (the combine, the gathers, the schedule, the expert-parallel copies) read the plan; nothing
 else chooses. Records and logs named next to a field are under `benchmarks/results/`, measured on
 H200. `override(**fields)` runs a block under a variant of the plan (`python -m mok.bench --variant`).
@@ -30,7 +30,7 @@ class KernelPlan:
     # `warp_specialized_*` / `cooperative_*` flag below then says whether one GEMM takes them.
     warp_specialized: bool
 
-    # ---- forward GEMMs (`grouped_gemm.gemm_config`)
+    # ---- forward GEMMs (`gemm.common.gemm_config`)
     # fp8_block tiles, starting points sized against H200's limits with ptxas
     # (`benchmarks/bench_fp8_gemm.py --sweep` times the alternatives).
     fp8_block_gate_up_tile: Mapping = _tile(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8,
@@ -68,7 +68,7 @@ class KernelPlan:
     # bitwise the whole tiles' output (record h200-20261202-tile-waves.json).
     split_last_wave: bool = True
 
-    # ---- dgrads (`dgrad.dgrad_config`)
+    # ---- dgrads (`gemm.dgrad.dgrad_config`)
     # fp8_block tiles (BLOCK_M is the schedule's), starting points sized like the forward's
     # (`benchmarks/bench_fp8_gemm.py --dgrad` times them).
     dgrad_fp8_block_down_tile: Mapping = _tile(BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4)
@@ -105,7 +105,7 @@ class KernelPlan:
     # "Fifteenth round"); False: the w·dOut copy and the forward's h everywhere.
     down_wgrad_reads_weighted_h: bool = True
 
-    # ---- wgrads (`wgrad.wgrad_config`)
+    # ---- wgrads (`gemm.wgrad.wgrad_config`)
     # fp8_block gate/up: one accumulator over the stacked [d_g | d_u], faster than two (record
     # h200-20261130-fp8-stacked-wgrad.json).
     wgrad_fp8_block_gate_up_tile: Mapping = _tile(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4,

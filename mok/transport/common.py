@@ -37,7 +37,7 @@ import torch.distributed as dist
 from mok import ops
 from mok.config import MoKConfig
 from mok.kernels.common import ERROR_CAPACITY_OVERFLOW, sms_left_free
-from mok.kernels.dgrad import fp8_block_down_dgrad_gathers
+from mok.kernels.gemm.dgrad import fp8_block_down_dgrad_gathers
 from mok.kernels.routing.schedule import sorted_route_rows
 
 

@@ -99,12 +99,13 @@ def _key(*parts) -> str:
 
 def choices() -> dict:
     """{machine: {call: result}} over `SHAPES`."""
-    from mok.kernels import dgrad, grouped_gemm, swiglu, warp_specialized, wgrad
+    from mok.kernels import swiglu, warp_specialized
+    from mok.kernels.gemm import common, dgrad, wgrad
 
     out = {}
     for name in MACHINES:
         with machine(name):
-            got = {"routing_block_m": grouped_gemm.routing_block_m(), "fast_sigmoid": swiglu.fast_sigmoid_here()}
+            got = {"routing_block_m": common.routing_block_m(), "fast_sigmoid": swiglu.fast_sigmoid_here()}
             for cooperative in (False, True):
                 got[_key("ws.tile_config", cooperative)] = warp_specialized.tile_config(cooperative)
                 got[_key("ws.wgrad_tile_config", cooperative)] = warp_specialized.wgrad_tile_config(cooperative)
@@ -122,7 +123,7 @@ def choices() -> dict:
                         for kind, n_dim, k_dim in (("gate_up", inter, hidden), ("down", hidden, inter)):
                             for packed in (False, True):
                                 got[_key("gemm_config", kind, n_dim, k_dim, precision, packed, allow)] = (
-                                    grouped_gemm.gemm_config(kind, n_dim, k_dim, precision, packed, allow))
+                                    common.gemm_config(kind, n_dim, k_dim, precision, packed, allow))
                         for kind, n_dim, k_dim in (("down", inter, hidden), ("gate_up", hidden, inter)):
                             got[_key("dgrad_config", kind, n_dim, k_dim, precision, allow)] = (
                                 dgrad.dgrad_config(kind, n_dim, k_dim, precision, allow))

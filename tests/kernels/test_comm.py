@@ -17,7 +17,7 @@ import torch
 
 from mok.kernels.comm.push import push_rows, wait_arrivals
 from mok.kernels.common import ERROR_CAPACITY_OVERFLOW, ERROR_PEER_TIMEOUT
-from mok.kernels.grouped_gemm import routing_block_m
+from mok.kernels.gemm.common import routing_block_m
 from mok.testing import make_topk_ids
 from mok.transport.common import token_plan, token_receiver_schedule
 from mok.transport.symmetric import SymmetricDispatch

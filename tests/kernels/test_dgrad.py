@@ -8,8 +8,9 @@ import torch
 
 from mok import reference
 from mok.fp8_block import fp8_block_dequantize, fp8_block_quantize, fp8_block_quantize_activations
-from mok.kernels import dgrad, warp_specialized
-from mok.kernels.dgrad import (
+from mok.kernels import warp_specialized
+from mok.kernels.gemm import dgrad
+from mok.kernels.gemm.dgrad import (
     dgrad_config,
     down_dgrad_swiglu,
     down_dgrad_swiglu_epilogue,
@@ -17,7 +18,7 @@ from mok.kernels.dgrad import (
     gate_up_dgrad_scatter,
     gate_up_dgrad_scatter_fp8_block,
 )
-from mok.kernels.grouped_gemm import routing_block_m
+from mok.kernels.gemm.common import routing_block_m
 from mok.kernels.plan import kernel_plan
 from mok.kernels.quant.fp8_block import quantize_fp8_block_activations, quantize_fp8_block_gathered
 from mok.kernels.routing.schedule import build_routing_schedule

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from mok.kernels.routing.gather import gather_sorted_rows
-from mok.kernels.grouped_gemm import routing_block_m
+from mok.kernels.gemm.common import routing_block_m
 from mok.kernels.quant.mxfp8 import mxfp8_round
 from mok.kernels.routing.schedule import build_routing_schedule
 from mok.testing import make_inputs

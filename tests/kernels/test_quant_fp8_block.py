@@ -18,7 +18,7 @@ from mok.fp8_block import fp8_block_quantize, fp8_block_quantize_activations
 from mok.kernels.quant import fp8_block as qf
 from mok.kernels.common import interpreting
 from mok.kernels.routing.gather import gather_sorted_rows
-from mok.kernels.grouped_gemm import routing_block_m
+from mok.kernels.gemm.common import routing_block_m
 from mok.kernels.plan import HOPPER, override
 from mok.kernels.quant.fp8_block import (
     _abs_max_bits,

@@ -8,9 +8,9 @@ import torch
 import triton
 
 from mok.fp8_block import fp8_block_dequantize, fp8_block_quantize
-from mok.kernels import dgrad
+from mok.kernels.gemm import dgrad
 from mok.kernels import warp_specialized as ws
-from mok.kernels.dgrad import (
+from mok.kernels.gemm.dgrad import (
     dgrad_config,
     down_dgrad_swiglu,
     down_dgrad_swiglu_fp8_block,
@@ -18,14 +18,9 @@ from mok.kernels.dgrad import (
     gate_up_dgrad_scatter_fp8_block,
 )
 from mok.kernels.routing.gather import gather_sorted_rows
-from mok.kernels.grouped_gemm import (
-    down_scatter,
-    down_scatter_fp8_block,
-    gate_up_swiglu,
-    gate_up_swiglu_fp8_block,
-    gemm_config,
-    routing_block_m,
-)
+from mok.kernels.gemm.common import gemm_config, routing_block_m
+from mok.kernels.gemm.down import down_scatter, down_scatter_fp8_block
+from mok.kernels.gemm.gate_up import gate_up_swiglu, gate_up_swiglu_fp8_block
 from mok.kernels.plan import HOPPER, kernel_plan, override
 from mok.kernels.quant.fp8_block import (
     quantize_fp8_block_activations,
@@ -34,7 +29,7 @@ from mok.kernels.quant.fp8_block import (
     quantize_fp8_block_swiglu_sorted_t,
 )
 from mok.kernels.routing.schedule import build_routing_schedule
-from mok.kernels.wgrad import (
+from mok.kernels.gemm.wgrad import (
     down_wgrad,
     down_wgrad_fp8_block,
     gate_up_wgrad,

@@ -44,7 +44,7 @@ bitwise those of quantizing that bf16 copy, which is never written (on qwen3-30b
 bf16 copies and three reads of them per backward). Blocks along a row
 (`quantize_fp8_block_gathered`): a route's row is its token's, so the token rows are
 quantized once and the e4m3 rows and their scales copied into the sorted layout; where the
-down dgrad gathers dOut's rows itself (`dgrad.fp8_block_down_dgrad_gathers`), not even that.
+down dgrad gathers dOut's rows itself (`gemm.dgrad.fp8_block_down_dgrad_gathers`), not even that.
 
 Requantizing (the constexpr SCALED): the transposing quantizers also take an operand already
 quantized in 1×128 blocks along its rows (e4m3 bytes and their [rows, ⌈W/128⌉] scales: the

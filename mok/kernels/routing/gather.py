@@ -14,13 +14,13 @@ TMA (benchmarks/LOG.md, "The backward rewrite"). The copy runs at HBM speed, and
 reads d_out_sorted through TMA too.
 
 The forward's gate/up GEMM reads x through TMA from the same copy (x alone, `d_out=None`)
-where its intermediate size makes that pay (`grouped_gemm.gemm_config`): per row copied, that
+where its intermediate size makes that pay (`gemm.common.gemm_config`): per row copied, that
 GEMM does 4·I FLOPs per element of x, so at large I the copy is cheap against what TMA saves.
 
 Why a second copy of dOut, where I ≥ H: the down dgrad needs dOut unweighted (its epilogue
 forms the router-weight gradient ⟨dOut·Wd, h⟩ and applies w in fp32), the down wgrad needs
 w·dOut as a plain TMA operand. Where I < H the down dgrad's epilogue writes w·h instead
-(`dgrad.down_wgrad_reads_weighted_h`, 2·I bytes per route against w·dOut's 2·H), and the
+(`gemm.dgrad.down_wgrad_reads_weighted_h`, 2·I bytes per route against w·dOut's 2·H), and the
 caller asks for no dy (`topk_weights=None`). dy carries one bf16 rounding of w·dOut
 (relative 2^-9 per element, far inside the bf16 accuracy bar).
 

@@ -4,10 +4,10 @@
     gate/up:  d_w_gate[e] = Σ_{r of e} d_g[r]ᵀ · x_sorted[r]  [I, H]
               d_w_up[e]   = Σ_{r of e} d_u[r]ᵀ · x_sorted[r]  [I, H]   (one launch, shared x tile)
 
-Legend: r a row of the expert-sorted layout of `schedule.py` in
+Legend: r a row of the expert-sorted layout of `routing/schedule.py` in
 [expert_offsets[e], expert_offsets[e+1]), T tokens, H hidden, I intermediate size, E_l
 local experts. Every operand is in the sorted layout and read through TMA: x_sorted and
-dy_sorted [rows, H] (`gather.py`), h [rows, I] (the forward's) and d_gate_up
+dy_sorted [rows, H] (`routing/gather.py`), h [rows, I] (the forward's) and d_gate_up
 [rows, 2, I] (the down dgrad's). Gathering x and dOut by token inside these loads would need a new index
 vector every K step (the reduction runs over rows); measured on H200 that held the
 kernels far below their rate over sorted operands (benchmarks/LOG.md, "The backward rewrite").
@@ -224,7 +224,7 @@ def _sorted_rows_wgrad_kernel(
     """down: a = dy_sorted, b = h;
     gate/up: a, a2 = d_g, d_u (sharing the x_sorted tile b), or with STACKED a = [d_g | d_u]
     (2·I wide) and one accumulator whose rows go to d_w_gate, then d_w_up."""
-    # Two call sites, as in `grouped_gemm._down_scatter_kernel` (a one-tile loop spills there).
+    # Two call sites, as in `down._down_scatter_kernel` (a one-tile loop spills there).
     if PERSISTENT:  # num_programs programs walk the tiles; the flattened loop overlaps a tile's
         # epilogue with the next tile's first loads
         for tile in tl.range(tl.program_id(0), num_tiles, num_programs, flatten=True):

@@ -9,13 +9,13 @@
                                       = ⟨dOut[t], y[t·topk+j]⟩ = ⟨dOut[t]·Wd[e], h[r]⟩
     gate/up dgrad: dx_slots[t·topk+j] = d_g[r] · Wg[e] + d_u[r] · Wu[e]  [H]  one fp32 accumulator
 
-Legend: r a row of the expert-sorted layout of `schedule.py`, src(r) = row_source[r] =
+Legend: r a row of the expert-sorted layout of `routing/schedule.py`, src(r) = row_source[r] =
 t·topk + j (−1: padding), e = tile_expert[r // BLOCK_M], T tokens, H hidden, I
 intermediate size, topk routes per token, E_l local experts. g, u are the pre-activations
 the forward stored ([rows, 2, I] bf16); h = silu(min(g, L)) · clamp(u, −L, L) is
 recomputed from them in fp32.
 
-The down dgrad reads dOut rows already in the sorted layout (`gather.py`'s d_out_sorted,
+The down dgrad reads dOut rows already in the sorted layout (`routing/gather.py`'s d_out_sorted,
 zeros in padding rows) and applies the router weight to the fp32 accumulator: d_h never
 exists in bf16, and d_g, d_u carry a single bf16 rounding (at the d_gate_up store). The
 router-weight gradient is the row-dot ⟨dOut[t]·Wd[e], h[r]⟩ over I, which equals
@@ -49,7 +49,7 @@ it passes x and dOut as they are.
 fp8_block (the constexpr PRECISION, launchers `*_fp8_block`): the same kernels and
 epilogues on E4M3 operands with fp32 block scales, one per 1×128 block of a sorted row along
 the reduction dim (dOut's along H, d_g's and d_u's along I) and one per 128×128 block of a
-weight, applied per 128-wide K step by the forward's main loop (`grouped_gemm.sorted_rows_tile`):
+weight, applied per 128-wide K step by the forward's main loop (`common.sorted_rows_tile`):
 
     acc[r, n] = Σ_kb  sa[r, kb] · sw[e, n // 128, kb] · Σ_{k in block kb} aq[r, k] · wqᵀ[e, n, k]     (fp32)
 
@@ -58,7 +58,7 @@ weight's transposed copy (`q_t`, `scale_t` of `mok.fp8_block_quantize`: w_down�
 w_gateᵀ and w_upᵀ [E_l, H, I]), read as [N, K] tiles. Up to
 the plan's `gathered_fp8_block_down_dgrad_max_hidden`, dOut is quantized once per token
 (`quantize_fp8_block_activations` of the token rows) and the down dgrad gathers each sorted
-row's token row inside its loads (`grouped_gemm.gathered_rows_tile_fp8`: a route's row of the
+row's token row inside its loads (`common.gathered_rows_tile_fp8`: a route's row of the
 sorted copy would be the same bytes, so dOut costs a T-row quantization, not T·topk rows);
 above it, dOut's sorted rows are quantized straight from the token rows
 (`quantize_fp8_block_gathered`) and read through TMA. On Hopper the GEMM runs in
@@ -101,7 +101,7 @@ from mok.kernels.common import (
 )
 from mok.kernels.routing.gather import check_sorted_rows
 from mok.kernels.plan import kernel_plan
-from mok.kernels.grouped_gemm import (
+from mok.kernels.gemm.common import (
     check_fp8_block_pair,
     checked_tile_config,
     fp8_block_weight_shape,
@@ -510,7 +510,7 @@ def _gate_up_dgrad_scatter_kernel(
 ):
     num_n_tiles = tl.cdiv(hidden, BLOCK_N)
     num_m_tiles = tl.cdiv(tl.load(num_rows_ptr), BLOCK_M)
-    if PERSISTENT:  # as the forward's down GEMM (`grouped_gemm._down_scatter_kernel`)
+    if PERSISTENT:  # as the forward's down GEMM (`down._down_scatter_kernel`)
         for tile in tl.range(tl.program_id(0), num_m_tiles * num_n_tiles, num_programs, flatten=True):
             m_tile, n_tile = tile_coordinates(tile, num_m_tiles, num_n_tiles, GROUP_M)
             _gate_up_dgrad_tile(
