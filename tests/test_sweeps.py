@@ -68,18 +68,18 @@ def test_arithmetic_cost_diagnostic_names_its_variants_and_refuses_others(monkey
     family or variant stops with the usage."""
     import inspect
 
-    from mok.kernels import warp_specialized
+    from mok.kernels.gemm import hopper_common, hopper_wgrad
     from mok.kernels.quant import fp8_block as quant_fp8_block
 
     sweep = _sweep("fp8_arithmetic_cost")
-    for variants, helper in ((sweep.WGRAD, warp_specialized._add_scaled),
+    for variants, helper in ((sweep.WGRAD, hopper_common._add_scaled),
                              (sweep.QUANTIZER, quant_fp8_block._quantize_elements)):
         assert variants["full"] is None
         wanted = list(inspect.signature(helper.fn).parameters)
         for name, patch in variants.items():
             assert patch is None or list(inspect.signature(patch.fn).parameters) == wanted, name
     assert (list(inspect.signature(sweep._stored_never.fn).parameters)
-            == list(inspect.signature(warp_specialized._wgrad_store.fn).parameters))
+            == list(inspect.signature(hopper_wgrad._wgrad_store.fn).parameters))
     for argv in (["x", "wgrad", "fast"], ["x", "matmul", "full"], ["x"]):
         monkeypatch.setattr(sys, "argv", argv)
         with pytest.raises(SystemExit, match="usage: fp8_arithmetic_cost.py"):

@@ -26,7 +26,7 @@ def _tile(**sizes) -> dataclasses.Field:
 class KernelPlan:
     """The kernel choices of one architecture. Tile fields are read-only dicts of launch meta."""
 
-    # The Gluon warp-specialized GEMMs run (Hopper's wgmma and TMA, `warp_specialized.py`); each
+    # The Gluon warp-specialized GEMMs run (Hopper's wgmma and TMA, `gemm/hopper_*.py`); each
     # `warp_specialized_*` / `cooperative_*` flag below then says whether one GEMM takes them.
     warp_specialized: bool
 
@@ -132,7 +132,7 @@ class KernelPlan:
     # (record h200-20261201-ab-fp8-ws-wgrad.json).
     warp_specialized_fp8_block_wgrad: bool = True
 
-    # ---- warp-specialized tiles and stores (`warp_specialized.py`)
+    # ---- warp-specialized tiles and stores (`gemm/hopper_*.py`)
     # Ping-pong: 128×128 per consumer (128×256 spilled), six stages (log h200-20261130-ping-pong-probe.log).
     ping_pong_tile: Mapping = _tile(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_stages=6)
     # Cooperative: both consumers on one 128×256 tile, four stages (log h200-20261201-cooperative-probe.log).
@@ -248,10 +248,10 @@ def kernel_plan(device: torch.device | None = None) -> KernelPlan:
     """The plan for `device` (None: the current CUDA device, or the interpreter's without one):
     HOPPER where the warp-specialized GEMMs build (compute capability 9, Gluon usable, no
     interpreter), else GENERIC; with `override`'s fields."""
-    from mok.kernels import warp_specialized  # it reads the plan too
+    from mok.kernels.gemm import hopper_common  # it reads the plan too
 
-    hopper = (warp_specialized.available_here() if device is None
-              else warp_specialized.warp_specialized_available(device))
+    hopper = (hopper_common.available_here() if device is None
+              else hopper_common.warp_specialized_available(device))
     plan = HOPPER if hopper else GENERIC
     return dataclasses.replace(plan, **_OVERRIDES) if _OVERRIDES else plan
 

@@ -5,7 +5,7 @@ be read), and in-place main_grad accumulation in fp32 and bf16."""
 import pytest
 import torch
 
-from mok.kernels import warp_specialized as ws
+from mok.kernels.gemm import hopper_common as ws
 from mok.kernels.common import num_sms
 from mok.kernels.gemm.common import routing_block_m
 from mok.kernels.quant.fp8_block import (

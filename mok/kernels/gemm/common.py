@@ -37,8 +37,8 @@ import triton
 import triton.language as tl
 
 from mok.fp8_block import FP8_BLOCK
-from mok.kernels import warp_specialized
 from mok.kernels.common import interpreting, launch_programs, num_sms, round_to_bf16
+from mok.kernels.gemm import hopper_common
 from mok.kernels.plan import kernel_plan
 from mok.kernels.routing.schedule import RoutingSchedule
 
@@ -166,7 +166,7 @@ def gemm_config(
         measured_faster = {"down": plan.warp_specialized_fp8_block_down,
                            "gate_up": plan.warp_specialized_fp8_block_gate_up}[kind]
         if measured_faster and allow_warp_specialized and plan.warp_specialized:
-            return warp_specialized.fp8_block_tile_config()
+            return hopper_common.fp8_block_tile_config()
         return dict(plan.fp8_block_interpreter_tile if interpreting() else
                     {"down": plan.fp8_block_down_tile, "gate_up": plan.fp8_block_gate_up_tile}[kind])
     if interpreting():
@@ -178,7 +178,7 @@ def gemm_config(
                     PACKED=packed, X_SORTED=not packed and n_dim >= plan.sorted_x_min_inter)
     cooperative = reduce_dim > plan.ping_pong_down_max_inter
     if allow_warp_specialized and (plan.cooperative_down or not cooperative) and plan.warp_specialized:
-        return warp_specialized.tile_config(cooperative)
+        return hopper_common.tile_config(cooperative)
     persistent = reduce_dim <= plan.persistent_down_max_inter
     return dict(BLOCK_M=128, BLOCK_N=256 if n_dim >= 2048 else 128, BLOCK_K=64, GROUP_M=plan.gemm_group_m, num_warps=8,
                 num_stages=3 if persistent else 4, PERSISTENT=persistent, SPLIT_LAST_WAVE=plan.split_last_wave)

@@ -20,7 +20,7 @@ fp8_block (the constexpr PRECISION, `down_scatter_fp8_block`): the fp8_block mai
 over the gate/up GEMM's h_q [rows, I] e4m3 (read through TMA) and h_scale [rows, I/128] fp32,
 and `mok.fp8_block_quantize(w_down)`'s 128×128 blocks.
 On Hopper the down GEMM runs warp-specialized where `common.gemm_config` chooses it
-(`warp_specialized.py`).
+(`hopper_scatter.py`).
 
 Every output element is computed by one program with a fixed K loop: deterministic.
 Caller contract: the schedule was built for these tensors with the same BLOCK_M.
@@ -33,8 +33,8 @@ import triton
 import triton.language as tl
 
 from mok.fp8_block import FP8_BLOCK
-from mok.kernels import warp_specialized
 from mok.kernels.common import interpreting, last_wave_tile_coordinates, num_sms, tile_coordinates, tma_descriptor
+from mok.kernels.gemm import hopper_scatter
 from mok.kernels.gemm.common import (
     _check_weights,
     _tile_config,
@@ -122,11 +122,11 @@ def _launch_down_scatter(
     sorted_rows: bool = False,
 ) -> None:
     """One launch of `_down_scatter_kernel` (the scales are None in bf16), or, for a tile config
-    with WARP_SPECIALIZED, of `warp_specialized`'s kernel. `sorted_rows`: y [capacity_rows, H],
+    with WARP_SPECIALIZED, of `hopper_scatter`'s kernel. `sorted_rows`: y [capacity_rows, H],
     each row at its own index."""
     if cfg.get("WARP_SPECIALIZED", False):
         scales = None if h_scale is None else (h_scale, w_down_scale)
-        warp_specialized.launch_down_scatter(h, w_down, y, schedule, cfg, scales, scatter=not sorted_rows)
+        hopper_scatter.launch_down_scatter(h, w_down, y, schedule, cfg, scales, scatter=not sorted_rows)
         return
     hidden, inter = w_down.shape[1], w_down.shape[2]
     programs = scatter_grid(schedule, hidden, cfg)

@@ -24,7 +24,7 @@ for the down GEMM with the quantizers' own device function (`quantize_row_blocks
 bit-exact rule of `mok.fp8_block`): BLOCK_N = 128, so each row of a tile is exactly one
 1×128 block of h. h_q [rows, I] e4m3 and h_scale [rows, I/128] fp32 replace the bf16 h;
 the down GEMM reads h_q through TMA. On Hopper the fp8_block GEMM runs warp-specialized where
-`common.gemm_config` chooses it, x's token rows gathered by its producer (`warp_specialized.py`).
+`common.gemm_config` chooses it, x's token rows gathered by its producer (`hopper_gathered.py`).
 
 What the fp8_block backward needs from this forward: g and u (`store_gate_up`, bf16, as in
 bf16 mode) to recompute h and the SwiGLU derivative; h_q is not kept (the down wgrad
@@ -45,7 +45,6 @@ import triton
 import triton.language as tl
 
 from mok.fp8_block import FP8_BLOCK
-from mok.kernels import warp_specialized
 from mok.kernels.common import (
     column_halves,
     gate_up_parts,
@@ -55,6 +54,7 @@ from mok.kernels.common import (
     tma_descriptor,
     tma_descriptor_pair,
 )
+from mok.kernels.gemm import hopper_gathered
 from mok.kernels.gemm.common import (
     _check_weights,
     _tile_config,
@@ -312,8 +312,8 @@ def gate_up_swiglu_fp8_block(
     elif store_gate_up:  # [capacity_rows, 2, I] bf16
         gate_up = torch.empty(rows, 2, inter, dtype=torch.bfloat16, device=device)
     if cfg.get("WARP_SPECIALIZED", False):
-        warp_specialized.launch_gate_up_swiglu_fp8_block(x_q, x_scale, w_gate_q, w_gate_scale, w_up_q, w_up_scale, h_q,
-                                                         h_scale, gate_up, schedule, topk, swiglu_limit, cfg)
+        hopper_gathered.launch_gate_up_swiglu_fp8_block(x_q, x_scale, w_gate_q, w_gate_scale, w_up_q, w_up_scale, h_q,
+                                                        h_scale, gate_up, schedule, topk, swiglu_limit, cfg)
     else:
         _launch_gate_up_swiglu(
             "fp8_block", x_q, x_scale, w_gate_q, w_gate_scale, w_up_q, w_up_scale, h_q, h_scale, gate_up,

@@ -60,11 +60,11 @@ import triton
 import triton.language as tl
 
 from mok.fp8_block import FP8_BLOCK
-from mok.kernels import warp_specialized
 from mok.kernels.common import expert_tile_coordinates, interpreting, launch_programs, round_to_bf16, tma_descriptor
-from mok.kernels.routing.gather import check_sorted_rows
+from mok.kernels.gemm import hopper_common, hopper_wgrad
 from mok.kernels.plan import KernelPlan, kernel_plan
 from mok.kernels.quant.fp8_block import sorted_scale_rows
+from mok.kernels.routing.gather import check_sorted_rows
 from mok.kernels.routing.schedule import RoutingSchedule
 
 _SCALE_BLOCK = tl.constexpr(FP8_BLOCK)  # kernels read only constexpr globals
@@ -106,7 +106,7 @@ def wgrad_config(
     warp_specialized_here = allow_warp_specialized and plan.warp_specialized
     if precision == "fp8_block":
         if warp_specialized_here and plan.warp_specialized_fp8_block_wgrad:
-            return warp_specialized.fp8_block_tile_config(stacked=kind == "gate_up")
+            return hopper_common.fp8_block_tile_config(stacked=kind == "gate_up")
         tiles = {"down": plan.wgrad_fp8_block_down_tile, "gate_up": plan.wgrad_fp8_block_gate_up_tile}[kind]
         return {**tiles, **(plan.wgrad_fp8_block_interpreter_sizes if interpreting() else {})}
     if interpreting():  # BLOCK_K divides the interpreter's routing BLOCK_M (16)
@@ -114,7 +114,7 @@ def wgrad_config(
     if kind == "down":
         return dict(_down_tiles(plan, n_dim, warp_specialized_here), GROUP_M=plan.down_wgrad_group_m)
     if warp_specialized_here and plan.cooperative_gate_up_wgrad:
-        return warp_specialized.wgrad_tile_config(cooperative=True)
+        return hopper_common.wgrad_tile_config(cooperative=True)
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
 
 
@@ -122,7 +122,7 @@ def _down_tiles(plan: KernelPlan, inter: int, warp_specialized_here: bool) -> di
     """The bf16 down wgrad's tiles on the GPU (`wgrad_config`), before GROUP_M."""
     cooperative = inter > plan.ping_pong_down_wgrad_max_inter
     if warp_specialized_here and (not cooperative or plan.cooperative_down_wgrad):
-        return warp_specialized.wgrad_tile_config(cooperative=cooperative)
+        return hopper_common.wgrad_tile_config(cooperative=cooperative)
     return dict(BLOCK_M=128, BLOCK_N=256 if inter >= 256 else 128, BLOCK_K=64, num_warps=8, num_stages=3,
                 PERSISTENT=inter <= plan.persistent_down_wgrad_max_inter)
 
@@ -169,7 +169,7 @@ def _wgrad_tile(
             scale_n = n0 + tl.arange(0, BLOCK_N)
             a_scale = tl.load(a_scale_ptr + slot * stride_a_scale + scale_m, mask=scale_m < m_dim, other=0.0)
             b_scale = tl.load(b_scale_ptr + slot * stride_b_scale + scale_n, mask=scale_n < n_dim, other=0.0)
-            # Row scales first, the column scales in the FMA (`warp_specialized._add_scaled`'s PER_COLUMN).
+            # Row scales first, the column scales in the FMA (`hopper_common._add_scaled`'s PER_COLUMN).
             acc += (tl.dot(a, b) * a_scale[:, None]) * b_scale[None, :]
             if TWO_OUTPUTS:
                 a2 = a2_desc.load([m0, r0])
@@ -282,7 +282,7 @@ def _launch_wgrad(
                 "tile_config: WARP_SPECIALIZED is for the wgrads into a new gradient (no main_grad), STACKED for "
                 "the fp8_block gate/up wgrad only"
             )
-        warp_specialized.launch_wgrad(a, a2, b, out, out2, schedule, cfg, (scales[0], scales[2]) if fp8 else None)
+        hopper_wgrad.launch_wgrad(a, a2, b, out, out2, schedule, cfg, (scales[0], scales[2]) if fp8 else None)
         return
     cfg = {"PERSISTENT": False, "STACKED": False, "GROUP_M": 1, **cfg}
     if cfg["STACKED"] and (out2 is None or a2 is not None):
