@@ -275,7 +275,7 @@ def scatter_grid(schedule: RoutingSchedule, hidden: int, cfg: dict) -> int:
     """Programs of a launch whose tiles cover [schedule rows, hidden] (the down GEMM, the
     gate/up dgrad): one per tile, or with cfg["PERSISTENT"] one per SM (at most one per
     tile); one per tile with cfg["SPLIT_LAST_WAVE"], num_sms // 2 more for the last wave's
-    half tiles (`common.last_wave_tile_coordinates`; persistent launches keep whole tiles)."""
+    half tiles (`kernels.common.last_wave_tile_coordinates`; persistent launches keep whole tiles)."""
     device = schedule.row_source.device
     programs = launch_programs(schedule.max_tiles * triton.cdiv(hidden, cfg["BLOCK_N"]), cfg, device)
     return programs + (num_sms(device) // 2 if splits_last_wave(cfg) else 0)

@@ -257,7 +257,7 @@ def _ring_column_scales(b_scale_bufs, slot, first_column, COLUMNS: gl.constexpr,
 
 @gluon.jit
 def _add_scaled(acc, product, a_scale, b_scale, PER_COLUMN: gl.constexpr):
-    """acc + product · (sa[m] · sb) with one weight-block scale sb (`grouped_gemm.sorted_rows_tile`'s
+    """acc + product · (sa[m] · sb) with one weight-block scale sb (`common.sorted_rows_tile`'s
     arithmetic), or with PER_COLUMN scales acc + (product · sa[m]) · sb[n] (`wgrad._wgrad_tile`'s):
     a_scale [rows] in the accumulator's row layout, b_scale a scalar or [1, columns] in the
     accumulator's layout. Per column, the rows' products need only registers, so they run while the
@@ -277,7 +277,7 @@ def _scaled_mma_steps(acc, acc_hi, first_step, steps, first_block, a_bufs, b_buf
     steps) of (A·B) · sa[m] · sb[n], each step's FP8 product fresh in fp32 and then scaled by
     the scales of its K block (`first_block + k`; the rows' at `scale_rows`, where `rows_valid`:
     `_accumulator_rows`), in step order, as the Triton kernels do (`wgrad._wgrad_tile`,
-    `grouped_gemm.sorted_rows_tile`). A tiles [rows, K], B tiles [N, K]: FP8 wgmma reads both
+    `common.sorted_rows_tile`). A tiles [rows, K], B tiles [N, K]: FP8 wgmma reads both
     K-major. The row scales and the weight blocks' scales (`b_scales`, `b_hi_scales`, `hi_valid`:
     `_block_scales`) are loaded a step ahead; per-column scales (PER_COLUMN, the wgrads:
     `b_scales` the ring's column-scale slots) come with the step's tiles. The product is waited

@@ -185,7 +185,7 @@ def _gate_up_epilogue(gate, up, h_ptr, h_scale_ptr, gate_up_ptr, gate_up_scale_p
                       swiglu_limit, h_desc, gate_up_desc, out_bufs, h_bufs, CONSUMER: gl.constexpr,
                       HAS_LIMIT: gl.constexpr, FAST_SIGMOID: gl.constexpr, STORE_GATE_UP: gl.constexpr,
                       GATE_UP_E4M3: gl.constexpr, TMA_STORE: gl.constexpr):
-    """`grouped_gemm._gate_up_swiglu_kernel`'s fp8_block epilogue on the consumer's rows from
+    """`gate_up._gate_up_swiglu_kernel`'s fp8_block epilogue on the consumer's rows from
     first_row and columns [n0, n0 + 128), n0 = n_tile · 128: h = SwiGLU(g, u) quantized as one
     1×128 block per row (h_q [rows, I] e4m3 bytes, h_scale [rows, I/128]), and with
     STORE_GATE_UP g, u in bf16 ([rows, 2, I]), or with GATE_UP_E4M3 quantized as h is (bytes, and
@@ -331,7 +331,7 @@ def launch_gate_up_swiglu_fp8_block(x_q: torch.Tensor, x_scale: torch.Tensor, w_
                                     gate_up: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None,
                                     schedule: RoutingSchedule, topk: int, swiglu_limit: float | None,
                                     cfg: dict) -> None:
-    """`grouped_gemm.gate_up_swiglu_fp8_block`'s kernel here: x_q, x_scale per token ([T, H]
+    """`gate_up.gate_up_swiglu_fp8_block`'s kernel here: x_q, x_scale per token ([T, H]
     e4m3 and [T, H/128], `quantize_fp8_block_activations`), h_q (uint8 bytes), h_scale and,
     unless None, gate_up (bf16, or the pair of e4m3 bytes and scales) written for every row below
     the schedule's num_rows. The caller has

@@ -249,8 +249,8 @@ def _launch_scatter(a, a2, b, b2, y, schedule: RoutingSchedule, cfg: dict, b_k_m
 def launch_down_scatter(h: torch.Tensor, w_down: torch.Tensor, y: torch.Tensor, schedule: RoutingSchedule,
                         cfg: dict, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
                         scatter: bool = True) -> None:
-    """y[row_source[r]] = h[r] · w_down[e]ᵀ (`grouped_gemm.down_scatter`'s local case); with
-    `scales` (h's, w_down's) the fp8_block one (`grouped_gemm.down_scatter_fp8_block`: h, w_down
+    """y[row_source[r]] = h[r] · w_down[e]ᵀ (`down.down_scatter`'s local case); with
+    `scales` (h's, w_down's) the fp8_block one (`down.down_scatter_fp8_block`: h, w_down
     e4m3). Without `scatter`, y[r] (the sorted layout). The caller has checked the operands."""
     _launch_scatter(h, None, w_down, None, y, schedule, cfg, True, scales, "down GEMM",  # w_down as [E_l·H, I]
                     scatter=scatter)
