@@ -10,7 +10,7 @@ quantized math in torch (fp32, the first experts' rows) and, through the down GE
 the bf16 kernels. Both precisions store g, u as training does. TFLOPS count only the routed
 rows (T·topk), as `tune_gemm.py` does. `--sweep` also times the alternative fp8 tile configs
 below. Each config line ends with its compiled kernel's registers per thread, spilled bytes
-and shared memory. `--dgrad` also times the backward's two dgrad GEMMs (`mok.kernels.dgrad`)
+and shared memory. `--dgrad` also times the backward's two dgrad GEMMs (`mok.kernels.gemm.dgrad`)
 in both precisions on the forward's g, u, each fp8 output first checked against the bf16
 kernel's, and the quantize steps of their sorted operands on their own.
 """
@@ -26,10 +26,13 @@ import triton
 
 from mok.bench.presets import GPU_PRESETS, PRESETS
 from mok.fp8_block import fp8_block_dequantize, fp8_block_quantize
-from mok.kernels import dgrad, grouped_gemm
-from mok.kernels.gather import gather_sorted_rows
-from mok.kernels.quant_fp8_block import quantize_fp8_block_activations
-from mok.kernels.schedule import build_routing_schedule
+from mok.kernels.gemm import dgrad
+from mok.kernels.gemm.common import gemm_config, routing_block_m
+from mok.kernels.gemm.down import _down_scatter_kernel, down_scatter, down_scatter_fp8_block
+from mok.kernels.gemm.gate_up import _gate_up_swiglu_kernel, gate_up_swiglu, gate_up_swiglu_fp8_block
+from mok.kernels.routing.gather import gather_sorted_rows
+from mok.kernels.quant.fp8_block import quantize_fp8_block_activations
+from mok.kernels.routing.schedule import build_routing_schedule
 from mok.testing import make_inputs, relative_error
 from mok.testing.timing import time_ms
 
@@ -166,43 +169,43 @@ def main() -> None:
         T, H, I, E, topk = p.num_tokens, p.hidden_size, p.intermediate_size, p.num_experts, p.topk
         inp = make_inputs(T, H, I, E, topk, seed=0, device="cuda")
         flag = torch.zeros(1, dtype=torch.int32, device="cuda")
-        sched = build_routing_schedule(inp.topk_ids, E, grouped_gemm.routing_block_m(), flag)
+        sched = build_routing_schedule(inp.topk_ids, E, routing_block_m(), flag)
         routes = T * topk
         x_pair = quantize_fp8_block_activations(inp.x)
         quantized = (x_pair, *(fp8_block_quantize(w)[:2] for w in (inp.w_gate, inp.w_up, inp.w_down)))
         w_gate, w_up, w_down = quantized[1:]
 
-        h_bf16, _ = grouped_gemm.gate_up_swiglu(inp.x, inp.w_gate, inp.w_up, sched, topk, store_gate_up=True)
-        y_bf16 = grouped_gemm.down_scatter(h_bf16, inp.w_down, sched, routes)
-        h_q, h_scale, gate_up = grouped_gemm.gate_up_swiglu_fp8_block(
+        h_bf16, _ = gate_up_swiglu(inp.x, inp.w_gate, inp.w_up, sched, topk, store_gate_up=True)
+        y_bf16 = down_scatter(h_bf16, inp.w_down, sched, routes)
+        h_q, h_scale, gate_up = gate_up_swiglu_fp8_block(
             *x_pair, *w_gate, *w_up, sched, topk, store_gate_up=True
         )
-        y = grouped_gemm.down_scatter_fp8_block(h_q, h_scale, *w_down, sched, routes)
+        y = down_scatter_fp8_block(h_q, h_scale, *w_down, sched, routes)
         errs = check_fp8_block(inp, sched, topk, quantized, (h_q, h_scale, gate_up, y), y_bf16)
         summary = " ".join(f"{k} {v:.2e}" for k, v in errs.items())
         print(f"{name}: fp8_block checked, relative L1 {summary}", flush=True)
 
         def gate_up_fn(precision, cfg):
             if precision == "bf16":
-                return lambda: grouped_gemm.gate_up_swiglu(inp.x, inp.w_gate, inp.w_up, sched, topk, None, True, cfg)
-            return lambda: grouped_gemm.gate_up_swiglu_fp8_block(*x_pair, *w_gate, *w_up, sched, topk, None, True, cfg)
+                return lambda: gate_up_swiglu(inp.x, inp.w_gate, inp.w_up, sched, topk, None, True, cfg)
+            return lambda: gate_up_swiglu_fp8_block(*x_pair, *w_gate, *w_up, sched, topk, None, True, cfg)
 
         def down_fn(precision, cfg):
             if precision == "bf16":
-                return lambda: grouped_gemm.down_scatter(h_bf16, inp.w_down, sched, routes, cfg)
-            return lambda: grouped_gemm.down_scatter_fp8_block(h_q, h_scale, *w_down, sched, routes, cfg)
+                return lambda: down_scatter(h_bf16, inp.w_down, sched, routes, cfg)
+            return lambda: down_scatter_fp8_block(h_q, h_scale, *w_down, sched, routes, cfg)
 
         ms_x = time_ms(lambda: quantize_fp8_block_activations(inp.x), warmup=5, reps=50)["median"]
         print(f"{name:18s} {'x quantize':8s} fp8_block {ms_x:8.3f} ms {3 * T * H / ms_x / 1e6:7.0f} GB/s", flush=True)
         kinds = (
-            ("gate_up", gate_up_fn, grouped_gemm._gate_up_swiglu_kernel, I, H, 4.0 * routes * H * I, FP8_GATE_UP_SWEEP),
-            ("down", down_fn, grouped_gemm._down_scatter_kernel, H, I, 2.0 * routes * H * I, FP8_DOWN_SWEEP),
+            ("gate_up", gate_up_fn, _gate_up_swiglu_kernel, I, H, 4.0 * routes * H * I, FP8_GATE_UP_SWEEP),
+            ("down", down_fn, _down_scatter_kernel, H, I, 2.0 * routes * H * I, FP8_DOWN_SWEEP),
         )
         num_rows = int(sched.num_rows)
         checked = {"gate_up": gate_up[:num_rows], "down": y}  # the default fp8 configs' outputs, checked above
         for kind, make_fn, kernel, n_dim, reduce_dim, flops, sweep in kinds:
-            bf16_cfg = grouped_gemm.gemm_config(kind, n_dim, reduce_dim)
-            fp8_cfg = grouped_gemm.gemm_config(kind, n_dim, reduce_dim, "fp8_block")
+            bf16_cfg = gemm_config(kind, n_dim, reduce_dim)
+            fp8_cfg = gemm_config(kind, n_dim, reduce_dim, "fp8_block")
             runs = [("bf16", bf16_cfg), ("fp8_block", fp8_cfg)] + [("fp8_block", c) for c in sweep if args.sweep]
             bf16_tflops = None
             for precision, cfg in runs:

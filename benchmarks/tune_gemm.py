@@ -31,18 +31,25 @@ import triton
 
 from mok.bench.presets import GPU_PRESETS, PRESETS
 from mok.fp8_block import fp8_block_quantize
-from mok.kernels.dgrad import dgrad_config, down_dgrad_swiglu, gate_up_dgrad_scatter, gate_up_dgrad_scatter_fp8_block
-from mok.kernels.gather import gather_sorted_rows
-from mok.kernels.grouped_gemm import (
-    down_scatter,
-    down_scatter_fp8_block,
-    gate_up_swiglu,
-    gate_up_swiglu_fp8_block,
-    gemm_config,
+from mok.kernels.gemm.dgrad import (
+    dgrad_config,
+    down_dgrad_swiglu,
+    gate_up_dgrad_scatter,
+    gate_up_dgrad_scatter_fp8_block,
 )
-from mok.kernels.quant_fp8_block import quantize_fp8_block_activations, quantize_fp8_block_sorted_t
-from mok.kernels.schedule import build_routing_schedule
-from mok.kernels.wgrad import down_wgrad, down_wgrad_fp8_block, gate_up_wgrad, gate_up_wgrad_fp8_block, wgrad_config
+from mok.kernels.routing.gather import gather_sorted_rows
+from mok.kernels.gemm.common import gemm_config
+from mok.kernels.gemm.down import down_scatter, down_scatter_fp8_block
+from mok.kernels.gemm.gate_up import gate_up_swiglu, gate_up_swiglu_fp8_block
+from mok.kernels.quant.fp8_block import quantize_fp8_block_activations, quantize_fp8_block_sorted_t
+from mok.kernels.routing.schedule import build_routing_schedule
+from mok.kernels.gemm.wgrad import (
+    down_wgrad,
+    down_wgrad_fp8_block,
+    gate_up_wgrad,
+    gate_up_wgrad_fp8_block,
+    wgrad_config,
+)
 from mok.testing import make_inputs
 from mok.testing.timing import times_ms
 

@@ -44,7 +44,7 @@ Rules at the edges (chosen here; the one requirement is that none be silently wr
   the remaining valid elements only, with the same rule over them; its scale occupies a full
   slot of the `ceil(·/128)` grid. Padding never enters an amax.
 
-Bit-exactness: the Triton kernels in `mok.kernels.quant_fp8_block` reproduce these bytes. So
+Bit-exactness: the Triton kernels in `mok.kernels.quant.fp8_block` reproduce these bytes. So
 amax is taken on the integer bits of |x| (exact, and NaN's bits win over Inf's and over every
 finite value), the scale is one correctly rounded fp32 division of a normal number by 448, its
 reciprocal one correctly rounded fp32 division, and each element one correctly rounded fp32

@@ -35,8 +35,8 @@ import torch.distributed as dist
 from mok import reference
 from mok import ops
 from mok.config import MoKConfig
-from mok.kernels.grouped_gemm import routing_block_m
-from mok.kernels.schedule import RoutingSchedule
+from mok.kernels.gemm.common import routing_block_m
+from mok.kernels.routing.schedule import RoutingSchedule
 from mok.kernels.common import ERROR_BAD_EXPERT_ID, ERROR_CAPACITY_OVERFLOW, ERROR_PEER_TIMEOUT, interpreting
 from mok.precision import recipe, take
 from mok.precision.base import capturing_cuda_graph

@@ -10,7 +10,7 @@ from torch import nn
 
 from mok.config import PRECISIONS, MoKConfig
 from mok.functional import check_errors, expert_counts, moe, pack_gate_up
-from mok.kernels.grouped_gemm import gate_up_packed
+from mok.kernels.gemm.gate_up import gate_up_packed
 from mok.validation import check_alignment, flatten_tokens
 
 

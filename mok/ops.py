@@ -23,9 +23,10 @@ import inspect
 import torch
 
 from mok.fp8_block import FP8_BLOCK
-from mok.kernels import combine as combine_kernels
-from mok.kernels import grouped_gemm
-from mok.kernels.schedule import RoutingSchedule, build_routing_schedule, capacity_rows
+from mok.kernels.routing import combine as combine_kernels
+from mok.kernels.gemm import down as down_kernels
+from mok.kernels.gemm import gate_up as gate_up_kernels
+from mok.kernels.routing.schedule import RoutingSchedule, build_routing_schedule, capacity_rows
 
 
 def routing_tensors(schedule: RoutingSchedule) -> list[torch.Tensor]:
@@ -151,7 +152,7 @@ def gate_up_swiglu(
     store_gate_up: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """h [rows, I] bf16 and gate_up [rows, 2, I] bf16 (an empty [0, 2, I] when not stored)."""
-    h, gate_up = grouped_gemm.gate_up_swiglu(x, w_gate, w_up, routing, topk, swiglu_limit, store_gate_up)
+    h, gate_up = gate_up_kernels.gate_up_swiglu(x, w_gate, w_up, routing, topk, swiglu_limit, store_gate_up)
     if gate_up is None:
         gate_up = h.new_empty(0, 2, h.shape[1])
     return h, gate_up
@@ -171,7 +172,7 @@ def down_scatter(
     num_slots: int,
 ) -> torch.Tensor:
     """y [num_slots, H] bf16, each route's unweighted expert output in its slot."""
-    return grouped_gemm.down_scatter(h, w_down, routing, num_slots)
+    return down_kernels.down_scatter(h, w_down, routing, num_slots)
 
 
 @down_scatter.register_fake
@@ -196,7 +197,7 @@ def gate_up_swiglu_fp8_block(
     """h_q [rows, I] e4m3, h_scale [rows, I/128] fp32 (h in 1×128 blocks), gate_up [rows, 2, I]
     bf16 (an empty [0, 2, I] when not stored) and an empty [0] fp32; with `gate_up_e4m3`, gate_up
     [rows, 2, I] e4m3 and its scales [rows, 2, I/128] fp32 (1×128 blocks along I)."""
-    h_q, h_scale, gate_up = grouped_gemm.gate_up_swiglu_fp8_block(
+    h_q, h_scale, gate_up = gate_up_kernels.gate_up_swiglu_fp8_block(
         x_q, x_scale, w_gate_q, w_gate_scale, w_up_q, w_up_scale, routing, topk, swiglu_limit, store_gate_up,
         gate_up_e4m3=gate_up_e4m3,
     )
@@ -237,7 +238,7 @@ def down_scatter_fp8_block(
 ) -> torch.Tensor:
     """y [num_slots, H] bf16 from the fp8_block h and w_down, each route's unweighted output in its
     slot; `sorted_rows`: y [capacity_rows, H], each sorted row's at its own index."""
-    return grouped_gemm.down_scatter_fp8_block(h_q, h_scale, w_down_q, w_down_scale, routing, num_slots,
+    return down_kernels.down_scatter_fp8_block(h_q, h_scale, w_down_q, w_down_scale, routing, num_slots,
                                                sorted_rows=sorted_rows)
 
 
@@ -265,7 +266,8 @@ def _(y, topk_weights, y_shared, route_row=None):
 
 # --------------------------------------------------------------------------- backward: sorted rows
 
-from mok.kernels import dgrad, gather, wgrad  # noqa: E402  (the backward section keeps its imports here)
+from mok.kernels.gemm import dgrad, wgrad  # noqa: E402  (the backward section keeps its imports here)
+from mok.kernels.routing import gather  # noqa: E402
 
 
 @_custom_op("gather_sorted_rows", ())
@@ -526,8 +528,8 @@ def _gate_up_wgrad(d_gate_up, x, routing, d_gate_up_scale, x_scale, main_gate, m
 
 # --------------------------------------------------------------------------- fp8_block quantize
 
-from mok.kernels import quant_fp8_block  # noqa: E402  (appended section keeps its imports here)
-from mok.kernels.quant_fp8_block import sorted_scale_rows  # noqa: E402
+from mok.kernels.quant import fp8_block as quant_fp8_block  # noqa: E402  (appended section keeps its imports here)
+from mok.kernels.quant.fp8_block import sorted_scale_rows  # noqa: E402
 
 
 @_custom_op("quantize_fp8_block_activations", ())
@@ -641,16 +643,16 @@ def _(gate_up, routing, swiglu_limit):
 
 # --------------------------------------------------------------------------- mxfp8 quantize
 
-from mok.kernels import quant  # noqa: E402  (appended section keeps its imports here)
+from mok.kernels.quant import mxfp8 as quant_mxfp8  # noqa: E402  (appended section keeps its imports here)
 
 
 @_custom_op("mxfp8_quantize", ())
 def _mxfp8_quantize(
     t: torch.Tensor, rowwise: bool, colwise: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q, scale, q_t, scale_t) of `quant.mxfp8_quantize_triton`; a pair not asked for is an
+    """(q, scale, q_t, scale_t) of `quant_mxfp8.mxfp8_quantize_triton`; a pair not asked for is an
     empty [0] tensor of its dtype (custom ops cannot return None)."""
-    q, scale, q_t, scale_t = quant.mxfp8_quantize_triton(t, rowwise, colwise)
+    q, scale, q_t, scale_t = quant_mxfp8.mxfp8_quantize_triton(t, rowwise, colwise)
     empty = lambda dtype: t.new_empty(0, dtype=dtype)  # noqa: E731
     return (
         empty(torch.float8_e4m3fn) if q is None else q,
@@ -662,7 +664,7 @@ def _mxfp8_quantize(
 
 @_mxfp8_quantize.register_fake
 def _(t, rowwise, colwise):
-    quant.validate_mxfp8_quantize_args(t, rowwise, colwise)
+    quant_mxfp8.validate_mxfp8_quantize_args(t, rowwise, colwise)
     *lead, M, N = t.shape
     new = t.new_empty
     return (
@@ -693,13 +695,13 @@ def _rounded_fake(t, rowwise, colwise):
 
 @_custom_op("mxfp8_round", ())
 def _mxfp8_round(t: torch.Tensor, rowwise: bool, colwise: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows, cols) of `quant.mxfp8_round`, bf16 in t's shape (one not asked for: empty [0])."""
-    return _pair_or_empty(t, quant.mxfp8_round(t, rowwise, colwise))
+    """(rows, cols) of `quant_mxfp8.mxfp8_round`, bf16 in t's shape (one not asked for: empty [0])."""
+    return _pair_or_empty(t, quant_mxfp8.mxfp8_round(t, rowwise, colwise))
 
 
 @_mxfp8_round.register_fake
 def _(t, rowwise, colwise):
-    quant.validate_mxfp8_quantize_args(t, rowwise, colwise)
+    quant_mxfp8.validate_mxfp8_quantize_args(t, rowwise, colwise)
     return _rounded_fake(t, rowwise, colwise)
 
 
@@ -708,7 +710,7 @@ def _mxfp8_round_sorted(
     a: torch.Tensor, routing: RoutingSchedule, rowwise: bool, colwise: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`mok::mxfp8_round` of a sorted-layout operand [rows, W] (padding rows zeros)."""
-    return _pair_or_empty(a, quant.mxfp8_round(a, rowwise, colwise, routing))
+    return _pair_or_empty(a, quant_mxfp8.mxfp8_round(a, rowwise, colwise, routing))
 
 
 @_mxfp8_round_sorted.register_fake
@@ -720,7 +722,7 @@ def mxfp8_round(
     t: torch.Tensor, rowwise: bool = True, colwise: bool = False,
     routing: RoutingSchedule | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """t rounded to the MXFP8 grid along its rows and/or columns, bf16 (`quant.mxfp8_round`;
+    """t rounded to the MXFP8 grid along its rows and/or columns, bf16 (`quant_mxfp8.mxfp8_round`;
     with `routing`, t is an operand in that schedule's sorted layout); None for the
     orientation not asked for."""
     if routing is None:
@@ -732,7 +734,7 @@ def mxfp8_round(
 
 # --------------------------------------------------------------------------- expert-parallel dispatch
 
-from mok.kernels import dispatch  # noqa: E402  (appended section keeps its imports here)
+from mok.kernels.comm import dispatch  # noqa: E402  (appended section keeps its imports here)
 
 
 @_custom_op("pack_rows", ())

@@ -311,7 +311,7 @@ def test_variant_is_timed_in_turns_with_mok_under_its_settings(tmp_path, monkeyp
     "argv, message",
     [
         (["--variant", "persistent_down_wgrad_max_inter"], "expected FIELD=VALUE"),
-        (["--variant", "mok.kernels.wgrad.PERSISTENT_DOWN_WGRAD_MAX_INTER=0"], "expected FIELD=VALUE"),
+        (["--variant", "mok.kernels.gemm.wgrad.PERSISTENT_DOWN_WGRAD_MAX_INTER=0"], "expected FIELD=VALUE"),
         (["--variant", "nope=1"], "KernelPlan has no field 'nope'"),
         (["--variant", "persistent_down_wgrad_max_inter=big"], "expected a Python literal"),
         (["--impl", "mok-variant"], "give its settings with --variant"),

@@ -27,7 +27,7 @@ def test_parameters_named_and_shaped_as_spec():
 def test_gate_up_pairs_stay_packed():
     """Each gate/up pair shares one allocation (what the fast gate/up GEMM reads), also after
     a move and after materializing from the meta device; packing keeps the values."""
-    from mok.kernels.grouped_gemm import gate_up_packed
+    from mok.kernels.gemm.gate_up import gate_up_packed
 
     layer = mok.MoKMoE(64, 32, 6, 2, shared_intermediate_size=48)
     before = {n: p.detach().clone() for n, p in layer.named_parameters()}

@@ -11,7 +11,7 @@ import torch
 import mok.functional
 from mok import ops, reference
 from mok.config import PRECISIONS
-from mok.kernels.grouped_gemm import routing_block_m
+from mok.kernels.gemm.common import routing_block_m
 from mok.precision import recipe
 from mok.testing import assert_close_to_reference, make_inputs
 

@@ -68,17 +68,18 @@ def test_arithmetic_cost_diagnostic_names_its_variants_and_refuses_others(monkey
     family or variant stops with the usage."""
     import inspect
 
-    from mok.kernels import quant_fp8_block, warp_specialized
+    from mok.kernels.gemm import hopper_common, hopper_wgrad
+    from mok.kernels.quant import fp8_block as quant_fp8_block
 
     sweep = _sweep("fp8_arithmetic_cost")
-    for variants, helper in ((sweep.WGRAD, warp_specialized._add_scaled),
+    for variants, helper in ((sweep.WGRAD, hopper_common._add_scaled),
                              (sweep.QUANTIZER, quant_fp8_block._quantize_elements)):
         assert variants["full"] is None
         wanted = list(inspect.signature(helper.fn).parameters)
         for name, patch in variants.items():
             assert patch is None or list(inspect.signature(patch.fn).parameters) == wanted, name
     assert (list(inspect.signature(sweep._stored_never.fn).parameters)
-            == list(inspect.signature(warp_specialized._wgrad_store.fn).parameters))
+            == list(inspect.signature(hopper_wgrad._wgrad_store.fn).parameters))
     for argv in (["x", "wgrad", "fast"], ["x", "matmul", "full"], ["x"]):
         monkeypatch.setattr(sys, "argv", argv)
         with pytest.raises(SystemExit, match="usage: fp8_arithmetic_cost.py"):
@@ -89,7 +90,7 @@ def test_arithmetic_cost_diagnostic_names_its_variants_and_refuses_others(monkey
 def test_tile_waves_routing_adds_one_m_tile_per_extra_expert(num_tokens, num_experts, topk):
     import torch
 
-    from mok.kernels.grouped_gemm import routing_block_m
+    from mok.kernels.gemm.common import routing_block_m
 
     sweep = _sweep("tile_waves")
     block_m = routing_block_m()
@@ -104,9 +105,9 @@ def test_tile_waves_routing_adds_one_m_tile_per_extra_expert(num_tokens, num_exp
 
 
 def test_tile_waves_sweep_times_split_and_whole_last_waves(monkeypatch):
-    from mok.kernels import dgrad, grouped_gemm
+    from mok.kernels.gemm import common, dgrad
 
-    for module in (dgrad, grouped_gemm):  # the GPU's tile configs, also under the interpreter
+    for module in (dgrad, common):  # the GPU's tile configs, also under the interpreter
         monkeypatch.setattr(module, "interpreting", lambda: False)
     sweep = _sweep("tile_waves")
     p = PRESETS["mixtral-8x7b"]
@@ -120,7 +121,7 @@ def test_tile_waves_sweep_times_split_and_whole_last_waves(monkeypatch):
 
 @pytest.mark.parametrize("preset", GPU_PRESETS)
 def test_down_dgrad_prefetch_sweep_times_the_default_with_and_without_it(preset):
-    from mok.kernels.dgrad import dgrad_config
+    from mok.kernels.gemm.dgrad import dgrad_config
 
     sweep = _sweep("down_dgrad_prefetch")
     (kind, candidates), = sweep.configs().items()

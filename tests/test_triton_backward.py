@@ -185,7 +185,7 @@ def test_backward_ops_schema_and_fake_impls(kernel_device):
     """The backward's custom ops declare their mutations and their fake impls give the real
     shapes and dtypes (what torch.compile and CUDA graphs rely on)."""
     from mok import ops
-    from mok.kernels.grouped_gemm import routing_block_m
+    from mok.kernels.gemm.common import routing_block_m
 
     T, H, I, E, topk = 9, 32, 16, 3, 2
     inp = make_inputs(T, H, I, E, topk, seed=1, device=kernel_device, signed_weights=True)

@@ -1,4 +1,4 @@
-"""The combine (`kernels/combine.py`) on the qwen3-30b and deepseek-v3-slice shapes: its tile
+"""The combine (`kernels/routing/combine.py`) on the qwen3-30b and deepseek-v3-slice shapes: its tile
 (tokens × hidden columns per program) and warps, over y in route slots and over y in the
 schedule's sorted layout gathered by route_row (the fp8_block layer's, the plan's `fp8_block_sorted_outputs`).
 Every config is timed in both orders; each output is checked bitwise against the first.
@@ -10,10 +10,10 @@ GB/s counts y's rows read once and out written once.
 import torch
 
 from mok.bench.presets import PRESETS
-from mok.kernels import combine as combine_kernels
-from mok.kernels.grouped_gemm import routing_block_m
+from mok.kernels.routing import combine as combine_kernels
+from mok.kernels.gemm.common import routing_block_m
 from mok.kernels.plan import override
-from mok.kernels.schedule import build_routing_schedule
+from mok.kernels.routing.schedule import build_routing_schedule
 from mok.testing import make_inputs
 from mok.testing.timing import time_ms
 

@@ -18,7 +18,7 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1]))
 import tune_gemm  # noqa: E402
 
-from mok.kernels.dgrad import dgrad_config  # noqa: E402
+from mok.kernels.gemm.dgrad import dgrad_config  # noqa: E402
 
 VARIANTS = ({"PREFETCH_GATE_UP": True}, {"PREFETCH_GATE_UP": False})
 

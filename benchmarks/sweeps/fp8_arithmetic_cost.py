@@ -3,7 +3,7 @@ of that arithmetic cut out (the outputs are then wrong; timing only). One varian
 the JIT keys its cache by source, so a patched helper must be in place before the first compile.
 
     python benchmarks/sweeps/fp8_arithmetic_cost.py wgrad VARIANT [tune_gemm.py's options]
-        the warp-specialized fp8 wgrads' per-step scaling (`warp_specialized._add_scaled`), and
+        the warp-specialized fp8 wgrads' per-step scaling (`gemm.hopper_common._add_scaled`), and
         their epilogue (regstore, nostore: also for the bf16 wgrads, `--kernel down_wgrad
         --kernel gate_up_wgrad`, each at the library's tile config for the preset):
         full  acc + (P · sa[m]) · sb[n]   the kernel as is
@@ -38,7 +38,8 @@ sys.path[:0] = [str(pathlib.Path(__file__).parents[1]), str(pathlib.Path(__file_
 import fp8_sorted_quantizers  # noqa: E402
 import tune_gemm  # noqa: E402
 
-from mok.kernels import quant_fp8_block, warp_specialized, wgrad  # noqa: E402
+from mok.kernels.gemm import hopper_common, hopper_scatter, hopper_wgrad, wgrad  # noqa: E402
+from mok.kernels.quant import fp8_block as quant_fp8_block  # noqa: E402
 from mok.kernels.plan import override  # noqa: E402
 
 
@@ -103,16 +104,16 @@ def main() -> None:
         return
     if family == "scatter":
         if variants[variant] is not None:
-            warp_specialized._scatter_store = variants[variant]
-        tile = {kind: lambda p: warp_specialized.fp8_block_tile_config() for kind in ("down_fp8", "gate_up_dgrad_fp8")}
+            hopper_scatter._scatter_store = variants[variant]
+        tile = {kind: lambda p: hopper_common.fp8_block_tile_config() for kind in ("down_fp8", "gate_up_dgrad_fp8")}
         _time_gemms(variant, tile)
         return
     if variants[variant] is not None:
-        warp_specialized._add_scaled = variants[variant]
+        hopper_common._add_scaled = variants[variant]
     if variant == "nostore":
-        warp_specialized._wgrad_store = _stored_never
-    tile = {"down_wgrad_fp8": lambda p: warp_specialized.fp8_block_tile_config(stacked=False),
-            "gate_up_wgrad_fp8": lambda p: warp_specialized.fp8_block_tile_config(stacked=True),
+        hopper_wgrad._wgrad_store = _stored_never
+    tile = {"down_wgrad_fp8": lambda p: hopper_common.fp8_block_tile_config(stacked=False),
+            "gate_up_wgrad_fp8": lambda p: hopper_common.fp8_block_tile_config(stacked=True),
             "down_wgrad": lambda p: wgrad.wgrad_config("down", p.hidden_size, p.intermediate_size),
             "gate_up_wgrad": lambda p: wgrad.wgrad_config("gate_up", p.intermediate_size, p.hidden_size)}
     register_stores = variant in ("regstore", "nostore")

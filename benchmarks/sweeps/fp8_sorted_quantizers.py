@@ -17,10 +17,10 @@ import sys
 import torch
 
 from mok.bench.presets import PRESETS
-from mok.kernels import quant_fp8_block
-from mok.kernels.grouped_gemm import routing_block_m
+from mok.kernels.quant import fp8_block as quant_fp8_block
+from mok.kernels.gemm.common import routing_block_m
 from mok.kernels.plan import override
-from mok.kernels.schedule import build_routing_schedule
+from mok.kernels.routing.schedule import build_routing_schedule
 from mok.testing import make_inputs
 from mok.testing.timing import time_ms
 

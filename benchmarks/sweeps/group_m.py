@@ -17,9 +17,9 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1]))
 import tune_gemm  # noqa: E402
 
-from mok.kernels import warp_specialized  # noqa: E402
-from mok.kernels.dgrad import dgrad_config  # noqa: E402
-from mok.kernels.grouped_gemm import gemm_config  # noqa: E402
+from mok.kernels.gemm import hopper_common  # noqa: E402
+from mok.kernels.gemm.dgrad import dgrad_config  # noqa: E402
+from mok.kernels.gemm.common import gemm_config  # noqa: E402
 
 GROUP_M = (8, 16, 32)
 
@@ -43,7 +43,7 @@ def configs() -> dict:
     """tune_gemm.py's CONFIGS for this sweep: per kind, a function of the preset."""
     kinds = ("gate_up", "down_dgrad", "gate_up_dgrad")
     swept = {kind: (lambda p, kind=kind: _grouped(_defaults(kind, p))) for kind in kinds}
-    swept["down"] = lambda p: _grouped(_defaults("down", p)) + [warp_specialized.tile_config(cooperative=True)]
+    swept["down"] = lambda p: _grouped(_defaults("down", p)) + [hopper_common.tile_config(cooperative=True)]
     return swept
 
 

@@ -33,9 +33,10 @@ import tune_gemm  # noqa: E402
 
 from mok.bench.presets import GPU_PRESETS, PRESETS  # noqa: E402
 from mok.kernels.common import num_sms  # noqa: E402
-from mok.kernels.dgrad import dgrad_config, gate_up_dgrad_scatter  # noqa: E402
-from mok.kernels.grouped_gemm import down_scatter, gemm_config, routing_block_m  # noqa: E402
-from mok.kernels.schedule import build_routing_schedule  # noqa: E402
+from mok.kernels.gemm.dgrad import dgrad_config, gate_up_dgrad_scatter  # noqa: E402
+from mok.kernels.gemm.common import gemm_config, routing_block_m  # noqa: E402
+from mok.kernels.gemm.down import down_scatter  # noqa: E402
+from mok.kernels.routing.schedule import build_routing_schedule  # noqa: E402
 from mok.testing import make_inputs  # noqa: E402
 from mok.testing.timing import times_ms  # noqa: E402
 

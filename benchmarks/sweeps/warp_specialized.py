@@ -16,9 +16,9 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1]))
 import tune_gemm  # noqa: E402
 
-from mok.kernels import warp_specialized  # noqa: E402
+from mok.kernels.gemm import hopper_common  # noqa: E402
 
-PING_PONG, COOPERATIVE = warp_specialized.tile_config(cooperative=False), warp_specialized.tile_config(cooperative=True)
+PING_PONG, COOPERATIVE = hopper_common.tile_config(cooperative=False), hopper_common.tile_config(cooperative=True)
 TRITON = {
     "down": tune_gemm._persistent(tune_gemm._configs((128, 256, 64, 3))) + tune_gemm._configs((128, 256, 64, 4)),
     "gate_up_dgrad": tune_gemm._configs((128, 256, 64, 3))
@@ -27,7 +27,7 @@ TRITON = {
     "gate_up_wgrad": tune_gemm._configs((128, 128, 64, 3), group_m=False),
     **{kind: tune_gemm.CONFIGS[kind] for kind in tune_gemm.CONFIGS if kind.endswith("_fp8")},
 }
-FP8_DOWN, FP8_GATE_UP = (warp_specialized.fp8_block_tile_config(stacked) for stacked in (False, True))
+FP8_DOWN, FP8_GATE_UP = (hopper_common.fp8_block_tile_config(stacked) for stacked in (False, True))
 
 
 def _fp8_configs(base: dict) -> list[dict]:

@@ -15,10 +15,10 @@ import dataclasses
 import torch
 
 from mok.bench.presets import PRESETS
-from mok.kernels.gather import gather_sorted_rows
-from mok.kernels.grouped_gemm import routing_block_m
-from mok.kernels.schedule import build_routing_schedule
-from mok.kernels.wgrad import down_wgrad, gate_up_wgrad
+from mok.kernels.routing.gather import gather_sorted_rows
+from mok.kernels.gemm.common import routing_block_m
+from mok.kernels.routing.schedule import build_routing_schedule
+from mok.kernels.gemm.wgrad import down_wgrad, gate_up_wgrad
 from mok.testing import make_inputs
 from mok.testing.timing import time_ms
 

@@ -1,8 +1,8 @@
 """Which kernels run, per GPU architecture: one frozen `KernelPlan` of tile sizes, thresholds and
 variant flags for each, and `kernel_plan(device)` to pick it.
 
-Every config-choosing function (`grouped_gemm.gemm_config`, `dgrad.dgrad_config`,
-`wgrad.wgrad_config`, the quantizers' and the layer's fp8_block choices) and every other launcher's
+Every config-choosing function (`gemm.common.gemm_config`, `gemm.dgrad.dgrad_config`,
+`gemm.wgrad.wgrad_config`, the quantizers' and the layer's fp8_block choices) and every other launcher's
 sizes (the combine, the gathers, the schedule, the expert-parallel copies) read the plan; nothing
 else chooses. Records and logs named next to a field are under `benchmarks/results/`, measured on
 H200. `override(**fields)` runs a block under a variant of the plan (`python -m mok.bench --variant`).
@@ -26,11 +26,11 @@ def _tile(**sizes) -> dataclasses.Field:
 class KernelPlan:
     """The kernel choices of one architecture. Tile fields are read-only dicts of launch meta."""
 
-    # The Gluon warp-specialized GEMMs run (Hopper's wgmma and TMA, `warp_specialized.py`); each
+    # The Gluon warp-specialized GEMMs run (Hopper's wgmma and TMA, `gemm/hopper_*.py`); each
     # `warp_specialized_*` / `cooperative_*` flag below then says whether one GEMM takes them.
     warp_specialized: bool
 
-    # ---- forward GEMMs (`grouped_gemm.gemm_config`)
+    # ---- forward GEMMs (`gemm.common.gemm_config`)
     # fp8_block tiles, starting points sized against H200's limits with ptxas
     # (`benchmarks/bench_fp8_gemm.py --sweep` times the alternatives).
     fp8_block_gate_up_tile: Mapping = _tile(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8,
@@ -68,7 +68,7 @@ class KernelPlan:
     # bitwise the whole tiles' output (record h200-20261202-tile-waves.json).
     split_last_wave: bool = True
 
-    # ---- dgrads (`dgrad.dgrad_config`)
+    # ---- dgrads (`gemm.dgrad.dgrad_config`)
     # fp8_block tiles (BLOCK_M is the schedule's), starting points sized like the forward's
     # (`benchmarks/bench_fp8_gemm.py --dgrad` times them).
     dgrad_fp8_block_down_tile: Mapping = _tile(BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4)
@@ -105,7 +105,7 @@ class KernelPlan:
     # "Fifteenth round"); False: the w·dOut copy and the forward's h everywhere.
     down_wgrad_reads_weighted_h: bool = True
 
-    # ---- wgrads (`wgrad.wgrad_config`)
+    # ---- wgrads (`gemm.wgrad.wgrad_config`)
     # fp8_block gate/up: one accumulator over the stacked [d_g | d_u], faster than two (record
     # h200-20261130-fp8-stacked-wgrad.json).
     wgrad_fp8_block_gate_up_tile: Mapping = _tile(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4,
@@ -132,7 +132,7 @@ class KernelPlan:
     # (record h200-20261201-ab-fp8-ws-wgrad.json).
     warp_specialized_fp8_block_wgrad: bool = True
 
-    # ---- warp-specialized tiles and stores (`warp_specialized.py`)
+    # ---- warp-specialized tiles and stores (`gemm/hopper_*.py`)
     # Ping-pong: 128×128 per consumer (128×256 spilled), six stages (log h200-20261130-ping-pong-probe.log).
     ping_pong_tile: Mapping = _tile(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_stages=6)
     # Cooperative: both consumers on one 128×256 tile, four stages (log h200-20261201-cooperative-probe.log).
@@ -152,7 +152,7 @@ class KernelPlan:
     # The bf16 cooperative wgrads by TMA stores, at 3 stages (log h200-20261202-bf16-wgrad-nostore.log).
     bf16_wgrad_tma_store: bool = True
 
-    # ---- fp8_block quantizers (`quant_fp8_block.py`)
+    # ---- fp8_block quantizers (`quant/fp8_block.py`)
     # Weights by the Gluon kernel on an NVIDIA GPU: faster on every preset, bitwise the Triton
     # kernel's (log h200-20261202-weight-quantizers-gluon.log).
     weights_gluon: bool = True
@@ -248,10 +248,10 @@ def kernel_plan(device: torch.device | None = None) -> KernelPlan:
     """The plan for `device` (None: the current CUDA device, or the interpreter's without one):
     HOPPER where the warp-specialized GEMMs build (compute capability 9, Gluon usable, no
     interpreter), else GENERIC; with `override`'s fields."""
-    from mok.kernels import warp_specialized  # it reads the plan too
+    from mok.kernels.gemm import hopper_common  # it reads the plan too
 
-    hopper = (warp_specialized.available_here() if device is None
-              else warp_specialized.warp_specialized_available(device))
+    hopper = (hopper_common.available_here() if device is None
+              else hopper_common.warp_specialized_available(device))
     plan = HOPPER if hopper else GENERIC
     return dataclasses.replace(plan, **_OVERRIDES) if _OVERRIDES else plan
 

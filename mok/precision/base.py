@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from mok.kernels.schedule import RoutingSchedule
+from mok.kernels.routing.schedule import RoutingSchedule
 
 
 def take(holder: Any, *names: str) -> Any:

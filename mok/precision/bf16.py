@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from mok import ops
-from mok.kernels.dgrad import down_wgrad_reads_weighted_h
-from mok.kernels.schedule import RoutingSchedule
+from mok.kernels.gemm.dgrad import down_wgrad_reads_weighted_h
+from mok.kernels.routing.schedule import RoutingSchedule
 from mok.precision.base import Recipe, take, weight_grads
 
 

@@ -13,9 +13,9 @@ import torch
 
 from mok import ops
 from mok.fp8_block import FP8_BLOCK, fp8_block_round
-from mok.kernels.dgrad import fp8_block_down_dgrad_gathers
+from mok.kernels.gemm.dgrad import fp8_block_down_dgrad_gathers
 from mok.kernels.plan import kernel_plan
-from mok.kernels.schedule import RoutingSchedule
+from mok.kernels.routing.schedule import RoutingSchedule
 from mok.precision.base import QuantizedRecipe, take, weight_grads
 
 

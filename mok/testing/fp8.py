@@ -25,7 +25,7 @@ E4M3_POSITIVE_VALUES = torch.tensor([e4m3_decode(b) for b in range(0x7F)], dtype
 
 def sorted_column_blocks(expert_offsets: torch.Tensor, block_m: int) -> list[tuple[int, int, int]]:
     """(first row, end row, scale row) of every 1×128 column block of a sorted-layout operand as
-    `mok.kernels.quant_fp8_block.quantize_fp8_block_sorted_t` forms them: per expert, 128 rows
+    `mok.kernels.quant.fp8_block.quantize_fp8_block_sorted_t` forms them: per expert, 128 rows
     at a time from its first row (the last block ragged); scale row = first row / gcd(block_m, 128)."""
     offsets = expert_offsets.tolist()
     scale_rows = math.gcd(block_m, 128)

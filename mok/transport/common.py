@@ -38,8 +38,8 @@ import torch.distributed as dist
 from mok import ops
 from mok.config import MoKConfig
 from mok.kernels.common import ERROR_CAPACITY_OVERFLOW, sms_left_free
-from mok.kernels.dgrad import fp8_block_down_dgrad_gathers
-from mok.kernels.schedule import RoutingSchedule, sorted_route_rows
+from mok.kernels.gemm.dgrad import fp8_block_down_dgrad_gathers
+from mok.kernels.routing.schedule import RoutingSchedule, sorted_route_rows
 
 
 def check_same_across_ranks(group: dist.ProcessGroup | None, values: dict[str, int], device: torch.device) -> None:

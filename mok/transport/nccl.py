@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from mok import ops
-from mok.kernels.schedule import RoutingSchedule
+from mok.kernels.routing.schedule import RoutingSchedule
 from mok.transport.common import RouteCapacity, TokenPairs, sending, token_plan, token_receiver_schedule
 
 

@@ -1,5 +1,5 @@
 """The symmetric-memory transport: expert parallelism over NVLink, rows moved by peer
-stores from Triton kernels (`mok/kernels/comm.py`), no collective library on the path.
+stores from Triton kernels (`mok/kernels/comm/push.py`), no collective library on the path.
 Each token row goes once to each rank holding ≥ 1 of its experts (the plan of `common.py`).
 
 Each rank allocates one buffer with `torch.distributed._symmetric_memory` (the same
@@ -20,7 +20,7 @@ layout on every rank, so a region's address on rank p is p's base + the same off
 up to a multiple of _INFO_CHUNK.) In fp8_block, x and dOut rows travel quantized (1×128
 blocks along H): H e4m3 bytes at recv_x_q and H/128 fp32 scales at recv_x_scale, both inside
 recv_x's bytes (2·H bytes a row hold H + H/32), likewise for recv_d_out. Source rows land at
-my_rank·C + c on the expert's rank (BY_SLOT of `comm.push_rows`, the pair's send row p·C + c
+my_rank·C + c on the expert's rank (BY_SLOT of `push_rows`, the pair's send row p·C + c
 as the slot) and the partial rows come back to row p·C + c of the source, the same place, so
 nothing is unpacked. One layer call on each rank:
 
@@ -35,7 +35,7 @@ Only rows that exist travel (no padding to capacity as with equal-split collecti
 Pairs past the capacity set ERROR_CAPACITY_OVERFLOW (every rank learns it through the plan);
 they move nothing and their routes contribute zeros.
 
-Safe to overwrite (the third sync pattern of `mok/kernels/comm.py`) follows from the order
+Safe to overwrite (the third sync pattern of `mok/kernels/comm/push.py`) follows from the order
 of the calls, checked for every region: a rank pushes into a peer's region only after a wait that
 needs a push the peer made after its last read of that region. E.g. rank a's next push
 into b's recv_x follows a's wait for b's partial y rows, which b pushed after its gate/up
@@ -69,8 +69,8 @@ import torch.distributed as dist
 
 from mok import ops
 from mok.config import MoKConfig
-from mok.kernels import comm
-from mok.kernels.schedule import RoutingSchedule
+from mok.kernels.comm.push import push_rows, wait_arrivals
+from mok.kernels.routing.schedule import RoutingSchedule
 from mok.transport.common import (RouteCapacity, TokenPairs, check_same_across_ranks, finish_now, sending, token_plan,
                                   token_receiver_schedule)
 
@@ -177,20 +177,20 @@ class SymmetricTransport(RouteCapacity):
 
     def push(self, kind: str, src: torch.Tensor, index: torch.Tensor, region: str, num_programs: int | None = None,
              **kwargs) -> None:
-        """Pushes rows of `src` into `region`'s rows on the ranks `index` says (`comm.push_rows`)
+        """Pushes rows of `src` into `region`'s rows on the ranks `index` says (`push_rows`)
         from `num_programs` programs (None: the config's for `kind`; every rank pushes a kind
         alike, and its `wait` names the same count)."""
         shape = self.shapes[region]
         row_width = shape[1] if len(shape) == 2 else 1
-        comm.push_rows(src, index, self.peer_ptrs[region], row_width, self.peer_ptrs["arrivals"], _KINDS.index(kind),
-                       self.error_flag, num_dst_rows=shape[0], my_rank=self.rank,
-                       num_programs=num_programs or self.num_programs[kind], **kwargs)
+        push_rows(src, index, self.peer_ptrs[region], row_width, self.peer_ptrs["arrivals"], _KINDS.index(kind),
+                  self.error_flag, num_dst_rows=shape[0], my_rank=self.rank,
+                  num_programs=num_programs or self.num_programs[kind], **kwargs)
 
     def wait(self, kind: str, num_programs: int | None = None) -> None:
         """Peers' pushes of `kind` (from `num_programs` programs each, as `push`) visible here
-        (bounded; `comm.wait_arrivals`): every program of each peer's push has signalled."""
-        comm.wait_arrivals(self.views["arrivals"], self.expected, self.error_flag, _KINDS.index(kind),
-                           num_programs or self.num_programs[kind], self.config.peer_timeout_s)
+        (bounded; `wait_arrivals`): every program of each peer's push has signalled."""
+        wait_arrivals(self.views["arrivals"], self.expected, self.error_flag, _KINDS.index(kind),
+                      num_programs or self.num_programs[kind], self.config.peer_timeout_s)
 
     def plan(
         self, topk_ids: torch.Tensor, num_local_experts: int, error_flag: torch.Tensor, block_m: int,

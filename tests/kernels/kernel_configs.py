@@ -83,13 +83,14 @@ def machine(name: str):
         for module in [m for n, m in sys.modules.items() if n.startswith("mok.") and m is not None]:
             if hasattr(module, "interpreting"):
                 stack.enter_context(mock.patch.object(module, "interpreting", lambda: not gpu))
-        from mok.kernels import gluon_api, warp_specialized
+        from mok.kernels import gluon_api
+        from mok.kernels.gemm import hopper_common
 
         stack.enter_context(mock.patch("torch.cuda.is_available", lambda: gpu))
         stack.enter_context(mock.patch("torch.cuda.current_device", lambda: 0))
-        stack.enter_context(mock.patch.object(warp_specialized, "_hopper", lambda index: hopper))
+        stack.enter_context(mock.patch.object(hopper_common, "_hopper", lambda index: hopper))
         stack.enter_context(mock.patch.object(gluon_api, "usable", lambda *args, **kwargs: gpu))
-        stack.enter_context(mock.patch.object(warp_specialized, "available_here", lambda: hopper))
+        stack.enter_context(mock.patch.object(hopper_common, "available_here", lambda: hopper))
         yield
 
 
@@ -99,16 +100,17 @@ def _key(*parts) -> str:
 
 def choices() -> dict:
     """{machine: {call: result}} over `SHAPES`."""
-    from mok.kernels import dgrad, grouped_gemm, swiglu, warp_specialized, wgrad
+    from mok.kernels import swiglu
+    from mok.kernels.gemm import common, dgrad, hopper_common, wgrad
 
     out = {}
     for name in MACHINES:
         with machine(name):
-            got = {"routing_block_m": grouped_gemm.routing_block_m(), "fast_sigmoid": swiglu.fast_sigmoid_here()}
+            got = {"routing_block_m": common.routing_block_m(), "fast_sigmoid": swiglu.fast_sigmoid_here()}
             for cooperative in (False, True):
-                got[_key("ws.tile_config", cooperative)] = warp_specialized.tile_config(cooperative)
-                got[_key("ws.wgrad_tile_config", cooperative)] = warp_specialized.wgrad_tile_config(cooperative)
-                got[_key("ws.fp8_block_tile_config", cooperative)] = warp_specialized.fp8_block_tile_config(cooperative)
+                got[_key("ws.tile_config", cooperative)] = hopper_common.tile_config(cooperative)
+                got[_key("ws.wgrad_tile_config", cooperative)] = hopper_common.wgrad_tile_config(cooperative)
+                got[_key("ws.fp8_block_tile_config", cooperative)] = hopper_common.fp8_block_tile_config(cooperative)
             for kind in ("gate_up", "down"):
                 for allow in (False, True):
                     got[_key("dgrad._fp8_block_warp_specialized", kind, allow)] = (
@@ -122,7 +124,7 @@ def choices() -> dict:
                         for kind, n_dim, k_dim in (("gate_up", inter, hidden), ("down", hidden, inter)):
                             for packed in (False, True):
                                 got[_key("gemm_config", kind, n_dim, k_dim, precision, packed, allow)] = (
-                                    grouped_gemm.gemm_config(kind, n_dim, k_dim, precision, packed, allow))
+                                    common.gemm_config(kind, n_dim, k_dim, precision, packed, allow))
                         for kind, n_dim, k_dim in (("down", inter, hidden), ("gate_up", hidden, inter)):
                             got[_key("dgrad_config", kind, n_dim, k_dim, precision, allow)] = (
                                 dgrad.dgrad_config(kind, n_dim, k_dim, precision, allow))

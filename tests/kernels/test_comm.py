@@ -1,4 +1,4 @@
-"""Peer-pointer row pushes and the bounded arrival wait (`mok/kernels/comm.py`), as the
+"""Peer-pointer row pushes and the bounded arrival wait (`mok/kernels/comm/push.py`), as the
 symmetric transport uses them.
 
 P ranks are simulated in one process: each "rank" owns plain tensors standing in for its
@@ -15,9 +15,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mok.kernels.comm import push_rows, wait_arrivals
+from mok.kernels.comm.push import push_rows, wait_arrivals
 from mok.kernels.common import ERROR_CAPACITY_OVERFLOW, ERROR_PEER_TIMEOUT, num_sms, sms_left_free
-from mok.kernels.grouped_gemm import routing_block_m
+from mok.kernels.gemm.common import routing_block_m
 from mok.testing import make_topk_ids
 from mok.transport.common import token_plan, token_receiver_schedule
 from mok.transport.symmetric import SymmetricDispatch

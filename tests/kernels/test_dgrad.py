@@ -8,8 +8,8 @@ import torch
 
 from mok import reference
 from mok.fp8_block import fp8_block_dequantize, fp8_block_quantize, fp8_block_quantize_activations
-from mok.kernels import dgrad, warp_specialized
-from mok.kernels.dgrad import (
+from mok.kernels.gemm import dgrad, hopper_common
+from mok.kernels.gemm.dgrad import (
     dgrad_config,
     down_dgrad_swiglu,
     down_dgrad_swiglu_epilogue,
@@ -17,10 +17,10 @@ from mok.kernels.dgrad import (
     gate_up_dgrad_scatter,
     gate_up_dgrad_scatter_fp8_block,
 )
-from mok.kernels.grouped_gemm import routing_block_m
+from mok.kernels.gemm.common import routing_block_m
 from mok.kernels.plan import kernel_plan
-from mok.kernels.quant_fp8_block import quantize_fp8_block_activations, quantize_fp8_block_gathered
-from mok.kernels.schedule import build_routing_schedule
+from mok.kernels.quant.fp8_block import quantize_fp8_block_activations, quantize_fp8_block_gathered
+from mok.kernels.routing.schedule import build_routing_schedule
 from mok.testing import assert_close_to_reference, make_inputs, make_topk_ids
 
 
@@ -391,9 +391,9 @@ def test_fp8_block_down_dgrad_gathering_is_bitwise_the_sorted_copy(kernel_device
     w_down_t = fp8_block_quantize(inp.w_down)[2:]
     triton_tiles = dgrad_config("down", I, H, "fp8_block", allow_warp_specialized=False)
     runs = {"gathered": (True, triton_tiles), "sorted": (False, triton_tiles)}
-    if warp_specialized.available_here():
+    if hopper_common.available_here():
         for gathers, name in ((True, "gathered"), (False, "sorted")):
-            runs[f"{name}, warp-specialized product"] = (gathers, warp_specialized.fp8_block_tile_config())
+            runs[f"{name}, warp-specialized product"] = (gathers, hopper_common.fp8_block_tile_config())
     outputs = {}
     set_plan(warp_specialized_fp8_block_down_dgrad_product=False,  # H alone picks the rows
              fp8_block_down_dgrad_product_bf16=False)

@@ -1,13 +1,13 @@
 """The expert-parallel plan (`transport.common.token_plan`) and the row copies of
-`mok/kernels/dispatch.py` against plain PyTorch loops of the same order, bit for bit."""
+`mok/kernels/comm/dispatch.py` against plain PyTorch loops of the same order, bit for bit."""
 
 import pytest
 import torch
 
 from mok import ops
 from mok.kernels.common import ERROR_BAD_EXPERT_ID, ERROR_CAPACITY_OVERFLOW
-from mok.kernels.dispatch import pack_rows, unpack_rows
-from mok.kernels.grouped_gemm import routing_block_m
+from mok.kernels.comm.dispatch import pack_rows, unpack_rows
+from mok.kernels.gemm.common import routing_block_m
 from mok.testing import make_topk_ids
 from mok.transport.common import token_plan, token_receiver_schedule
 

@@ -4,10 +4,10 @@ router-weighted row, rounded once to bf16), padding rows are exact zeros."""
 import pytest
 import torch
 
-from mok.kernels.gather import gather_sorted_rows
-from mok.kernels.grouped_gemm import routing_block_m
-from mok.kernels.quant import mxfp8_round
-from mok.kernels.schedule import build_routing_schedule
+from mok.kernels.routing.gather import gather_sorted_rows
+from mok.kernels.gemm.common import routing_block_m
+from mok.kernels.quant.mxfp8 import mxfp8_round
+from mok.kernels.routing.schedule import build_routing_schedule
 from mok.testing import make_inputs
 
 

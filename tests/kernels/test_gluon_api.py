@@ -13,7 +13,8 @@ import pytest
 import torch
 import triton
 
-from mok.kernels import gluon_api, warp_specialized
+from mok.kernels import gluon_api
+from mok.kernels.gemm import hopper_common
 
 # A layer through the triton backend with Gluon unimportable: forward and backward of every
 # precision against the reference, on the GPU if there is one, else under the interpreter.
@@ -81,7 +82,7 @@ def test_a_failing_probe_keeps_hopper_on_the_triton_gemms(monkeypatch):
     monkeypatch.setattr(gluon_api, "unavailable_reason", lambda device, hopper_kernels: "test")
     gluon_api._warn_once.cache_clear()
     with pytest.warns(RuntimeWarning, match="falls back"):
-        assert not warp_specialized.warp_specialized_available(torch.device("cuda"))
+        assert not hopper_common.warp_specialized_available(torch.device("cuda"))
     gluon_api._warn_once.cache_clear()
 
 

@@ -7,21 +7,14 @@ import triton.language as tl
 
 from mok import reference
 from mok.fp8_block import fp8_block_dequantize, fp8_block_quantize
-from mok.kernels.combine import combine
+from mok.kernels.routing.combine import combine
 from mok.kernels.common import last_wave_tile_coordinates, num_sms
-from mok.kernels.grouped_gemm import (
-    down_scatter,
-    down_scatter_fp8_block,
-    gate_up_packed,
-    gate_up_swiglu,
-    gate_up_swiglu_fp8_block,
-    gemm_config,
-    routing_block_m,
-    scatter_grid,
-)
-from mok.kernels.dgrad import dgrad_config, gate_up_dgrad_scatter
-from mok.kernels.quant_fp8_block import quantize_fp8_block_activations
-from mok.kernels.schedule import build_routing_schedule
+from mok.kernels.gemm.common import gemm_config, routing_block_m, scatter_grid
+from mok.kernels.gemm.down import down_scatter, down_scatter_fp8_block
+from mok.kernels.gemm.gate_up import gate_up_packed, gate_up_swiglu, gate_up_swiglu_fp8_block
+from mok.kernels.gemm.dgrad import dgrad_config, gate_up_dgrad_scatter
+from mok.kernels.quant.fp8_block import quantize_fp8_block_activations
+from mok.kernels.routing.schedule import build_routing_schedule
 from mok.testing import assert_close_to_reference, make_inputs, make_topk_ids
 
 

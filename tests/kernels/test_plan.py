@@ -14,8 +14,8 @@ import torch
 
 import mok
 from mok import reference
-from mok.kernels import warp_specialized
 from mok.kernels.common import interpreting
+from mok.kernels.gemm import hopper_common
 from mok.kernels.plan import GENERIC, HOPPER, KernelPlan, check_fields, kernel_plan, override
 from mok.testing import assert_close_to_reference, make_inputs
 from mok.testing.launches import recorded_launches
@@ -136,7 +136,7 @@ VARIANTS = [
             base={"warp_specialized_fp8_block_down_dgrad_product": False}),
 ]
 _MARKS = {"any": (), "gpu": (pytest.mark.gpu,),
-          "hopper": (pytest.mark.gpu, pytest.mark.skipif(not warp_specialized.available_here(),
+          "hopper": (pytest.mark.gpu, pytest.mark.skipif(not hopper_common.available_here(),
                                                          reason="needs a Hopper GPU"))}
 
 

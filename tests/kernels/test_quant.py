@@ -9,7 +9,7 @@ import torch
 import mok
 from mok import mxfp8, ops
 from mok.kernels.common import interpreting
-from mok.kernels.quant import mxfp8_quantize_triton, mxfp8_round
+from mok.kernels.quant.mxfp8 import mxfp8_quantize_triton, mxfp8_round
 
 NAMES = ("q", "scale", "q_t", "scale_t")
 
@@ -228,8 +228,8 @@ def test_round_sorted_layout_masks_padding_and_skips_unused_rows(kernel_device):
     """A sorted-layout operand: padding rows (row_source -1) hold garbage that must neither
     reach their block's scale nor survive (they come out zero); rows past num_rows stay as
     they were in the output (unwritten), which the comparison below leaves out."""
-    from mok.kernels.grouped_gemm import routing_block_m
-    from mok.kernels.schedule import build_routing_schedule
+    from mok.kernels.gemm.common import routing_block_m
+    from mok.kernels.routing.schedule import build_routing_schedule
 
     T, E, topk, W = 37, 5, 2, 64
     ids = torch.randint(0, E, (T, topk), generator=torch.Generator().manual_seed(2)).to(kernel_device)

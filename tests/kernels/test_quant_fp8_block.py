@@ -15,12 +15,12 @@ import triton
 import triton.language as tl
 
 from mok.fp8_block import fp8_block_quantize, fp8_block_quantize_activations
-from mok.kernels import quant_fp8_block as qf
+from mok.kernels.quant import fp8_block as qf
 from mok.kernels.common import interpreting
-from mok.kernels.gather import gather_sorted_rows
-from mok.kernels.grouped_gemm import routing_block_m
+from mok.kernels.routing.gather import gather_sorted_rows
+from mok.kernels.gemm.common import routing_block_m
 from mok.kernels.plan import HOPPER, override
-from mok.kernels.quant_fp8_block import (
+from mok.kernels.quant.fp8_block import (
     _abs_max_bits,
     quantize_fp8_block_activations,
     quantize_fp8_block_gathered,
@@ -30,7 +30,7 @@ from mok.kernels.quant_fp8_block import (
     quantize_fp8_block_weights,
     sorted_scale_rows,
 )
-from mok.kernels.schedule import build_routing_schedule
+from mok.kernels.routing.schedule import build_routing_schedule
 from mok.testing import make_topk_ids
 from mok.testing.fp8 import dequantize_sorted_t, sorted_column_blocks
 from mok.testing.sm90 import gluon_ptxas_report
@@ -435,7 +435,7 @@ def test_sorted_t_gluon_compiles_for_sm90a_without_spills(variant):
     signature = {name: "constexpr" if name in constants else pointer_types.get(name, "*i32") if name.endswith("_ptr")
                  else "fp32" if name == "swiglu_limit" else "i32" for name in kernel.arg_names}
     aligned = tuple(name for name in signature if name.endswith("_ptr")) + ("width", "capacity_rows", "stride_a_r")
-    registers, spilled = gluon_ptxas_report("mok.kernels.quant_fp8_block", "_quantize_sorted_t_gluon_kernel",
+    registers, spilled = gluon_ptxas_report("mok.kernels.quant.fp8_block", "_quantize_sorted_t_gluon_kernel",
                                             signature, constants, aligned,
                                             num_warps=HOPPER.sorted_gluon_num_warps_e4m3 if flags["SCALED"]
                                             else HOPPER.sorted_gluon_num_warps)
@@ -452,7 +452,7 @@ def test_weights_gluon_compiles_for_sm90a_without_spills(element):
     signature = {name: pointer_types.get(name, "*fp32") if name.endswith("_ptr") else "i32"
                  for name in kernel.arg_names}
     aligned = tuple(name for name in signature if name.endswith("_ptr")) + ("N", "K", "stride_w_e", "stride_w_n")
-    registers, spilled = gluon_ptxas_report("mok.kernels.quant_fp8_block", "_quantize_weight_128x128_gluon_kernel",
+    registers, spilled = gluon_ptxas_report("mok.kernels.quant.fp8_block", "_quantize_weight_128x128_gluon_kernel",
                                             signature, {}, aligned, num_warps=HOPPER.weight_gluon_num_warps)
     assert spilled == 0, f"{element}: {registers} registers, {spilled} bytes spilled"
 

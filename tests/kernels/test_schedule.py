@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mok.kernels.common import ERROR_BAD_EXPERT_ID
-from mok.kernels.schedule import build_routing_schedule, capacity_rows, sorted_route_rows
+from mok.kernels.routing.schedule import build_routing_schedule, capacity_rows, sorted_route_rows
 from mok.testing import make_topk_ids
 
 

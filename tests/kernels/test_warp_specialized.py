@@ -8,33 +8,28 @@ import torch
 import triton
 
 from mok.fp8_block import fp8_block_dequantize, fp8_block_quantize
-from mok.kernels import dgrad
-from mok.kernels import warp_specialized as ws
-from mok.kernels.dgrad import (
+from mok.kernels.gemm import dgrad, hopper_wgrad
+from mok.kernels.gemm import hopper_common as ws
+from mok.kernels.gemm.dgrad import (
     dgrad_config,
     down_dgrad_swiglu,
     down_dgrad_swiglu_fp8_block,
     gate_up_dgrad_scatter,
     gate_up_dgrad_scatter_fp8_block,
 )
-from mok.kernels.gather import gather_sorted_rows
-from mok.kernels.grouped_gemm import (
-    down_scatter,
-    down_scatter_fp8_block,
-    gate_up_swiglu,
-    gate_up_swiglu_fp8_block,
-    gemm_config,
-    routing_block_m,
-)
+from mok.kernels.routing.gather import gather_sorted_rows
+from mok.kernels.gemm.common import gemm_config, routing_block_m
+from mok.kernels.gemm.down import down_scatter, down_scatter_fp8_block
+from mok.kernels.gemm.gate_up import gate_up_swiglu, gate_up_swiglu_fp8_block
 from mok.kernels.plan import HOPPER, kernel_plan, override
-from mok.kernels.quant_fp8_block import (
+from mok.kernels.quant.fp8_block import (
     quantize_fp8_block_activations,
     quantize_fp8_block_gathered,
     quantize_fp8_block_sorted_t,
     quantize_fp8_block_swiglu_sorted_t,
 )
-from mok.kernels.schedule import build_routing_schedule
-from mok.kernels.wgrad import (
+from mok.kernels.routing.schedule import build_routing_schedule
+from mok.kernels.gemm.wgrad import (
     down_wgrad,
     down_wgrad_fp8_block,
     gate_up_wgrad,
@@ -70,7 +65,9 @@ hopper = pytest.mark.skipif(not ws.available_here(), reason="needs a Hopper GPU"
 
 
 def _ptxas_report(kernel_name: str, signature: dict, constants: dict, aligned: tuple[str, ...] = ()) -> tuple[int, int]:
-    return gluon_ptxas_report("mok.kernels.warp_specialized", kernel_name, signature, constants, aligned)
+    module = {"_scatter_ws_kernel": "hopper_scatter", "_gathered_ws_kernel": "hopper_gathered",
+              "_wgrad_ws_kernel": "hopper_wgrad"}[kernel_name]
+    return gluon_ptxas_report(f"mok.kernels.gemm.{module}", kernel_name, signature, constants, aligned)
 
 
 def _descriptor_type(block_shape, dtype: torch.dtype = torch.bfloat16) -> str:
@@ -93,7 +90,7 @@ def _scatter_signature(a_block, b_block, dtype: torch.dtype, meta: dict, y_type:
 def _wgrad_signature(a_block, b_block, dtype: torch.dtype, meta: dict) -> dict:
     fp8 = dtype == torch.float8_e4m3fn  # B's column scales through TMA, [1, BLOCK_N] per step
     b_scale_desc = _descriptor_type((1, b_block[0]), torch.float32) if fp8 else _descriptor_type(b_block, dtype)
-    out_desc = (_descriptor_type(ws._wgrad_store_box(meta, fp8)) if meta["TMA_STORE"]
+    out_desc = (_descriptor_type(hopper_wgrad._wgrad_store_box(meta, fp8)) if meta["TMA_STORE"]
                 else _descriptor_type(b_block, dtype))
     return {
         "a_desc": _descriptor_type(a_block, dtype), "a2_desc": _descriptor_type(a_block, dtype),
@@ -582,8 +579,8 @@ def test_fp8_block_wgrads_store_by_tma_bitwise_as_from_registers(set_plan, T, H,
         params = f"{kind} {T=} {H=} {I=} {E=} {topk=} {skewed=}"
         cfg = ws.fp8_block_tile_config(stacked=kind == "gate_up")
         stacked_rows = 2 * m_dim if kind == "gate_up" else m_dim
-        assert ws._wgrad_stores_by_tma(cfg, m_dim, stacked_rows, n_dim, True, device) == (m_dim % 64 == 0), params
-        assert not ws._wgrad_stores_by_tma(_fp8_tile(cfg, wide=False), m_dim, stacked_rows, n_dim, True, device), \
+        assert hopper_wgrad._wgrad_stores_by_tma(cfg, m_dim, stacked_rows, n_dim, True, device) == (m_dim % 64 == 0), params
+        assert not hopper_wgrad._wgrad_stores_by_tma(_fp8_tile(cfg, wide=False), m_dim, stacked_rows, n_dim, True, device), \
             params
         set_plan(fp8_wgrad_tma_store=False)
         expected = run(cfg)
@@ -600,10 +597,10 @@ def test_bf16_wgrads_store_by_tma_where_the_buffers_fit():
     that are no multiple of 64 (then the bitwise tests above run the register stores)."""
     device = torch.device("cuda")
     cfg = ws.wgrad_tile_config(cooperative=True)
-    assert cfg["num_stages"] == 3 and ws._wgrad_stores_by_tma(cfg, 4096, 4096, 14336, False, device)
-    assert not ws._wgrad_stores_by_tma(ws.tile_config(cooperative=True), 4096, 4096, 14336, False, device)
-    assert not ws._wgrad_stores_by_tma(ws.wgrad_tile_config(cooperative=False), 2048, 2048, 768, False, device)
-    assert not ws._wgrad_stores_by_tma(cfg, 136, 136, 200, False, device)
+    assert cfg["num_stages"] == 3 and hopper_wgrad._wgrad_stores_by_tma(cfg, 4096, 4096, 14336, False, device)
+    assert not hopper_wgrad._wgrad_stores_by_tma(ws.tile_config(cooperative=True), 4096, 4096, 14336, False, device)
+    assert not hopper_wgrad._wgrad_stores_by_tma(ws.wgrad_tile_config(cooperative=False), 2048, 2048, 768, False, device)
+    assert not hopper_wgrad._wgrad_stores_by_tma(cfg, 136, 136, 200, False, device)
 
 
 @hopper

@@ -5,17 +5,23 @@ be read), and in-place main_grad accumulation in fp32 and bf16."""
 import pytest
 import torch
 
-from mok.kernels import warp_specialized as ws
+from mok.kernels.gemm import hopper_common as ws
 from mok.kernels.common import num_sms
-from mok.kernels.grouped_gemm import routing_block_m
-from mok.kernels.quant_fp8_block import (
+from mok.kernels.gemm.common import routing_block_m
+from mok.kernels.quant.fp8_block import (
     quantize_fp8_block_sorted_t,
     quantize_fp8_block_swiglu_sorted_t,
     sorted_scale_rows,
 )
-from mok.kernels.schedule import build_routing_schedule
-from mok.kernels.gather import gather_sorted_rows
-from mok.kernels.wgrad import down_wgrad, down_wgrad_fp8_block, gate_up_wgrad, gate_up_wgrad_fp8_block, wgrad_config
+from mok.kernels.routing.schedule import build_routing_schedule
+from mok.kernels.routing.gather import gather_sorted_rows
+from mok.kernels.gemm.wgrad import (
+    down_wgrad,
+    down_wgrad_fp8_block,
+    gate_up_wgrad,
+    gate_up_wgrad_fp8_block,
+    wgrad_config,
+)
 from mok.testing import assert_close_to_reference, make_inputs
 from mok.testing.fp8 import dequantize_sorted_t
 

@@ -14,26 +14,26 @@ TMA (benchmarks/LOG.md, "The backward rewrite"). The copy runs at HBM speed, and
 reads d_out_sorted through TMA too.
 
 The forward's gate/up GEMM reads x through TMA from the same copy (x alone, `d_out=None`)
-where its intermediate size makes that pay (`grouped_gemm.gemm_config`): per row copied, that
+where its intermediate size makes that pay (`gemm.common.gemm_config`): per row copied, that
 GEMM does 4·I FLOPs per element of x, so at large I the copy is cheap against what TMA saves.
 
 Why a second copy of dOut, where I ≥ H: the down dgrad needs dOut unweighted (its epilogue
 forms the router-weight gradient ⟨dOut·Wd, h⟩ and applies w in fp32), the down wgrad needs
 w·dOut as a plain TMA operand. Where I < H the down dgrad's epilogue writes w·h instead
-(`dgrad.down_wgrad_reads_weighted_h`, 2·I bytes per route against w·dOut's 2·H), and the
+(`gemm.dgrad.down_wgrad_reads_weighted_h`, 2·I bytes per route against w·dOut's 2·H), and the
 caller asks for no dy (`topk_weights=None`). dy carries one bf16 rounding of w·dOut
 (relative 2^-9 per element, far inside the bf16 accuracy bar).
 
 mxfp8 (`mxfp8=True`): each copy comes out rounded to the MXFP8 grid of the GEMM that reads it
-(`quant.mxfp8_round`): d_out_sorted in blocks of 32 along H (the down dgrad reduces over H),
+(`quant.mxfp8.mxfp8_round`): d_out_sorted in blocks of 32 along H (the down dgrad reduces over H),
 x_sorted and dy_sorted in blocks of 32 rows (the wgrads reduce over rows), dy from the fp32
 product w·dOut. A program then copies 32 rows, one block: the schedule pads every expert
 to a multiple of BLOCK_M (a multiple of 32), so the block is one expert's, padding zeros.
 
 fp8_block makes no bf16 copy: its quantizers read the token rows through row_source
-themselves (`quant_fp8_block.quantize_fp8_block_gathered_t`), or quantize the token rows once
+themselves (`quant.fp8_block.quantize_fp8_block_gathered_t`), or quantize the token rows once
 and copy the e4m3 rows and their scales here as bf16 pairs
-(`quant_fp8_block.quantize_fp8_block_gathered`), or its down dgrad gathers dOut's quantized
+(`quant.fp8_block.quantize_fp8_block_gathered`), or its down dgrad gathers dOut's quantized
 token rows; each bitwise as if from these copies.
 
 Two orders of the same copy. Row-major (`_gather_sorted_rows_kernel`): a program per block
@@ -58,8 +58,8 @@ import triton.language as tl
 
 from mok.kernels.common import interpreting, round_to_bf16
 from mok.kernels.plan import kernel_plan
-from mok.kernels.quant import mxfp8_round_tile
-from mok.kernels.schedule import RoutingSchedule
+from mok.kernels.quant.mxfp8 import mxfp8_round_tile
+from mok.kernels.routing.schedule import RoutingSchedule
 from mok.mxfp8 import MX_BLOCK
 
 
@@ -68,7 +68,7 @@ def sorted_row_routes(rows, row_ok, row_source_ptr, topk):
     """(slot, token, valid) of sorted rows: slot = row_source[r], the route t·topk + j (0 where
     none), its token t = slot // topk, and whether the row has a route (padding rows, −1,
     and rows not `row_ok` have none and read nothing). Also the fp8_block quantizers'
-    gathering loads (`quant_fp8_block`)."""
+    gathering loads (`quant/fp8_block.py`)."""
     source = tl.load(row_source_ptr + rows, mask=row_ok, other=-1)
     valid = source >= 0
     slot = tl.where(valid, source, 0)

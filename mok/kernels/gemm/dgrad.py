@@ -9,13 +9,13 @@
                                       = ⟨dOut[t], y[t·topk+j]⟩ = ⟨dOut[t]·Wd[e], h[r]⟩
     gate/up dgrad: dx_slots[t·topk+j] = d_g[r] · Wg[e] + d_u[r] · Wu[e]  [H]  one fp32 accumulator
 
-Legend: r a row of the expert-sorted layout of `schedule.py`, src(r) = row_source[r] =
+Legend: r a row of the expert-sorted layout of `routing/schedule.py`, src(r) = row_source[r] =
 t·topk + j (−1: padding), e = tile_expert[r // BLOCK_M], T tokens, H hidden, I
 intermediate size, topk routes per token, E_l local experts. g, u are the pre-activations
 the forward stored ([rows, 2, I] bf16); h = silu(min(g, L)) · clamp(u, −L, L) is
 recomputed from them in fp32.
 
-The down dgrad reads dOut rows already in the sorted layout (`gather.py`'s d_out_sorted,
+The down dgrad reads dOut rows already in the sorted layout (`routing/gather.py`'s d_out_sorted,
 zeros in padding rows) and applies the router weight to the fp32 accumulator: d_h never
 exists in bf16, and d_g, d_u carry a single bf16 rounding (at the d_gate_up store). The
 router-weight gradient is the row-dot ⟨dOut[t]·Wd[e], h[r]⟩ over I, which equals
@@ -49,7 +49,7 @@ it passes x and dOut as they are.
 fp8_block (the constexpr PRECISION, launchers `*_fp8_block`): the same kernels and
 epilogues on E4M3 operands with fp32 block scales, one per 1×128 block of a sorted row along
 the reduction dim (dOut's along H, d_g's and d_u's along I) and one per 128×128 block of a
-weight, applied per 128-wide K step by the forward's main loop (`grouped_gemm.sorted_rows_tile`):
+weight, applied per 128-wide K step by the forward's main loop (`common.sorted_rows_tile`):
 
     acc[r, n] = Σ_kb  sa[r, kb] · sw[e, n // 128, kb] · Σ_{k in block kb} aq[r, k] · wqᵀ[e, n, k]     (fp32)
 
@@ -58,11 +58,11 @@ weight's transposed copy (`q_t`, `scale_t` of `mok.fp8_block_quantize`: w_down�
 w_gateᵀ and w_upᵀ [E_l, H, I]), read as [N, K] tiles. Up to
 the plan's `gathered_fp8_block_down_dgrad_max_hidden`, dOut is quantized once per token
 (`quantize_fp8_block_activations` of the token rows) and the down dgrad gathers each sorted
-row's token row inside its loads (`grouped_gemm.gathered_rows_tile_fp8`: a route's row of the
+row's token row inside its loads (`common.gathered_rows_tile_fp8`: a route's row of the
 sorted copy would be the same bytes, so dOut costs a T-row quantization, not T·topk rows);
 above it, dOut's sorted rows are quantized straight from the token rows
 (`quantize_fp8_block_gathered`) and read through TMA. On Hopper the GEMM runs in
-`warp_specialized.py` into a product [capacity_rows, I] (bf16, the plan's `fp8_block_down_dgrad_product_bf16`),
+`hopper_gathered.py` into a product [capacity_rows, I] (bf16, the plan's `fp8_block_down_dgrad_product_bf16`),
 gathering the token rows at every H, and `_down_dgrad_swiglu_kernel` runs only its epilogue on it (PRODUCT_GIVEN,
 `down_dgrad_swiglu_epilogue`). d_gate_up[:, 0] and d_gate_up[:, 1]
 are quantized separately by `quantize_fp8_block_activations` (strided views, no copy), so
@@ -72,7 +72,7 @@ through the quantizers' own `quantize_row_blocks`), which the gate/up dgrad read
 views, rows 2·I bytes apart. The product's epilogue then takes EPILOGUE_ROWS rows at a time,
 each row's 128 columns together. Padding rows quantize to zeros and stay exact zeros. The
 gate/up wgrad reduces over rows, so it needs its own quantization, of the bf16 d_gate_up or
-of the e4m3 copy (`quant_fp8_block`'s SCALED transposing quantizer).
+of the e4m3 copy (`quant/fp8_block.py`'s SCALED transposing quantizer).
 
 Caller contract: the schedule was built with the same BLOCK_M as these kernels' tiles
 (checked); `gate_up` holds the forward's pre-activations for every row below `num_rows`.
@@ -87,7 +87,6 @@ import triton
 import triton.language as tl
 
 from mok.fp8_block import FP8_BLOCK
-from mok.kernels import warp_specialized
 from mok.kernels.common import (
     column_halves,
     gate_up_parts,
@@ -99,9 +98,8 @@ from mok.kernels.common import (
     tile_coordinates,
     tma_descriptor,
 )
-from mok.kernels.gather import check_sorted_rows
-from mok.kernels.plan import kernel_plan
-from mok.kernels.grouped_gemm import (
+from mok.kernels.gemm import hopper_common, hopper_gathered, hopper_scatter
+from mok.kernels.gemm.common import (
     check_fp8_block_pair,
     checked_tile_config,
     fp8_block_weight_shape,
@@ -112,8 +110,10 @@ from mok.kernels.grouped_gemm import (
     scatter_rows_to_slots,
     sorted_rows_tile,
 )
-from mok.kernels.quant_fp8_block import dequantize_row_blocks, quantize_row_blocks
-from mok.kernels.schedule import RoutingSchedule
+from mok.kernels.plan import kernel_plan
+from mok.kernels.quant.fp8_block import dequantize_row_blocks, quantize_row_blocks
+from mok.kernels.routing.gather import check_sorted_rows
+from mok.kernels.routing.schedule import RoutingSchedule
 from mok.kernels.swiglu import fast_sigmoid_here, swiglu_backward
 
 _SCALE_BLOCK = tl.constexpr(FP8_BLOCK)  # kernels read only constexpr globals
@@ -181,14 +181,14 @@ def dgrad_config(
     plan = kernel_plan()
     if precision == "fp8_block":
         if _fp8_block_warp_specialized(kind, allow_warp_specialized):
-            return warp_specialized.fp8_block_tile_config()
+            return hopper_common.fp8_block_tile_config()
         return dict(BLOCK_M=routing_block_m(), **fp8_block_tiles(kind))
     split = dict(SPLIT_LAST_WAVE=plan.split_last_wave) if kind == "gate_up" else {}
     if interpreting():
         return dict(BLOCK_M=routing_block_m(), BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1, **split)
     gate_up_warp_specialized = kind == "gate_up" and allow_warp_specialized and plan.warp_specialized
     if gate_up_warp_specialized and reduce_dim <= plan.cooperative_gate_up_dgrad_max_inter:
-        return warp_specialized.tile_config(cooperative=True)
+        return hopper_common.tile_config(cooperative=True)
     cfg = dict(BLOCK_M=routing_block_m(), BLOCK_N=256, BLOCK_K=64, GROUP_M=plan.gemm_group_m, num_warps=8,
                num_stages=3, **split)
     if kind == "down":
@@ -510,7 +510,7 @@ def _gate_up_dgrad_scatter_kernel(
 ):
     num_n_tiles = tl.cdiv(hidden, BLOCK_N)
     num_m_tiles = tl.cdiv(tl.load(num_rows_ptr), BLOCK_M)
-    if PERSISTENT:  # as the forward's down GEMM (`grouped_gemm._down_scatter_kernel`)
+    if PERSISTENT:  # as the forward's down GEMM (`down._down_scatter_kernel`)
         for tile in tl.range(tl.program_id(0), num_m_tiles * num_n_tiles, num_programs, flatten=True):
             m_tile, n_tile = tile_coordinates(tile, num_m_tiles, num_n_tiles, GROUP_M)
             _gate_up_dgrad_tile(
@@ -714,9 +714,9 @@ def down_dgrad_swiglu_fp8_block(
     sorted rows, `quantize_fp8_block_gathered(d_out)`. The weight pair is `q_t, scale_t` of
     `mok.fp8_block_quantize(w_down)`. Rows past the schedule's `num_rows` are left unwritten.
     A tile config with WARP_SPECIALIZED (the default on Hopper, see
-    the plan's `warp_specialized_fp8_block_down_dgrad_product`) runs the GEMM in `warp_specialized.py` into
+    the plan's `warp_specialized_fp8_block_down_dgrad_product`) runs the GEMM in `hopper_gathered.py` into
     a product (gathering the token rows in its producer, or reading the sorted rows
-    through TMA), then `down_dgrad_swiglu_epilogue` on it: with an fp32 product
+    through TMA in `hopper_scatter.py`), then `down_dgrad_swiglu_epilogue` on it: with an fp32 product
     (the plan's `fp8_block_down_dgrad_product_bf16` off) d_gate_up bitwise the fused kernel's, d_topk_weights to
     fp32 rounding (its row sums reduce in another order); with a bf16 one, both from the product
     rounded to bf16."""
@@ -741,7 +741,7 @@ def down_dgrad_swiglu_fp8_block(
         dtype = torch.bfloat16 if kernel_plan().fp8_block_down_dgrad_product_bf16 else torch.float32
         product = torch.empty(schedule.capacity_rows, inter, dtype=dtype, device=device)  # [capacity_rows, I]
         topk = 1 if topk_weights is None else topk_weights.shape[1]
-        warp_specialized.launch_down_dgrad_product_fp8_block(
+        hopper_gathered.launch_down_dgrad_product_fp8_block(
             d_out_q, d_out_scale, w_down_t_q, w_down_t_scale, product, schedule, cfg, topk if gathers else None
         )
         return _launch_down_dgrad_epilogue(product, topk_weights, gate_up, schedule, swiglu_limit, quantize_d_gate_up)
@@ -792,14 +792,14 @@ def _launch_gate_up_dgrad_scatter(
     schedule: RoutingSchedule, num_slots: int, hidden: int, inter: int, cfg: dict, sorted_rows: bool = False,
 ) -> torch.Tensor:
     """One launch of `_gate_up_dgrad_scatter_kernel` (the scales are None in bf16), or, for a tile
-    config with WARP_SPECIALIZED, of `warp_specialized`'s kernel. `sorted_rows`: dx
+    config with WARP_SPECIALIZED, of `hopper_scatter`'s kernel. `sorted_rows`: dx
     [capacity_rows, H], each row at its own index."""
     rows = schedule.capacity_rows if sorted_rows else num_slots
     dx = torch.empty(rows, hidden, dtype=torch.bfloat16, device=d_gate.device)  # [T·topk or capacity_rows, H]
     if cfg.get("WARP_SPECIALIZED", False):
         scales = None if d_gate_scale is None else (d_gate_scale, d_up_scale, w_gate_scale, w_up_scale)
-        warp_specialized.launch_gate_up_dgrad_scatter(d_gate, d_up, w_gate, w_up, dx, schedule, cfg, scales,
-                                                      scatter=not sorted_rows)
+        hopper_scatter.launch_gate_up_dgrad_scatter(d_gate, d_up, w_gate, w_up, dx, schedule, cfg, scales,
+                                                    scatter=not sorted_rows)
         return dx
     programs = scatter_grid(schedule, hidden, cfg)
     cfg = {"PERSISTENT": False, "SPLIT_LAST_WAVE": False, **cfg}

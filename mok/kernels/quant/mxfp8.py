@@ -56,7 +56,7 @@ import triton.language as tl
 
 from mok.kernels.common import interpreting, round_to_bf16
 from mok.kernels.plan import kernel_plan
-from mok.kernels.schedule import RoutingSchedule
+from mok.kernels.routing.schedule import RoutingSchedule
 from mok.mxfp8 import E4M3_NAN_BYTE, E8M0_NAN, MX_BLOCK, _check_block_dim, _check_input
 
 __all__ = ["mxfp8_quantize_triton", "validate_mxfp8_quantize_args", "mxfp8_round", "mxfp8_round_tile"]

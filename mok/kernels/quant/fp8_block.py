@@ -20,7 +20,7 @@ Determinism: each output element is a pure function of its block; no atomics.
 
 Blocks along the rows of the sorted layout (`quantize_fp8_block_sorted_t`,
 `quantize_fp8_block_swiglu_sorted_t`): the weight-gradient GEMMs reduce over each expert's
-rows of `schedule.py`'s sorted layout, so their operands (x_sorted, w·dOut, d_g|d_u, and h,
+rows of `routing/schedule.py`'s sorted layout, so their operands (x_sorted, w·dOut, d_g|d_u, and h,
 recomputed from the saved g, u) are quantized in 1×128 blocks *down each column*: block j
 of expert e covers rows [off_e + 128·j, min(off_e + 128·(j+1), off_{e+1})) of one column,
 so no block mixes two experts and the last one of an expert may be ragged (its valid rows
@@ -39,12 +39,12 @@ input past its end (an operand shorter than the capacity) read as zeros.
 Gathering: the fp8_block backward's operands from the token rows themselves. Blocks down the
 sorted rows (`quantize_fp8_block_gathered_t`, the constexpr GATHER): sorted row r reads token
 row_source[r] // topk (zeros for padding), optionally times its router weight with one bf16
-rounding, exactly as `gather.gather_sorted_rows` copies it, so the bytes and scales are
+rounding, exactly as `routing.gather.gather_sorted_rows` copies it, so the bytes and scales are
 bitwise those of quantizing that bf16 copy, which is never written (on qwen3-30b, 1.6 GB of
 bf16 copies and three reads of them per backward). Blocks along a row
 (`quantize_fp8_block_gathered`): a route's row is its token's, so the token rows are
 quantized once and the e4m3 rows and their scales copied into the sorted layout; where the
-down dgrad gathers dOut's rows itself (`dgrad.fp8_block_down_dgrad_gathers`), not even that.
+down dgrad gathers dOut's rows itself (`gemm.dgrad.fp8_block_down_dgrad_gathers`), not even that.
 
 Requantizing (the constexpr SCALED): the transposing quantizers also take an operand already
 quantized in 1×128 blocks along its rows (e4m3 bytes and their [rows, ⌈W/128⌉] scales: the
@@ -93,10 +93,10 @@ import triton.language as tl
 from mok.fp8_block import FP8_BLOCK
 from mok.kernels.common import interpreting, round_to_bf16
 from mok.kernels import gluon_api
-from mok.kernels.gather import gather_sorted_rows, sorted_row_routes
+from mok.kernels.routing.gather import gather_sorted_rows, sorted_row_routes
 from mok.kernels.gluon_api import gl, gluon
 from mok.kernels.plan import kernel_plan
-from mok.kernels.schedule import RoutingSchedule
+from mok.kernels.routing.schedule import RoutingSchedule
 from mok.kernels.swiglu import fast_sigmoid_here, swiglu_forward
 from mok.mxfp8 import check_float_input
 
@@ -626,7 +626,7 @@ def quantize_fp8_block_gathered(
     """x's rows in the schedule's sorted layout (row r: token row_source[r] // topk), quantized
     in 1×128 blocks along K: (q [capacity_rows, K] float8_e4m3fn, scale [capacity_rows,
     ⌈K/128⌉] fp32). A route's row is its token's, so the T token rows are quantized once and
-    their bytes and scales copied to the routes' rows (`gather.gather_sorted_rows`, on bf16
+    their bytes and scales copied to the routes' rows (`routing.gather.gather_sorted_rows`, on bf16
     views): every route's row bitwise `quantize_fp8_block_activations` of the gathered bf16
     copy, at the cost of T rows quantized instead of T·topk. Padding rows get zero bytes and
     scale 0 (no GEMM output of theirs is read); rows at or past num_rows are left unwritten."""
@@ -787,7 +787,7 @@ def quantize_fp8_block_gathered_t(
     a_scale: torch.Tensor | None = None,  # [T, ⌈W/128⌉] fp32: a's 1×128 row scales
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """a's rows in the schedule's sorted layout (row r: token row_source[r] // topk, zeros for
-    padding; with topk_weights, bf16(w · a[t]) as `gather.gather_sorted_rows`' dy_sorted),
+    padding; with topk_weights, bf16(w · a[t]) as `routing.gather.gather_sorted_rows`' dy_sorted),
     quantized as `quantize_fp8_block_sorted_t`: (q_t [W, capacity_rows] float8_e4m3fn,
     scale_t [capacity_rows / S, W] fp32), bitwise that of the gathered copy, without the copy.
     With `a_scale`, a is e4m3 quantized along its rows (the per-token x_q or dOut's pair), and

@@ -4,10 +4,10 @@
     gate/up:  d_w_gate[e] = Σ_{r of e} d_g[r]ᵀ · x_sorted[r]  [I, H]
               d_w_up[e]   = Σ_{r of e} d_u[r]ᵀ · x_sorted[r]  [I, H]   (one launch, shared x tile)
 
-Legend: r a row of the expert-sorted layout of `schedule.py` in
+Legend: r a row of the expert-sorted layout of `routing/schedule.py` in
 [expert_offsets[e], expert_offsets[e+1]), T tokens, H hidden, I intermediate size, E_l
 local experts. Every operand is in the sorted layout and read through TMA: x_sorted and
-dy_sorted [rows, H] (`gather.py`), h [rows, I] (the forward's) and d_gate_up
+dy_sorted [rows, H] (`routing/gather.py`), h [rows, I] (the forward's) and d_gate_up
 [rows, 2, I] (the down dgrad's). Gathering x and dOut by token inside these loads would need a new index
 vector every K step (the reduction runs over rows); measured on H200 that held the
 kernels far below their rate over sorted operands (benchmarks/LOG.md, "The backward rewrite").
@@ -36,7 +36,7 @@ padding: the forward's h is zero there because its gathered x rows are).
 fp8_block (the constexpr PRECISION, launchers `*_fp8_block`): the reduction runs
 over rows, so both operands are quantized in 1×128 blocks along the rows, per expert
 (a separate launch per operand ahead of these GEMMs: x and w·dOut gathered from the token
-rows by `quant_fp8_block.quantize_fp8_block_gathered_t`, d_gate_up viewed as [rows, 2·I] by
+rows by `quant.fp8_block.quantize_fp8_block_gathered_t`, d_gate_up viewed as [rows, 2·I] by
 `quantize_fp8_block_sorted_t`, and h recomputed from the saved g, u by
 `quantize_fp8_block_swiglu_sorted_t`; the forward's h_q has its blocks along I and is not
 kept). Each operand arrives transposed, aqᵀ [W, capacity_rows] with its scales sa
@@ -60,12 +60,12 @@ import triton
 import triton.language as tl
 
 from mok.fp8_block import FP8_BLOCK
-from mok.kernels import warp_specialized
 from mok.kernels.common import expert_tile_coordinates, interpreting, launch_programs, round_to_bf16, tma_descriptor
-from mok.kernels.gather import check_sorted_rows
+from mok.kernels.gemm import hopper_common, hopper_wgrad
 from mok.kernels.plan import KernelPlan, kernel_plan
-from mok.kernels.quant_fp8_block import sorted_scale_rows
-from mok.kernels.schedule import RoutingSchedule
+from mok.kernels.quant.fp8_block import sorted_scale_rows
+from mok.kernels.routing.gather import check_sorted_rows
+from mok.kernels.routing.schedule import RoutingSchedule
 
 _SCALE_BLOCK = tl.constexpr(FP8_BLOCK)  # kernels read only constexpr globals
 
@@ -106,7 +106,7 @@ def wgrad_config(
     warp_specialized_here = allow_warp_specialized and plan.warp_specialized
     if precision == "fp8_block":
         if warp_specialized_here and plan.warp_specialized_fp8_block_wgrad:
-            return warp_specialized.fp8_block_tile_config(stacked=kind == "gate_up")
+            return hopper_common.fp8_block_tile_config(stacked=kind == "gate_up")
         tiles = {"down": plan.wgrad_fp8_block_down_tile, "gate_up": plan.wgrad_fp8_block_gate_up_tile}[kind]
         return {**tiles, **(plan.wgrad_fp8_block_interpreter_sizes if interpreting() else {})}
     if interpreting():  # BLOCK_K divides the interpreter's routing BLOCK_M (16)
@@ -114,7 +114,7 @@ def wgrad_config(
     if kind == "down":
         return dict(_down_tiles(plan, n_dim, warp_specialized_here), GROUP_M=plan.down_wgrad_group_m)
     if warp_specialized_here and plan.cooperative_gate_up_wgrad:
-        return warp_specialized.wgrad_tile_config(cooperative=True)
+        return hopper_common.wgrad_tile_config(cooperative=True)
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
 
 
@@ -122,7 +122,7 @@ def _down_tiles(plan: KernelPlan, inter: int, warp_specialized_here: bool) -> di
     """The bf16 down wgrad's tiles on the GPU (`wgrad_config`), before GROUP_M."""
     cooperative = inter > plan.ping_pong_down_wgrad_max_inter
     if warp_specialized_here and (not cooperative or plan.cooperative_down_wgrad):
-        return warp_specialized.wgrad_tile_config(cooperative=cooperative)
+        return hopper_common.wgrad_tile_config(cooperative=cooperative)
     return dict(BLOCK_M=128, BLOCK_N=256 if inter >= 256 else 128, BLOCK_K=64, num_warps=8, num_stages=3,
                 PERSISTENT=inter <= plan.persistent_down_wgrad_max_inter)
 
@@ -169,7 +169,7 @@ def _wgrad_tile(
             scale_n = n0 + tl.arange(0, BLOCK_N)
             a_scale = tl.load(a_scale_ptr + slot * stride_a_scale + scale_m, mask=scale_m < m_dim, other=0.0)
             b_scale = tl.load(b_scale_ptr + slot * stride_b_scale + scale_n, mask=scale_n < n_dim, other=0.0)
-            # Row scales first, the column scales in the FMA (`warp_specialized._add_scaled`'s PER_COLUMN).
+            # Row scales first, the column scales in the FMA (`hopper_common._add_scaled`'s PER_COLUMN).
             acc += (tl.dot(a, b) * a_scale[:, None]) * b_scale[None, :]
             if TWO_OUTPUTS:
                 a2 = a2_desc.load([m0, r0])
@@ -224,7 +224,7 @@ def _sorted_rows_wgrad_kernel(
     """down: a = dy_sorted, b = h;
     gate/up: a, a2 = d_g, d_u (sharing the x_sorted tile b), or with STACKED a = [d_g | d_u]
     (2·I wide) and one accumulator whose rows go to d_w_gate, then d_w_up."""
-    # Two call sites, as in `grouped_gemm._down_scatter_kernel` (a one-tile loop spills there).
+    # Two call sites, as in `down._down_scatter_kernel` (a one-tile loop spills there).
     if PERSISTENT:  # num_programs programs walk the tiles; the flattened loop overlaps a tile's
         # epilogue with the next tile's first loads
         for tile in tl.range(tl.program_id(0), num_tiles, num_programs, flatten=True):
@@ -282,7 +282,7 @@ def _launch_wgrad(
                 "tile_config: WARP_SPECIALIZED is for the wgrads into a new gradient (no main_grad), STACKED for "
                 "the fp8_block gate/up wgrad only"
             )
-        warp_specialized.launch_wgrad(a, a2, b, out, out2, schedule, cfg, (scales[0], scales[2]) if fp8 else None)
+        hopper_wgrad.launch_wgrad(a, a2, b, out, out2, schedule, cfg, (scales[0], scales[2]) if fp8 else None)
         return
     cfg = {"PERSISTENT": False, "STACKED": False, "GROUP_M": 1, **cfg}
     if cfg["STACKED"] and (out2 is None or a2 is not None):
