@@ -136,7 +136,8 @@ def _low_precision_worker(rank: int, world_size: int) -> list[str]:
     run. On NCCL, one GPU per rank, through each transport: also no host sync and bitwise
     the same across transports. On gloo both ranks share GPU 0 and exchange through the
     NCCL-fallback transport (gloo stages CUDA tensors through the host, so no sync check).
-    Collectives first, comparisons after."""
+    Each also with the exchanges beside other work on a side stream (overlap_comm_sms = 4):
+    bitwise the same. Collectives first, comparisons after."""
     one_gpu = dist.get_backend() == "gloo"
     torch.cuda.set_device(0 if one_gpu else rank)
     transports = ("nccl",) if one_gpu else TRANSPORTS
@@ -146,9 +147,11 @@ def _low_precision_worker(rank: int, world_size: int) -> list[str]:
     results = {}
     for precision in LOW_PRECISIONS:
         for transport in transports:
-            config = mok.MoKConfig(backend="triton", precision=precision, schedule_capacity_multiplier=1.25,
-                                   transport=transport)
-            results[precision, transport] = _two_steps(config, group, g, args, d_out, E_l, no_host_sync=not one_gpu)[:2]
+            for overlap in (0, 4):
+                config = mok.MoKConfig(backend="triton", precision=precision, schedule_capacity_multiplier=1.25,
+                                       transport=transport, overlap_comm_sms=overlap)
+                results[precision, transport, overlap] = _two_steps(config, group, g, args, d_out, E_l,
+                                                                    no_host_sync=not one_gpu)[:2]
     # the reference on the CPU (gloo's collectives take CPU tensors everywhere)
     ref_args = tuple(t.cpu() for t in (g.x, g.topk_ids, g.topk_weights, *routed, *shared))
     ref_out = ep_moe_forward(*ref_args, group=group)
@@ -156,14 +159,14 @@ def _low_precision_worker(rank: int, world_size: int) -> list[str]:
 
     failures = []
     ctx = f"P={world_size} {rank=} {T=} {H=} {I=} {E_l=} {topk=} {I_s=} {one_gpu=}"
-    for (precision, transport), (runs, flags) in results.items():
-        where = f"precision={precision} transport={transport} {ctx}"
+    for (precision, transport, overlap), (runs, flags) in results.items():
+        where = f"precision={precision} transport={transport} overlap_comm_sms={overlap} {ctx}"
         (out, grads), again = runs
         try:
             assert flags == 0, f"error flag {flags} {where}"
             assert _equal_results(runs[0], again), f"results differ run to run {where}"
-            assert _equal_results(runs[0], results[precision, transports[0]][0][0]), \
-                f"results differ from the {transports[0]} transport's {where}"
+            assert _equal_results(runs[0], results[precision, transports[0], 0][0][0]), \
+                f"results differ from the {transports[0]} transport's without overlap {where}"
             assert_close_to_reference(out.cpu(), ref_out, precision, name="out", context=where)
             for name, got, expected in zip(ref._fields, grads, ref):
                 bar = "bf16" if name.startswith("d_ws_") else precision  # the shared expert stays bf16

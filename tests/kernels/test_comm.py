@@ -214,9 +214,11 @@ def test_push_and_wait_need_no_host_sync_and_replay_in_a_cuda_graph():
     # pair (t, p) at t·P + p: send row p·C + t
     slot = (torch.arange(P, device=dev) * C + torch.arange(T, device=dev)[:, None]).view(-1).to(torch.int32)
 
+    recv_ptrs, arrival_ptrs = _peer_ptrs(recv), _peer_ptrs(arrivals)  # made once, as a transport does
+
     def exchange():
         for rank in range(P):
-            push_rows(src[rank], slot, _peer_ptrs(recv), H, _peer_ptrs(arrivals), 0, flags[rank], num_dst_rows=P * C,
+            push_rows(src[rank], slot, recv_ptrs, H, arrival_ptrs, 0, flags[rank], num_dst_rows=P * C,
                       my_rank=rank, capacity=C, by_slot=True, num_programs=num_programs, routes_per_row=P)
         for rank in range(P):
             wait_arrivals(arrivals[rank], expected[rank], flags[rank], 0, num_programs, timeout_s=10.0)
