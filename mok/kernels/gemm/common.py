@@ -12,7 +12,7 @@ and their Hopper kernels beside them), over the expert-sorted row layout of `rou
 Legend: r a row of the sorted layout, src(r) = row_source[r] = t·topk + j (−1: padding),
 e = tile_expert[r // BLOCK_M], H hidden, I intermediate size, E_l local experts.
 
-fp8_block (the constexpr PRECISION, launchers `*_fp8_block`): the same kernels
+fp8_block (the constexpr PRECISION, launchers `*_fp8_block`): the GEMMs' kernels
 on E4M3 operands aq, wq with fp32 block scales, one per 1×128 block of an activation row
 (sa: x's or h's) and one per 128×128 block of a weight (sw), applied per 128-wide K step:
 
