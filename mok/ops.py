@@ -9,7 +9,7 @@ dispatcher costs tens of microseconds per op in Python, which a layer of a few s
 launches notices. Under `torch.compile` they call the registered op, so the compiled
 graph holds `mok::<name>` nodes.
 
-Every op that follows a schedule takes it as the `RoutingSchedule` (`kernels/schedule.py`) that
+Every op that follows a schedule takes it as the `RoutingSchedule` (`kernels/routing/schedule.py`) that
 `routing_schedule` returns. A custom op's schema holds tensors and plain values only, so at the
 op's boundary `_custom_op` passes the schedule as its six tensors (`routing_tensors`) and block_m
 and rebuilds the dataclass inside; in eager mode the dataclass goes straight through.
@@ -132,7 +132,7 @@ def routing_schedule(
     topk_ids: torch.Tensor, error_flag: torch.Tensor, num_local_experts: int, block_m: int,
     skip_empty_ids: bool = False,
 ) -> RoutingSchedule:
-    """`mok::routing_schedule`: the schedule of `kernels/schedule.py` over topk_ids [T, topk]; with
+    """`mok::routing_schedule`: the schedule of `kernels/routing/schedule.py` over topk_ids [T, topk]; with
     `skip_empty_ids`, ids of −1 are empty entries (no route), not errors."""
     return _routing_from_tensors(_routing_schedule(topk_ids, error_flag, num_local_experts, block_m, skip_empty_ids),
                                  block_m)
