@@ -1,6 +1,6 @@
 """The mxfp8 recipe (OCP MX v1.0): E4M3 elements with one power-of-two scale per 32 along each GEMM's
 reduction dim. Hopper has no MX instruction, so each operand is rounded to the MX grid and kept in
-bf16, which holds every such value exactly (`quant.mxfp8_round`), and the bf16 recipe's GEMMs
+bf16, which holds every such value exactly (`kernels/quant/mxfp8.py`'s `mxfp8_round`), and the bf16 recipe's GEMMs
 compute the MX products exactly in fp32."""
 
 from __future__ import annotations
