@@ -152,6 +152,7 @@ def usable(device: torch.device, what: str, hopper_kernels: bool = False) -> boo
     return reason is None
 
 
+# A cached function's wrapper is what dynamo traces into, so the mark goes on a plain one.
 @torch.compiler.assume_constant_result
 def _warn_fallback(reason: str, what: str) -> bool:
     """Warns once per (reason, what), outside any torch.compile trace."""
