@@ -43,7 +43,7 @@ from mok.precision.base import capturing_cuda_graph
 from mok.precision.bf16 import Bf16Saved
 from mok.reference import Gradients
 from mok.transport import Dispatch, Transport, check_same_across_ranks, create_transport
-from mok.transport.common import overlapped
+from mok.transport.common import exchange_beside
 from mok.validation import check_layer_inputs, check_tensor, check_topk_ids_values, flatten_tokens
 
 __all__ = [
@@ -469,16 +469,6 @@ def _run(work):
     return None if work is None else work()
 
 
-def _beside_exchange(start, device: torch.device, work, overlap_sms: int, always: bool = False):
-    """(what the exchange `start(num_programs)` delivers, work()): the exchange beside `work`
-    (`transport.overlapped`) where `overlap_sms` > 0 and there is work (`always`: the work is
-    there in any case), else finished before it."""
-    beside = overlap_sms > 0 and (always or work is not None)
-    with overlapped(start(overlap_sms if beside else None), device, overlap_sms, beside) as arrival:
-        result = _run(work)
-    return arrival.value, result
-
-
 def _per_rank_forward(routed_recipe, schedule, x, topk_weights, routed, swiglu_limit, needs_backward, beside,
                       overlap_sms):
     """`_routed_forward` with each token row sent once per (token, rank) (`mok.transport`): each
@@ -488,8 +478,9 @@ def _per_rank_forward(routed_recipe, schedule, x, topk_weights, routed, swiglu_l
     runs while the x rows travel."""
     dispatch = schedule.dispatch
     # [P·C, H] (or e4m3 rows and their scales: the recipe's `sends_fp8_rows`), [P·C, k_l]
-    (expert_x, expert_weights), beside_result = _beside_exchange(
-        lambda programs: dispatch.start_dispatch(x, topk_weights, programs), x.device, beside, overlap_sms
+    (expert_x, expert_weights), beside_result = exchange_beside(
+        lambda programs: dispatch.start_dispatch(x, topk_weights, programs), lambda: _run(beside), x.device,
+        overlap_sms if beside is not None else 0,
     )
     k_l = dispatch.routes_per_row
     y_routes, routed_saved = routed_recipe.forward(
@@ -621,8 +612,9 @@ def _per_rank_backward(routed_recipe, schedule, saved, d_out, x, routed, swiglu_
     expert_x = dispatch.received_x(take(saved, "expert_x"), x)  # [P·C, H] (or e4m3 rows and scales)
     expert_weights = take(saved, "expert_weights")  # [P·C, k_l]
     # [P·C, H] (or e4m3 rows and scales: the recipe's `sends_fp8_rows`)
-    expert_d_out, beside_result = _beside_exchange(
-        lambda programs: dispatch.start_dispatch_grad(d_out, programs), d_out.device, beside, overlap_sms
+    expert_d_out, beside_result = exchange_beside(
+        lambda programs: dispatch.start_dispatch_grad(d_out, programs), lambda: _run(beside), d_out.device,
+        overlap_sms if beside is not None else 0,
     )
     k_l = dispatch.routes_per_row
     dx_routes, d_weights, state = routed_recipe.backward_data(
@@ -633,9 +625,9 @@ def _per_rank_backward(routed_recipe, schedule, saved, d_out, x, routed, swiglu_
     dx_parts = ops.combine(dx_routes, received.float(), None, dispatch.received_routes)  # [P·C, H]
     # empty routes have no row, so nothing wrote their gradient
     d_weights = torch.where(received, d_weights, 0.0)
-    (dx, d_topk_weights), grads = _beside_exchange(
-        lambda programs: dispatch.start_combine_grad(dx_parts, d_weights, programs), d_out.device,
-        lambda: routed_recipe.backward_weights(state, main_grads), overlap_sms, always=True,
+    (dx, d_topk_weights), grads = exchange_beside(
+        lambda programs: dispatch.start_combine_grad(dx_parts, d_weights, programs),
+        lambda: routed_recipe.backward_weights(state, main_grads), d_out.device, overlap_sms,
     )
     return dx, dispatch.token_slot, d_topk_weights, grads, beside_result
 

@@ -12,7 +12,7 @@ routes there. Rows of source p sit at p·C + c (c: the token's place among this 
 to p, ascending t); route q of row i (its q-th route to that rank, ascending j) is received
 route i·k_l + q.
 
-Overlap (`overlapped`): an exchange is started (`start_*` of a dispatch: what it sends is
+Overlap (`exchange_beside`): an exchange is started (`start_*` of a dispatch: what it sends is
 prepared on the current stream, the sending runs on the device's side stream), the caller
 queues work that does not need it, then the exchange's `finish` makes the side stream's work
 visible to the current stream (a stream wait, no host sync) and returns what arrived. The
@@ -216,27 +216,17 @@ def sending(device: torch.device) -> Iterator[None]:
         yield
 
 
-class Arrival:
-    """What an exchange delivers to `overlapped`'s caller: `value`, once the block has ended."""
-
-    value: Any = None
-
-
-@contextlib.contextmanager
-def overlapped(finish: Callable[[], Any], device: torch.device, comm_sms: int, overlap: bool = True
-               ) -> Iterator[Arrival]:
-    """The block's work queued beside an exchange in flight (a dispatch's `start_*` gave its
-    `finish`), persistent launches leaving `comm_sms` SMs to the exchange; then the current
-    stream waits for the side stream and `arrival.value` = finish(). With `overlap` False the
-    exchange finishes before the block instead."""
-    arrival = Arrival()
-    if not overlap:
-        arrival.value = finish_now(finish, device)
-        yield arrival
-        return
-    with sms_left_free(device, comm_sms):
-        yield arrival
-    arrival.value = finish_now(finish, device)
+def exchange_beside(start: Callable[[int | None], Callable[[], Any]], work: Callable[[], Any], device: torch.device,
+                    overlap_sms: int) -> tuple[Any, Any]:
+    """(what the exchange `start(num_programs)` delivers (a dispatch's `start_*`), work()). With
+    `overlap_sms` > 0 the exchange runs from that many programs while `work` is queued beside it,
+    persistent launches leaving it those SMs; with 0 it finishes first, from the config's programs."""
+    if overlap_sms == 0:
+        return finish_now(start(None), device), work()
+    finish = start(overlap_sms)
+    with sms_left_free(device, overlap_sms):
+        result = work()
+    return finish_now(finish, device), result
 
 
 def finish_now(finish: Callable[[], Any], device: torch.device) -> Any:
