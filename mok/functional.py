@@ -32,12 +32,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mok import reference
-from mok import ops
+from mok import ops, reference
 from mok.config import MoKConfig
+from mok.kernels.common import ERROR_BAD_EXPERT_ID, ERROR_CAPACITY_OVERFLOW, ERROR_PEER_TIMEOUT, interpreting
 from mok.kernels.gemm.common import routing_block_m
 from mok.kernels.routing.schedule import RoutingSchedule
-from mok.kernels.common import ERROR_BAD_EXPERT_ID, ERROR_CAPACITY_OVERFLOW, ERROR_PEER_TIMEOUT, interpreting
 from mok.precision import recipe, take
 from mok.precision.base import capturing_cuda_graph
 from mok.precision.bf16 import Bf16Saved
