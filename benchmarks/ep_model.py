@@ -21,13 +21,15 @@ and the predicted step time at each EP size P:
              in chunks of `--chunk-rows` rows: one chunk in before the first tile, one back
              after the last, per pass)
     built:   mok's overlap with `MoKConfig.overlap_comm_sms` = `--overlap-sms` C: the x
-             dispatch beside the shared expert's forward, the dOut dispatch beside its backward,
-             the dx return beside the routed weight gradients; each such exchange, pushed from C
+             dispatch beside the shared expert's forward and the gate/up GEMM's tiles of the
+             rank's own tokens, the dOut dispatch beside the shared expert's backward, the dx
+             return beside the routed weight gradients; each such exchange, pushed from C
              programs, costs max(W·S/(S − C), its time at C programs) − W over the work W beside
              it (the persistent GEMMs leave C of the S SMs free); the y return and, without a
-             shared expert, the dispatches stay serial. W from the compute time by FLOPs: the
-             shared expert's forward 6·T·H·I_s and backward twice that, the routed wgrads
-             6·T·k·H·I, of a step of 3 × the forward's FLOPs.
+             shared expert, the dOut dispatch stay serial. W from the compute time by FLOPs: the
+             shared expert's forward 6·T·H·I_s and backward twice that, the own tiles 1/P of the
+             gate/up GEMM's 4·T·k·H·I, the routed wgrads 6·T·k·H·I, of a step of 3 × the
+             forward's FLOPs.
     exchange = bytes / rate + 10 µs, rate = link · min(1, programs / 32): the link's rate was
              measured from 32 programs and is taken as proportional below that.
 
@@ -128,8 +130,9 @@ def step_ms(compute_ms: float, sent: dict[str, int], link_gbps: float, chunk_byt
     return compute_ms + exchange_ms, max(compute_ms, exchange_ms) + first_chunk_ms
 
 
-def built_ms(compute_ms: float, sent: dict[str, int], link_gbps: float, preset: Preset, overlap_sms: int) -> float:
-    """The step with the overlap as built (module docstring), `overlap_sms` = C."""
+def built_ms(compute_ms: float, sent: dict[str, int], link_gbps: float, preset: Preset, overlap_sms: int,
+             world_size: int) -> float:
+    """The step with the overlap as built (module docstring), `overlap_sms` = C, at P = `world_size`."""
     def exchange(kind: str, programs: int) -> float:
         rate = link_gbps * min(1.0, programs / LINK_PROGRAMS)
         return sent[kind] / (rate * 1e6) + EXCHANGE_LATENCY_MS
@@ -137,7 +140,8 @@ def built_ms(compute_ms: float, sent: dict[str, int], link_gbps: float, preset: 
     routed = preset.num_tokens * preset.topk * preset.hidden_size * preset.intermediate_size
     shared = preset.num_tokens * preset.hidden_size * preset.shared_intermediate_size
     ms_per_unit = compute_ms / (3 * (routed + shared))
-    beside = {"x": shared * ms_per_unit, "d_out": 2 * shared * ms_per_unit, "dx": routed * ms_per_unit}
+    own_gate_up = 2 / 3 * routed / world_size  # the gate/up GEMM is 4 of the forward's 6·T·k·H·I
+    beside = {"x": (shared + own_gate_up) * ms_per_unit, "d_out": 2 * shared * ms_per_unit, "dx": routed * ms_per_unit}
     step = compute_ms
     for kind in EXCHANGES:
         work = beside.get(kind, 0.0) if overlap_sms else 0.0
@@ -202,7 +206,7 @@ def model_rows(preset: Preset, world_sizes, compute: dict, link_gbps: float, chu
                 compute_ms = compute[preset.name, wire]
                 chunk = chunk_rows * row_bytes(preset.hidden_size, wire)
                 plain, overlapped = (None, None) if compute_ms is None else step_ms(compute_ms, sent, link_gbps, chunk)
-                built = None if compute_ms is None else built_ms(compute_ms, sent, link_gbps, preset, overlap_sms)
+                built = None if compute_ms is None else built_ms(compute_ms, sent, link_gbps, preset, overlap_sms, world_size)
                 rows.append({"preset": preset.name, "ep": world_size, "design": design, "wire": wire,
                              "bytes": sent, "rows": traffic.remote_routes if design == "per-route"
                              else traffic.remote_pairs, "compute_ms": compute_ms, "step_ms": plain,

@@ -25,6 +25,7 @@ sync), and `MoKConfig(strict=True)` calls it after every step.
 from __future__ import annotations
 
 import copy
+import functools
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,11 +39,11 @@ from mok.kernels.common import ERROR_BAD_EXPERT_ID, ERROR_CAPACITY_OVERFLOW, ERR
 from mok.kernels.gemm.common import routing_block_m
 from mok.kernels.routing.schedule import RoutingSchedule
 from mok.precision import recipe, take
-from mok.precision.base import capturing_cuda_graph
+from mok.precision.base import ArrivingRows, capturing_cuda_graph
 from mok.precision.bf16 import Bf16Saved
 from mok.reference import Gradients
 from mok.transport import Dispatch, Transport, check_same_across_ranks, create_transport
-from mok.transport.common import exchange_beside
+from mok.transport.common import arrival_split, exchange_beside, finish_now
 from mok.validation import check_layer_inputs, check_tensor, check_topk_ids_values, flatten_tokens
 
 __all__ = [
@@ -474,17 +475,34 @@ def _per_rank_forward(routed_recipe, schedule, x, topk_weights, routed, swiglu_l
     received row is a token with topk = k_l, whose routes the expert's rank sums (Σ_q w·y,
     ascending q, fp32, one bf16 row); y is [P·C, H] of those partial rows back at the source,
     route_row the pairs' rows (token_slot [T·P]) and the combine weights ones [T, P]. `beside`
-    runs while the x rows travel."""
+    runs while the x rows travel; with `overlap_sms` so does the gate/up GEMM's part over this
+    rank's own tokens, where the recipe can (`gate_up_while_arriving`)."""
     dispatch = schedule.dispatch
-    # [P·C, H] (or e4m3 rows and their scales: the recipe's `sends_fp8_rows`), [P·C, k_l]
-    (expert_x, expert_weights), beside_result = exchange_beside(
-        lambda programs: dispatch.start_dispatch(x, topk_weights, programs), lambda: _run(beside), x.device,
-        overlap_sms if beside is not None else 0,
-    )
     k_l = dispatch.routes_per_row
-    y_routes, routed_saved = routed_recipe.forward(
-        expert_x, routed, schedule.routing, k_l, dispatch.num_expert_rows * k_l, swiglu_limit, needs_backward
-    )
+    forward = functools.partial(routed_recipe.forward, weights=routed, routing=schedule.routing, topk=k_l,
+                                num_slots=dispatch.num_expert_rows * k_l, swiglu_limit=swiglu_limit,
+                                needs_backward=needs_backward)
+    if overlap_sms and routed_recipe.gate_up_while_arriving():
+        rows_now, finish = dispatch.start_dispatch_split(x, topk_weights, overlap_sms)
+        landed = []  # the exchange's (expert_x, expert_weights), once the gate/up GEMM has asked for them
+
+        def land():
+            landed.append(finish_now(finish, x.device))
+            return landed[0][0]
+
+        first, rest = arrival_split(schedule.routing, dispatch.rank, dispatch.send_capacity * k_l)
+        arriving = ArrivingRows(first, rest, rows_now, land, overlap_sms)
+        with arriving.before_landing():
+            beside_result = _run(beside)
+        y_routes, routed_saved = forward(None, arriving=arriving)
+        expert_x, expert_weights = landed[0]
+    else:
+        # [P·C, H] (or e4m3 rows and their scales: the recipe's `sends_fp8_rows`), [P·C, k_l]
+        (expert_x, expert_weights), beside_result = exchange_beside(
+            lambda programs: dispatch.start_dispatch(x, topk_weights, programs), lambda: _run(beside), x.device,
+            overlap_sms if beside is not None else 0,
+        )
+        y_routes, routed_saved = forward(expert_x)
     parts = ops.combine(y_routes, expert_weights, None, dispatch.received_routes)  # [P·C, H]
     y = dispatch.combine(parts)
     ones = torch.ones(x.shape[0], dispatch.world_size, dtype=torch.float32, device=x.device)  # [T, P]

@@ -164,6 +164,30 @@ def _(x, w_gate, w_up, routing, topk, swiglu_limit, store_gate_up):
     return x.new_empty(rows, inter), x.new_empty(rows if store_gate_up else 0, 2, inter)
 
 
+@_custom_op("gate_up_swiglu_into", ("h", "gate_up"))
+def gate_up_swiglu_into(
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    routing: RoutingSchedule,
+    topk: int,
+    swiglu_limit: float | None,
+    h: torch.Tensor,
+    gate_up: torch.Tensor,
+) -> None:
+    """`gate_up_swiglu`'s rows of `routing`'s tiles written into an earlier call's h and gate_up
+    (an empty gate_up: not stored): the second launch over a layout that two schedules share
+    (`transport.common.arrival_split`)."""
+    store_gate_up = gate_up.shape[0] > 0
+    gate_up_kernels.gate_up_swiglu(x, w_gate, w_up, routing, topk, swiglu_limit, store_gate_up,
+                                   outputs=(h, gate_up if store_gate_up else None))
+
+
+@gate_up_swiglu_into.register_fake
+def _(x, w_gate, w_up, routing, topk, swiglu_limit, h, gate_up):
+    return None
+
+
 @_custom_op("down_scatter", ())
 def down_scatter(
     h: torch.Tensor,
@@ -224,6 +248,39 @@ def _(x_q, x_scale, w_gate_q, w_gate_scale, w_up_q, w_up_scale, routing, topk, s
         gate_up,
         gate_up_scale,
     )
+
+
+@_custom_op("gate_up_swiglu_fp8_block_into", ("h_q", "h_scale", "gate_up", "gate_up_scale"))
+def gate_up_swiglu_fp8_block_into(
+    x_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_gate_q: torch.Tensor,
+    w_gate_scale: torch.Tensor,
+    w_up_q: torch.Tensor,
+    w_up_scale: torch.Tensor,
+    routing: RoutingSchedule,
+    topk: int,
+    swiglu_limit: float | None,
+    h_q: torch.Tensor,
+    h_scale: torch.Tensor,
+    gate_up: torch.Tensor,
+    gate_up_scale: torch.Tensor,
+) -> None:
+    """`gate_up_swiglu_fp8_block`'s rows of `routing`'s tiles written into what an earlier call
+    returned (as `gate_up_swiglu_into` for bf16): gate_up e4m3 with its scales, bf16, or empty."""
+    gate_up_e4m3 = gate_up_scale.numel() > 0
+    store_gate_up = gate_up.shape[0] > 0
+    stored = (gate_up, gate_up_scale) if gate_up_e4m3 else gate_up if store_gate_up else None
+    gate_up_kernels.gate_up_swiglu_fp8_block(
+        x_q, x_scale, w_gate_q, w_gate_scale, w_up_q, w_up_scale, routing, topk, swiglu_limit, store_gate_up,
+        gate_up_e4m3=gate_up_e4m3, outputs=(h_q, h_scale, stored),
+    )
+
+
+@gate_up_swiglu_fp8_block_into.register_fake
+def _(x_q, x_scale, w_gate_q, w_gate_scale, w_up_q, w_up_scale, routing, topk, swiglu_limit, h_q, h_scale, gate_up,
+      gate_up_scale):
+    return None
 
 
 @_custom_op("down_scatter_fp8_block", ())

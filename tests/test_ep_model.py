@@ -44,18 +44,21 @@ def test_model_runs_and_matches_the_ep2_record(tmp_path, capsys):
     assert "check: qwen3-30b EP=2 per-route bf16" in out, out
 
 
-def test_built_overlap_hides_the_dx_return_at_its_best_and_costs_the_gemms_the_held_sms():
-    """The built column: with no overlap SMs it is the serial step; at a C where the dx return
-    at C programs fits under the routed wgrads it hides most of that exchange; holding many SMs
-    slows the GEMMs beside it by W·C/(S − C)."""
+def test_built_overlap_hides_the_x_dispatch_and_dx_return_and_costs_the_gemms_the_held_sms():
+    """The built column: with no overlap SMs it is the serial step; at a C where the x dispatch
+    fits under the gate/up GEMM's own tiles (1/P of it) and the dx return under the routed wgrads,
+    both at C programs, it hides most of them; holding many SMs slows the GEMMs beside them by
+    W·C/(S − C)."""
     model = _model()
     preset = model.MODEL_PRESETS["qwen3-30b"]
     sent = {"x": 68_000_000, "y": 67_000_000, "d_out": 67_000_000, "dx": 67_000_000}
     serial, _ = model.step_ms(8.0, sent, 341.0, 0)
-    assert abs(model.built_ms(8.0, sent, 341.0, preset, 0) - serial) < 1e-9
-    dx_ms = sent["dx"] / 341e6 + model.EXCHANGE_LATENCY_MS
+    assert abs(model.built_ms(8.0, sent, 341.0, preset, 0, 2) - serial) < 1e-9
+    x_ms, dx_ms = (sent[kind] / 341e6 + model.EXCHANGE_LATENCY_MS for kind in ("x", "dx"))
     wgrad_ms = 8.0 / 3  # qwen3-30b has no shared expert: the routed wgrads are a third of the step
-    held = 3
-    expected = serial - dx_ms + wgrad_ms * model.SMS / (model.SMS - held) - wgrad_ms
-    assert abs(model.built_ms(8.0, sent, 341.0, preset, held) - expected) < 1e-9
-    assert model.built_ms(8.0, sent, 341.0, preset, 66) > serial, "half the SMs held costs more than the exchange"
+    own_gate_up_ms = 8.0 / 3 * 2 / 3 / 2  # P = 2: half of the gate/up GEMM, two thirds of the forward
+    held = 8  # x at 8 programs (0.81 ms) fits under the own tiles (0.89 ms), dx under the wgrads
+    slowed = model.SMS / (model.SMS - held)
+    expected = serial - dx_ms - x_ms + (wgrad_ms + own_gate_up_ms) * (slowed - 1)
+    assert abs(model.built_ms(8.0, sent, 341.0, preset, held, 2) - expected) < 1e-9
+    assert model.built_ms(8.0, sent, 341.0, preset, 66, 2) > serial, "half the SMs held costs more than the exchanges"

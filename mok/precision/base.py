@@ -3,12 +3,16 @@ tensors out as they are read, the weight-gradient call, the FP8 recipes' cached 
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from mok.kernels.common import sms_left_free
 from mok.kernels.routing.schedule import RoutingSchedule
 
 
@@ -29,6 +33,27 @@ def weight_grads(fresh_op, accumulate_op, operands, main_grads, routing: Routing
         return fresh_op(*operands, routing, *scales)
     accumulate_op(*main_grads, *operands, routing, *scales)
     return main_grads if len(main_grads) > 1 else main_grads[0]
+
+
+@dataclass(frozen=True, eq=False)
+class ArrivingRows:
+    """The routed experts' token rows while they arrive from the other ranks (expert parallelism,
+    `transport.common.arrival_split`): the tiles of `first` read only rows already here, in
+    `rows_now`; those of `rest` need `land()`, the exchange's finish, which gives every row. The
+    exchange runs from `comm_sms` SMs meanwhile."""
+
+    first: RoutingSchedule
+    rest: RoutingSchedule
+    rows_now: Any  # [P·C, H] bf16, or the (e4m3 rows, scales) pair the recipe's `sends_fp8_rows` says
+    land: Callable[[], Any]
+    comm_sms: int
+
+    @contextlib.contextmanager
+    def before_landing(self) -> Iterator[None]:
+        """The block runs while the rows travel: its persistent launches leave the exchange its SMs."""
+        rows = self.rows_now[0] if isinstance(self.rows_now, tuple) else self.rows_now
+        with sms_left_free(rows.device, self.comm_sms):
+            yield
 
 
 class Recipe(ABC):
@@ -67,11 +92,19 @@ class Recipe(ABC):
         1×128 scales: `forward` and `backward_data` then get such (rows, scales) pairs."""
         return False
 
+    def gate_up_while_arriving(self) -> bool:
+        """Whether `forward` takes `arriving` rows: its gate/up GEMM reads the received rows as they
+        came (no pass over all of them first), so it can start on the rows already here."""
+        return False
+
     @abstractmethod
     def forward(self, x, weights, routing, topk, num_slots, swiglu_limit, needs_backward, *,
-                sorted_rows=False) -> tuple[torch.Tensor, Any]:
+                sorted_rows=False, arriving: ArrivingRows | None = None) -> tuple[torch.Tensor, Any]:
         """(y [num_slots, H] bf16, each route's unweighted expert output, and what `backward_data`
-        reads: this recipe's saved dataclass, None without `needs_backward`)."""
+        reads: this recipe's saved dataclass, None without `needs_backward`). With `arriving`
+        (only where `gate_up_while_arriving`), x is None and the gate/up GEMM runs as the rows
+        land: `arriving.first`'s tiles, then `land()`, then `arriving.rest`'s; `routing` is the
+        schedule of both."""
 
     @abstractmethod
     def backward_data(self, d_out, x, topk_weights, weights, saved, routing, topk, num_slots,

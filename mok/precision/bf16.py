@@ -45,13 +45,21 @@ class Bf16Recipe(Recipe):
     # gather_sorted_rows rounds its sorted copies to the MXFP8 grid
     rounds_sorted_rows = False
 
+    def gate_up_while_arriving(self):
+        return True
+
     def forward(self, x, weights, routing, topk, num_slots, swiglu_limit, needs_backward, *,
-                sorted_rows=False, token_order=False):
+                sorted_rows=False, token_order=False, arriving=None):
         w_gate, w_up, w_down = weights
-        h, gate_up = ops.gate_up_swiglu(
-            self._gate_up_operand(x), self._forward_weight(w_gate), self._forward_weight(w_up), routing, topk,
-            swiglu_limit, needs_backward,
-        )
+        w_gate, w_up = self._forward_weight(w_gate), self._forward_weight(w_up)
+        if arriving is None:
+            h, gate_up = ops.gate_up_swiglu(self._gate_up_operand(x), w_gate, w_up, routing, topk, swiglu_limit,
+                                            needs_backward)
+        else:
+            with arriving.before_landing():
+                h, gate_up = ops.gate_up_swiglu(arriving.rows_now, w_gate, w_up, arriving.first, topk, swiglu_limit,
+                                                needs_backward)
+            ops.gate_up_swiglu_into(arriving.land(), w_gate, w_up, arriving.rest, topk, swiglu_limit, h, gate_up)
         y = ops.down_scatter(self._down_operand(h, routing), self._forward_weight(w_down), routing, num_slots)
         if not needs_backward:
             return y, None

@@ -81,21 +81,34 @@ class Fp8BlockRecipe(QuantizedRecipe):
         plan = kernel_plan()
         return plan.fp8_block_on_the_wire and plan.fp8_block_wgrads_requantize
 
+    def gate_up_while_arriving(self):
+        return self.sends_fp8_rows()  # else x is quantized in one pass over all its rows first
+
     def forward(self, x, weights, routing, topk, num_slots, swiglu_limit, needs_backward, *,
-                sorted_rows=False):
+                sorted_rows=False, arriving=None):
         """The backward gets g, u (in e4m3 with their scales where the plan's `fp8_block_gate_up_e4m3`
         applies) and, with the plan's `fp8_block_wgrads_requantize`, the e4m3 copies of x and h."""
         w_gate, w_up, w_down = weights
-        # [T, H] e4m3, [T, H/128] fp32 (x arrives quantized from the dispatch: `sends_fp8_rows`)
-        x_q, x_scale = x if isinstance(x, tuple) else ops.quantize_fp8_block_activations(x)
         plan = kernel_plan()
         gate_up_e4m3 = (needs_backward and plan.fp8_block_gate_up_e4m3 and plan.fp8_block_wgrads_requantize
                         and swiglu_limit is None)
-        # g, u: [rows, 2, I] bf16, or e4m3 with scales [rows, 2, I/128]
-        h_q, h_scale, gate_up, gate_up_scale = ops.gate_up_swiglu_fp8_block(
-            x_q, x_scale, w_gate.q, w_gate.scale, w_up.q, w_up.scale, routing, topk, swiglu_limit,
-            needs_backward, gate_up_e4m3,
-        )
+        gate_up_weights = (w_gate.q, w_gate.scale, w_up.q, w_up.scale)
+        if arriving is None:
+            # [T, H] e4m3, [T, H/128] fp32 (x arrives quantized from the dispatch: `sends_fp8_rows`)
+            x_q, x_scale = x if isinstance(x, tuple) else ops.quantize_fp8_block_activations(x)
+            # g, u: [rows, 2, I] bf16, or e4m3 with scales [rows, 2, I/128]
+            h_q, h_scale, gate_up, gate_up_scale = ops.gate_up_swiglu_fp8_block(
+                x_q, x_scale, *gate_up_weights, routing, topk, swiglu_limit, needs_backward, gate_up_e4m3,
+            )
+        else:
+            with arriving.before_landing():
+                h_q, h_scale, gate_up, gate_up_scale = ops.gate_up_swiglu_fp8_block(
+                    *arriving.rows_now, *gate_up_weights, arriving.first, topk, swiglu_limit, needs_backward,
+                    gate_up_e4m3,
+                )
+            x_q, x_scale = arriving.land()
+            ops.gate_up_swiglu_fp8_block_into(x_q, x_scale, *gate_up_weights, arriving.rest, topk, swiglu_limit,
+                                              h_q, h_scale, gate_up, gate_up_scale)
         y = ops.down_scatter_fp8_block(h_q, h_scale, w_down.q, w_down.scale, routing, num_slots, sorted_rows)
         if not needs_backward:
             return y, None

@@ -43,6 +43,9 @@ class Mxfp8Recipe(QuantizedRecipe, Bf16Recipe):
     def _reads_weighted_h(self, w_down, token_order):
         return False
 
+    def gate_up_while_arriving(self):
+        return False  # x is rounded to the MX grid in one pass over all its rows first
+
     def _gate_up_operand(self, x):
         return ops.mxfp8_round(x)[0]  # [T, H] along H
 

@@ -20,9 +20,14 @@ side stream forks from the current one and joins it again, so a CUDA graph captu
 
 Receiver's schedule (`token_receiver_schedule`): every received row is a token with
 topk = k_l, so the single-GPU kernels run unchanged on the received rows. The schedule is
-built over the interleaved order c·P + p, so that inside each expert, ascending order takes
-the sources round-robin (every stretch of an expert's rows draws evenly from the peers), then
+built over the received rows rotated to start at this rank's own (p = my rank, then p + 1, …,
+wrapping), so that inside each expert the routes of this rank's own tokens come first, then
 mapped back to the rows where the exchange put them.
+
+Arrival split (`arrival_split`): the schedule's M tiles in two sets, those whose routes all
+came from this rank's own tokens, which the gate/up GEMM can compute before any peer's row
+has arrived, and the rest. The own routes leading each expert make all but at most one of an
+expert's tiles with own routes own-only.
 """
 
 from __future__ import annotations
@@ -171,23 +176,41 @@ def token_receiver_schedule(
     num_local_experts: int,
     routes_per_row: int,  # k_l
     block_m: int,
+    rank: int,
 ) -> tuple[RoutingSchedule, torch.Tensor]:
     """(the schedule of the P·C received rows as tokens with topk = k_l, received_routes
     [P·C·k_l] int32: each received route's own index, −1 for an empty one); ORs the sources'
-    flags into `error_flag`."""
+    flags into `error_flag`. `rank`: the receiver's, whose own rows lead each expert."""
     num_ranks = recv_ids.shape[0]
     capacity = (recv_ids.shape[1] - 1) // routes_per_row
+    num_rows = num_ranks * capacity
     error_flag.bitwise_or_(_or_flags(recv_ids[:, -1]))
-    ids = recv_ids[:, :-1].reshape(num_ranks, capacity, routes_per_row)
-    interleaved_ids = ids.transpose(0, 1).contiguous().view(capacity * num_ranks, routes_per_row)  # row c·P + p
-    interleaved = ops.routing_schedule(interleaved_ids, error_flag, num_local_experts, block_m, True)
-    token, q = interleaved.row_source // routes_per_row, interleaved.row_source % routes_per_row
-    received = (token % num_ranks * capacity + token // num_ranks) * routes_per_row + q
-    row_source = torch.where(interleaved.row_source >= 0, received, interleaved.row_source)
-    route_row = interleaved.route_row.view(capacity, num_ranks, routes_per_row).transpose(0, 1).reshape(-1)
+    ids = recv_ids[:, :-1].reshape(num_rows, routes_per_row)
+    own_first = rank * capacity  # ordered row i is received row (i + own_first) mod P·C
+    ordered = ops.routing_schedule(torch.roll(ids, -own_first, dims=0), error_flag, num_local_experts, block_m, True)
+    received = (ordered.row_source + own_first * routes_per_row) % (num_rows * routes_per_row)
+    row_source = torch.where(ordered.row_source >= 0, received, ordered.row_source)
+    route_row = torch.roll(ordered.route_row, own_first * routes_per_row)
     flat = ids.reshape(-1)
     received_routes = torch.where(flat >= 0, torch.arange(flat.shape[0], device=flat.device, dtype=torch.int32), -1)
-    return dataclasses.replace(interleaved, row_source=row_source, route_row=route_row), received_routes
+    return dataclasses.replace(ordered, row_source=row_source, route_row=route_row), received_routes
+
+
+def arrival_split(schedule: RoutingSchedule, rank: int, routes_per_source: int
+                  ) -> tuple[RoutingSchedule, RoutingSchedule]:
+    """(first, rest): `schedule` (a `token_receiver_schedule`'s) with the other set's M tiles
+    taken out (tile_expert −1): first's tiles hold only routes of this rank's own tokens
+    (received routes [rank·C·k_l, (rank + 1)·C·k_l), `routes_per_source` = C·k_l), rest's
+    every other tile. first's row_source also leaves out rest's rows, so that nothing it runs
+    reads a row that has not arrived. Every row below num_rows is in exactly one of them."""
+    rows = schedule.row_source
+    from_peer = (rows >= 0) & (rows // routes_per_source != rank)
+    peer_tile = from_peer.view(-1, schedule.block_m).any(1)  # [max_tiles]
+    peer_row = peer_tile[:, None].expand(-1, schedule.block_m).reshape(-1)  # [capacity_rows]
+    first = dataclasses.replace(schedule, tile_expert=torch.where(peer_tile, -1, schedule.tile_expert),
+                                row_source=torch.where(peer_row, -1, rows))
+    rest = dataclasses.replace(schedule, tile_expert=torch.where(peer_tile, schedule.tile_expert, -1))
+    return first, rest
 
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}

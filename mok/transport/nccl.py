@@ -100,17 +100,19 @@ class NcclDispatch(TokenPairs):
         backward = rows * (d_out_row + hidden_size * bf16 + k_l * fp32)
         return (self.world_size - 1) * (forward + (backward if with_backward else 0))
 
-    def _start_send_rows(self, rows: torch.Tensor | tuple[torch.Tensor, ...]) -> Callable[[], Any]:
-        """[T, W] token rows (or a tuple of such, e.g. e4m3 rows and their scales) on their way;
-        the finish gives the rows [P·C, W] of the (token, rank) pairs received here."""
+    def _start_send_rows(self, rows: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[Any, Callable[[], Any]]:
+        """[T, W] token rows (or a tuple of such, e.g. e4m3 rows and their scales) on their way:
+        (the packed rows sent, [P·C, W], where block p goes to rank p: this rank's own block is
+        already what it receives from itself; the finish, which gives the rows [P·C, W] of the
+        (token, rank) pairs received here)."""
         if isinstance(rows, tuple):
             parts = [self._start_send_rows(t) for t in rows]
-            return lambda: tuple(finish() for finish in parts)
+            return tuple(sent for sent, _ in parts), lambda: tuple(finish() for _, finish in parts)
         # e4m3 travels as bytes: collectives (gloo) take no fp8 dtype
         raw = rows.view(torch.uint8) if rows.dtype == torch.float8_e4m3fn else rows
         packed = ops.pack_rows(raw, self.token_slot, self.world_size, self.num_expert_rows)
         finish = _start_exchange(packed, self.group)
-        return lambda: finish().view(rows.dtype)
+        return packed.view(rows.dtype), lambda: finish().view(rows.dtype)
 
     def start_dispatch(self, x: torch.Tensor, topk_weights: torch.Tensor, num_programs: int | None = None
                        ) -> Callable[[], Any]:
@@ -118,9 +120,16 @@ class NcclDispatch(TokenPairs):
         received rows [P·C, H] (with `fp8_wire`: quantized in 1×128 blocks before they travel,
         the pair of e4m3 rows and their [P·C, H/128] fp32 scales) and their routes' weights
         [P·C, k_l] fp32 (0 for empty routes)."""
-        rows = self._start_send_rows(ops.quantize_fp8_block_activations(x) if self.fp8_wire else x)
+        return self.start_dispatch_split(x, topk_weights, num_programs)[1]
+
+    def start_dispatch_split(self, x: torch.Tensor, topk_weights: torch.Tensor, num_programs: int | None = None
+                             ) -> tuple[Any, Callable[[], Any]]:
+        """`start_dispatch` with what is here at once: (rows [P·C, H] (or the e4m3 pair) whose own
+        rows, p = this rank, are those the finish will give, the finish). The own rows are the
+        packed send buffer's own block."""
+        sent, rows = self._start_send_rows(ops.quantize_fp8_block_activations(x) if self.fp8_wire else x)
         weights = _start_exchange(self._pack_weights(topk_weights), self.group)
-        return lambda: (rows(), weights().view(-1, self.routes_per_row))
+        return sent, lambda: (rows(), weights().view(-1, self.routes_per_row))
 
     def _pack_weights(self, topk_weights: torch.Tensor) -> torch.Tensor:
         """[P·C·k_l] fp32: each sent route's weight, zeros elsewhere (the expert side's sums
@@ -144,7 +153,7 @@ class NcclDispatch(TokenPairs):
         """dOut rows on their way; the finish gives those [P·C, H] of the received rows (where
         `d_out_on_fp8_wire`: the pair of e4m3 rows and scales, quantized before they travel)."""
         quantized = self.d_out_on_fp8_wire(d_out.shape[1])
-        return self._start_send_rows(ops.quantize_fp8_block_activations(d_out) if quantized else d_out)
+        return self._start_send_rows(ops.quantize_fp8_block_activations(d_out) if quantized else d_out)[1]
 
     def start_combine_grad(self, dx_rows: torch.Tensor, d_weight_rows: torch.Tensor, num_programs: int | None = None
                            ) -> Callable[[], Any]:
@@ -173,7 +182,7 @@ class NcclTransport(RouteCapacity):
         # [P, C·k_l + 1]: this rank's error flag rides with the ids, so every rank learns of all ranks' routing errors
         send_ids = torch.cat([send_expert.view(num_ranks, -1), error_flag.expand(num_ranks, 1)], dim=1)
         schedule, received_routes = token_receiver_schedule(
-            _exchange(send_ids, self.group), error_flag, num_local_experts, routes_per_row, block_m
+            _exchange(send_ids, self.group), error_flag, num_local_experts, routes_per_row, block_m, self.rank
         )
         dispatch = NcclDispatch(self.group, num_ranks, self.rank, capacity, topk_ids.shape[1], routes_per_row, token_slot,
                                 route_place, received_routes, fp8_wire)

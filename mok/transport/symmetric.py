@@ -217,7 +217,7 @@ class SymmetricTransport(RouteCapacity):
         self.wait("plan")
         recv_info = self.views["recv_info"].view(-1)[: num_ranks * width].view(num_ranks, width)
         schedule, received_routes = token_receiver_schedule(
-            recv_info[:, : num_ids + 1], error_flag, num_local_experts, routes_per_row, block_m
+            recv_info[:, : num_ids + 1], error_flag, num_local_experts, routes_per_row, block_m, self.rank
         )
         dispatch = SymmetricDispatch(self, capacity, topk_ids.shape[1], routes_per_row, token_slot, route_place,
                                      received_routes, fp8_wire)
@@ -286,33 +286,46 @@ class SymmetricDispatch(TokenPairs):
         return rows // self.send_capacity
 
     def _start_send_rows(self, kind: str, rows: torch.Tensor, region: str, quantized: bool,
-                         num_programs: int | None = None) -> Callable[[], Any]:
+                         num_programs: int | None = None, own_first: bool = False) -> Callable[[], Any]:
         """[T, H] token rows on their way (pushed from the side stream); the finish gives the rows
-        [P·C, H] of the pairs received here (a view of `region`); `quantized`: in fp8_block's 1×128
-        blocks, as the pair of e4m3 rows and their [P·C, H/128] scales (views of `region`'s bytes)."""
+        [P·C, H] of the pairs received here (`_region_rows`); `quantized`: in fp8_block's 1×128
+        blocks, as the pair of e4m3 rows and their [P·C, H/128] scales. `own_first`: the rows this
+        rank sends itself are pushed on the current stream first, so they are here once it reaches
+        its next launch; only the other ranks' go from the side stream."""
         transport = self.transport
         sends = {kind: (rows, region)}
         if quantized:
             q, scale = ops.quantize_fp8_block_activations(rows)
             sends = {kind: (q.view(torch.uint8), region + "_q"), kind + "_scale": (scale, region + "_scale")}
-        with sending(rows.device):
+
+        def push(destinations: str) -> None:
             for name, (src, dst) in sends.items():
                 transport.push(name, src, self.token_slot, dst, num_programs, by_slot=True,
-                               capacity=self.send_capacity, routes_per_row=self.world_size)
+                               capacity=self.send_capacity, routes_per_row=self.world_size, destinations=destinations)
+
+        if own_first:
+            push("self")
+        with sending(rows.device):
+            push("peers" if own_first else "all")
         return functools.partial(self._received_rows, sends, region, quantized, num_programs)
 
     def _received_rows(self, sends: dict, region: str, quantized: bool, num_programs: int | None):
         """What `_start_send_rows` delivers, once its pushes (`sends`, alive until now) arrived."""
-        transport, num_rows = self.transport, self.num_expert_rows
         for name in sends:
-            transport.wait(name, num_programs)
-        if quantized:
-            return (transport.views[region + "_q"][:num_rows].view(torch.float8_e4m3fn),
-                    transport.views[region + "_scale"][:num_rows])
-        return transport.views[region][:num_rows]
+            self.transport.wait(name, num_programs)
+        return self._region_rows(region, quantized)
 
-    def _start_push_x(self, x: torch.Tensor, num_programs: int | None = None) -> Callable[[], Any]:
-        finish = self._start_send_rows("x", x, "recv_x", self.fp8_wire, num_programs)
+    def _region_rows(self, region: str, quantized: bool):
+        """The P·C received rows of `region`: bf16 [P·C, H], or (`quantized`) the e4m3 rows and
+        their [P·C, H/128] fp32 scales (views of its bytes)."""
+        views, num_rows = self.transport.views, self.num_expert_rows
+        if quantized:
+            return views[region + "_q"][:num_rows].view(torch.float8_e4m3fn), views[region + "_scale"][:num_rows]
+        return views[region][:num_rows]
+
+    def _start_push_x(self, x: torch.Tensor, num_programs: int | None = None, own_first: bool = False
+                      ) -> Callable[[], Any]:
+        finish = self._start_send_rows("x", x, "recv_x", self.fp8_wire, num_programs, own_first)
         self.transport.x_generation += 1
         self._x_generation = self.transport.x_generation
         return finish
@@ -325,12 +338,22 @@ class SymmetricDispatch(TokenPairs):
         stale values, and the schedule skips them; with `fp8_wire` the pair of e4m3 rows and
         scales, quantized before they travel) and their routes' weights [P·C, k_l] fp32 (a copy;
         0 for empty routes)."""
+        return self._start_dispatch(x, topk_weights, num_programs, own_first=False)
+
+    def start_dispatch_split(self, x: torch.Tensor, topk_weights: torch.Tensor, num_programs: int | None = None
+                             ) -> tuple[Any, Callable[[], Any]]:
+        """`start_dispatch` with what is here at once: (the received rows' view, whose own rows, p =
+        this rank, are in place for the current stream's next launch; the finish)."""
+        return self._region_rows("recv_x", self.fp8_wire), self._start_dispatch(x, topk_weights, num_programs,
+                                                                                 own_first=True)
+
+    def _start_dispatch(self, x, topk_weights, num_programs, own_first):
         num_routes = self.send_capacity * self.routes_per_row
         weights = topk_weights.reshape(-1, 1).float()
         with sending(x.device):
             self.transport.push("weights", weights, self.route_place, "recv_weights", num_programs, by_slot=True,
                                 capacity=num_routes)
-        rows = self._start_push_x(x, num_programs)
+        rows = self._start_push_x(x, num_programs, own_first)
         return functools.partial(self._dispatched, rows, weights, num_programs)
 
     def _dispatched(self, rows: Callable[[], Any], sent_weights: torch.Tensor, num_programs: int | None):

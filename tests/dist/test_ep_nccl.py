@@ -1,6 +1,6 @@
 """The triton backend under expert parallelism, through the NCCL-fallback transport (here
-on gloo, kernels interpreted on the CPU), against the EP reference at the bf16 accuracy bars (one
-case each in mxfp8 and fp8_block, at their bars).
+on gloo, kernels interpreted on the CPU), against the EP reference at the bf16 accuracy bars (the
+mxfp8 and fp8_block cases at their bars).
 
 Each rank draws its own tokens (a different count per rank), global expert ids and its
 local experts from a seed; both sides get the same local inputs over the same group.
@@ -32,6 +32,7 @@ from mok.reference import ep_moe_backward, ep_moe_forward
 from mok.testing import assert_close_to_reference, make_inputs, make_topk_ids
 from mok.testing.distributed import run_distributed
 from mok.transport import nccl
+from mok.transport.common import arrival_split
 
 WORLD_SIZE = int(os.environ.get("MOK_EP_CPU_WORLD", "3"))
 GROUP_RANKS = {WORLD_SIZE: None, (WORLD_SIZE + 1) // 2: list(range(0, WORLD_SIZE, 2))}  # P -> its global ranks (None = WORLD)
@@ -70,6 +71,11 @@ CASES = (
          intermediate_size=128, min_tokens=32),
     # topk > E_l: a row carries up to E_l routes to one rank, which sums them
     Case("skewed + topk over E_l", experts_per_rank=2, topk=3, shared_size=0, routing="skewed", min_tokens=8),
+    # Enough own routes per expert for whole M tiles of them: with overlap_comm_sms the gate/up GEMM
+    # runs those before the peers' rows land (`arrival_split`), bitwise the GEMM over all at once.
+    Case("own tiles first + shared", experts_per_rank=2, topk=2, min_tokens=120),
+    Case("own tiles first + fp8_block", experts_per_rank=2, topk=2, shared_size=0, precision="fp8_block",
+         hidden_size=128, intermediate_size=128, min_tokens=120),
 )
 
 
@@ -128,7 +134,7 @@ def _run_triton(config, group, x, ids, topk_weights, routed, shared, d_out, swig
     return out, grads, schedule, peer_bytes[0]
 
 
-def _check_case(case: Case, num_ranks: int, rank: int, group, seed: int, run_twice: bool) -> None:
+def _check_case(case: Case, num_ranks: int, rank: int, group, seed: int, run_twice: bool, overlap: bool) -> None:
     """Runs every collective first and compares afterwards, so a failed comparison on one
     rank cannot leave its peers waiting in a collective it skipped."""
     x, ids, topk_weights, routed, shared, d_out = _local_inputs(case, num_ranks, rank, seed)
@@ -136,9 +142,10 @@ def _check_case(case: Case, num_ranks: int, rank: int, group, seed: int, run_twi
     # run twice, then on a larger capacity: all bitwise equal
     runs = [_run_triton(config, group, x, ids, topk_weights, routed, shared, d_out, case.swiglu_limit, spare)
             for spare in ((0, 0, 7) if run_twice else (0,))]
-    # the exchanges beside the shared expert and the weight gradients (on CPU in order): bitwise the same
+    # the exchanges beside the shared expert and the weight gradients, the gate/up GEMM's own tiles
+    # before the peers' rows (on CPU in order): bitwise the same
     overlap = _run_triton(dataclasses.replace(config, overlap_comm_sms=4), group, x, ids, topk_weights, routed, shared,
-                          d_out, case.swiglu_limit) if run_twice else None
+                          d_out, case.swiglu_limit) if overlap else None
     if case.precision == "fp8_block":  # quantized after the exchange instead of before: bitwise the same
         with override(fp8_block_on_the_wire=False):
             bf16_wire = _run_triton(config, group, x, ids, topk_weights, routed, shared, d_out, case.swiglu_limit)
@@ -180,6 +187,12 @@ def _check_case(case: Case, num_ranks: int, rank: int, group, seed: int, run_twi
     if overlap is not None:
         assert overlap[3] == peer_bytes, f"overlap_comm_sms=4 moved {overlap[3]} bytes, not {peer_bytes} {ctx}"
         again.append(("with overlap_comm_sms=4", overlap))
+    if case.name.startswith("own tiles first"):  # both launches of the split gate/up GEMM have tiles
+        dispatch, routing = schedule.dispatch, schedule.routing
+        first, rest = arrival_split(routing, dispatch.rank, dispatch.send_capacity * dispatch.routes_per_row)
+        tiles = int(routing.num_rows) // routing.block_m
+        counts = [int((part.tile_expert[:tiles] >= 0).sum()) for part in (first, rest)]
+        assert min(counts) > 0, f"own-only and other tiles: {counts} {ctx}"
     for how, (out_again, grads_again, *_) in again:
         assert torch.equal(out, out_again), f"out differs {how} {ctx}"
         for name, a, b in zip(grads._fields, grads, grads_again):
@@ -226,7 +239,8 @@ def _ep_worker(rank: int, world_size: int) -> dict[int, list[str]]:
             continue
         group_rank = dist.get_rank(groups[P])
         checks = [lambda c=c, i=i: _check_case(c, P, group_rank, groups[P], seed=100 * P + 10 * i + group_rank,
-                                               run_twice=i == 0 and P == WORLD_SIZE)
+                                               run_twice=i == 0 and P == WORLD_SIZE,
+                                               overlap=i == 0 and P == WORLD_SIZE or c.name.startswith("own tiles"))
                   for i, c in enumerate(CASES)]
         checks.append(lambda: _check_capacity_overflow(P, group_rank, groups[P]))
         for check in checks:
@@ -266,8 +280,8 @@ def _plan_worker(rank: int, world_size: int) -> list[str]:
     """The NCCL transport's plan and row moves at P = 4 (no GEMMs, so the interpreter stays
     quick): every token row reaches each rank holding one of its experts once, with its
     routes' weights, and comes back to its pair's row; the receiver's schedule places each
-    received route under its expert, and inside each expert takes the sources round-robin
-    (received row p·C + c in ascending c·P + p)."""
+    received route under its expert, and inside each expert takes this rank's own tokens first,
+    then the sources from rank + 1 on (received row p·C + c in ascending ((p − rank) mod P)·C + c)."""
     group = dist.group.WORLD
     E_l, topk, T = 2, 3, 5 + 2 * rank
     gen = torch.Generator().manual_seed(100 + rank)
@@ -311,9 +325,9 @@ def _plan_worker(rank: int, world_size: int) -> list[str]:
     for expert in range(E_l):
         rows = placed[tile_expert[placed // block_m] == expert]
         sources = row_source[rows].long() // k_l
-        interleaved = sources % capacity * world_size + sources // capacity
-        if not bool((interleaved[1:] > interleaved[:-1]).all()):
-            failures.append(f"expert {expert}'s rows are not in round-robin source order {ctx}")
+        own_first = (sources // capacity - rank) % world_size * capacity + sources % capacity
+        if not bool((own_first[1:] > own_first[:-1]).all()):
+            failures.append(f"expert {expert}'s rows are not in own-first source order {ctx}")
     return failures
 
 

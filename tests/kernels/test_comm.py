@@ -35,20 +35,24 @@ def _symmetric_dispatch(rank: int, P: int, C: int, topk: int, k_l: int, plans, f
     dispatch only reads the transport's rank and size here)."""
     recv_ids = torch.stack([torch.cat([plans[src][2].view(P, C * k_l)[rank].cpu(), flags[src].cpu()])
                             for src in range(P)]).to(flags[rank].device)  # [P, C·k_l + 1]
-    _, received_routes = token_receiver_schedule(recv_ids, flags[rank], k_l, k_l, block_m)
+    _, received_routes = token_receiver_schedule(recv_ids, flags[rank], k_l, k_l, block_m, rank)
     stub = SimpleNamespace(world_size=P, rank=rank)
     token_slot, route_place, _ = plans[rank]
     return SymmetricDispatch(stub, C, topk, k_l, token_slot, route_place, received_routes)
 
 
-@pytest.mark.parametrize("P, E_l, topk, C, H, num_programs, overflows",
-                         [(3, 2, 3, 5, 40, 2, True), (2, 3, 2, 30, 1100, 1, False)])
-def test_push_rows_once_per_token_and_rank_out_and_back(kernel_device, P, E_l, topk, C, H, num_programs, overflows):
+@pytest.mark.parametrize("P, E_l, topk, C, H, num_programs, overflows, own_first",
+                         [(3, 2, 3, 5, 40, 2, True, False), (2, 3, 2, 30, 1100, 1, False, False),
+                          (3, 2, 3, 5, 40, 2, True, True)])
+def test_push_rows_once_per_token_and_rank_out_and_back(kernel_device, P, E_l, topk, C, H, num_programs, overflows,
+                                                        own_first):
     """The symmetric transport's moves, P ranks in one process: each token row lands once at
     every rank holding one of its experts (BY_SLOT, the pair's send row as the slot), its
     routes' router weights beside it; each received row's partial row and each received
-    route's value come back to the source's row / route (BY_RETURN), nothing else is written."""
-    ctx = f"{P=} {E_l=} {topk=} {C=} {H=} {num_programs=}"
+    route's value come back to the source's row / route (BY_RETURN), nothing else is written.
+    `own_first`: the token rows go as a push to "self" (checked alone: only each rank's own rows
+    landed), then one to "peers", with the same programs: received as one push."""
+    ctx = f"{P=} {E_l=} {topk=} {C=} {H=} {num_programs=} {own_first=}"
     gen = torch.Generator().manual_seed(P * C + H)
     tokens = [9 + 3 * r for r in range(P)]  # T differs per rank
     k_l = min(topk, E_l)
@@ -74,10 +78,10 @@ def test_push_rows_once_per_token_and_rank_out_and_back(kernel_device, P, E_l, t
         flag.zero_()
     dispatches = [_symmetric_dispatch(r, P, C, topk, k_l, plans, flags, routing_block_m()) for r in range(P)]
 
-    def push(rank, src, index, dst, kind, by_slot, capacity, routes_per_row=1):
+    def push(rank, src, index, dst, kind, by_slot, capacity, routes_per_row=1, destinations="all"):
         push_rows(src, index, _peer_ptrs(dst), dst[0].stride(0) if dst[0].dim() == 2 else 1, arrival_ptrs, kind,
                   flags[rank], num_dst_rows=dst[0].shape[0], my_rank=rank, capacity=capacity, by_slot=by_slot,
-                  num_programs=num_programs, routes_per_row=routes_per_row)
+                  num_programs=num_programs, routes_per_row=routes_per_row, destinations=destinations)
 
     def wait_all(kind):
         for rank in range(P):
@@ -85,8 +89,19 @@ def test_push_rows_once_per_token_and_rank_out_and_back(kernel_device, P, E_l, t
             assert int(flags[rank]) & ERROR_PEER_TIMEOUT == 0, ctx
 
     # out: token rows once per (token, rank), router weights per route
+    if own_first:
+        for rank, d in enumerate(dispatches):
+            push(rank, x[rank], d.token_slot, recv_x, 0, True, C, routes_per_row=P, destinations="self")
+        for p in range(P):
+            sources = torch.arange(P * C, device=dev) // C
+            assert recv_x[p][sources != p].isnan().all(), f"{ctx} {p=}: a peer's row landed from a self push"
+            own = dispatches[p].token_slot.view(-1, P)[:, p].long()
+            own = own[own >= 0]
+            assert not recv_x[p][p * C + own % C].isnan().any(), f"{ctx} {p=}: own rows missing after the self push"
+        assert all(int(a.sum()) == num_programs for a in arrivals), f"{ctx}: a self push signalled another rank"
     for rank, d in enumerate(dispatches):
-        push(rank, x[rank], d.token_slot, recv_x, 0, True, C, routes_per_row=P)
+        push(rank, x[rank], d.token_slot, recv_x, 0, True, C, routes_per_row=P,
+             destinations="peers" if own_first else "all")
         push(rank, w[rank].view(-1, 1), d.route_place, recv_w, 0, True, C * k_l)
     wait_all(0)
     for src in range(P):
@@ -191,6 +206,9 @@ def test_comm_launchers_reject_bad_arguments():
         push_rows(rows, index.long(), ptrs, 8, ptrs, 0, flag, num_dst_rows=4, my_rank=0, capacity=1, by_slot=True, num_programs=1)
     with pytest.raises(ValueError, match="my_rank"):
         push_rows(rows, index, ptrs, 8, ptrs, 0, flag, num_dst_rows=4, my_rank=2, capacity=1, by_slot=True, num_programs=1)
+    with pytest.raises(ValueError, match="^destinations: expected one of"):
+        push_rows(rows, index, ptrs, 8, ptrs, 0, flag, num_dst_rows=4, my_rank=0, capacity=1, by_slot=True, num_programs=1,
+                  destinations="others")
     counters = torch.zeros(2, 2, dtype=torch.int32)
     with pytest.raises(ValueError, match="^arrivals, expected"):
         wait_arrivals(counters, counters.long(), torch.zeros(1, dtype=torch.int32), 0, 1, 1.0)

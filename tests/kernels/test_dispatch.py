@@ -9,7 +9,7 @@ from mok.kernels.common import ERROR_BAD_EXPERT_ID, ERROR_CAPACITY_OVERFLOW
 from mok.kernels.comm.dispatch import pack_rows, unpack_rows
 from mok.kernels.gemm.common import routing_block_m
 from mok.testing import make_topk_ids
-from mok.transport.common import token_plan, token_receiver_schedule
+from mok.transport.common import arrival_split, token_plan, token_receiver_schedule
 
 
 def token_plan_in_torch(topk_ids: torch.Tensor, num_local_experts: int, world_size: int, capacity: int):
@@ -105,7 +105,8 @@ def test_pack_and_unpack_rows_by_the_plan(kernel_device, width, dtype):
     assert torch.equal(out, expected), f"{width=} {dtype=}"
 
 
-def test_receiver_schedule_places_every_received_route(kernel_device):
+@pytest.mark.parametrize("rank", [0, 2])
+def test_receiver_schedule_places_every_received_route(kernel_device, rank):
     """Received rows are tokens with topk = k_l: each received route lands under its expert
     once, and received_routes marks exactly the filled places."""
     P, C, E_l, k_l = 3, 4, 2, 2
@@ -115,7 +116,7 @@ def test_receiver_schedule_places_every_received_route(kernel_device):
     recv_ids = torch.cat([ids.view(P, C * k_l), torch.zeros(P, 1, dtype=torch.int32)], dim=1)
     recv_ids[1, -1] = ERROR_CAPACITY_OVERFLOW  # one source's flag
     flag = torch.zeros(1, dtype=torch.int32, device=kernel_device)
-    schedule, received = token_receiver_schedule(recv_ids.to(kernel_device), flag, E_l, k_l, routing_block_m())
+    schedule, received = token_receiver_schedule(recv_ids.to(kernel_device), flag, E_l, k_l, routing_block_m(), rank)
     assert int(flag) == ERROR_CAPACITY_OVERFLOW
     flat = ids.view(-1)
     assert torch.equal(received.cpu(), torch.where(flat >= 0, torch.arange(flat.numel(), dtype=torch.int32), -1))
@@ -123,6 +124,46 @@ def test_receiver_schedule_places_every_received_route(kernel_device):
     placed = placed[placed >= 0].sort().values
     assert torch.equal(placed, (flat >= 0).nonzero().flatten().int())
     assert torch.equal((schedule.route_row.cpu() >= 0), flat >= 0)
+
+
+@pytest.mark.parametrize("rank, P, C, E_l, k_l", [(0, 2, 100, 3, 2), (1, 2, 100, 2, 2), (2, 4, 80, 2, 2)])
+def test_receiver_schedule_puts_own_routes_first_and_arrival_split_parts_its_tiles(kernel_device, rank, P, C, E_l,
+                                                                                  k_l):
+    """Inside each expert the routes of the receiver's own tokens come first, then the sources
+    from rank + 1 on, each in ascending route order; `arrival_split` gives every tile below
+    num_rows to exactly one of its schedules, first's only with own routes and its rows, and
+    rest's with every tile holding a peer's route."""
+    gen = torch.Generator().manual_seed(10 + rank)
+    ids = torch.randint(-1, E_l, (P, C, k_l), generator=gen, dtype=torch.int32)
+    ids[..., 1] = torch.where(ids[..., 0] >= 0, (ids[..., 0] + 1) % E_l, -1)  # distinct within a row
+    recv_ids = torch.cat([ids.view(P, C * k_l), torch.zeros(P, 1, dtype=torch.int32)], dim=1).to(kernel_device)
+    flag = torch.zeros(1, dtype=torch.int32, device=kernel_device)
+    block_m = routing_block_m()
+    schedule, _ = token_receiver_schedule(recv_ids, flag, E_l, k_l, block_m, rank)
+    first, rest = arrival_split(schedule, rank, C * k_l)
+    num_rows = int(schedule.num_rows)
+    row_source = schedule.row_source[:num_rows].cpu().long()
+    tile_expert = schedule.tile_expert.cpu()
+    ctx = f"{rank=} {P=} {C=} {E_l=} {k_l=}"
+    routes_per_source = C * k_l
+    for expert in range(E_l):
+        rows = torch.arange(num_rows)[(tile_expert[torch.arange(num_rows) // block_m] == expert) & (row_source >= 0)]
+        source = row_source[rows] // routes_per_source
+        order = (source - rank) % P * routes_per_source + row_source[rows] % routes_per_source
+        assert bool((order[1:] > order[:-1]).all()), f"expert {expert}'s routes out of own-first order {ctx}"
+    tiles = num_rows // block_m
+    first_tiles, rest_tiles = first.tile_expert[:tiles].cpu(), rest.tile_expert[:tiles].cpu()
+    assert torch.equal(torch.where(first_tiles >= 0, first_tiles, rest_tiles), tile_expert[:tiles]), ctx
+    assert not bool(((first_tiles >= 0) & (rest_tiles >= 0)).any()), f"a tile in both schedules {ctx}"
+    tile_sources = row_source.view(tiles, block_m) // routes_per_source
+    tile_valid = row_source.view(tiles, block_m) >= 0
+    own_only = ((tile_sources == rank) | ~tile_valid).all(1)
+    assert torch.equal(first_tiles >= 0, own_only), f"first's tiles are not the own-only ones {ctx}"
+    assert 0 < int(own_only.sum()) < tiles, f"the case splits nothing {ctx}"
+    first_rows = first.row_source[:num_rows].cpu().long()
+    in_first = own_only[:, None].expand(-1, block_m).reshape(-1)
+    assert torch.equal(first_rows, torch.where(in_first, row_source, -1)), f"first's rows {ctx}"
+    assert rest.row_source is schedule.row_source
 
 
 def test_dispatch_ops_fake_impls(kernel_device):

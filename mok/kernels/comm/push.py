@@ -8,6 +8,8 @@
                       dst_rank = i // C, dst_row = index[i],            src_row = i
             −1 in `index` (or a row past the destination): the item moves nothing (an empty
             row, or an item past the capacity).
+            `destinations` "self" or "peers": only the items to this rank, or to the others;
+            a kind pushed as both (each with the same G) is received as one "all" push.
     wait:   until every peer's pushes of this kind have landed here.
 
 Legend: P ranks, C rows one rank may send one peer (the capacity), W the row width
@@ -69,13 +71,29 @@ def peer_row_starts(peer_ptrs, rank, row, row_stride, mask, DTYPE: tl.constexpr)
     return tl.multiple_of(base, 16) + row.to(tl.int64) * row_stride
 
 
+# `push_rows`' destinations, as the kernel's DESTINATIONS
+_DESTINATIONS = {"all": 0, "self": 1, "peers": 2}
+
+
 @triton.jit
-def signal_peers(arrivals_peer_ptrs, arrival_slot, num_ranks, BLOCK_P: tl.constexpr):
-    """My writes visible to peers: every rank's arrivals[arrival_slot] += 1, released at
-    system scope after all of this program's stores."""
+def _is_destination(rank, my_rank, DESTINATIONS: tl.constexpr):
+    """Whether `rank` is one of the push's destinations (DESTINATIONS: 0 all, 1 this rank, 2 the others)."""
+    if DESTINATIONS == 1:
+        return rank == my_rank
+    elif DESTINATIONS == 2:
+        return rank != my_rank
+    else:
+        return rank >= 0
+
+
+@triton.jit
+def signal_peers(arrivals_peer_ptrs, arrival_slot, num_ranks, my_rank, BLOCK_P: tl.constexpr,
+                 DESTINATIONS: tl.constexpr = 0):
+    """My writes visible to peers: every destination rank's arrivals[arrival_slot] += 1,
+    released at system scope after all of this program's stores."""
     tl.debug_barrier()  # every thread of the program has issued its stores
     ranks = tl.arange(0, BLOCK_P)
-    is_rank = ranks < num_ranks
+    is_rank = (ranks < num_ranks) & _is_destination(ranks, my_rank, DESTINATIONS)
     base = tl.load(arrivals_peer_ptrs + ranks, mask=is_rank, other=0).to(tl.pointer_type(tl.int32))
     tl.atomic_add(base + arrival_slot, 1, mask=is_rank, sem="release", scope="sys")
 
@@ -94,7 +112,7 @@ def _push_rows_kernel(
     num_items, width, my_rank, num_ranks, capacity, routes_per_row, num_dst_rows,
     stride_src, stride_dst,
     # meta
-    BY_SLOT: tl.constexpr,
+    BY_SLOT: tl.constexpr, DESTINATIONS: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     if (tl.load(error_flag_ptr) & _TIMEOUT_BIT) != 0:
@@ -112,7 +130,8 @@ def _push_rows_kernel(
             dst_rank = items // capacity
             dst_row = index
             src_row = items
-        moves = (index >= 0) & (dst_row < num_dst_rows)  # a row past the buffer could only come from garbage
+        # a row past the buffer could only come from garbage
+        moves = (index >= 0) & (dst_row < num_dst_rows) & _is_destination(dst_rank, my_rank, DESTINATIONS)
         dst_rows = peer_row_starts(dst_peer_ptrs, dst_rank, dst_row, stride_dst, moves, src_ptr.dtype.element_ty)[:, None]
         src_rows = src_ptr + src_row.to(tl.int64)[:, None] * stride_src
         for col0 in range(0, width, BLOCK_W):
@@ -120,7 +139,7 @@ def _push_rows_kernel(
             col_ok = (cols < width)[None, :]
             values = tl.load(src_rows + cols[None, :], mask=moves[:, None] & col_ok)
             tl.store(dst_rows + cols[None, :], values, mask=moves[:, None] & col_ok)
-    signal_peers(arrivals_peer_ptrs, arrival_slot, num_ranks, BLOCK_P)
+    signal_peers(arrivals_peer_ptrs, arrival_slot, num_ranks, my_rank, BLOCK_P, DESTINATIONS)
 
 
 @triton.jit
@@ -176,10 +195,12 @@ def push_rows(
     by_slot: bool,
     num_programs: int,
     routes_per_row: int = 1,
+    destinations: str = "all",
 ) -> None:
-    """Pushes rows into peers' buffers of `num_dst_rows` rows as the module docstring says, then signals `kind`'s arrival on
-    every rank. Every rank must push each kind with the same `num_programs` (the
-    receivers count the programs). Does nothing once `error_flag` holds a timeout."""
+    """Pushes rows into peers' buffers of `num_dst_rows` rows as the module docstring says, then
+    signals `kind`'s arrival on every rank (`destinations`: "all", "self" or "peers", those
+    ranks only). Every rank must push each kind with the same `num_programs` (the receivers
+    count the programs). Does nothing once `error_flag` holds a timeout."""
     num_ranks = dst_peer_ptrs.shape[0]
     device = src.device
     for name, ptrs in (("dst_peer_ptrs", dst_peer_ptrs), ("arrivals_peer_ptrs", arrivals_peer_ptrs)):
@@ -193,6 +214,8 @@ def push_rows(
     if not 0 <= my_rank < num_ranks or capacity < 1 or num_programs < 1 or routes_per_row < 1:
         raise ValueError(f"expected 0 <= my_rank < P={num_ranks} and positive capacity, num_programs and "
                          f"routes_per_row; got {my_rank=} {capacity=} {num_programs=} {routes_per_row=}")
+    if destinations not in _DESTINATIONS:
+        raise ValueError(f"destinations: expected one of {tuple(_DESTINATIONS)}, got {destinations!r}")
     width = src.shape[1]
     plan = kernel_plan(device)
     _push_rows_kernel[(num_programs,)](
@@ -200,7 +223,7 @@ def push_rows(
         arrivals_peer_ptrs, kind * num_ranks + my_rank, error_flag,
         index.shape[0], width, my_rank, num_ranks, capacity, routes_per_row, num_dst_rows,
         src.stride(0), stride_dst,
-        BY_SLOT=by_slot,
+        BY_SLOT=by_slot, DESTINATIONS=_DESTINATIONS[destinations],
         BLOCK_R=plan.push_rows, BLOCK_W=min(triton.next_power_of_2(width), plan.push_cols),
         BLOCK_P=triton.next_power_of_2(num_ranks), num_warps=plan.push_num_warps,
     )

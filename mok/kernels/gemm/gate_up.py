@@ -16,6 +16,10 @@ u ← clamp(u, −L, L) in fp32. When the backward needs them it also stores the
 pre-activations g and u ([rows, 2, I] bf16), so the backward recomputes h from them
 instead of redoing the gate/up GEMM.
 
+A tile whose tile_expert is −1 is skipped: under expert parallelism the gate/up GEMM runs in two
+launches over one layout (`transport.common.arrival_split`), each with the other's tiles taken
+out, the second into the first's outputs (`outputs=`), once the peers' rows have arrived.
+
 fp8_block (the constexpr PRECISION, `gate_up_swiglu_fp8_block`): E4M3 operands with fp32 block
 scales, one fresh FP8 `tl.dot` per 128-wide K step scaled by its blocks' scales (`common.py`'s
 formula). The gate/up A operand is x quantized once per token
@@ -150,6 +154,8 @@ def _gate_up_swiglu_kernel(
     if m_tile * BLOCK_M >= tl.load(num_rows_ptr):
         return
     expert = tl.load(tile_expert_ptr + m_tile)
+    if expert < 0:
+        return  # another launch's tile
     rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     source = tl.load(row_source_ptr + rows)
     row_valid = source >= 0
@@ -185,6 +191,15 @@ def _gate_up_swiglu_kernel(
 
 
 # --------------------------------------------------------------------------- launchers
+
+
+def _check_output(name: str, t, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """t, once checked to be a contiguous `dtype` tensor of `shape` on `device` (an output given to fill)."""
+    if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous() \
+            or t.device != device:
+        got = f"{t.dtype} {list(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name}: expected a contiguous {dtype} {list(shape)} tensor on {device}, got {got}")
+    return t
 
 
 def gate_up_packed(w_gate: torch.Tensor, w_up: torch.Tensor) -> bool:
@@ -248,9 +263,11 @@ def gate_up_swiglu(
     swiglu_limit: float | None = None,
     store_gate_up: bool = False,
     tile_config: dict | None = None,
+    outputs: tuple[torch.Tensor, torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """h [capacity_rows, I] bf16 in the schedule's sorted layout, and g,u [capacity_rows, 2, I]
-    bf16 when `store_gate_up`. Rows past the schedule's `num_rows` are left unwritten.
+    bf16 when `store_gate_up`. Rows past the schedule's `num_rows`, and those of tiles it takes
+    out, are left unwritten. `outputs`: (h, g,u or None) to write into instead of new tensors.
     `tile_config` overrides `gemm_config` (for tuning)."""
     num_experts, inter, hidden = w_gate.shape
     if x.dim() != 2 or x.shape[1] != hidden or x.dtype != torch.bfloat16 or not x.is_contiguous():
@@ -259,8 +276,14 @@ def gate_up_swiglu(
     _check_weights("w_up", w_up, tuple(w_gate.shape), x.device)
     cfg = _tile_config("gate_up", inter, hidden, "bf16", tile_config, schedule, gate_up_packed(w_gate, w_up))
     rows = schedule.capacity_rows
-    h = torch.empty(rows, inter, dtype=torch.bfloat16, device=x.device)  # [capacity_rows, I]
-    gate_up = torch.empty(rows, 2, inter, dtype=torch.bfloat16, device=x.device) if store_gate_up else None
+    if outputs is None:
+        h = torch.empty(rows, inter, dtype=torch.bfloat16, device=x.device)  # [capacity_rows, I]
+        gate_up = torch.empty(rows, 2, inter, dtype=torch.bfloat16, device=x.device) if store_gate_up else None
+    else:
+        h, gate_up = outputs
+        _check_output("outputs[0] (h)", h, (rows, inter), torch.bfloat16, x.device)
+        if store_gate_up:
+            _check_output("outputs[1] (g,u)", gate_up, (rows, 2, inter), torch.bfloat16, x.device)
     _launch_gate_up_swiglu(
         "bf16", x, None, w_gate, None, w_up, None, h, None, gate_up, schedule, topk, swiglu_limit, cfg
     )
@@ -280,6 +303,7 @@ def gate_up_swiglu_fp8_block(
     store_gate_up: bool = False,
     tile_config: dict | None = None,
     gate_up_e4m3: bool = False,
+    outputs: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None]:
     """The fp8_block gate/up GEMM: (h_q [capacity_rows, I] float8_e4m3fn, h_scale
     [capacity_rows, I/128] fp32), h quantized in 1×128 blocks for `down_scatter_fp8_block`,
@@ -288,7 +312,8 @@ def gate_up_swiglu_fp8_block(
     [capacity_rows, 2, I/128]): DeepSeek-V3's SwiGLU input cached in FP8 for the backward, half
     the bytes (without a swiglu_limit: its clamps' zero gradients need g, u exactly). x_q, x_scale come from
     `quantize_fp8_block_activations(x)`, each weight pair from `mok.fp8_block_quantize`
-    (its q, scale). Rows past the schedule's `num_rows` are left unwritten."""
+    (its q, scale). Rows past the schedule's `num_rows`, and those of tiles it takes out, are left
+    unwritten. `outputs`: what this returns, of an earlier call, to write into instead."""
     _, inter, hidden = fp8_block_weight_shape("w_gate_q", w_gate_q, "[E_l, I, H]", schedule.num_local_experts)
     device = w_gate_q.device
     if x_q.dim() != 2:
@@ -303,14 +328,28 @@ def gate_up_swiglu_fp8_block(
                          f"{store_gate_up}, swiglu_limit={swiglu_limit}")
     cfg = _tile_config("gate_up", inter, hidden, "fp8_block", tile_config, schedule)
     rows = schedule.capacity_rows
-    h_q = torch.empty(rows, inter, dtype=torch.uint8, device=device)  # [capacity_rows, I] e4m3 bytes
-    h_scale = torch.empty(rows, inter // FP8_BLOCK, dtype=torch.float32, device=device)  # [capacity_rows, I/128]
-    gate_up = None
-    if gate_up_e4m3:  # [capacity_rows, 2, I] e4m3 bytes, [capacity_rows, 2, I/128] fp32
-        gate_up = (torch.empty(rows, 2, inter, dtype=torch.uint8, device=device),
-                   torch.empty(rows, 2, inter // FP8_BLOCK, dtype=torch.float32, device=device))
-    elif store_gate_up:  # [capacity_rows, 2, I] bf16
-        gate_up = torch.empty(rows, 2, inter, dtype=torch.bfloat16, device=device)
+    shapes = {"h_q": (rows, inter), "h_scale": (rows, inter // FP8_BLOCK), "g,u": (rows, 2, inter),
+              "g,u scales": (rows, 2, inter // FP8_BLOCK)}
+    if outputs is None:
+        h_q = torch.empty(shapes["h_q"], dtype=torch.uint8, device=device)  # [capacity_rows, I] e4m3 bytes
+        h_scale = torch.empty(shapes["h_scale"], dtype=torch.float32, device=device)  # [capacity_rows, I/128]
+        gate_up = None
+        if gate_up_e4m3:  # [capacity_rows, 2, I] e4m3 bytes, [capacity_rows, 2, I/128] fp32
+            gate_up = (torch.empty(shapes["g,u"], dtype=torch.uint8, device=device),
+                       torch.empty(shapes["g,u scales"], dtype=torch.float32, device=device))
+        elif store_gate_up:  # [capacity_rows, 2, I] bf16
+            gate_up = torch.empty(shapes["g,u"], dtype=torch.bfloat16, device=device)
+    else:
+        h_q, h_scale, gate_up = outputs
+        h_q = _check_output("outputs[0] (h_q)", h_q, shapes["h_q"], torch.float8_e4m3fn, device).view(torch.uint8)
+        _check_output("outputs[1] (h_scale)", h_scale, shapes["h_scale"], torch.float32, device)
+        if gate_up_e4m3:
+            gate_up = (_check_output("outputs[2][0] (g,u)", gate_up[0], shapes["g,u"], torch.float8_e4m3fn,
+                                     device).view(torch.uint8),
+                       _check_output("outputs[2][1] (g,u scales)", gate_up[1], shapes["g,u scales"], torch.float32,
+                                     device))
+        elif store_gate_up:
+            _check_output("outputs[2] (g,u)", gate_up, shapes["g,u"], torch.bfloat16, device)
     if cfg.get("WARP_SPECIALIZED", False):
         hopper_gathered.launch_gate_up_swiglu_fp8_block(x_q, x_scale, w_gate_q, w_gate_scale, w_up_q, w_up_scale, h_q,
                                                         h_scale, gate_up, schedule, topk, swiglu_limit, cfg)
