@@ -5,7 +5,9 @@
 #                     out of git, e.g. in .git/info/exclude)
 #   on a GPU machine: bash benchmarks/ab_commits.sh run              (carry .ab)
 # Each of ROUNDS (default 2) rounds runs, per tree, one bench process per argument set in BENCH_SETS
-# (separated by ';'). Writes logs and the record under $OUT (or ./bench_out).
+# (separated by ';'), after a warm-up process of the first set on each tree (compiles their kernels,
+# brings the GPU to its working clocks; not recorded; WARMUP=0 skips it). Writes the record and
+# runs.tar.gz (every log and per-run record) under $OUT (or ./bench_out).
 set -uo pipefail
 case ${1:-} in
   prepare)
@@ -22,6 +24,13 @@ case ${1:-} in
     SETS=${BENCH_SETS:-"--preset qwen3-30b,deepseek-v3-slice,mixtral-8x7b --precision bf16,fp8_block;--preset qwen3-30b --precision mxfp8"}
     base() { PYTHONPATH=$PWD/.ab/base TRITON_CACHE_DIR=/tmp/triton-cache-base "$@"; }
     other() { PYTHONPATH=$PWD TRITON_CACHE_DIR=/tmp/triton-cache-other "$@"; }
+    if [ "${WARMUP:-1}" != 0 ]; then
+      for run in base other; do
+        echo "== warm-up $run ($(date +%T))"
+        $run timeout ${STEP_TIMEOUT:-400} python3 -m mok.bench ${SETS%%;*} --pass fwd+bwd --impl mok --rounds 1 \
+          --no-plot --no-write > "$OUT/warmup-$run.log" 2>&1 || tail -5 "$OUT/warmup-$run.log"
+      done
+    fi
     for round in $(seq ${ROUNDS:-2}); do
       for run in base other; do
         IFS=';' read -ra sets <<< "$SETS"
@@ -35,6 +44,7 @@ case ${1:-} in
     done
     python3 benchmarks/compare_runs.py "$OUT" --what ab-commits \
       --labels "$(cat .ab/base_commit)" "$(cat .ab/other_commit)" \
-      --command "bash benchmarks/ab_commits.sh prepare $(cat .ab/base_commit) && ROUNDS=${ROUNDS:-2} bash benchmarks/ab_commits.sh run" ;;
+      --command "bash benchmarks/ab_commits.sh prepare $(cat .ab/base_commit) && ROUNDS=${ROUNDS:-2} bash benchmarks/ab_commits.sh run"
+    (cd "$OUT" && tar czf runs.tar.gz base-* other-* ./*.log && rm -rf base-* other-* ./*.log) ;;
   *) echo "usage: $0 prepare COMMIT | run" >&2; exit 2 ;;
 esac
