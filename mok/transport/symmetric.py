@@ -27,7 +27,9 @@ nothing is unpacked. One layer call on each rank:
     plan       token_plan → push row p of [ids | flag] to rank p → wait → the receiver's
                schedule (`common.py`)
     forward    push x rows and the routes' router weights → wait → (caller: gate/up +
-               SwiGLU, down, the sum of each row's routes) → push the partial rows → wait
+               SwiGLU, down, the sum of each row's routes) → push the partial rows → wait;
+               with overlap, the rows to this rank itself first, on the caller's stream,
+               then the caller's gate/up tiles of them beside the peers' pushes
     backward   push dOut rows → wait → (caller: dgrad, wgrad, the sum of each row's dx) →
                push the dx rows and the router-weight gradients → wait
 
