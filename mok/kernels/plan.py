@@ -151,6 +151,10 @@ class KernelPlan:
     sorted_tma_store: bool = True
     # The bf16 cooperative wgrads by TMA stores, at 3 stages (log h200-20261202-bf16-wgrad-nostore.log).
     bf16_wgrad_tma_store: bool = True
+    # Registers per thread (setmaxnreg) of the consumer warp groups and of the producer, which only
+    # issues loads; the default partition (consumer 0) gets what is left of the launch's 168 × 384.
+    warp_specialized_consumer_registers: int = 232
+    warp_specialized_producer_registers: int = 40
 
     # ---- fp8_block quantizers (`quant/fp8_block.py`)
     # Weights by the Gluon kernel on an NVIDIA GPU: faster on every preset, bitwise the Triton

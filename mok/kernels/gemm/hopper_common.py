@@ -94,14 +94,9 @@ from mok.kernels.gluon_api import (
 from mok.kernels.plan import kernel_plan
 from mok.kernels.routing.schedule import RoutingSchedule
 
-# Tiles and TMA-store flags are the kernel plan's (`plan.KernelPlan`: `ping_pong_tile`,
-# `cooperative_tile`, `fp8_block_warp_specialized_tile`, `*_tma_store`, with their reasons and records).
-# Registers per thread of the consumer warp groups and of the producer warp (setmaxnreg);
-# the default partition (consumer 0) gets what is left of the launch's 168 × 384 threads.
-_CONSUMER_REGISTERS = gl.constexpr(232)
-
-
-_PRODUCER_REGISTERS = gl.constexpr(40)
+# Tiles, TMA-store flags and the partitions' registers are the kernel plan's (`plan.KernelPlan`:
+# `ping_pong_tile`, `cooperative_tile`, `fp8_block_warp_specialized_tile`, `*_tma_store`,
+# `warp_specialized_*_registers`, with their reasons and records).
 
 
 @functools.cache

@@ -28,8 +28,6 @@ import triton
 from mok.fp8_block import FP8_BLOCK
 from mok.kernels.common import gate_up_parts, num_sms, round_to_bf16, tile_coordinates
 from mok.kernels.gemm.hopper_common import (
-    _CONSUMER_REGISTERS,
-    _PRODUCER_REGISTERS,
     _STORE_LAYOUT,
     _allocate_b_tiles,
     _allocate_barriers,
@@ -261,6 +259,8 @@ def _gathered_ws_kernel(
     HAS_LIMIT: gl.constexpr, FAST_SIGMOID: gl.constexpr, STORE_GATE_UP: gl.constexpr, GATE_UP_E4M3: gl.constexpr,
     PRODUCT: gl.constexpr, TMA_STORE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
     GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+    # registers per thread of the consumers and the producer (the plan's `warp_specialized_*_registers`)
+    CONSUMER_REGISTERS: gl.constexpr, PRODUCER_REGISTERS: gl.constexpr,
 ):
     """h = SwiGLU(x·Wgᵀ, x·Wuᵀ) of each sorted row, cooperative: a tile is 128 rows × 128
     columns of h, its A tiles gathered from x's token rows by the producer warp group, its B
@@ -301,7 +301,7 @@ def _gathered_ws_kernel(
                               row_source_ptr, tile_expert_ptr, num_rows_ptr, topk, hidden, inter, swiglu_limit, h_desc,
                               gate_up_desc, out_bufs, h_bufs, 0, HAS_LIMIT, FAST_SIGMOID, STORE_GATE_UP, GATE_UP_E4M3,
                               PRODUCT, TMA_STORE, BLOCK_M, BLOCK_K, GROUP_M, STAGES)),
-    ], [4, _GATHER_THREADS // 32], [_CONSUMER_REGISTERS, _PRODUCER_REGISTERS])
+    ], [4, _GATHER_THREADS // 32], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
 
 
 # --------------------------------------------------------------------------- launchers
@@ -356,8 +356,9 @@ def _launch_gathered(x_q, x_scale, w_gate: tuple[torch.Tensor, torch.Tensor], w_
     tile_n = cfg["BLOCK_N"] if product else FP8_BLOCK  # the gate/up's tile: 128 columns of h
     num_tiles = (schedule.capacity_rows // cfg["BLOCK_M"]) * triton.cdiv(inter, tile_n)
     w_gate_desc = _descriptor(w_gate[0], half)
+    plan = kernel_plan(out.device)
     # TMA stores (the plan's `gathered_tma_store`): an fp32 product's buffers would not fit beside the ring
-    tma_store = kernel_plan(out.device).gathered_tma_store and out.dtype != torch.float32
+    tma_store = plan.gathered_tma_store and out.dtype != torch.float32
     h_desc = gate_up_desc = w_gate_desc  # unread without tma_store
     gate_up, gate_up_scale = gate_up_parts(gate_up)
     gate_up_e4m3 = gate_up_scale is not None
@@ -375,5 +376,6 @@ def _launch_gathered(x_q, x_scale, w_gate: tuple[torch.Tensor, torch.Tensor], w_
         schedule.row_source, schedule.tile_expert, schedule.num_rows,
         topk, hidden, inter, 0.0 if swiglu_limit is None else float(swiglu_limit),
         swiglu_limit is not None, fast_sigmoid_here(), gate_up is not None, gate_up_e4m3, product, tma_store,
-        cfg["BLOCK_M"], cfg["BLOCK_K"], cfg.get("GROUP_M", 1), cfg["num_stages"], num_warps=4,
+        cfg["BLOCK_M"], cfg["BLOCK_K"], cfg.get("GROUP_M", 1), cfg["num_stages"],
+        plan.warp_specialized_consumer_registers, plan.warp_specialized_producer_registers, num_warps=4,
     )

@@ -24,8 +24,6 @@ import torch
 from mok.fp8_block import FP8_BLOCK
 from mok.kernels.common import num_sms, tile_coordinates
 from mok.kernels.gemm.hopper_common import (
-    _CONSUMER_REGISTERS,
-    _PRODUCER_REGISTERS,
     _STORE_LAYOUT,
     _accumulator_rows,
     _allocate_ring,
@@ -182,6 +180,8 @@ def _scatter_ws_kernel(
     SCATTER: gl.constexpr, TMA_STORE: gl.constexpr, TWO_SEGMENTS: gl.constexpr, B_K_MAJOR: gl.constexpr,
     COOPERATIVE: gl.constexpr, FP8: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+    # registers per thread of the consumers and the producer (the plan's `warp_specialized_*_registers`)
+    CONSUMER_REGISTERS: gl.constexpr, PRODUCER_REGISTERS: gl.constexpr,
 ):
     """down: a = h, b = w_down as [E_l·H, I] (K-major); fp8_block down dgrad's product (not
     SCATTER, y fp32): a = dOut's sorted rows, b = w_downᵀ as [E_l·I, H]; gate/up dgrad (TWO_SEGMENTS): a, a2 = d_g,
@@ -209,7 +209,7 @@ def _scatter_ws_kernel(
                              m_dim, n_dim, reduce_dim, stride_y, stride_a_scale, y_desc, out_bufs, 0, SCATTER,
                              TMA_STORE, TWO_SEGMENTS, B_K_MAJOR, COOPERATIVE, FP8, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                              STAGES)),
-    ], [4, 1], [_CONSUMER_REGISTERS, _PRODUCER_REGISTERS])
+    ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
 
 
 # --------------------------------------------------------------------------- launchers
@@ -231,9 +231,9 @@ def _launch_scatter(a, a2, b, b2, y, schedule: RoutingSchedule, cfg: dict, b_k_m
     b_block = (block_n, block_k) if b_k_major else (block_k, block_n)
     a_desc, b_desc = _descriptor(a, a_block), _descriptor(b, b_block)
     n_dim = y.shape[1]
+    plan = kernel_plan(y.device)
     # the wide tile only: the 128-column one's six stages leave no room for the buffers
-    tma_store = (kernel_plan(y.device).sorted_tma_store and fp8 and not scatter and y.dtype == torch.bfloat16
-                 and block_n == 2 * FP8_BLOCK)
+    tma_store = plan.sorted_tma_store and fp8 and not scatter and y.dtype == torch.bfloat16 and block_n == 2 * FP8_BLOCK
     y_desc = _descriptor(y, (a_block[0], _mma_n(block_n, True))) if tma_store else a_desc  # else unread
     _scatter_ws_kernel[(num_sms(y.device),)](
         a_desc, _descriptor(a2, a_block) if two_segments else a_desc,
@@ -242,7 +242,8 @@ def _launch_scatter(a, a2, b, b2, y, schedule: RoutingSchedule, cfg: dict, b_k_m
         schedule.row_source, schedule.tile_expert, schedule.num_rows,
         a.shape[0], n_dim, a.shape[1], y.stride(0), a_scale.stride(0) if fp8 else 0, y_desc,
         scatter, tma_store, two_segments, b_k_major, cooperative, fp8, block_m, block_n, block_k,
-        cfg.get("GROUP_M", 1), cfg["num_stages"], num_warps=4,
+        cfg.get("GROUP_M", 1), cfg["num_stages"], plan.warp_specialized_consumer_registers,
+        plan.warp_specialized_producer_registers, num_warps=4,
     )
 
 

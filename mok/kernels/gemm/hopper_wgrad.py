@@ -22,8 +22,6 @@ import triton
 from mok.fp8_block import FP8_BLOCK
 from mok.kernels.common import expert_tile_coordinates, num_sms
 from mok.kernels.gemm.hopper_common import (
-    _CONSUMER_REGISTERS,
-    _PRODUCER_REGISTERS,
     _STORE_LAYOUT,
     _accumulator_rows,
     _allocate_ring,
@@ -188,6 +186,8 @@ def _wgrad_ws_kernel(
     # meta
     COOPERATIVE: gl.constexpr, TWO_OUTPUTS: gl.constexpr, FP8: gl.constexpr, TMA_STORE: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+    # registers per thread of the consumers and the producer (the plan's `warp_specialized_*_registers`)
+    CONSUMER_REGISTERS: gl.constexpr, PRODUCER_REGISTERS: gl.constexpr,
 ):
     """down: a = dy_sorted, b = h; gate/up (TWO_OUTPUTS, cooperative): a, a2 = d_g, d_u, b = x_sorted;
     FP8 (cooperative): a = dyᵀ or the stacked [d_g | d_u]ᵀ (out's rows, then out2's), b = hᵀ or xᵀ,
@@ -217,7 +217,7 @@ def _wgrad_ws_kernel(
                            out_ptr, out2_ptr, out_desc, out2_desc, out_bufs, a_scale_ptr, expert_offsets_ptr,
                            expert_counts_ptr, num_tiles, m_dim, n_dim, split_m, stride_out_e, stride_a_scale, 0,
                            COOPERATIVE, TWO_OUTPUTS, FP8, TMA_STORE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
-    ], [4, 1], [_CONSUMER_REGISTERS, _PRODUCER_REGISTERS])
+    ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
 
 
 # --------------------------------------------------------------------------- launchers
@@ -285,6 +285,7 @@ def launch_wgrad(a: torch.Tensor, a2: torch.Tensor | None, b: torch.Tensor, out:
         out_desc, out2_desc = (_descriptor(t.view(-1, n_dim), _wgrad_store_box(cfg, fp8)) for t in (out, out2))
     else:
         out_desc = out2_desc = b_desc  # unread
+    plan = kernel_plan(b.device)
     _wgrad_ws_kernel[(min(num_tiles, num_sms(b.device)),)](
         a_desc, _descriptor(a2, a_block) if two_outputs else a_desc, b_desc,
         _descriptor(b_scale, (1, block_n)) if fp8 else b_desc,
@@ -292,5 +293,6 @@ def launch_wgrad(a: torch.Tensor, a2: torch.Tensor | None, b: torch.Tensor, out:
         schedule.expert_offsets, schedule.expert_counts,
         num_tiles, m_dim, n_dim, split_m, out.stride(0), a_scale.stride(0),
         cooperative, two_outputs, fp8, tma_store, block_m, block_n, block_k, cfg.get("GROUP_M", 1),
-        cfg["num_stages"], num_warps=4,
+        cfg["num_stages"], plan.warp_specialized_consumer_registers, plan.warp_specialized_producer_registers,
+        num_warps=4,
     )
