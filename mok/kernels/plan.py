@@ -155,6 +155,15 @@ class KernelPlan:
     # issues loads; the default partition (consumer 0) gets what is left of the launch's 168 × 384.
     warp_specialized_consumer_registers: int = 232
     warp_specialized_producer_registers: int = 40
+    # Elements per thread along a row of the epilogues' register stores (those without TMA): 8 bf16
+    # columns, one 16-byte store.
+    warp_specialized_store_vector: int = 8
+    # Bytes per thread along a row of the gathered kernel's e4m3 tiles (its cp.async copies into the A
+    # tiles, h's register stores): 16, the widest copy; a row's 128 bytes over 8 lanes.
+    gathered_byte_vector: int = 16
+    # The gathered kernel's producer: a warp group (the byte tiles' layout spreads their rows over 4
+    # warps), whose threads gather the token rows into the A tiles by cp.async.
+    gathered_producer_threads: int = 128
 
     # ---- fp8_block quantizers (`quant/fp8_block.py`)
     # Weights by the Gluon kernel on an NVIDIA GPU: faster on every preset, bitwise the Triton

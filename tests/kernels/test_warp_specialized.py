@@ -42,7 +42,8 @@ from mok.testing.sm90 import gluon_ptxas_report
 
 _WS_CONFIG = ws.tile_config(cooperative=False)
 # The constexprs every launcher takes from the plan, as on a Hopper GPU.
-_PLAN_META = dict(CONSUMER_REGISTERS=HOPPER.warp_specialized_consumer_registers,
+_PLAN_META = dict(STORE_VECTOR=HOPPER.warp_specialized_store_vector,
+                  CONSUMER_REGISTERS=HOPPER.warp_specialized_consumer_registers,
                   PRODUCER_REGISTERS=HOPPER.warp_specialized_producer_registers)
 
 # Bytes per thread that ptxas spills (at 168 registers) in the fp8_block kernels that do not fit
@@ -189,7 +190,8 @@ def test_fp8_block_gate_up_compiles_for_sm90a_without_spills(product, tma_store,
     meta = dict(HAS_LIMIT=not (product or gate_up_e4m3), FAST_SIGMOID=True, STORE_GATE_UP=not product,
                 GATE_UP_E4M3=gate_up_e4m3, PRODUCT=bool(product),
                 TMA_STORE=tma_store, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
-                STAGES=cfg["num_stages"], **_PLAN_META)
+                STAGES=cfg["num_stages"], BYTE_VECTOR=HOPPER.gathered_byte_vector,
+                GATHER_THREADS=HOPPER.gathered_producer_threads, **_PLAN_META)
     fp8, half = torch.float8_e4m3fn, (cfg["BLOCK_N"] // 2, cfg["BLOCK_K"])
     box = (cfg["BLOCK_M"] // 2, 128)
     signature = {

@@ -355,8 +355,12 @@ def _mma_n(block_n, fp8):
     return min(block_n, 128) if fp8 else block_n
 
 
-# Row-major layout of the epilogue's stores: 8 consecutive columns (16 bytes of bf16) per thread.
-_STORE_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
+@gluon.constexpr_function
+def _row_runs_layout(vector):
+    """A warp group's row-major layout with runs of `vector` consecutive elements of a row per
+    thread, 8 lanes along a row: the epilogues' register stores (the plan's
+    `warp_specialized_store_vector`) and the gathered kernel's byte tiles (`gathered_byte_vector`)."""
+    return gl.BlockedLayout([1, vector], [4, 8], [4, 1], [1, 0])
 
 
 @gluon.jit
