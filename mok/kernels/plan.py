@@ -170,6 +170,9 @@ class KernelPlan:
     # kernel's (log h200-20261202-weight-quantizers-gluon.log).
     weights_gluon: bool = True
     weight_gluon_num_warps: int = 4
+    # Its rows × 8 columns per thread in `_sorted_t_layouts`: 16 at 4 warps span the block's 128
+    # columns, so each thread holds the same elements of the block and of its transpose.
+    weight_gluon_rows_per_thread: int = 16
     # Sorted-layout Triton quantizer: 64 columns at 4 warps (log h200-20261130-sorted-t-sweep.log);
     # gathered operands at least this wide (H = 7168) at 32 columns, 2 warps; the interpreter 256 columns.
     sorted_block_w: int = 64
