@@ -250,6 +250,14 @@ class KernelPlan:
     # registers; the copies are bound by memory, untuned).
     copy_elements: int = 4096
 
+    # ---- the interpreter (TRITON_INTERPRET=1, on the CPU)
+    # Programs of a persistent launch where there are no SMs to count: a few, so that each program
+    # walks several tiles.
+    interpreter_programs: int = 3
+    # Polls of the arrival wait, where there is no clock and no other rank runs concurrently: the
+    # pushes it waits for have either happened already or never will.
+    interpreter_polls: int = 4
+
 
 # H100 / H200: the warp-specialized GEMMs and every measured choice.
 HOPPER = KernelPlan(warp_specialized=True)

@@ -238,7 +238,8 @@ SIZES = {
     "schedule_routes_per_chunk", "schedule_scan_tile_elements", "mxfp8_tile_m", "mxfp8_tile_n",
     "fp8_block_activation_block_m", "push_rows", "push_cols", "push_num_warps", "copy_elements",
     "warp_specialized_consumer_registers", "warp_specialized_producer_registers", "gathered_producer_threads",
-    "warp_specialized_store_vector", "gathered_byte_vector", "weight_gluon_rows_per_thread",
+    "warp_specialized_store_vector", "gathered_byte_vector", "weight_gluon_rows_per_thread", "interpreter_programs",
+    "interpreter_polls",
 }
 
 
