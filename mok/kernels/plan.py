@@ -134,9 +134,11 @@ class KernelPlan:
 
     # ---- warp-specialized tiles and stores (`gemm/hopper_*.py`)
     # Ping-pong: 128×128 per consumer (128×256 spilled), six stages (log h200-20261130-ping-pong-probe.log).
-    ping_pong_tile: Mapping = _tile(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_stages=6)
+    # Both bf16 tiles walk each row tile's columns in turn (GROUP_M 1; the down wgrad takes
+    # `down_wgrad_group_m`).
+    ping_pong_tile: Mapping = _tile(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_stages=6, GROUP_M=1)
     # Cooperative: both consumers on one 128×256 tile, four stages (log h200-20261201-cooperative-probe.log).
-    cooperative_tile: Mapping = _tile(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_stages=4)
+    cooperative_tile: Mapping = _tile(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_stages=4, GROUP_M=1)
     # fp8_block (cooperative): 128×256, three stages, faster than 128×128 for every fp8_block GEMM
     # (log h200-20261201-fp8-wide-scalar-scales-sweep.log).
     fp8_block_warp_specialized_tile: Mapping = _tile(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_stages=3, GROUP_M=8)

@@ -42,9 +42,9 @@ tile-config flag COOPERATIVE):
   fp8_block runs it on 128×256 tiles too, each consumer's 64×256 as two 128-column halves
   (`_scaled_mma_steps`: each half's product scaled into its accumulator before the next MMA).
 
-Every kernel walks its tiles GROUP_M row tiles per column sweep (tile-config key GROUP_M;
-without it 1, each row tile's columns in turn; the wgrads within each expert), as the Triton
-kernels' `tile_coordinates`: where the column operand is wide and there are many row tiles
+Every kernel walks its tiles GROUP_M row tiles per column sweep (tile-config key GROUP_M; at 1
+each row tile's columns in turn; the wgrads within each expert), as the Triton kernels'
+`tile_coordinates`: where the column operand is wide and there are many row tiles
 (mixtral-8x7b's I = 14336), 1 streams the whole column operand (an expert's weight, or h[e]
 for the down wgrad) through L2 for every few row tiles.
 

@@ -382,7 +382,7 @@ def _launch_gathered(x_q, x_scale, w_gate: tuple[torch.Tensor, torch.Tensor], w_
         schedule.row_source, schedule.tile_expert, schedule.num_rows,
         topk, hidden, inter, 0.0 if swiglu_limit is None else float(swiglu_limit),
         swiglu_limit is not None, fast_sigmoid_here(), gate_up is not None, gate_up_e4m3, product, tma_store,
-        cfg["BLOCK_M"], cfg["BLOCK_K"], cfg.get("GROUP_M", 1), cfg["num_stages"], plan.warp_specialized_store_vector,
+        cfg["BLOCK_M"], cfg["BLOCK_K"], cfg["GROUP_M"], cfg["num_stages"], plan.warp_specialized_store_vector,
         plan.gathered_byte_vector, plan.gathered_producer_threads, plan.warp_specialized_consumer_registers,
         plan.warp_specialized_producer_registers, num_warps=4,
     )

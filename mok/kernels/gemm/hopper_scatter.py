@@ -250,7 +250,7 @@ def _launch_scatter(a, a2, b, b2, y, schedule: RoutingSchedule, cfg: dict, b_k_m
         schedule.row_source, schedule.tile_expert, schedule.num_rows,
         a.shape[0], n_dim, a.shape[1], y.stride(0), a_scale.stride(0) if fp8 else 0, y_desc,
         scatter, tma_store, two_segments, b_k_major, cooperative, fp8, block_m, block_n, block_k,
-        cfg.get("GROUP_M", 1), cfg["num_stages"], plan.warp_specialized_store_vector,
+        cfg["GROUP_M"], cfg["num_stages"], plan.warp_specialized_store_vector,
         plan.warp_specialized_consumer_registers, plan.warp_specialized_producer_registers, num_warps=4,
     )
 

@@ -300,7 +300,7 @@ def launch_wgrad(a: torch.Tensor, a2: torch.Tensor | None, b: torch.Tensor, out:
         out, out2, out_desc, out2_desc, a_scale,
         schedule.expert_offsets, schedule.expert_counts,
         num_tiles, m_dim, n_dim, split_m, out.stride(0), a_scale.stride(0),
-        cooperative, two_outputs, fp8, tma_store, block_m, block_n, block_k, cfg.get("GROUP_M", 1),
+        cooperative, two_outputs, fp8, tma_store, block_m, block_n, block_k, cfg["GROUP_M"],
         cfg["num_stages"], plan.warp_specialized_store_vector, plan.warp_specialized_consumer_registers,
         plan.warp_specialized_producer_registers, num_warps=4,
     )
