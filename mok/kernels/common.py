@@ -11,6 +11,8 @@ from collections.abc import Iterator
 
 import torch
 
+from mok.kernels.plan import kernel_plan
+
 # Bits of a workspace's error flag (mok.functional turns them into messages).
 ERROR_BAD_EXPERT_ID = 1
 ERROR_CAPACITY_OVERFLOW = 2
@@ -20,11 +22,6 @@ ERROR_PEER_TIMEOUT = 4
 def interpreting() -> bool:
     """True under TRITON_INTERPRET=1 (kernels run on the CPU through NumPy)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-# Programs of a persistent launch where there are no SMs to count (the interpreter on the
-# CPU): a few, so that each program walks several tiles.
-_INTERPRETER_PROGRAMS = 3
 
 
 # SMs of each CUDA device (by index) that exchanges in flight on another stream hold
@@ -39,9 +36,10 @@ def _sm_count(device_index: int) -> int:
 
 def num_sms(device) -> int:
     """Programs of a persistent launch on `device`: its streaming multiprocessors less those an
-    exchange running beside the launch holds (`sms_left_free`)."""
+    exchange running beside the launch holds (`sms_left_free`); on the CPU (the interpreter) the
+    plan's `interpreter_programs`."""
     if device.type != "cuda":
-        return _INTERPRETER_PROGRAMS
+        return kernel_plan(device).interpreter_programs
     index = torch.cuda.current_device() if device.index is None else device.index
     return max(1, _sm_count(index) - _HELD_SMS.get(index, 0))
 

@@ -134,9 +134,11 @@ class KernelPlan:
 
     # ---- warp-specialized tiles and stores (`gemm/hopper_*.py`)
     # Ping-pong: 128×128 per consumer (128×256 spilled), six stages (log h200-20261130-ping-pong-probe.log).
-    ping_pong_tile: Mapping = _tile(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_stages=6)
+    # Both bf16 tiles walk each row tile's columns in turn (GROUP_M 1; the down wgrad takes
+    # `down_wgrad_group_m`).
+    ping_pong_tile: Mapping = _tile(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_stages=6, GROUP_M=1)
     # Cooperative: both consumers on one 128×256 tile, four stages (log h200-20261201-cooperative-probe.log).
-    cooperative_tile: Mapping = _tile(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_stages=4)
+    cooperative_tile: Mapping = _tile(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_stages=4, GROUP_M=1)
     # fp8_block (cooperative): 128×256, three stages, faster than 128×128 for every fp8_block GEMM
     # (log h200-20261201-fp8-wide-scalar-scales-sweep.log).
     fp8_block_warp_specialized_tile: Mapping = _tile(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_stages=3, GROUP_M=8)
@@ -151,12 +153,28 @@ class KernelPlan:
     sorted_tma_store: bool = True
     # The bf16 cooperative wgrads by TMA stores, at 3 stages (log h200-20261202-bf16-wgrad-nostore.log).
     bf16_wgrad_tma_store: bool = True
+    # Registers per thread (setmaxnreg) of the consumer warp groups and of the producer, which only
+    # issues loads; the default partition (consumer 0) gets what is left of the launch's 168 × 384.
+    warp_specialized_consumer_registers: int = 232
+    warp_specialized_producer_registers: int = 40
+    # Elements per thread along a row of the epilogues' register stores (those without TMA): 8 bf16
+    # columns, one 16-byte store.
+    warp_specialized_store_vector: int = 8
+    # Bytes per thread along a row of the gathered kernel's e4m3 tiles (its cp.async copies into the A
+    # tiles, h's register stores): 16, the widest copy; a row's 128 bytes over 8 lanes.
+    gathered_byte_vector: int = 16
+    # The gathered kernel's producer: a warp group (the byte tiles' layout spreads their rows over 4
+    # warps), whose threads gather the token rows into the A tiles by cp.async.
+    gathered_producer_threads: int = 128
 
     # ---- fp8_block quantizers (`quant/fp8_block.py`)
     # Weights by the Gluon kernel on an NVIDIA GPU: faster on every preset, bitwise the Triton
     # kernel's (log h200-20261202-weight-quantizers-gluon.log).
     weights_gluon: bool = True
     weight_gluon_num_warps: int = 4
+    # Its rows × 8 columns per thread in `_sorted_t_layouts`: 16 at 4 warps span the block's 128
+    # columns, so each thread holds the same elements of the block and of its transpose.
+    weight_gluon_rows_per_thread: int = 16
     # Sorted-layout Triton quantizer: 64 columns at 4 warps (log h200-20261130-sorted-t-sweep.log);
     # gathered operands at least this wide (H = 7168) at 32 columns, 2 warps; the interpreter 256 columns.
     sorted_block_w: int = 64
@@ -233,6 +251,14 @@ class KernelPlan:
     # Item rows × row elements per program of the dispatch's copies (4K elements keep a tile in
     # registers; the copies are bound by memory, untuned).
     copy_elements: int = 4096
+
+    # ---- the interpreter (TRITON_INTERPRET=1, on the CPU)
+    # Programs of a persistent launch where there are no SMs to count: a few, so that each program
+    # walks several tiles.
+    interpreter_programs: int = 3
+    # Polls of the arrival wait, where there is no clock and no other rank runs concurrently: the
+    # pushes it waits for have either happened already or never will.
+    interpreter_polls: int = 4
 
 
 # H100 / H200: the warp-specialized GEMMs and every measured choice.

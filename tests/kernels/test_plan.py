@@ -224,7 +224,7 @@ BOTH_SIDES_ELSEWHERE = {
     # the helper of test_triton_ep_matches_ep_reference (two or more GPUs)
     "fp8_block_on_the_wire": ["dist/test_ep_nccl.py::_check_case"],
 }
-# Sizes (tiles, warps, column widths, rows per step, tile groups): no two sides to run; every layer
+# Sizes (tiles, warps, registers, column widths, rows per step, tile groups): no two sides to run; every layer
 # test runs the plan's, and the snapshot (`kernel_configs.json`) holds them.
 SIZES = {
     "fp8_block_gate_up_tile", "fp8_block_down_tile", "fp8_block_interpreter_tile", "gemm_group_m",
@@ -237,6 +237,9 @@ SIZES = {
     "gather_rows_per_program", "gather_tokens_per_program", "combine_block_t", "combine_block_h", "combine_num_warps",
     "schedule_routes_per_chunk", "schedule_scan_tile_elements", "mxfp8_tile_m", "mxfp8_tile_n",
     "fp8_block_activation_block_m", "push_rows", "push_cols", "push_num_warps", "copy_elements",
+    "warp_specialized_consumer_registers", "warp_specialized_producer_registers", "gathered_producer_threads",
+    "warp_specialized_store_vector", "gathered_byte_vector", "weight_gluon_rows_per_thread", "interpreter_programs",
+    "interpreter_polls",
 }
 
 

@@ -448,12 +448,13 @@ def test_weights_gluon_compiles_for_sm90a_without_spills(element):
     move no data) and spills nothing (ptxas, sm_90a: 254 registers for bf16, 201 for fp32). On a
     GPU, `test_weights_random` and `test_weight_edge_cases` check its bytes against the reference."""
     kernel = qf._quantize_weight_128x128_gluon_kernel
+    constants = dict(ROWS_PER_THREAD=HOPPER.weight_gluon_rows_per_thread)
     pointer_types = {"w_ptr": f"*{element}", "q_ptr": "*u8", "q_t_ptr": "*u8"}
-    signature = {name: pointer_types.get(name, "*fp32") if name.endswith("_ptr") else "i32"
-                 for name in kernel.arg_names}
+    signature = {name: "constexpr" if name in constants else pointer_types.get(name, "*fp32")
+                 if name.endswith("_ptr") else "i32" for name in kernel.arg_names}
     aligned = tuple(name for name in signature if name.endswith("_ptr")) + ("N", "K", "stride_w_e", "stride_w_n")
     registers, spilled = gluon_ptxas_report("mok.kernels.quant.fp8_block", "_quantize_weight_128x128_gluon_kernel",
-                                            signature, {}, aligned, num_warps=HOPPER.weight_gluon_num_warps)
+                                            signature, constants, aligned, num_warps=HOPPER.weight_gluon_num_warps)
     assert spilled == 0, f"{element}: {registers} registers, {spilled} bytes spilled"
 
 

@@ -41,6 +41,10 @@ from mok.testing import make_inputs
 from mok.testing.sm90 import gluon_ptxas_report
 
 _WS_CONFIG = ws.tile_config(cooperative=False)
+# The constexprs every launcher takes from the plan, as on a Hopper GPU.
+_PLAN_META = dict(STORE_VECTOR=HOPPER.warp_specialized_store_vector,
+                  CONSUMER_REGISTERS=HOPPER.warp_specialized_consumer_registers,
+                  PRODUCER_REGISTERS=HOPPER.warp_specialized_producer_registers)
 
 # Bytes per thread that ptxas spills (at 168 registers) in the fp8_block kernels that do not fit
 # their registers exactly, by Triton release: each release brings its own ptxas (3.9 compiles
@@ -111,7 +115,8 @@ def test_kernels_compile_for_sm90a_without_spills(cooperative, two_operands):
     cfg = ws.tile_config(cooperative)
     block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     rows = ws._consumer_rows(block_m, cooperative)
-    meta = dict(COOPERATIVE=cooperative, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=cfg["num_stages"])
+    meta = dict(COOPERATIVE=cooperative, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=cfg["num_stages"],
+                **_PLAN_META)
     b_block = (block_k, block_n) if two_operands else (block_n, block_k)
     scatter_meta = dict(meta, SCATTER=True, TMA_STORE=False, TWO_SEGMENTS=two_operands, B_K_MAJOR=not two_operands,
                         FP8=False, GROUP_M=8)
@@ -149,7 +154,7 @@ def test_fp8_block_kernels_compile_for_sm90a_without_spills(kernel, wide):
     cfg = _fp8_tile(ws.fp8_block_tile_config(stacked=kernel == "wgrad"), wide)
     block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     meta = dict(COOPERATIVE=True, FP8=True, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                GROUP_M=cfg["GROUP_M"], STAGES=cfg["num_stages"])
+                GROUP_M=cfg["GROUP_M"], STAGES=cfg["num_stages"], **_PLAN_META)
     a_block, b_block = (block_m // 2, block_k), (block_n, block_k)
     if kernel == "wgrad":
         meta = dict(meta, TWO_OUTPUTS=False, TMA_STORE=HOPPER.fp8_wgrad_tma_store)
@@ -185,7 +190,8 @@ def test_fp8_block_gate_up_compiles_for_sm90a_without_spills(product, tma_store,
     meta = dict(HAS_LIMIT=not (product or gate_up_e4m3), FAST_SIGMOID=True, STORE_GATE_UP=not product,
                 GATE_UP_E4M3=gate_up_e4m3, PRODUCT=bool(product),
                 TMA_STORE=tma_store, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
-                STAGES=cfg["num_stages"])
+                STAGES=cfg["num_stages"], BYTE_VECTOR=HOPPER.gathered_byte_vector,
+                GATHER_THREADS=HOPPER.gathered_producer_threads, **_PLAN_META)
     fp8, half = torch.float8_e4m3fn, (cfg["BLOCK_N"] // 2, cfg["BLOCK_K"])
     box = (cfg["BLOCK_M"] // 2, 128)
     signature = {

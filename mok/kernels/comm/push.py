@@ -47,10 +47,6 @@ from mok.kernels.plan import kernel_plan
 
 _TIMEOUT_BIT = tl.constexpr(ERROR_PEER_TIMEOUT)  # kernels read only constexpr globals
 
-# Polls of a wait under the interpreter, where there is no clock and no other rank runs
-# concurrently: the pushes it waits for have either happened already or never will.
-_INTERPRETER_POLLS = 4
-
 
 @triton.jit
 def _global_time_ns(INTERPRETER: tl.constexpr):
@@ -250,6 +246,6 @@ def wait_arrivals(
     interpreter = interpreting()
     _wait_arrivals_kernel[(1,)](
         arrivals, expected, error_flag, kind, num_ranks, arrivals_per_peer,
-        int(timeout_s * 1e9), _INTERPRETER_POLLS if interpreter else 2**62,
+        int(timeout_s * 1e9), kernel_plan(arrivals.device).interpreter_polls if interpreter else 2**62,
         BLOCK_P=triton.next_power_of_2(num_ranks), INTERPRETER=interpreter, num_warps=1,
     )

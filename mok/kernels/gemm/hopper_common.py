@@ -42,9 +42,9 @@ tile-config flag COOPERATIVE):
   fp8_block runs it on 128×256 tiles too, each consumer's 64×256 as two 128-column halves
   (`_scaled_mma_steps`: each half's product scaled into its accumulator before the next MMA).
 
-Every kernel walks its tiles GROUP_M row tiles per column sweep (tile-config key GROUP_M;
-without it 1, each row tile's columns in turn; the wgrads within each expert), as the Triton
-kernels' `tile_coordinates`: where the column operand is wide and there are many row tiles
+Every kernel walks its tiles GROUP_M row tiles per column sweep (tile-config key GROUP_M; at 1
+each row tile's columns in turn; the wgrads within each expert), as the Triton kernels'
+`tile_coordinates`: where the column operand is wide and there are many row tiles
 (mixtral-8x7b's I = 14336), 1 streams the whole column operand (an expert's weight, or h[e]
 for the down wgrad) through L2 for every few row tiles.
 
@@ -94,14 +94,9 @@ from mok.kernels.gluon_api import (
 from mok.kernels.plan import kernel_plan
 from mok.kernels.routing.schedule import RoutingSchedule
 
-# Tiles and TMA-store flags are the kernel plan's (`plan.KernelPlan`: `ping_pong_tile`,
-# `cooperative_tile`, `fp8_block_warp_specialized_tile`, `*_tma_store`, with their reasons and records).
-# Registers per thread of the consumer warp groups and of the producer warp (setmaxnreg);
-# the default partition (consumer 0) gets what is left of the launch's 168 × 384 threads.
-_CONSUMER_REGISTERS = gl.constexpr(232)
-
-
-_PRODUCER_REGISTERS = gl.constexpr(40)
+# Tiles, TMA-store flags and the partitions' registers are the kernel plan's (`plan.KernelPlan`:
+# `ping_pong_tile`, `cooperative_tile`, `fp8_block_warp_specialized_tile`, `*_tma_store`,
+# `warp_specialized_*_registers`, with their reasons and records).
 
 
 @functools.cache
@@ -360,8 +355,12 @@ def _mma_n(block_n, fp8):
     return min(block_n, 128) if fp8 else block_n
 
 
-# Row-major layout of the epilogue's stores: 8 consecutive columns (16 bytes of bf16) per thread.
-_STORE_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
+@gluon.constexpr_function
+def _row_runs_layout(vector):
+    """A warp group's row-major layout with runs of `vector` consecutive elements of a row per
+    thread, 8 lanes along a row: the epilogues' register stores (the plan's
+    `warp_specialized_store_vector`) and the gathered kernel's byte tiles (`gathered_byte_vector`)."""
+    return gl.BlockedLayout([1, vector], [4, 8], [4, 1], [1, 0])
 
 
 @gluon.jit

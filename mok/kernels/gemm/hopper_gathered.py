@@ -28,9 +28,6 @@ import triton
 from mok.fp8_block import FP8_BLOCK
 from mok.kernels.common import gate_up_parts, num_sms, round_to_bf16, tile_coordinates
 from mok.kernels.gemm.hopper_common import (
-    _CONSUMER_REGISTERS,
-    _PRODUCER_REGISTERS,
-    _STORE_LAYOUT,
     _allocate_b_tiles,
     _allocate_barriers,
     _check_device,
@@ -40,6 +37,7 @@ from mok.kernels.gemm.hopper_common import (
     _descriptor,
     _fp8_shared_layout,
     _mma_layout,
+    _row_runs_layout,
     _scaled_mma_steps,
     _store_tile_async,
 )
@@ -51,16 +49,6 @@ from mok.kernels.routing.gather import sorted_row_routes
 from mok.kernels.routing.schedule import RoutingSchedule
 from mok.kernels.swiglu import fast_sigmoid_here, swiglu_forward
 
-# The fp8_block gate/up's producer: a warp group, whose threads gather x's rows into the A
-# tiles by cp.async, 16 bytes each (a 64×128 e4m3 half tile: four per thread).
-_GATHER_THREADS = gl.constexpr(128)
-
-
-# A warp group's [rows, 128] byte tile as rows of 16-byte runs (a row's 128 bytes over 8 lanes):
-# the gathered A tiles' copies and the stores of h's e4m3 bytes.
-_BYTE_ROWS_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0]))
-
-
 @gluon.jit
 def _gathered_rows(row_source_ptr, num_rows, first_row, topk, ROWS: gl.constexpr, layout: gl.constexpr):
     """(token of each sorted row [first_row, first_row + ROWS), whether it has one) in the row
@@ -71,19 +59,22 @@ def _gathered_rows(row_source_ptr, num_rows, first_row, topk, ROWS: gl.constexpr
 
 
 @gluon.jit
-def _gathered_row_offsets(row_source_ptr, num_rows, first_row, topk, hidden, ROWS: gl.constexpr):
+def _gathered_row_offsets(row_source_ptr, num_rows, first_row, topk, hidden, ROWS: gl.constexpr,
+                          BYTE_VECTOR: gl.constexpr):
     """Producer: (byte offsets of x's token rows [T, H] e4m3 for the sorted rows [first_row,
-    first_row + ROWS), whether each has one), in `_BYTE_ROWS_LAYOUT`'s rows, for `_copy_gathered_rows`."""
-    tokens, valid = _gathered_rows(row_source_ptr, num_rows, first_row, topk, ROWS, _BYTE_ROWS_LAYOUT)
+    first_row + ROWS), whether each has one), in the rows of `_copy_gathered_rows`' layout."""
+    layout: gl.constexpr = _row_runs_layout(BYTE_VECTOR)
+    tokens, valid = _gathered_rows(row_source_ptr, num_rows, first_row, topk, ROWS, layout)
     return gl.multiple_of(tokens.to(gl.int64) * hidden, 128), valid  # H: a multiple of 128 in fp8_block
 
 
 @gluon.jit
-def _copy_gathered_rows(x_ptr, row_offsets, rows_valid, k0, buf, BLOCK_K: gl.constexpr):
+def _copy_gathered_rows(x_ptr, row_offsets, rows_valid, k0, buf, BLOCK_K: gl.constexpr, BYTE_VECTOR: gl.constexpr):
     """Producer: cp.async x's bytes [k0, k0 + BLOCK_K) of the rows at `row_offsets` (zeros where
-    not rows_valid) into the A tile `buf`. Hopper's TMA cannot gather rows."""
-    cols = k0 + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, _BYTE_ROWS_LAYOUT))
-    # 16-byte copies: the row offsets and k0 are multiples of 128 (H is, in fp8_block)
+    not rows_valid) into the A tile `buf`, BYTE_VECTOR bytes per copy. Hopper's TMA cannot gather rows."""
+    layout: gl.constexpr = _row_runs_layout(BYTE_VECTOR)
+    cols = k0 + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
+    # whole BYTE_VECTOR-byte copies: the row offsets and k0 are multiples of 128 (H is, in fp8_block)
     cols = gl.max_contiguous(gl.multiple_of(cols, BLOCK_K), BLOCK_K)
     cp_async_load(buf, x_ptr + row_offsets[:, None] + cols[None, :], mask=rows_valid[:, None])
 
@@ -96,7 +87,8 @@ def _gathered_producer(x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, emp
                        HAS_LIMIT: gl.constexpr, FAST_SIGMOID: gl.constexpr, STORE_GATE_UP: gl.constexpr,
                        GATE_UP_E4M3: gl.constexpr, PRODUCT: gl.constexpr, TMA_STORE: gl.constexpr,
                        BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
-                       GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+                       GROUP_M: gl.constexpr, STAGES: gl.constexpr, STORE_VECTOR: gl.constexpr,
+                       BYTE_VECTOR: gl.constexpr):
     """Each step: the two A halves gathered from x's token rows (every producer thread's
     cp.async copies arrive on the slot's `ready` once landed), the gate and up tiles by TMA
     (PRODUCT: w_downᵀ's tiles of the tile's two column halves)."""
@@ -114,12 +106,13 @@ def _gathered_producer(x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, emp
         # PRODUCT: past I (the last tile of an odd I / 128) the second half reads the next expert's
         # rows, or zeros past the last: its columns are not stored
         w_hi_row = w_row + HALF_N if PRODUCT else w_row
-        offsets, valid = _gathered_row_offsets(row_source_ptr, num_rows, m0, topk, hidden, ROWS)
-        offsets_2, valid_2 = _gathered_row_offsets(row_source_ptr, num_rows, m0 + ROWS, topk, hidden, ROWS)
+        offsets, valid = _gathered_row_offsets(row_source_ptr, num_rows, m0, topk, hidden, ROWS, BYTE_VECTOR)
+        offsets_2, valid_2 = _gathered_row_offsets(row_source_ptr, num_rows, m0 + ROWS, topk, hidden, ROWS,
+                                                   BYTE_VECTOR)
         for k0 in range(0, hidden, BLOCK_K):
             slot, bar = _claim_slot(step, ready, empty, 2 * w_gate_desc.block_type.nbytes, STAGES)
-            _copy_gathered_rows(x_ptr, offsets, valid, k0, a_bufs.index(2 * slot), BLOCK_K)
-            _copy_gathered_rows(x_ptr, offsets_2, valid_2, k0, a_bufs.index(2 * slot + 1), BLOCK_K)
+            _copy_gathered_rows(x_ptr, offsets, valid, k0, a_bufs.index(2 * slot), BLOCK_K, BYTE_VECTOR)
+            _copy_gathered_rows(x_ptr, offsets_2, valid_2, k0, a_bufs.index(2 * slot + 1), BLOCK_K, BYTE_VECTOR)
             async_copy.mbarrier_arrive(bar, increment_count=False)
             b = b_bufs.index(slot)  # the gate tile in its first HALF_N rows, the up tile in the rest
             tma_load(w_gate_desc, [w_row, k0], bar, b.slice(0, HALF_N))
@@ -135,7 +128,8 @@ def _gathered_consumer(x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, emp
                        HAS_LIMIT: gl.constexpr, FAST_SIGMOID: gl.constexpr, STORE_GATE_UP: gl.constexpr,
                        GATE_UP_E4M3: gl.constexpr, PRODUCT: gl.constexpr, TMA_STORE: gl.constexpr,
                        BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
-                       GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+                       GROUP_M: gl.constexpr, STAGES: gl.constexpr, STORE_VECTOR: gl.constexpr,
+                       BYTE_VECTOR: gl.constexpr):
     HALF_N: gl.constexpr = w_gate_desc.block_type.shape[0]
     HALVES: gl.constexpr = 2 if PRODUCT else 1  # the weight's 128-column blocks per tile
     ROWS: gl.constexpr = BLOCK_M // 2
@@ -169,12 +163,13 @@ def _gathered_consumer(x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, emp
                 _store_tile_async(up.to(h_desc.dtype), out_bufs.index(2 * CONSUMER + 1), h_desc, first_row,
                                   n0 + HALF_N)
             else:
-                _scatter_store(gate, h_ptr, row_source_ptr, first_row, n0, num_rows, inter, inter, False)
-                _scatter_store(up, h_ptr, row_source_ptr, first_row, n0 + HALF_N, num_rows, inter, inter, False)
+                _scatter_store(gate, h_ptr, row_source_ptr, first_row, n0, num_rows, inter, inter, False, STORE_VECTOR)
+                _scatter_store(up, h_ptr, row_source_ptr, first_row, n0 + HALF_N, num_rows, inter, inter, False,
+                               STORE_VECTOR)
         else:
             _gate_up_epilogue(gate, up, h_ptr, h_scale_ptr, gate_up_ptr, gate_up_scale_ptr, first_row, n_tile, inter,
                               swiglu_limit, h_desc, gate_up_desc, out_bufs, h_bufs, CONSUMER, HAS_LIMIT, FAST_SIGMOID,
-                              STORE_GATE_UP, GATE_UP_E4M3, TMA_STORE)
+                              STORE_GATE_UP, GATE_UP_E4M3, TMA_STORE, STORE_VECTOR, BYTE_VECTOR)
         tile_count += 1
     if TMA_STORE:
         tma.store_wait(0)
@@ -184,16 +179,18 @@ def _gathered_consumer(x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, emp
 def _gate_up_epilogue(gate, up, h_ptr, h_scale_ptr, gate_up_ptr, gate_up_scale_ptr, first_row, n_tile, inter,
                       swiglu_limit, h_desc, gate_up_desc, out_bufs, h_bufs, CONSUMER: gl.constexpr,
                       HAS_LIMIT: gl.constexpr, FAST_SIGMOID: gl.constexpr, STORE_GATE_UP: gl.constexpr,
-                      GATE_UP_E4M3: gl.constexpr, TMA_STORE: gl.constexpr):
+                      GATE_UP_E4M3: gl.constexpr, TMA_STORE: gl.constexpr, STORE_VECTOR: gl.constexpr,
+                      BYTE_VECTOR: gl.constexpr):
     """`gate_up._gate_up_swiglu_kernel`'s fp8_block epilogue on the consumer's rows from
     first_row and columns [n0, n0 + 128), n0 = n_tile · 128: h = SwiGLU(g, u) quantized as one
     1×128 block per row (h_q [rows, I] e4m3 bytes, h_scale [rows, I/128]), and with
     STORE_GATE_UP g, u in bf16 ([rows, 2, I]), or with GATE_UP_E4M3 quantized as h is (bytes, and
     scales [rows, 2, I/128]); the same device functions, so the same bits.
     The tiles leave the accumulator's layout, where a thread holds pairs of columns, for rows of
-    16-byte runs (`_store_rows`): 20 stores per thread instead of 96 of 2 and 4 bytes; or with
-    TMA_STORE through this consumer's buffers (h's in `h_bufs`, g's and u's in `out_bufs`) by
-    TMA stores (h_desc over h_q's e4m3, gate_up_desc over g, u as [rows, 2·I]), left in flight."""
+    16-byte runs (`_store_rows`: BYTE_VECTOR e4m3 bytes, STORE_VECTOR bf16 values): 20 stores per
+    thread instead of 96 of 2 and 4 bytes; or with TMA_STORE through this consumer's buffers (h's
+    in `h_bufs`, g's and u's in `out_bufs`) by TMA stores (h_desc over h_q's e4m3, gate_up_desc
+    over g, u as [rows, 2·I]), left in flight."""
     ROWS: gl.constexpr = gate.shape[0]
     COLUMNS: gl.constexpr = gate.shape[1]
     h = swiglu_forward(gate, up, swiglu_limit, HAS_LIMIT, FAST_SIGMOID)
@@ -221,9 +218,10 @@ def _gate_up_epilogue(gate, up, h_ptr, h_scale_ptr, gate_up_ptr, gate_up_scale_p
             _store_tile_async(up.to(gate_up_desc.dtype, bitcast=True), out_bufs.index(2 * CONSUMER + 1), gate_up_desc,
                               first_row, inter + n0)
     else:
-        _store_rows(h_q, h_ptr, first_row, n0, inter, _BYTE_ROWS_LAYOUT)
+        byte_rows: gl.constexpr = _row_runs_layout(BYTE_VECTOR)
+        _store_rows(h_q, h_ptr, first_row, n0, inter, byte_rows)
         if STORE_GATE_UP:
-            layout: gl.constexpr = _BYTE_ROWS_LAYOUT if GATE_UP_E4M3 else _STORE_LAYOUT
+            layout: gl.constexpr = byte_rows if GATE_UP_E4M3 else _row_runs_layout(STORE_VECTOR)
             _store_rows(gate, gate_up_ptr, first_row, n0, 2 * inter, layout)
             _store_rows(up, gate_up_ptr + inter, first_row, n0, 2 * inter, layout)
 
@@ -261,6 +259,11 @@ def _gathered_ws_kernel(
     HAS_LIMIT: gl.constexpr, FAST_SIGMOID: gl.constexpr, STORE_GATE_UP: gl.constexpr, GATE_UP_E4M3: gl.constexpr,
     PRODUCT: gl.constexpr, TMA_STORE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
     GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+    # elements per thread along a row of the bf16 register stores and of the e4m3 byte tiles (the plan's
+    # `warp_specialized_store_vector`, `gathered_byte_vector`); the producer's threads (`gathered_producer_threads`)
+    STORE_VECTOR: gl.constexpr, BYTE_VECTOR: gl.constexpr, GATHER_THREADS: gl.constexpr,
+    # registers per thread of the consumers and the producer (the plan's `warp_specialized_*_registers`)
+    CONSUMER_REGISTERS: gl.constexpr, PRODUCER_REGISTERS: gl.constexpr,
 ):
     """h = SwiGLU(x·Wgᵀ, x·Wuᵀ) of each sorted row, cooperative: a tile is 128 rows × 128
     columns of h, its A tiles gathered from x's token rows by the producer warp group, its B
@@ -275,7 +278,7 @@ def _gathered_ws_kernel(
     A_TILE: gl.constexpr = [BLOCK_M // 2, BLOCK_K]
     a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [2 * STAGES] + A_TILE, _fp8_shared_layout(A_TILE))
     b_bufs = _allocate_b_tiles(w_gate_desc, STAGES, 2)
-    ready, empty, _ = _allocate_barriers(2, _GATHER_THREADS, STAGES)
+    ready, empty, _ = _allocate_barriers(2, GATHER_THREADS, STAGES)
     out_bufs = b_bufs  # unread without TMA_STORE
     h_bufs = b_bufs
     if TMA_STORE and PRODUCT:  # per consumer: the product's two tiles
@@ -290,18 +293,21 @@ def _gathered_ws_kernel(
                               gate_up_ptr, gate_up_scale_ptr, x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr,
                               row_source_ptr, tile_expert_ptr, num_rows_ptr, topk, hidden, inter, swiglu_limit, h_desc,
                               gate_up_desc, out_bufs, h_bufs, 0, HAS_LIMIT, FAST_SIGMOID, STORE_GATE_UP, GATE_UP_E4M3,
-                              PRODUCT, TMA_STORE, BLOCK_M, BLOCK_K, GROUP_M, STAGES)),
+                              PRODUCT, TMA_STORE, BLOCK_M, BLOCK_K, GROUP_M, STAGES, STORE_VECTOR,
+                              BYTE_VECTOR)),
         (_gathered_consumer, (x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, empty, h_ptr, h_scale_ptr,
                               gate_up_ptr, gate_up_scale_ptr, x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr,
                               row_source_ptr, tile_expert_ptr, num_rows_ptr, topk, hidden, inter, swiglu_limit, h_desc,
                               gate_up_desc, out_bufs, h_bufs, 1, HAS_LIMIT, FAST_SIGMOID, STORE_GATE_UP, GATE_UP_E4M3,
-                              PRODUCT, TMA_STORE, BLOCK_M, BLOCK_K, GROUP_M, STAGES)),
+                              PRODUCT, TMA_STORE, BLOCK_M, BLOCK_K, GROUP_M, STAGES, STORE_VECTOR,
+                              BYTE_VECTOR)),
         (_gathered_producer, (x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, empty, h_ptr, h_scale_ptr,
                               gate_up_ptr, gate_up_scale_ptr, x_scale_ptr, w_gate_scale_ptr, w_up_scale_ptr,
                               row_source_ptr, tile_expert_ptr, num_rows_ptr, topk, hidden, inter, swiglu_limit, h_desc,
                               gate_up_desc, out_bufs, h_bufs, 0, HAS_LIMIT, FAST_SIGMOID, STORE_GATE_UP, GATE_UP_E4M3,
-                              PRODUCT, TMA_STORE, BLOCK_M, BLOCK_K, GROUP_M, STAGES)),
-    ], [4, _GATHER_THREADS // 32], [_CONSUMER_REGISTERS, _PRODUCER_REGISTERS])
+                              PRODUCT, TMA_STORE, BLOCK_M, BLOCK_K, GROUP_M, STAGES, STORE_VECTOR,
+                              BYTE_VECTOR)),
+    ], [4, GATHER_THREADS // 32], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
 
 
 # --------------------------------------------------------------------------- launchers
@@ -356,8 +362,9 @@ def _launch_gathered(x_q, x_scale, w_gate: tuple[torch.Tensor, torch.Tensor], w_
     tile_n = cfg["BLOCK_N"] if product else FP8_BLOCK  # the gate/up's tile: 128 columns of h
     num_tiles = (schedule.capacity_rows // cfg["BLOCK_M"]) * triton.cdiv(inter, tile_n)
     w_gate_desc = _descriptor(w_gate[0], half)
+    plan = kernel_plan(out.device)
     # TMA stores (the plan's `gathered_tma_store`): an fp32 product's buffers would not fit beside the ring
-    tma_store = kernel_plan(out.device).gathered_tma_store and out.dtype != torch.float32
+    tma_store = plan.gathered_tma_store and out.dtype != torch.float32
     h_desc = gate_up_desc = w_gate_desc  # unread without tma_store
     gate_up, gate_up_scale = gate_up_parts(gate_up)
     gate_up_e4m3 = gate_up_scale is not None
@@ -375,5 +382,7 @@ def _launch_gathered(x_q, x_scale, w_gate: tuple[torch.Tensor, torch.Tensor], w_
         schedule.row_source, schedule.tile_expert, schedule.num_rows,
         topk, hidden, inter, 0.0 if swiglu_limit is None else float(swiglu_limit),
         swiglu_limit is not None, fast_sigmoid_here(), gate_up is not None, gate_up_e4m3, product, tma_store,
-        cfg["BLOCK_M"], cfg["BLOCK_K"], cfg.get("GROUP_M", 1), cfg["num_stages"], num_warps=4,
+        cfg["BLOCK_M"], cfg["BLOCK_K"], cfg["GROUP_M"], cfg["num_stages"], plan.warp_specialized_store_vector,
+        plan.gathered_byte_vector, plan.gathered_producer_threads, plan.warp_specialized_consumer_registers,
+        plan.warp_specialized_producer_registers, num_warps=4,
     )

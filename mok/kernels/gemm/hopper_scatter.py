@@ -24,9 +24,6 @@ import torch
 from mok.fp8_block import FP8_BLOCK
 from mok.kernels.common import num_sms, tile_coordinates
 from mok.kernels.gemm.hopper_common import (
-    _CONSUMER_REGISTERS,
-    _PRODUCER_REGISTERS,
-    _STORE_LAYOUT,
     _accumulator_rows,
     _allocate_ring,
     _check_device,
@@ -37,6 +34,7 @@ from mok.kernels.gemm.hopper_common import (
     _mma_layout,
     _mma_n,
     _mma_steps,
+    _row_runs_layout,
     _scaled_mma_steps,
     _store_tile_async,
     _takes_turns,
@@ -72,7 +70,8 @@ def _scatter_producer(a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, e
                       n_dim, reduce_dim, stride_y, stride_a_scale, y_desc, out_bufs, CONSUMER: gl.constexpr,
                       SCATTER: gl.constexpr, TMA_STORE: gl.constexpr, TWO_SEGMENTS: gl.constexpr,
                       B_K_MAJOR: gl.constexpr, COOPERATIVE: gl.constexpr, FP8: gl.constexpr, BLOCK_M: gl.constexpr,
-                      BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+                      BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                      STORE_VECTOR: gl.constexpr):
     num_m_tiles = gl.cdiv(gl.load(num_rows_ptr), BLOCK_M)
     num_n_tiles = gl.cdiv(n_dim, BLOCK_N)
     step = 0
@@ -93,7 +92,8 @@ def _scatter_consumer(a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, e
                       n_dim, reduce_dim, stride_y, stride_a_scale, y_desc, out_bufs, CONSUMER: gl.constexpr,
                       SCATTER: gl.constexpr, TMA_STORE: gl.constexpr, TWO_SEGMENTS: gl.constexpr,
                       B_K_MAJOR: gl.constexpr, COOPERATIVE: gl.constexpr, FP8: gl.constexpr, BLOCK_M: gl.constexpr,
-                      BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+                      BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                      STORE_VECTOR: gl.constexpr):
     ROWS: gl.constexpr = _consumer_rows(BLOCK_M, COOPERATIVE)
     TURNS: gl.constexpr = _takes_turns(COOPERATIVE)
     MMA_N: gl.constexpr = _mma_n(BLOCK_N, FP8)
@@ -136,24 +136,28 @@ def _scatter_consumer(a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, e
                     _store_tile_async(acc_hi.to(y_desc.dtype), out_bufs.index(2 * CONSUMER + 1), y_desc, first_row,
                                       n0 + MMA_N)
             else:
-                _scatter_store(acc, y_ptr, row_source_ptr, first_row, n0, m_dim, n_dim, stride_y, SCATTER)
+                _scatter_store(acc, y_ptr, row_source_ptr, first_row, n0, m_dim, n_dim, stride_y, SCATTER,
+                               STORE_VECTOR)
                 if MMA_N < BLOCK_N:
                     _scatter_store(acc_hi, y_ptr, row_source_ptr, first_row, n0 + MMA_N, m_dim, n_dim, stride_y,
-                                   SCATTER)
+                                   SCATTER, STORE_VECTOR)
         tile_count += 1
     if TMA_STORE:
         tma.store_wait(0)
 
 
 @gluon.jit
-def _scatter_store(acc, y_ptr, row_source_ptr, first_row, n0, m_dim, n_dim, stride_y, SCATTER: gl.constexpr):
+def _scatter_store(acc, y_ptr, row_source_ptr, first_row, n0, m_dim, n_dim, stride_y, SCATTER: gl.constexpr,
+                   STORE_VECTOR: gl.constexpr):
     """y[row_source[r], n0 : n0 + acc's columns] = acc's rows r from first_row on (padding rows
-    not stored), or without SCATTER y[r, …] for r below m_dim; in y's dtype."""
+    not stored), or without SCATTER y[r, …] for r below m_dim; in y's dtype, STORE_VECTOR
+    columns per thread and store."""
     ROWS: gl.constexpr = acc.shape[0]
     COLUMNS: gl.constexpr = acc.shape[1]
-    y = gl.convert_layout(acc.to(y_ptr.dtype.element_ty), _STORE_LAYOUT)
-    rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, _STORE_LAYOUT))
-    cols = n0 + gl.arange(0, COLUMNS, layout=gl.SliceLayout(0, _STORE_LAYOUT))
+    layout: gl.constexpr = _row_runs_layout(STORE_VECTOR)
+    y = gl.convert_layout(acc.to(y_ptr.dtype.element_ty), layout)
+    rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    cols = n0 + gl.arange(0, COLUMNS, layout=gl.SliceLayout(0, layout))
     if SCATTER:
         source = gl.load(row_source_ptr + rows)
         out_rows = gl.where(source >= 0, source, 0).to(gl.int64)
@@ -182,6 +186,10 @@ def _scatter_ws_kernel(
     SCATTER: gl.constexpr, TMA_STORE: gl.constexpr, TWO_SEGMENTS: gl.constexpr, B_K_MAJOR: gl.constexpr,
     COOPERATIVE: gl.constexpr, FP8: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+    # columns per thread of the register stores (the plan's `warp_specialized_store_vector`)
+    STORE_VECTOR: gl.constexpr,
+    # registers per thread of the consumers and the producer (the plan's `warp_specialized_*_registers`)
+    CONSUMER_REGISTERS: gl.constexpr, PRODUCER_REGISTERS: gl.constexpr,
 ):
     """down: a = h, b = w_down as [E_l·H, I] (K-major); fp8_block down dgrad's product (not
     SCATTER, y fp32): a = dOut's sorted rows, b = w_downᵀ as [E_l·I, H]; gate/up dgrad (TWO_SEGMENTS): a, a2 = d_g,
@@ -198,18 +206,18 @@ def _scatter_ws_kernel(
                              a2_scale_ptr, b_scale_ptr, b2_scale_ptr, row_source_ptr, tile_expert_ptr, num_rows_ptr,
                              m_dim, n_dim, reduce_dim, stride_y, stride_a_scale, y_desc, out_bufs, 0, SCATTER,
                              TMA_STORE, TWO_SEGMENTS, B_K_MAJOR, COOPERATIVE, FP8, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                             STAGES)),
+                             STAGES, STORE_VECTOR)),
         (_scatter_consumer, (a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, empty, turn, y_ptr, a_scale_ptr,
                              a2_scale_ptr, b_scale_ptr, b2_scale_ptr, row_source_ptr, tile_expert_ptr, num_rows_ptr,
                              m_dim, n_dim, reduce_dim, stride_y, stride_a_scale, y_desc, out_bufs, 1, SCATTER,
                              TMA_STORE, TWO_SEGMENTS, B_K_MAJOR, COOPERATIVE, FP8, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                             STAGES)),
+                             STAGES, STORE_VECTOR)),
         (_scatter_producer, (a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, empty, turn, y_ptr, a_scale_ptr,
                              a2_scale_ptr, b_scale_ptr, b2_scale_ptr, row_source_ptr, tile_expert_ptr, num_rows_ptr,
                              m_dim, n_dim, reduce_dim, stride_y, stride_a_scale, y_desc, out_bufs, 0, SCATTER,
                              TMA_STORE, TWO_SEGMENTS, B_K_MAJOR, COOPERATIVE, FP8, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                             STAGES)),
-    ], [4, 1], [_CONSUMER_REGISTERS, _PRODUCER_REGISTERS])
+                             STAGES, STORE_VECTOR)),
+    ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
 
 
 # --------------------------------------------------------------------------- launchers
@@ -231,9 +239,9 @@ def _launch_scatter(a, a2, b, b2, y, schedule: RoutingSchedule, cfg: dict, b_k_m
     b_block = (block_n, block_k) if b_k_major else (block_k, block_n)
     a_desc, b_desc = _descriptor(a, a_block), _descriptor(b, b_block)
     n_dim = y.shape[1]
+    plan = kernel_plan(y.device)
     # the wide tile only: the 128-column one's six stages leave no room for the buffers
-    tma_store = (kernel_plan(y.device).sorted_tma_store and fp8 and not scatter and y.dtype == torch.bfloat16
-                 and block_n == 2 * FP8_BLOCK)
+    tma_store = plan.sorted_tma_store and fp8 and not scatter and y.dtype == torch.bfloat16 and block_n == 2 * FP8_BLOCK
     y_desc = _descriptor(y, (a_block[0], _mma_n(block_n, True))) if tma_store else a_desc  # else unread
     _scatter_ws_kernel[(num_sms(y.device),)](
         a_desc, _descriptor(a2, a_block) if two_segments else a_desc,
@@ -242,7 +250,8 @@ def _launch_scatter(a, a2, b, b2, y, schedule: RoutingSchedule, cfg: dict, b_k_m
         schedule.row_source, schedule.tile_expert, schedule.num_rows,
         a.shape[0], n_dim, a.shape[1], y.stride(0), a_scale.stride(0) if fp8 else 0, y_desc,
         scatter, tma_store, two_segments, b_k_major, cooperative, fp8, block_m, block_n, block_k,
-        cfg.get("GROUP_M", 1), cfg["num_stages"], num_warps=4,
+        cfg["GROUP_M"], cfg["num_stages"], plan.warp_specialized_store_vector,
+        plan.warp_specialized_consumer_registers, plan.warp_specialized_producer_registers, num_warps=4,
     )
 
 

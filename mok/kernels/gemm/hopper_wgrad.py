@@ -22,9 +22,6 @@ import triton
 from mok.fp8_block import FP8_BLOCK
 from mok.kernels.common import expert_tile_coordinates, num_sms
 from mok.kernels.gemm.hopper_common import (
-    _CONSUMER_REGISTERS,
-    _PRODUCER_REGISTERS,
-    _STORE_LAYOUT,
     _accumulator_rows,
     _allocate_ring,
     _check_device,
@@ -35,6 +32,7 @@ from mok.kernels.gemm.hopper_common import (
     _mma_layout,
     _mma_n,
     _mma_steps,
+    _row_runs_layout,
     _scaled_mma_steps,
     _store_tile_async,
     _takes_turns,
@@ -67,7 +65,7 @@ def _wgrad_producer(a_desc, a2_desc, b_desc, b_scale_desc, a_bufs, b_bufs, b_sca
                     num_tiles, m_dim, n_dim, split_m, stride_out_e, stride_a_scale, CONSUMER: gl.constexpr,
                     COOPERATIVE: gl.constexpr, TWO_OUTPUTS: gl.constexpr, FP8: gl.constexpr, TMA_STORE: gl.constexpr,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-                    STAGES: gl.constexpr):
+                    STAGES: gl.constexpr, STORE_VECTOR: gl.constexpr):
     TILE_M: gl.constexpr = _wgrad_tile_m(BLOCK_M, TWO_OUTPUTS)
     # consumer 1's A columns: the same as consumer 0's in a2 (two outputs), or the tile's second half
     A2_OFFSET: gl.constexpr = 0 if TWO_OUTPUTS else _consumer_rows(BLOCK_M, COOPERATIVE)
@@ -94,7 +92,7 @@ def _wgrad_consumer(a_desc, a2_desc, b_desc, b_scale_desc, a_bufs, b_bufs, b_sca
                     num_tiles, m_dim, n_dim, split_m, stride_out_e, stride_a_scale, CONSUMER: gl.constexpr,
                     COOPERATIVE: gl.constexpr, TWO_OUTPUTS: gl.constexpr, FP8: gl.constexpr, TMA_STORE: gl.constexpr,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-                    STAGES: gl.constexpr):
+                    STAGES: gl.constexpr, STORE_VECTOR: gl.constexpr):
     TILE_M: gl.constexpr = _wgrad_tile_m(BLOCK_M, TWO_OUTPUTS)
     ROWS: gl.constexpr = _consumer_rows(BLOCK_M, COOPERATIVE)
     TURNS: gl.constexpr = _takes_turns(COOPERATIVE)
@@ -134,10 +132,11 @@ def _wgrad_consumer(a_desc, a2_desc, b_desc, b_scale_desc, a_bufs, b_bufs, b_sca
                     _wgrad_store_async(acc_hi, out_bufs.index(first_buf + 1), desc, out2_desc, expert, first_row,
                                        n0 + MMA_N, m_dim, split_m)
             else:
-                _wgrad_store(acc, out, out2_ptr, expert, first_row, n0, m_dim, n_dim, split_m, stride_out_e)
+                _wgrad_store(acc, out, out2_ptr, expert, first_row, n0, m_dim, n_dim, split_m, stride_out_e,
+                             STORE_VECTOR)
                 if MMA_N < BLOCK_N:
                     _wgrad_store(acc_hi, out, out2_ptr, expert, first_row, n0 + MMA_N, m_dim, n_dim, split_m,
-                                 stride_out_e)
+                                 stride_out_e, STORE_VECTOR)
         step += steps
         tile_count += 1
     if TMA_STORE:
@@ -145,14 +144,16 @@ def _wgrad_consumer(a_desc, a2_desc, b_desc, b_scale_desc, a_bufs, b_bufs, b_sca
 
 
 @gluon.jit
-def _wgrad_store(acc, out, out2_ptr, expert, first_row, n0, m_dim, n_dim, split_m, stride_out_e):
+def _wgrad_store(acc, out, out2_ptr, expert, first_row, n0, m_dim, n_dim, split_m, stride_out_e,
+                 STORE_VECTOR: gl.constexpr):
     """out[expert] (rows below split_m) or out2[expert] (the rest, less split_m), rows from
-    first_row and columns from n0 on: acc in bf16."""
+    first_row and columns from n0 on: acc in bf16, STORE_VECTOR columns per thread and store."""
     ROWS: gl.constexpr = acc.shape[0]
     COLUMNS: gl.constexpr = acc.shape[1]
-    grad = gl.convert_layout(acc.to(gl.bfloat16), _STORE_LAYOUT)
-    rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, _STORE_LAYOUT))
-    cols = n0 + gl.arange(0, COLUMNS, layout=gl.SliceLayout(0, _STORE_LAYOUT))
+    layout: gl.constexpr = _row_runs_layout(STORE_VECTOR)
+    grad = gl.convert_layout(acc.to(gl.bfloat16), layout)
+    rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    cols = n0 + gl.arange(0, COLUMNS, layout=gl.SliceLayout(0, layout))
     in_out2 = rows >= split_m  # stacked rows: [0, split_m) are out's, the rest out2's
     out_rows = gl.where(in_out2, rows - split_m, rows).to(gl.int64)
     offs = expert.to(gl.int64) * stride_out_e + out_rows[:, None] * n_dim + cols[None, :]
@@ -188,6 +189,10 @@ def _wgrad_ws_kernel(
     # meta
     COOPERATIVE: gl.constexpr, TWO_OUTPUTS: gl.constexpr, FP8: gl.constexpr, TMA_STORE: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+    # columns per thread of the register stores (the plan's `warp_specialized_store_vector`)
+    STORE_VECTOR: gl.constexpr,
+    # registers per thread of the consumers and the producer (the plan's `warp_specialized_*_registers`)
+    CONSUMER_REGISTERS: gl.constexpr, PRODUCER_REGISTERS: gl.constexpr,
 ):
     """down: a = dy_sorted, b = h; gate/up (TWO_OUTPUTS, cooperative): a, a2 = d_g, d_u, b = x_sorted;
     FP8 (cooperative): a = dyᵀ or the stacked [d_g | d_u]ᵀ (out's rows, then out2's), b = hᵀ or xᵀ,
@@ -208,16 +213,19 @@ def _wgrad_ws_kernel(
         (_wgrad_consumer, (a_desc, a2_desc, b_desc, b_scale_desc, a_bufs, b_bufs, b_scale_bufs, ready, empty, turn,
                            out_ptr, out2_ptr, out_desc, out2_desc, out_bufs, a_scale_ptr, expert_offsets_ptr,
                            expert_counts_ptr, num_tiles, m_dim, n_dim, split_m, stride_out_e, stride_a_scale, 0,
-                           COOPERATIVE, TWO_OUTPUTS, FP8, TMA_STORE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
+                           COOPERATIVE, TWO_OUTPUTS, FP8, TMA_STORE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
+                           STORE_VECTOR)),
         (_wgrad_consumer, (a_desc, a2_desc, b_desc, b_scale_desc, a_bufs, b_bufs, b_scale_bufs, ready, empty, turn,
                            out_ptr, out2_ptr, out_desc, out2_desc, out_bufs, a_scale_ptr, expert_offsets_ptr,
                            expert_counts_ptr, num_tiles, m_dim, n_dim, split_m, stride_out_e, stride_a_scale, 1,
-                           COOPERATIVE, TWO_OUTPUTS, FP8, TMA_STORE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
+                           COOPERATIVE, TWO_OUTPUTS, FP8, TMA_STORE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
+                           STORE_VECTOR)),
         (_wgrad_producer, (a_desc, a2_desc, b_desc, b_scale_desc, a_bufs, b_bufs, b_scale_bufs, ready, empty, turn,
                            out_ptr, out2_ptr, out_desc, out2_desc, out_bufs, a_scale_ptr, expert_offsets_ptr,
                            expert_counts_ptr, num_tiles, m_dim, n_dim, split_m, stride_out_e, stride_a_scale, 0,
-                           COOPERATIVE, TWO_OUTPUTS, FP8, TMA_STORE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
-    ], [4, 1], [_CONSUMER_REGISTERS, _PRODUCER_REGISTERS])
+                           COOPERATIVE, TWO_OUTPUTS, FP8, TMA_STORE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
+                           STORE_VECTOR)),
+    ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
 
 
 # --------------------------------------------------------------------------- launchers
@@ -285,12 +293,14 @@ def launch_wgrad(a: torch.Tensor, a2: torch.Tensor | None, b: torch.Tensor, out:
         out_desc, out2_desc = (_descriptor(t.view(-1, n_dim), _wgrad_store_box(cfg, fp8)) for t in (out, out2))
     else:
         out_desc = out2_desc = b_desc  # unread
+    plan = kernel_plan(b.device)
     _wgrad_ws_kernel[(min(num_tiles, num_sms(b.device)),)](
         a_desc, _descriptor(a2, a_block) if two_outputs else a_desc, b_desc,
         _descriptor(b_scale, (1, block_n)) if fp8 else b_desc,
         out, out2, out_desc, out2_desc, a_scale,
         schedule.expert_offsets, schedule.expert_counts,
         num_tiles, m_dim, n_dim, split_m, out.stride(0), a_scale.stride(0),
-        cooperative, two_outputs, fp8, tma_store, block_m, block_n, block_k, cfg.get("GROUP_M", 1),
-        cfg["num_stages"], num_warps=4,
+        cooperative, two_outputs, fp8, tma_store, block_m, block_n, block_k, cfg["GROUP_M"],
+        cfg["num_stages"], plan.warp_specialized_store_vector, plan.warp_specialized_consumer_registers,
+        plan.warp_specialized_producer_registers, num_warps=4,
     )

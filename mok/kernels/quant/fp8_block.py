@@ -124,9 +124,8 @@ _BLOCK = tl.constexpr(FP8_BLOCK)
 # Weights: one 128×128 block per program (the scale's granularity; the transposed store
 # needs the whole block's amax first).
 _WEIGHT_BLOCK = FP8_BLOCK
-# On an NVIDIA GPU the Gluon kernel instead (the plan's `weights_gluon`, `weight_gluon_num_warps`):
-# one block per program at 16 rows × 8 columns per thread (`_sorted_t_layouts`' shape for 128 columns).
-_WEIGHT_ROWS_PER_THREAD = tl.constexpr(16)
+# On an NVIDIA GPU the Gluon kernel instead (the plan's `weights_gluon`, `weight_gluon_num_warps`,
+# `weight_gluon_rows_per_thread`): one block per program in `_sorted_t_layouts`.
 # Sorted-layout operands: column widths and warps per program, the Gluon kernel or the Triton one,
 # are the plan's (`sorted_*`, `gathered_narrow_*`, with their reasons and records).
 
@@ -528,14 +527,15 @@ def _quantize_weight_128x128_gluon_kernel(
     w_ptr, q_ptr, scale_ptr, q_t_ptr, scale_t_ptr,  # as `_quantize_weight_128x128_kernel`'s
     N, K, num_n_blocks, num_k_blocks,
     stride_w_e, stride_w_n,
+    ROWS_PER_THREAD: gl.constexpr,
 ):
     """`_quantize_weight_128x128_kernel` on the GPU, one 128×128 block per program, in the
-    layouts of `_sorted_t_layouts` at 16 rows per thread and 4 warps: each thread holds the
-    same 16 × 8 elements of the block and of its transpose, so q goes out in 8-byte runs of its
-    rows and q_t in 16-byte runs of its rows, without Triton's byte-wise round trip through
-    shared memory for the transpose. The same device functions, so the same bytes."""
-    LOAD: gl.constexpr = _sorted_t_layouts(_WEIGHT_ROWS_PER_THREAD, gl.num_warps())[0]  # [128 (N), 128 (K)]
-    STORE: gl.constexpr = _sorted_t_layouts(_WEIGHT_ROWS_PER_THREAD, gl.num_warps())[1]  # [128 (K), 128 (N)]
+    layouts of `_sorted_t_layouts` at ROWS_PER_THREAD rows per thread (the plan's 16, at 4 warps):
+    each thread holds the same 16 × 8 elements of the block and of its transpose, so q goes out in
+    8-byte runs of its rows and q_t in 16-byte runs of its rows, without Triton's byte-wise round
+    trip through shared memory for the transpose. The same device functions, so the same bytes."""
+    LOAD: gl.constexpr = _sorted_t_layouts(ROWS_PER_THREAD, gl.num_warps())[0]  # [128 (N), 128 (K)]
+    STORE: gl.constexpr = _sorted_t_layouts(ROWS_PER_THREAD, gl.num_warps())[1]  # [128 (K), 128 (N)]
     nb, kb, e = gl.program_id(0), gl.program_id(1), gl.program_id(2).to(gl.int64)
     n_offs = nb * _BLOCK + gl.arange(0, _BLOCK, layout=gl.SliceLayout(1, LOAD))
     k_offs = kb * _BLOCK + gl.arange(0, _BLOCK, layout=gl.SliceLayout(0, LOAD))
@@ -656,7 +656,12 @@ def quantize_fp8_block_weights(
     if E > 0 and N > 0 and K > 0:
         plan = kernel_plan(w.device)
         if plan.weights_gluon and _gluon_here(w.device, "the fp8_block weight quantizer"):
-            _quantize_weight_128x128_gluon_kernel[(nb, kb, E)](*args, num_warps=plan.weight_gluon_num_warps)
+            rows_per_thread, num_warps = plan.weight_gluon_rows_per_thread, plan.weight_gluon_num_warps
+            if _sorted_t_gluon_block_w(rows_per_thread, num_warps) != FP8_BLOCK:
+                raise ValueError(f"weight_gluon_rows_per_thread, weight_gluon_num_warps: a program's columns must be "
+                                 f"the block's {FP8_BLOCK}, got {rows_per_thread}, {num_warps}")
+            _quantize_weight_128x128_gluon_kernel[(nb, kb, E)](*args, ROWS_PER_THREAD=rows_per_thread,
+                                                               num_warps=num_warps)
         else:
             _quantize_weight_128x128_kernel[(nb, kb, E)](*args, INTERPRETER=interpreting(), BLOCK=_WEIGHT_BLOCK,
                                                          num_warps=8)
