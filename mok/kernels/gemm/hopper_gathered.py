@@ -13,7 +13,8 @@ schedule and the ring protocol: `hopper_common.py`).
                    runs the SwiGLU backward on it
 
 Legend: r a row of the expert-sorted layout of `routing/schedule.py`, src(r) = row_source[r]
-(−1: padding), e = tile_expert[r // BLOCK_M], H hidden, I intermediate size, E_l local experts.
+(−1: padding), e = tile_expert[r // BLOCK_M], H hidden, I intermediate size, E_l local experts. A
+tile whose e is −1 is skipped by every partition alike (another launch's, as in `gate_up.py`).
 
 Each tile's K loop is the Triton kernel's, so the result is bitwise the Triton kernel's; fixed order,
 no atomics: deterministic. Caller contract: as for `gate_up.gate_up_swiglu_fp8_block` and
@@ -101,23 +102,25 @@ def _gathered_producer(x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, emp
     step = 0
     for tile in range(gl.program_id(0), num_m_tiles * num_n_tiles, gl.num_programs(0)):
         m_tile, n_tile = tile_coordinates(tile, num_m_tiles, num_n_tiles, GROUP_M)
-        m0 = m_tile * BLOCK_M
-        w_row = gl.load(tile_expert_ptr + m_tile) * inter + n_tile * TILE_N  # weights read as [E_l·I, H]
-        # PRODUCT: past I (the last tile of an odd I / 128) the second half reads the next expert's
-        # rows, or zeros past the last: its columns are not stored
-        w_hi_row = w_row + HALF_N if PRODUCT else w_row
-        offsets, valid = _gathered_row_offsets(row_source_ptr, num_rows, m0, topk, hidden, ROWS, BYTE_VECTOR)
-        offsets_2, valid_2 = _gathered_row_offsets(row_source_ptr, num_rows, m0 + ROWS, topk, hidden, ROWS,
-                                                   BYTE_VECTOR)
-        for k0 in range(0, hidden, BLOCK_K):
-            slot, bar = _claim_slot(step, ready, empty, 2 * w_gate_desc.block_type.nbytes, STAGES)
-            _copy_gathered_rows(x_ptr, offsets, valid, k0, a_bufs.index(2 * slot), BLOCK_K, BYTE_VECTOR)
-            _copy_gathered_rows(x_ptr, offsets_2, valid_2, k0, a_bufs.index(2 * slot + 1), BLOCK_K, BYTE_VECTOR)
-            async_copy.mbarrier_arrive(bar, increment_count=False)
-            b = b_bufs.index(slot)  # the gate tile in its first HALF_N rows, the up tile in the rest
-            tma_load(w_gate_desc, [w_row, k0], bar, b.slice(0, HALF_N))
-            tma_load(w_up_desc, [w_hi_row, k0], bar, b.slice(HALF_N, HALF_N))
-            step += 1
+        expert = gl.load(tile_expert_ptr + m_tile)
+        if expert >= 0:  # −1: another launch's tile (`transport.common.arrival_split`)
+            m0 = m_tile * BLOCK_M
+            w_row = expert * inter + n_tile * TILE_N  # weights read as [E_l·I, H]
+            # PRODUCT: past I (the last tile of an odd I / 128) the second half reads the next expert's
+            # rows, or zeros past the last: its columns are not stored
+            w_hi_row = w_row + HALF_N if PRODUCT else w_row
+            offsets, valid = _gathered_row_offsets(row_source_ptr, num_rows, m0, topk, hidden, ROWS, BYTE_VECTOR)
+            offsets_2, valid_2 = _gathered_row_offsets(row_source_ptr, num_rows, m0 + ROWS, topk, hidden, ROWS,
+                                                       BYTE_VECTOR)
+            for k0 in range(0, hidden, BLOCK_K):
+                slot, bar = _claim_slot(step, ready, empty, 2 * w_gate_desc.block_type.nbytes, STAGES)
+                _copy_gathered_rows(x_ptr, offsets, valid, k0, a_bufs.index(2 * slot), BLOCK_K, BYTE_VECTOR)
+                _copy_gathered_rows(x_ptr, offsets_2, valid_2, k0, a_bufs.index(2 * slot + 1), BLOCK_K, BYTE_VECTOR)
+                async_copy.mbarrier_arrive(bar, increment_count=False)
+                b = b_bufs.index(slot)  # the gate tile in its first HALF_N rows, the up tile in the rest
+                tma_load(w_gate_desc, [w_row, k0], bar, b.slice(0, HALF_N))
+                tma_load(w_up_desc, [w_hi_row, k0], bar, b.slice(HALF_N, HALF_N))
+                step += 1
 
 
 @gluon.jit
@@ -142,35 +145,39 @@ def _gathered_consumer(x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, emp
     tile_count = 0
     for tile in range(gl.program_id(0), num_m_tiles * num_n_tiles, gl.num_programs(0)):
         m_tile, n_tile = tile_coordinates(tile, num_m_tiles, num_n_tiles, GROUP_M)
-        first_row = m_tile * BLOCK_M + CONSUMER * ROWS
-        # the weights' scales [E_l, I/128, H/128]: the block row of columns [n0, n0 + 128), n0 the
-        # first column of the accumulator; PRODUCT: acc_hi's the next one, if I has it
-        n_block = n_tile * HALVES
-        weight_scales = (gl.load(tile_expert_ptr + m_tile).to(gl.int64) * n_blocks + n_block) * k_blocks
-        hi_scales = weight_scales + k_blocks if PRODUCT else weight_scales
-        hi_valid = n_block + 1 < n_blocks if PRODUCT else True
-        tokens, valid = _gathered_rows(row_source_ptr, num_rows, first_row, topk, ROWS, mma_layout)
-        gate = gl.zeros((ROWS, HALF_N), gl.float32, mma_layout)
-        gate, up = _scaled_mma_steps(gate, gate, tile_count * k_blocks, k_blocks, 0, a_bufs, b_bufs, ready, empty,
-                                     x_scale_ptr, w_gate_scale_ptr + weight_scales, w_up_scale_ptr + hi_scales,
-                                     hi_valid, (1, k_blocks, 1), tokens, valid, CONSUMER, False, True, STAGES)
-        if TMA_STORE:
-            tma.store_wait(0)  # the last tile's stores have read this consumer's buffers
-        if PRODUCT:  # h_ptr: the product [capacity_rows, I], fp32 or bf16
-            n0 = n_block * HALF_N
-            if TMA_STORE:  # columns past I clipped by TMA
-                _store_tile_async(gate.to(h_desc.dtype), out_bufs.index(2 * CONSUMER), h_desc, first_row, n0)
-                _store_tile_async(up.to(h_desc.dtype), out_bufs.index(2 * CONSUMER + 1), h_desc, first_row,
-                                  n0 + HALF_N)
+        expert = gl.load(tile_expert_ptr + m_tile)
+        if expert >= 0:  # −1: another launch's tile (`transport.common.arrival_split`)
+            first_row = m_tile * BLOCK_M + CONSUMER * ROWS
+            # the weights' scales [E_l, I/128, H/128]: the block row of columns [n0, n0 + 128), n0 the
+            # first column of the accumulator; PRODUCT: acc_hi's the next one, if I has it
+            n_block = n_tile * HALVES
+            weight_scales = (expert.to(gl.int64) * n_blocks + n_block) * k_blocks
+            hi_scales = weight_scales + k_blocks if PRODUCT else weight_scales
+            hi_valid = n_block + 1 < n_blocks if PRODUCT else True
+            tokens, valid = _gathered_rows(row_source_ptr, num_rows, first_row, topk, ROWS, mma_layout)
+            gate = gl.zeros((ROWS, HALF_N), gl.float32, mma_layout)
+            gate, up = _scaled_mma_steps(gate, gate, tile_count * k_blocks, k_blocks, 0, a_bufs, b_bufs, ready,
+                                         empty, x_scale_ptr, w_gate_scale_ptr + weight_scales,
+                                         w_up_scale_ptr + hi_scales, hi_valid, (1, k_blocks, 1), tokens, valid,
+                                         CONSUMER, False, True, STAGES)
+            if TMA_STORE:
+                tma.store_wait(0)  # the last tile's stores have read this consumer's buffers
+            if PRODUCT:  # h_ptr: the product [capacity_rows, I], fp32 or bf16
+                n0 = n_block * HALF_N
+                if TMA_STORE:  # columns past I clipped by TMA
+                    _store_tile_async(gate.to(h_desc.dtype), out_bufs.index(2 * CONSUMER), h_desc, first_row, n0)
+                    _store_tile_async(up.to(h_desc.dtype), out_bufs.index(2 * CONSUMER + 1), h_desc, first_row,
+                                      n0 + HALF_N)
+                else:
+                    _scatter_store(gate, h_ptr, row_source_ptr, first_row, n0, num_rows, inter, inter, False,
+                                   STORE_VECTOR)
+                    _scatter_store(up, h_ptr, row_source_ptr, first_row, n0 + HALF_N, num_rows, inter, inter,
+                                   False, STORE_VECTOR)
             else:
-                _scatter_store(gate, h_ptr, row_source_ptr, first_row, n0, num_rows, inter, inter, False, STORE_VECTOR)
-                _scatter_store(up, h_ptr, row_source_ptr, first_row, n0 + HALF_N, num_rows, inter, inter, False,
-                               STORE_VECTOR)
-        else:
-            _gate_up_epilogue(gate, up, h_ptr, h_scale_ptr, gate_up_ptr, gate_up_scale_ptr, first_row, n_tile, inter,
-                              swiglu_limit, h_desc, gate_up_desc, out_bufs, h_bufs, CONSUMER, HAS_LIMIT, FAST_SIGMOID,
-                              STORE_GATE_UP, GATE_UP_E4M3, TMA_STORE, STORE_VECTOR, BYTE_VECTOR)
-        tile_count += 1
+                _gate_up_epilogue(gate, up, h_ptr, h_scale_ptr, gate_up_ptr, gate_up_scale_ptr, first_row, n_tile,
+                                  inter, swiglu_limit, h_desc, gate_up_desc, out_bufs, h_bufs, CONSUMER, HAS_LIMIT,
+                                  FAST_SIGMOID, STORE_GATE_UP, GATE_UP_E4M3, TMA_STORE, STORE_VECTOR, BYTE_VECTOR)
+            tile_count += 1
     if TMA_STORE:
         tma.store_wait(0)
 
