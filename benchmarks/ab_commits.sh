@@ -5,8 +5,8 @@
 #                     out of git, e.g. in .git/info/exclude)
 #   on a GPU machine: bash benchmarks/ab_commits.sh run              (carry .ab)
 # Each of ROUNDS (default 2) rounds runs, per tree, one bench process per argument set in BENCH_SETS
-# (separated by ';'), after a warm-up process of the first set on each tree (compiles their kernels,
-# brings the GPU to its working clocks; not recorded; WARMUP=0 skips it). Writes the record and
+# (separated by ';'), after a warm-up process on each tree (WARMUP_ARGS, default the first set: compiles
+# kernels, brings the GPU to its working clocks; not recorded; WARMUP=0 skips it). Writes the record and
 # runs.tar.gz (every log and per-run record) under $OUT (or ./bench_out).
 set -uo pipefail
 case ${1:-} in
@@ -27,7 +27,7 @@ case ${1:-} in
     if [ "${WARMUP:-1}" != 0 ]; then
       for run in base other; do
         echo "== warm-up $run ($(date +%T))"
-        $run timeout ${STEP_TIMEOUT:-400} python3 -m mok.bench ${SETS%%;*} --pass fwd+bwd --impl mok --rounds 1 \
+        $run timeout ${STEP_TIMEOUT:-400} python3 -m mok.bench ${WARMUP_ARGS:-${SETS%%;*}} --pass fwd+bwd --impl mok --rounds 1 \
           --no-plot --no-write > "$OUT/warmup-$run.log" 2>&1 || tail -5 "$OUT/warmup-$run.log"
       done
     fi
