@@ -68,7 +68,7 @@ def test_arithmetic_cost_diagnostic_names_its_variants_and_refuses_others(monkey
     family or variant stops with the usage."""
     import inspect
 
-    from mok.kernels.gemm import hopper_common, hopper_wgrad
+    from mok.kernels.gemm import hopper_common, hopper_scatter, hopper_wgrad
     from mok.kernels.quant import fp8_block as quant_fp8_block
 
     sweep = _sweep("fp8_arithmetic_cost")
@@ -80,6 +80,8 @@ def test_arithmetic_cost_diagnostic_names_its_variants_and_refuses_others(monkey
             assert patch is None or list(inspect.signature(patch.fn).parameters) == wanted, name
     assert (list(inspect.signature(sweep._stored_never.fn).parameters)
             == list(inspect.signature(hopper_wgrad._wgrad_store.fn).parameters))
+    assert (list(inspect.signature(sweep._scatter_stored_never.fn).parameters)
+            == list(inspect.signature(hopper_scatter._scatter_store.fn).parameters))
     for argv in (["x", "wgrad", "fast"], ["x", "matmul", "full"], ["x"]):
         monkeypatch.setattr(sys, "argv", argv)
         with pytest.raises(SystemExit, match="usage: fp8_arithmetic_cost.py"):

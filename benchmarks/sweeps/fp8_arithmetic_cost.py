@@ -59,14 +59,16 @@ def _unscaled(acc, product, a_scale, b_scale, PER_COLUMN: gl.constexpr):
 
 
 @gluon.jit
-def _stored_never(acc, out, out2_ptr, expert, first_row, n0, m_dim, n_dim, split_m, stride_out_e):
+def _stored_never(acc, out, out2_ptr, expert, first_row, n0, m_dim, n_dim, split_m, stride_out_e,
+                  STORE_VECTOR: gl.constexpr):
     # The reduction keeps the accumulator (and so the MMAs and their scaling) live.
     total = gl.sum(gl.sum(acc, axis=1), axis=0)
     gl.store(out + expert, total.to(gl.bfloat16), mask=total == -1.0e-30)
 
 
 @gluon.jit
-def _scatter_stored_never(acc, y_ptr, row_source_ptr, first_row, n0, m_dim, n_dim, stride_y, SCATTER: gl.constexpr):
+def _scatter_stored_never(acc, y_ptr, row_source_ptr, first_row, n0, m_dim, n_dim, stride_y, SCATTER: gl.constexpr,
+                          STORE_VECTOR: gl.constexpr):
     total = gl.sum(gl.sum(acc, axis=1), axis=0)
     gl.store(y_ptr + n0, total.to(y_ptr.dtype.element_ty), mask=total == -1.0e-30)
 

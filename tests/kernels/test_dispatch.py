@@ -126,19 +126,20 @@ def test_receiver_schedule_places_every_received_route(kernel_device, rank):
     assert torch.equal((schedule.route_row.cpu() >= 0), flat >= 0)
 
 
-@pytest.mark.parametrize("rank, P, C, E_l, k_l", [(0, 2, 100, 3, 2), (1, 2, 100, 2, 2), (2, 4, 80, 2, 2)])
-def test_receiver_schedule_puts_own_routes_first_and_arrival_split_parts_its_tiles(kernel_device, rank, P, C, E_l,
-                                                                                  k_l):
+@pytest.mark.parametrize("rank, P, C_per_tile, E_l, k_l", [(0, 2, 3.2, 3, 2), (1, 2, 3.2, 2, 2), (2, 4, 2.5, 2, 2)])
+def test_receiver_schedule_puts_own_routes_first_and_arrival_split_parts_its_tiles(kernel_device, rank, P, C_per_tile,
+                                                                                  E_l, k_l):
     """Inside each expert the routes of the receiver's own tokens come first, then the sources
     from rank + 1 on, each in ascending route order; `arrival_split` gives every tile below
     num_rows to exactly one of its schedules, first's only with own routes and its rows, and
     rest's with every tile holding a peer's route."""
+    block_m = routing_block_m()
+    C = int(C_per_tile * block_m)  # enough own routes per expert for a whole tile of them
     gen = torch.Generator().manual_seed(10 + rank)
     ids = torch.randint(-1, E_l, (P, C, k_l), generator=gen, dtype=torch.int32)
     ids[..., 1] = torch.where(ids[..., 0] >= 0, (ids[..., 0] + 1) % E_l, -1)  # distinct within a row
     recv_ids = torch.cat([ids.view(P, C * k_l), torch.zeros(P, 1, dtype=torch.int32)], dim=1).to(kernel_device)
     flag = torch.zeros(1, dtype=torch.int32, device=kernel_device)
-    block_m = routing_block_m()
     schedule, _ = token_receiver_schedule(recv_ids, flag, E_l, k_l, block_m, rank)
     first, rest = arrival_split(schedule, rank, C * k_l)
     num_rows = int(schedule.num_rows)
