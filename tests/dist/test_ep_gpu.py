@@ -135,9 +135,11 @@ def _low_precision_worker(rank: int, world_size: int) -> list[str]:
     low-precision bars (the shared expert's gradients at bf16's), bitwise the same run to
     run. On NCCL, one GPU per rank, through each transport: also no host sync and bitwise
     the same across transports. On gloo both ranks share GPU 0 and exchange through the
-    NCCL-fallback transport (gloo stages CUDA tensors through the host, so no sync check).
-    Each also with the exchanges beside other work on a side stream (overlap_comm_sms = 4):
-    bitwise the same. Collectives first, comparisons after."""
+    NCCL-fallback transport (gloo stages CUDA tensors through the host, so no sync check), and
+    bf16 runs too (on two GPUs `_layer_worker` has it). Each also with the exchanges beside other
+    work on a side stream (overlap_comm_sms = 4; bf16 and fp8_block: the gate/up GEMM's own tiles
+    before the peers' rows, four a local expert): bitwise the same. Collectives first, comparisons
+    after."""
     one_gpu = dist.get_backend() == "gloo"
     torch.cuda.set_device(0 if one_gpu else rank)
     transports = ("nccl",) if one_gpu else TRANSPORTS
@@ -145,7 +147,7 @@ def _low_precision_worker(rank: int, world_size: int) -> list[str]:
     T, H, I, E_l, topk, I_s = 2048 + 256 * rank, 1024, 512, 8, 4, 256
     g, routed, shared, d_out, args = _rank_inputs(rank, world_size, T, H, I, E_l, topk, I_s, seed=10 + rank)
     results = {}
-    for precision in LOW_PRECISIONS:
+    for precision in (*LOW_PRECISIONS, "bf16") if one_gpu else LOW_PRECISIONS:
         for transport in transports:
             for overlap in (0, 4):
                 config = mok.MoKConfig(backend="triton", precision=precision, schedule_capacity_multiplier=1.25,
