@@ -1,11 +1,13 @@
 """Gate/up + SwiGLU and down grouped GEMMs (bf16 and fp8_block), and the combine, against mok.reference."""
 
+import dataclasses
+
 import pytest
 import torch
 import triton
 import triton.language as tl
 
-from mok import reference
+from mok import ops, reference
 from mok.fp8_block import fp8_block_dequantize, fp8_block_quantize
 from mok.kernels.routing.combine import combine
 from mok.kernels.common import last_wave_tile_coordinates, num_sms
@@ -351,8 +353,6 @@ def test_fp8_block_nan_propagates(kernel_device):
 
 def test_fp8_block_ops_and_run_twice(kernel_device):
     """The custom ops' fake shapes, and the op (a second run) bitwise equal to the launcher."""
-    from mok import ops
-
     T, H, I, E, topk = 5, 128, 128, 2, 1
     inp = make_inputs(T, H, I, E, topk, seed=6, device=kernel_device)
     block_m = routing_block_m()
@@ -425,3 +425,45 @@ def test_fp8_block_launchers_reject_mismatches(kernel_device):
     for call, message in cases:
         with pytest.raises(ValueError, match=message):
             call()
+
+
+def _two_launch_schedules(sched):
+    """The schedule's M tiles split in two (even tiles, odd tiles), each with the other's tile_expert −1:
+    the two launches of a gate/up GEMM over one layout (as `transport.common.arrival_split` makes them)."""
+    odd = torch.arange(sched.max_tiles, device=sched.tile_expert.device) % 2 == 1
+    return (dataclasses.replace(sched, tile_expert=torch.where(odd, -1, sched.tile_expert)),
+            dataclasses.replace(sched, tile_expert=torch.where(odd, sched.tile_expert, -1)))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8_block", "fp8_block e4m3 g,u"])
+def test_gate_up_in_two_launches_over_one_layout_is_bitwise_one(kernel_device, precision):
+    """The first launch over one set of tiles, the second (`*_into`) over the rest into its outputs:
+    every row below num_rows bitwise what one launch writes; the fake impls and the mutated
+    outputs as the ops declare them; outputs of the wrong shape rejected by name."""
+    T, H, I, E, topk = 70, 128, 128, 3, 2
+    inp = make_inputs(T, H, I, E, topk, seed=11, device=kernel_device)
+    flag = torch.zeros(1, dtype=torch.int32, device=kernel_device)
+    sched = ops.routing_schedule(inp.topk_ids, flag, E, routing_block_m())
+    first, rest = _two_launch_schedules(sched)
+    rows = int(sched.num_rows)
+    assert rows // sched.block_m >= 2, "the case needs tiles for both launches"
+    if precision == "bf16":
+        operands = (inp.x, inp.w_gate, inp.w_up)
+        whole = ops.gate_up_swiglu(*operands, sched, topk, 0.5, True)
+        parts = ops.gate_up_swiglu(*operands, first, topk, 0.5, True)
+        into, into_args = ops.gate_up_swiglu_into, (*operands, rest, topk, 0.5, *parts)
+    else:
+        e4m3 = precision.endswith("g,u")
+        (x_q, x_scale), w_gate, w_up, _ = _fp8_block_operands(inp)
+        operands = (x_q, x_scale, *w_gate, *w_up)
+        limit = None if e4m3 else 0.5
+        whole = ops.gate_up_swiglu_fp8_block(*operands, sched, topk, limit, True, e4m3)
+        parts = ops.gate_up_swiglu_fp8_block(*operands, first, topk, limit, True, e4m3)
+        into, into_args = ops.gate_up_swiglu_fp8_block_into, (*operands, rest, topk, limit, *parts)
+    into(*into_args)
+    for a, b in zip(whole, parts):
+        assert torch.equal(a[:rows].view(torch.uint8), b[:rows].view(torch.uint8)), f"{precision=}"
+    torch.library.opcheck(into.op, into.op_args(*into_args), test_utils=("test_faketensor",))
+    bad = (*into_args[:-len(parts)], parts[0][:-1], *parts[1:])
+    with pytest.raises(ValueError, match=r"^outputs\[0\] \(h(_q)?\): expected a contiguous"):
+        into(*bad)
