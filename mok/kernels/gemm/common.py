@@ -227,7 +227,19 @@ def check_fp8_block_tiles(cfg: dict, gemm: str, whole_block_n: bool) -> None:
 # --------------------------------------------------------------------------- launchers
 
 
+def check_contiguous(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...], shape: tuple[int, ...],
+                     device) -> None:
+    """t: a contiguous tensor of one of `dtypes`, of `shape`, on `device` (else ValueError naming it)."""
+    if t.dtype not in dtypes or tuple(t.shape) != shape or not t.is_contiguous() or t.device != device:
+        expected = "/".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(
+            f"{name}: expected a contiguous {expected} tensor of shape {list(shape)} on {device}, "
+            f"got {t.dtype} {list(t.shape)} on {t.device}"
+        )
+
+
 def _check_weights(name: str, w: torch.Tensor, shape: tuple[int, ...], device: torch.device) -> None:
+    """w: a contiguous bf16 tensor of `shape` on `device` (weights, and the bf16 operands beside them)."""
     if w.dtype != torch.bfloat16 or tuple(w.shape) != shape or not w.is_contiguous() or w.device != device:
         raise ValueError(
             f"{name}: expected a contiguous bf16 tensor of shape {list(shape)} on {device}, "

@@ -100,6 +100,7 @@ from mok.kernels.common import (
 )
 from mok.kernels.gemm import hopper_common, hopper_gathered, hopper_scatter
 from mok.kernels.gemm.common import (
+    _check_weights,
     check_fp8_block_pair,
     checked_tile_config,
     fp8_block_weight_shape,
@@ -543,20 +544,12 @@ def _gate_up_dgrad_scatter_kernel(
 # --------------------------------------------------------------------------- launchers
 
 
-def _check_bf16(name: str, t: torch.Tensor, shape: tuple[int, ...], device: torch.device) -> None:
-    if t.dtype != torch.bfloat16 or tuple(t.shape) != shape or not t.is_contiguous() or t.device != device:
-        raise ValueError(
-            f"{name}: expected a contiguous bf16 tensor of shape {list(shape)} on {device}, "
-            f"got {t.dtype} {list(t.shape)} on {t.device}"
-        )
-
-
 def _check_gate_up(gate_up, capacity_rows: int, inter: int, device: torch.device) -> None:
     """The forward's g, u: bf16 [capacity_rows, 2, I], or in fp8_block the pair (e4m3 [capacity_rows,
     2, I], fp32 scales [capacity_rows, 2, I/128]) of `gate_up_swiglu_fp8_block(..., gate_up_e4m3=True)`."""
     data, scales = gate_up_parts(gate_up)
     if scales is None:
-        _check_bf16("gate_up", data, (capacity_rows, 2, inter), device)
+        _check_weights("gate_up", data, (capacity_rows, 2, inter), device)
     else:
         check_fp8_block_pair("gate_up[0]", data, "gate_up[1]", scales, (capacity_rows, 2, inter), (1, FP8_BLOCK),
                              device)
@@ -673,12 +666,12 @@ def down_dgrad_swiglu(
     device = gate_up.device
     check_sorted_rows("d_out_sorted", d_out_sorted, hidden, schedule)
     _check_topk_weights(topk_weights, device)
-    _check_bf16("w_down", w_down, (schedule.num_local_experts, hidden, inter), device)
-    _check_bf16("gate_up", gate_up, (schedule.capacity_rows, 2, inter), device)
+    _check_weights("w_down", w_down, (schedule.num_local_experts, hidden, inter), device)
+    _check_weights("gate_up", gate_up, (schedule.capacity_rows, 2, inter), device)
     if weighted_h is not None:
         if topk_weights is None:
             raise ValueError("weighted_h: expected None without topk_weights (w·h needs the router weights)")
-        _check_bf16("weighted_h", weighted_h, (schedule.capacity_rows, inter), device)
+        _check_weights("weighted_h", weighted_h, (schedule.capacity_rows, inter), device)
     cfg = _dgrad_tiles("down", inter, hidden, "bf16", tile_config, schedule)
     if cfg.get("WARP_SPECIALIZED", False):  # a warp-specialized bf16 down dgrad measured slower (benchmarks/LOG.md)
         raise ValueError("tile_config: the down dgrad runs the Triton kernel only, got WARP_SPECIALIZED")
@@ -831,9 +824,9 @@ def gate_up_dgrad_scatter(
     slot row_source[r]. Slots no route points to are left unwritten."""
     num_experts, inter, hidden = w_gate.shape
     device = d_gate_up.device
-    _check_bf16("d_gate_up", d_gate_up, (schedule.capacity_rows, 2, inter), device)
-    _check_bf16("w_gate", w_gate, (schedule.num_local_experts, inter, hidden), device)
-    _check_bf16("w_up", w_up, tuple(w_gate.shape), device)
+    _check_weights("d_gate_up", d_gate_up, (schedule.capacity_rows, 2, inter), device)
+    _check_weights("w_gate", w_gate, (schedule.num_local_experts, inter, hidden), device)
+    _check_weights("w_up", w_up, tuple(w_gate.shape), device)
     cfg = _dgrad_tiles("gate_up", hidden, inter, "bf16", tile_config, schedule)
     return _launch_gate_up_dgrad_scatter(
         "bf16", d_gate_up[:, 0], None, d_gate_up[:, 1], None, w_gate, None, w_up, None,

@@ -62,6 +62,7 @@ from mok.kernels.gemm import hopper_gathered
 from mok.kernels.gemm.common import (
     _check_weights,
     _tile_config,
+    check_contiguous,
     check_fp8_block_pair,
     fp8_block_weight_shape,
     load_weight_tile,
@@ -193,15 +194,6 @@ def _gate_up_swiglu_kernel(
 # --------------------------------------------------------------------------- launchers
 
 
-def _check_output(name: str, t, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """t, once checked to be a contiguous `dtype` tensor of `shape` on `device` (an output given to fill)."""
-    if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous() \
-            or t.device != device:
-        got = f"{t.dtype} {list(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
-        raise ValueError(f"{name}: expected a contiguous {dtype} {list(shape)} tensor on {device}, got {got}")
-    return t
-
-
 def gate_up_packed(w_gate: torch.Tensor, w_up: torch.Tensor) -> bool:
     """Whether w_up starts where w_gate ends, both contiguous and alike: one [2, E_l, I, H]
     tensor, as `MoKMoE` and `mok.pack_gate_up` store them. The gate/up GEMM can then load a
@@ -281,9 +273,9 @@ def gate_up_swiglu(
         gate_up = torch.empty(rows, 2, inter, dtype=torch.bfloat16, device=x.device) if store_gate_up else None
     else:
         h, gate_up = outputs
-        _check_output("outputs[0] (h)", h, (rows, inter), torch.bfloat16, x.device)
+        check_contiguous("outputs[0] (h)", h, (torch.bfloat16,), (rows, inter), x.device)
         if store_gate_up:
-            _check_output("outputs[1] (g,u)", gate_up, (rows, 2, inter), torch.bfloat16, x.device)
+            check_contiguous("outputs[1] (g,u)", gate_up, (torch.bfloat16,), (rows, 2, inter), x.device)
     _launch_gate_up_swiglu(
         "bf16", x, None, w_gate, None, w_up, None, h, None, gate_up, schedule, topk, swiglu_limit, cfg
     )
@@ -341,15 +333,15 @@ def gate_up_swiglu_fp8_block(
             gate_up = torch.empty(shapes["g,u"], dtype=torch.bfloat16, device=device)
     else:
         h_q, h_scale, gate_up = outputs
-        h_q = _check_output("outputs[0] (h_q)", h_q, shapes["h_q"], torch.float8_e4m3fn, device).view(torch.uint8)
-        _check_output("outputs[1] (h_scale)", h_scale, shapes["h_scale"], torch.float32, device)
+        check_contiguous("outputs[0] (h_q)", h_q, (torch.float8_e4m3fn,), shapes["h_q"], device)
+        check_contiguous("outputs[1] (h_scale)", h_scale, (torch.float32,), shapes["h_scale"], device)
         if gate_up_e4m3:
-            gate_up = (_check_output("outputs[2][0] (g,u)", gate_up[0], shapes["g,u"], torch.float8_e4m3fn,
-                                     device).view(torch.uint8),
-                       _check_output("outputs[2][1] (g,u scales)", gate_up[1], shapes["g,u scales"], torch.float32,
-                                     device))
+            check_contiguous("outputs[2][0] (g,u)", gate_up[0], (torch.float8_e4m3fn,), shapes["g,u"], device)
+            check_contiguous("outputs[2][1] (g,u scales)", gate_up[1], (torch.float32,), shapes["g,u scales"], device)
+            gate_up = (gate_up[0].view(torch.uint8), gate_up[1])
         elif store_gate_up:
-            _check_output("outputs[2] (g,u)", gate_up, shapes["g,u"], torch.bfloat16, device)
+            check_contiguous("outputs[2] (g,u)", gate_up, (torch.bfloat16,), shapes["g,u"], device)
+        h_q = h_q.view(torch.uint8)
     if cfg.get("WARP_SPECIALIZED", False):
         hopper_gathered.launch_gate_up_swiglu_fp8_block(x_q, x_scale, w_gate_q, w_gate_scale, w_up_q, w_up_scale, h_q,
                                                         h_scale, gate_up, schedule, topk, swiglu_limit, cfg)

@@ -62,6 +62,7 @@ import triton.language as tl
 from mok.fp8_block import FP8_BLOCK
 from mok.kernels.common import expert_tile_coordinates, interpreting, launch_programs, round_to_bf16, tma_descriptor
 from mok.kernels.gemm import hopper_common, hopper_wgrad
+from mok.kernels.gemm.common import check_contiguous
 from mok.kernels.plan import KernelPlan, kernel_plan
 from mok.kernels.quant.fp8_block import sorted_scale_rows
 from mok.kernels.routing.gather import check_sorted_rows
@@ -242,15 +243,6 @@ def _sorted_rows_wgrad_kernel(
 # --------------------------------------------------------------------------- launchers
 
 
-def _check(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...], shape: tuple[int, ...], device) -> None:
-    if t.dtype not in dtypes or tuple(t.shape) != shape or not t.is_contiguous() or t.device != device:
-        expected = "/".join(str(d).removeprefix("torch.") for d in dtypes)
-        raise ValueError(
-            f"{name}: expected a contiguous {expected} tensor of shape {list(shape)} on {device}, "
-            f"got {t.dtype} {list(t.shape)} on {t.device}"
-        )
-
-
 def _check_block_k(cfg: dict, schedule: RoutingSchedule, precision: str) -> None:
     """No K step may cross an expert's end (bf16, fp8_block) or a scale block (fp8_block)."""
     if schedule.block_m % cfg["BLOCK_K"]:
@@ -317,7 +309,7 @@ def _down_output(main_grad: torch.Tensor | None, schedule: RoutingSchedule, hidd
     """main_grad (checked), or a new bf16 d_w_down [E_l, H, I]."""
     shape = (schedule.num_local_experts, hidden, inter)
     if main_grad is not None:
-        _check("main_grad", main_grad, _MAIN_GRAD_DTYPES, shape, device)
+        check_contiguous("main_grad", main_grad, _MAIN_GRAD_DTYPES, shape, device)
         return main_grad
     return torch.empty(shape, dtype=torch.bfloat16, device=device)  # [E_l, H, I]
 
@@ -328,8 +320,8 @@ def _gate_up_outputs(main_grad_gate, main_grad_up, schedule: RoutingSchedule, in
     if (main_grad_gate is None) != (main_grad_up is None):
         raise ValueError("main_grad_gate, main_grad_up: expected both or neither")
     if main_grad_gate is not None:
-        _check("main_grad_gate", main_grad_gate, _MAIN_GRAD_DTYPES, shape, device)
-        _check("main_grad_up", main_grad_up, (main_grad_gate.dtype,), shape, device)
+        check_contiguous("main_grad_gate", main_grad_gate, _MAIN_GRAD_DTYPES, shape, device)
+        check_contiguous("main_grad_up", main_grad_up, (main_grad_gate.dtype,), shape, device)
         return main_grad_gate, main_grad_up
     d_w_gate = torch.empty(shape, dtype=torch.bfloat16, device=device)  # [E_l, I, H]
     return d_w_gate, torch.empty_like(d_w_gate)  # [E_l, I, H]
@@ -370,7 +362,7 @@ def gate_up_wgrad(
     hidden, inter = x_sorted.shape[-1], d_gate_up.shape[-1]
     device = d_gate_up.device
     check_sorted_rows("x_sorted", x_sorted, hidden, schedule)
-    _check("d_gate_up", d_gate_up, (torch.bfloat16,), (schedule.capacity_rows, 2, inter), device)
+    check_contiguous("d_gate_up", d_gate_up, (torch.bfloat16,), (schedule.capacity_rows, 2, inter), device)
     d_w_gate, d_w_up = _gate_up_outputs(main_grad_gate, main_grad_up, schedule, inter, hidden, device)
     cfg = tile_config or wgrad_config("gate_up", inter, hidden, allow_warp_specialized=main_grad_gate is None)
     a, a2 = _gate_up_a_operands(cfg, d_gate_up.view(-1, 2 * inter), d_gate_up[:, 0], d_gate_up[:, 1])
@@ -383,8 +375,8 @@ def _check_sorted_t_pair(q_name: str, q: torch.Tensor, scale_name: str, scale: t
                          schedule: RoutingSchedule) -> None:
     """q: e4m3 [width, capacity_rows]; scale: fp32 [capacity_rows / S, width] (`quantize_fp8_block_sorted_t`)."""
     rows, device = schedule.capacity_rows, schedule.row_source.device
-    _check(q_name, q, (torch.float8_e4m3fn,), (width, rows), device)
-    _check(scale_name, scale, (torch.float32,), (rows // sorted_scale_rows(schedule.block_m), width), device)
+    check_contiguous(q_name, q, (torch.float8_e4m3fn,), (width, rows), device)
+    check_contiguous(scale_name, scale, (torch.float32,), (rows // sorted_scale_rows(schedule.block_m), width), device)
 
 
 def down_wgrad_fp8_block(
