@@ -23,13 +23,14 @@ and the predicted step time at each EP size P:
     built:   mok's overlap with `MoKConfig.overlap_comm_sms` = `--overlap-sms` C: the x
              dispatch beside the shared expert's forward and the gate/up GEMM's tiles of the
              rank's own tokens, the dOut dispatch beside the shared expert's backward, the dx
-             return beside the routed weight gradients; each such exchange, pushed from C
-             programs, costs max(W·S/(S − C), its time at C programs) − W over the work W beside
-             it (the persistent GEMMs leave C of the S SMs free); the y return and, without a
-             shared expert, the dOut dispatch stay serial. W from the compute time by FLOPs: the
-             shared expert's forward 6·T·H·I_s and backward twice that, the own tiles 1/P of the
-             gate/up GEMM's 4·T·k·H·I, the routed wgrads 6·T·k·H·I, of a step of 3 × the
-             forward's FLOPs.
+             return beside the routed weight gradients; with `MoKConfig.overlap_return_sms` =
+             `--overlap-return-sms` C_y the y return beside the down GEMM's tiles of the own
+             tokens. Each such exchange, pushed from C (C_y) programs, costs max(W·S/(S − C), its
+             time at C programs) − W over the work W beside it (the persistent GEMMs leave C of
+             the S SMs free); without a shared expert the dOut dispatch stays serial. W from
+             the compute time by FLOPs: the shared expert's forward 6·T·H·I_s and backward twice
+             that, the own tiles 1/P of the gate/up GEMM's 4·T·k·H·I and of the down GEMM's
+             2·T·k·H·I, the routed wgrads 6·T·k·H·I, of a step of 3 × the forward's FLOPs.
     exchange = bytes / rate + 10 µs, rate = link · min(1, programs / 32): the link's rate was
              measured from 32 programs and is taken as proportional below that.
 
@@ -131,8 +132,9 @@ def step_ms(compute_ms: float, sent: dict[str, int], link_gbps: float, chunk_byt
 
 
 def built_ms(compute_ms: float, sent: dict[str, int], link_gbps: float, preset: Preset, overlap_sms: int,
-             world_size: int) -> float:
-    """The step with the overlap as built (module docstring), `overlap_sms` = C, at P = `world_size`."""
+             world_size: int, return_sms: int = 0) -> float:
+    """The step with the overlap as built (module docstring), `overlap_sms` = C and `return_sms` =
+    C_y, at P = `world_size`."""
     def exchange(kind: str, programs: int) -> float:
         rate = link_gbps * min(1.0, programs / LINK_PROGRAMS)
         return sent[kind] / (rate * 1e6) + EXCHANGE_LATENCY_MS
@@ -140,15 +142,18 @@ def built_ms(compute_ms: float, sent: dict[str, int], link_gbps: float, preset: 
     routed = preset.num_tokens * preset.topk * preset.hidden_size * preset.intermediate_size
     shared = preset.num_tokens * preset.hidden_size * preset.shared_intermediate_size
     ms_per_unit = compute_ms / (3 * (routed + shared))
-    own_gate_up = 2 / 3 * routed / world_size  # the gate/up GEMM is 4 of the forward's 6·T·k·H·I
-    beside = {"x": (shared + own_gate_up) * ms_per_unit, "d_out": 2 * shared * ms_per_unit, "dx": routed * ms_per_unit}
+    # the gate/up GEMM is 4 of the forward's 6·T·k·H·I, the down GEMM 2
+    own_gate_up, own_down = 2 / 3 * routed / world_size, 1 / 3 * routed / world_size
+    beside = {"x": (shared + own_gate_up) * ms_per_unit, "y": own_down * ms_per_unit,
+              "d_out": 2 * shared * ms_per_unit, "dx": routed * ms_per_unit}
     step = compute_ms
     for kind in EXCHANGES:
-        work = beside.get(kind, 0.0) if overlap_sms else 0.0
+        programs = return_sms if kind == "y" else overlap_sms
+        work = beside[kind] if programs else 0.0
         if work == 0.0:
             step += exchange(kind, LINK_PROGRAMS)
         else:
-            step += max(work * SMS / (SMS - overlap_sms), exchange(kind, overlap_sms)) - work
+            step += max(work * SMS / (SMS - programs), exchange(kind, programs)) - work
     return step
 
 
@@ -188,7 +193,7 @@ def compute_times(args) -> dict[tuple[str, str], float]:
 
 
 def model_rows(preset: Preset, world_sizes, compute: dict, link_gbps: float, chunk_rows: int, seed: int,
-               topk_ids: torch.Tensor | None = None, overlap_sms: int = 4) -> list[dict]:
+               topk_ids: torch.Tensor | None = None, overlap_sms: int = 4, return_sms: int = 0) -> list[dict]:
     """One dict per (P, design, wire): bytes per exchange, compute and step times."""
     rows = []
     ids = topk_ids
@@ -206,7 +211,8 @@ def model_rows(preset: Preset, world_sizes, compute: dict, link_gbps: float, chu
                 compute_ms = compute[preset.name, wire]
                 chunk = chunk_rows * row_bytes(preset.hidden_size, wire)
                 plain, overlapped = (None, None) if compute_ms is None else step_ms(compute_ms, sent, link_gbps, chunk)
-                built = None if compute_ms is None else built_ms(compute_ms, sent, link_gbps, preset, overlap_sms, world_size)
+                built = None if compute_ms is None else built_ms(compute_ms, sent, link_gbps, preset, overlap_sms,
+                                                                 world_size, return_sms)
                 rows.append({"preset": preset.name, "ep": world_size, "design": design, "wire": wire,
                              "bytes": sent, "rows": traffic.remote_routes if design == "per-route"
                              else traffic.remote_pairs, "compute_ms": compute_ms, "step_ms": plain,
@@ -218,9 +224,9 @@ def _fmt_ms(value: float | None) -> str:
     return "     —" if value is None else f"{value:6.2f}"
 
 
-def print_table(rows: list[dict], link_gbps: float, overlap_sms: int) -> None:
+def print_table(rows: list[dict], link_gbps: float, overlap_sms: int, return_sms: int) -> None:
     print(f"bytes a rank sends its peers per exchange (MB) and fwd+bwd step (ms) at {link_gbps:g} GB/s per direction; "
-          f"built: overlap_comm_sms = {overlap_sms}")
+          f"built: overlap_comm_sms = {overlap_sms}, overlap_return_sms = {return_sms}")
     print(f"{'preset':18} {'EP':>3} {'design':14} {'wire':4} {'rows':>8} {'x':>8} {'y':>8} {'dOut':>8} {'dx':>8} "
           f"{'total':>8} {'compute':>7} {'serial':>6} {'ideal':>6} {'built':>6}")
     for r in rows:
@@ -247,6 +253,8 @@ def main(argv=None) -> int:
     parser.add_argument("--link-gbps", type=float, default=341.0, help="GB/s per direction per rank")
     parser.add_argument("--chunk-rows", type=int, default=1024, help="rows of one overlap step")
     parser.add_argument("--overlap-sms", type=int, default=4, help="MoKConfig.overlap_comm_sms of the built column")
+    parser.add_argument("--overlap-return-sms", type=int, default=16,
+                        help="MoKConfig.overlap_return_sms of the built column")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--topk-ids", help="a torch.save'd [T, topk] tensor of global ids, used for every preset")
     parser.add_argument("--record", default=str(BF16_RECORD), help="single-GPU record of the bf16 compute times")
@@ -256,8 +264,9 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--check", action="store_true", help="compare with the measured EP = 2 step (exit 1 beyond 15%%)")
     args = parser.parse_args(argv)
-    if not 0 <= args.overlap_sms < SMS:
-        raise ValueError(f"--overlap-sms: expected 0 <= C < {SMS}, got {args.overlap_sms}")
+    for name, value in (("--overlap-sms", args.overlap_sms), ("--overlap-return-sms", args.overlap_return_sms)):
+        if not 0 <= value < SMS:
+            raise ValueError(f"{name}: expected 0 <= C < {SMS}, got {value}")
     names = args.preset.split(",")
     for name in names:
         if name not in MODEL_PRESETS:
@@ -266,8 +275,9 @@ def main(argv=None) -> int:
     topk_ids = torch.load(args.topk_ids) if args.topk_ids else None
     compute = compute_times(args)
     rows = [r for name in names for r in model_rows(MODEL_PRESETS[name], world_sizes, compute, args.link_gbps,
-                                                     args.chunk_rows, args.seed, topk_ids, args.overlap_sms)]
-    print_table(rows, args.link_gbps, args.overlap_sms)
+                                                     args.chunk_rows, args.seed, topk_ids, args.overlap_sms,
+                                                     args.overlap_return_sms)]
+    print_table(rows, args.link_gbps, args.overlap_sms, args.overlap_return_sms)
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
     if args.check:

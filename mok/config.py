@@ -23,13 +23,18 @@ class MoKConfig:
         in the forward / backward exchanges (32 reach ~90% of NVLink for peer stores on H200).
     overlap_comm_sms: 0, or the SMs an exchange gets while the layer's independent work runs
         beside it on another stream: under expert parallelism the x rows' dispatch beside the
-        shared expert's forward, the dOut rows' dispatch beside its backward, and the dx rows'
-        return beside the routed experts' weight gradients. Those pushes (symmetric transport)
-        then run on that many programs, and persistent GEMMs leave that many SMs free meanwhile
-        (a persistent grid holds every SM to its end). The GEMMs slow by about
-        overlap_comm_sms / SMs while the exchange hides; `benchmarks/ep_model.py --overlap-sms`
-        predicts the balance. 0 (the default, until measured on two GPUs): each exchange
-        finishes before the next work starts.
+        shared expert's forward and the gate/up GEMM's tiles of the rank's own tokens, the dOut
+        rows' dispatch beside the shared expert's backward, and the dx rows' return beside the
+        routed experts' weight gradients. Those pushes (symmetric transport) then run on that
+        many programs, and persistent GEMMs leave that many SMs free meanwhile (a persistent
+        grid holds every SM to its end). The GEMMs slow by about overlap_comm_sms / SMs while
+        the exchange hides; `benchmarks/ep_model.py --overlap-sms` predicts the balance. 0 (the
+        default, until measured on two GPUs): each exchange finishes before the next work starts.
+    overlap_return_sms: the same for the forward's return of the partial y rows, beside the down
+        GEMM's tiles of the rank's own tokens (the others' tiles run first). Apart from
+        overlap_comm_sms because that work is short, 1/P of the down GEMM: the model
+        (`--overlap-return-sms`) hides the return best with more programs than the other
+        exchanges want. 0 (the default, until measured): the return follows the down GEMM.
     schedule_capacity_multiplier: worst-case share of all routes one rank may receive,
         relative to an even split; sizes buffers and grids without a host sync. None means
         the exact worst case (every route of every rank to one rank), which never overflows.
@@ -52,6 +57,7 @@ class MoKConfig:
     fwd_num_comm_sms: int = 32
     bwd_num_comm_sms: int = 32
     overlap_comm_sms: int = 0
+    overlap_return_sms: int = 0
     schedule_capacity_multiplier: float | None = None
     strict: bool = False
     transport: str = "auto"
@@ -66,9 +72,10 @@ class MoKConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
-        overlap = self.overlap_comm_sms
-        if not isinstance(overlap, int) or isinstance(overlap, bool) or overlap < 0:
-            raise ValueError(f"overlap_comm_sms: expected an int >= 0, got {overlap!r}")
+        for name in ("overlap_comm_sms", "overlap_return_sms"):
+            overlap = getattr(self, name)
+            if not isinstance(overlap, int) or isinstance(overlap, bool) or overlap < 0:
+                raise ValueError(f"{name}: expected an int >= 0, got {overlap!r}")
         multiplier = self.schedule_capacity_multiplier
         if multiplier is not None and (
             not isinstance(multiplier, (int, float)) or isinstance(multiplier, bool) or not multiplier >= 1.0

@@ -25,7 +25,6 @@ sync), and `MoKConfig(strict=True)` calls it after every step.
 from __future__ import annotations
 
 import copy
-import functools
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,11 +38,11 @@ from mok.kernels.common import ERROR_BAD_EXPERT_ID, ERROR_CAPACITY_OVERFLOW, ERR
 from mok.kernels.gemm.common import routing_block_m
 from mok.kernels.routing.schedule import RoutingSchedule
 from mok.precision import recipe, take
-from mok.precision.base import ArrivingRows, capturing_cuda_graph
+from mok.precision.base import ArrivingRows, ReturningRows, capturing_cuda_graph
 from mok.precision.bf16 import Bf16Saved
 from mok.reference import Gradients
 from mok.transport import Dispatch, Transport, check_same_across_ranks, create_transport
-from mok.transport.common import arrival_split, exchange_beside, finish_now
+from mok.transport.common import exchange_beside, finish_now, own_tiles_split
 from mok.validation import check_layer_inputs, check_tensor, check_topk_ids_values, flatten_tokens
 
 __all__ = [
@@ -443,14 +442,15 @@ def _reference_call(fn, config, workspace, schedule, x, topk_weights, ws_gate, w
 
 
 def _routed_forward(routed_recipe, schedule, x, topk_weights, routed, swiglu_limit, needs_backward, beside,
-                    overlap_sms):
+                    overlap_sms, return_sms):
     """(y, route_row, combine weights, what the backward reads, what `beside()` returned): y
     [T·topk, H] of the routed experts in route slots and route_row None, or where the recipe has
     `sorted_outputs` y [capacity_rows, H] in the sorted layout and route_row [T·topk] each route's
     row of it (also kept for the backward's dx); the weights are topk_weights. Under expert
     parallelism the token rows travel to the experts' ranks and y comes back (`_per_rank_forward`).
     `beside` (None: nothing) is work that does not need the routed experts: it runs beside the
-    dispatch where `overlap_sms` (`MoKConfig.overlap_comm_sms`) says so."""
+    dispatch where `overlap_sms` (`MoKConfig.overlap_comm_sms`) says so; `return_sms`
+    (`MoKConfig.overlap_return_sms`) likewise for y's return."""
     dispatch = schedule.dispatch
     topk = topk_weights.shape[1]
     if dispatch is None:
@@ -461,7 +461,7 @@ def _routed_forward(routed_recipe, schedule, x, topk_weights, routed, swiglu_lim
         route_row = schedule.routing.route_row if sorted_rows else None
         return y, route_row, topk_weights, SavedActivations(routed_saved, route_row=route_row), _run(beside)
     return _per_rank_forward(routed_recipe, schedule, x, topk_weights, routed, swiglu_limit, needs_backward, beside,
-                             overlap_sms)
+                             overlap_sms, return_sms)
 
 
 def _run(work):
@@ -470,48 +470,82 @@ def _run(work):
 
 
 def _per_rank_forward(routed_recipe, schedule, x, topk_weights, routed, swiglu_limit, needs_backward, beside,
-                      overlap_sms):
+                      overlap_sms, return_sms):
     """`_routed_forward` with each token row sent once per (token, rank) (`mok.transport`): each
     received row is a token with topk = k_l, whose routes the expert's rank sums (Σ_q w·y,
     ascending q, fp32, one bf16 row); y is [P·C, H] of those partial rows back at the source,
     route_row the pairs' rows (token_slot [T·P]) and the combine weights ones [T, P]. `beside`
-    runs while the x rows travel; with `overlap_sms` so does the gate/up GEMM's part over this
-    rank's own tokens, where the recipe can (`gate_up_while_arriving`)."""
+    runs while the x rows travel. The GEMMs' tiles of this rank's own tokens hide exchanges
+    (`own_tiles_split`): with `overlap_sms` the gate/up GEMM's run while the peers' x rows arrive,
+    where the recipe can (`gate_up_while_arriving`); with `return_sms` the down GEMM's run last,
+    while the peers' partial rows go back."""
     dispatch = schedule.dispatch
     k_l = dispatch.routes_per_row
-    forward = functools.partial(routed_recipe.forward, weights=routed, routing=schedule.routing, topk=k_l,
-                                num_slots=dispatch.num_expert_rows * k_l, swiglu_limit=swiglu_limit,
-                                needs_backward=needs_backward)
+    landed = {}  # the exchange's received rows ("x") and their routes' weights ("weights")
+    arriving = returning = None
+    if overlap_sms or return_sms:
+        own, others = own_tiles_split(schedule.routing, dispatch.rank, dispatch.send_capacity * k_l)
+    if return_sms:
+        returning, returned = _returning_rows(dispatch, own, others, landed, x.shape[1], return_sms)
     if overlap_sms and routed_recipe.gate_up_while_arriving():
         rows_now, finish = dispatch.start_dispatch_split(x, topk_weights, overlap_sms)
-        landed = []  # the exchange's (expert_x, expert_weights), once the gate/up GEMM has asked for them
 
         def land():
-            landed.append(finish_now(finish, x.device))
-            return landed[0][0]
+            landed["x"], landed["weights"] = finish_now(finish, x.device)
+            return landed["x"]
 
-        first, rest = arrival_split(schedule.routing, dispatch.rank, dispatch.send_capacity * k_l)
-        arriving = ArrivingRows(first, rest, rows_now, land, overlap_sms)
+        arriving = ArrivingRows(own, others, rows_now, land, overlap_sms)
         with arriving.before_landing():
             beside_result = _run(beside)
-        y_routes, routed_saved = forward(None, arriving=arriving)
-        expert_x, expert_weights = landed[0]
     else:
         # [P·C, H] (or e4m3 rows and their scales: the recipe's `sends_fp8_rows`), [P·C, k_l]
-        (expert_x, expert_weights), beside_result = exchange_beside(
+        (landed["x"], landed["weights"]), beside_result = exchange_beside(
             lambda programs: dispatch.start_dispatch(x, topk_weights, programs), lambda: _run(beside), x.device,
             overlap_sms if beside is not None else 0,
         )
-        y_routes, routed_saved = forward(expert_x)
-    parts = ops.combine(y_routes, expert_weights, None, dispatch.received_routes)  # [P·C, H]
-    y = dispatch.combine(parts)
+    y_routes, routed_saved = routed_recipe.forward(
+        None if arriving else landed["x"], routed, schedule.routing, k_l, dispatch.num_expert_rows * k_l,
+        swiglu_limit, needs_backward, arriving=arriving, returning=returning,
+    )
+    if returning is None:
+        y = dispatch.combine(ops.combine(y_routes, landed["weights"], None, dispatch.received_routes))  # [P·C, H]
+    else:
+        own_parts, finish = returned
+        _sum_received_routes(y_routes, landed["weights"], dispatch, dispatch.own_rows(), own_parts)
+        y = finish_now(finish, x.device)
     ones = torch.ones(x.shape[0], dispatch.world_size, dtype=torch.float32, device=x.device)  # [T, P]
-    saved = SavedActivations(routed_saved, expert_x=expert_x, expert_weights=expert_weights)
+    saved = SavedActivations(routed_saved, expert_x=landed["x"], expert_weights=landed["weights"])
     return y, dispatch.token_slot, ones, saved, beside_result
 
 
+def _returning_rows(dispatch, own, others, landed: dict, hidden: int, return_sms: int
+                    ) -> tuple[ReturningRows, list]:
+    """(the down GEMM's `ReturningRows`, [] that its `send` fills with `start_combine_split`'s
+    (where the own partial rows go, finish)): `send` sums the peers' received rows into their
+    partial rows, with the weights in `landed` by then, and starts them back."""
+    parts = torch.empty(dispatch.num_expert_rows, hidden, dtype=torch.bfloat16,
+                        device=dispatch.token_slot.device)  # [P·C, H]
+    returned = []
+
+    def send(y_routes):
+        for rows in dispatch.peer_blocks():
+            _sum_received_routes(y_routes, landed["weights"], dispatch, rows, parts[rows])
+        returned.extend(dispatch.start_combine_split(parts, return_sms))
+
+    return ReturningRows(others, own, send, return_sms), returned
+
+
+def _sum_received_routes(y_routes, expert_weights, dispatch, rows: slice, out) -> None:
+    """out [rows, H] = Σ_q w·y over the routes of the received rows `rows` (a block of the P·C),
+    fp32, ascending q (`ops.combine_into`)."""
+    if rows.stop > rows.start:
+        k_l = dispatch.routes_per_row
+        route_rows = dispatch.received_routes[rows.start * k_l: rows.stop * k_l]
+        ops.combine_into(y_routes, expert_weights[rows], route_rows, out)
+
+
 def _triton_forward(routed_recipe, schedule, x, topk_weights, shared, routed, swiglu_limit, needs_backward,
-                    overlap_sms=0):
+                    overlap_sms=0, return_sms=0):
     """out and what the backward reads (None without `needs_backward`): the recipes' saved
     pre-activations of every routed row and of the shared expert's. `routed` as the recipe's
     `prepare_weights` gives them."""
@@ -526,7 +560,7 @@ def _triton_forward(routed_recipe, schedule, x, topk_weights, shared, routed, sw
 
     y, route_row, weights, saved, shared_result = _routed_forward(
         routed_recipe, schedule, x, topk_weights, routed, swiglu_limit, needs_backward,
-        shared_forward if shared[0] is not None else None, overlap_sms,
+        shared_forward if shared[0] is not None else None, overlap_sms, return_sms,
     )
     y_shared = None
     if shared_result is not None:
@@ -565,7 +599,7 @@ def _forward_checked(config, workspace, schedule, x, topk_weights, shared, route
         routed_recipe = recipe(config.precision)
         routed = routed_recipe.prepare_weights(*routed)
         out, saved = _triton_forward(routed_recipe, schedule, x, topk_weights, shared, routed, swiglu_limit,
-                                     needs_backward, config.overlap_comm_sms)
+                                     needs_backward, config.overlap_comm_sms, config.overlap_return_sms)
         if config.strict:
             check_errors(workspace)
         workspace.error_copy.take(workspace.error_flag)

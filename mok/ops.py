@@ -177,7 +177,7 @@ def gate_up_swiglu_into(
 ) -> None:
     """`gate_up_swiglu`'s rows of `routing`'s tiles written into an earlier call's h and gate_up
     (an empty gate_up: not stored): the second launch over a layout that two schedules share
-    (`transport.common.arrival_split`)."""
+    (`transport.common.own_tiles_split`)."""
     store_gate_up = gate_up.shape[0] > 0
     gate_up_kernels.gate_up_swiglu(x, w_gate, w_up, routing, topk, swiglu_limit, store_gate_up,
                                    outputs=(h, gate_up if store_gate_up else None))
@@ -202,6 +202,18 @@ def down_scatter(
 @down_scatter.register_fake
 def _(h, w_down, routing, num_slots):
     return h.new_empty(num_slots, w_down.shape[1])
+
+
+@_custom_op("down_scatter_into", ("y",))
+def down_scatter_into(h: torch.Tensor, w_down: torch.Tensor, routing: RoutingSchedule, y: torch.Tensor) -> None:
+    """`down_scatter`'s slots of `routing`'s tiles written into an earlier call's y: the second
+    launch over a layout that two schedules share (`transport.common.own_tiles_split`)."""
+    down_kernels.down_scatter(h, w_down, routing, y.shape[0], out=y)
+
+
+@down_scatter_into.register_fake
+def _(h, w_down, routing, y):
+    return None
 
 
 @_custom_op("gate_up_swiglu_fp8_block", ())
@@ -305,6 +317,27 @@ def _(h_q, h_scale, w_down_q, w_down_scale, routing, num_slots, sorted_rows=Fals
     return h_scale.new_empty(rows, w_down_q.shape[1], dtype=torch.bfloat16)
 
 
+@_custom_op("down_scatter_fp8_block_into", ("y",))
+def down_scatter_fp8_block_into(
+    h_q: torch.Tensor,
+    h_scale: torch.Tensor,
+    w_down_q: torch.Tensor,
+    w_down_scale: torch.Tensor,
+    routing: RoutingSchedule,
+    sorted_rows: bool,
+    y: torch.Tensor,
+) -> None:
+    """`down_scatter_fp8_block`'s rows of `routing`'s tiles written into an earlier call's y (as
+    `down_scatter_into` for bf16)."""
+    down_kernels.down_scatter_fp8_block(h_q, h_scale, w_down_q, w_down_scale, routing, y.shape[0],
+                                        sorted_rows=sorted_rows, out=y)
+
+
+@down_scatter_fp8_block_into.register_fake
+def _(h_q, h_scale, w_down_q, w_down_scale, routing, sorted_rows, y):
+    return None
+
+
 # --------------------------------------------------------------------------- combine
 
 
@@ -319,6 +352,18 @@ def combine(y: torch.Tensor, topk_weights: torch.Tensor, y_shared: torch.Tensor 
 @combine.register_fake
 def _(y, topk_weights, y_shared, route_row=None):
     return y.new_empty(topk_weights.shape[0], y.shape[1])
+
+
+@_custom_op("combine_into", ("out",))
+def combine_into(y: torch.Tensor, topk_weights: torch.Tensor, route_row: torch.Tensor, out: torch.Tensor) -> None:
+    """`combine` without a shared expert, written into `out` [T, H] bf16 (a view of a larger
+    buffer: under expert parallelism one block of the rows that travel back)."""
+    combine_kernels.combine(y, topk_weights, None, route_row, out=out)
+
+
+@combine_into.register_fake
+def _(y, topk_weights, route_row, out):
+    return None
 
 
 # --------------------------------------------------------------------------- backward: sorted rows

@@ -62,3 +62,21 @@ def test_built_overlap_hides_the_x_dispatch_and_dx_return_and_costs_the_gemms_th
     expected = serial - dx_ms - x_ms + (wgrad_ms + own_gate_up_ms) * (slowed - 1)
     assert abs(model.built_ms(8.0, sent, 341.0, preset, held, 2) - expected) < 1e-9
     assert model.built_ms(8.0, sent, 341.0, preset, 66, 2) > serial, "half the SMs held costs more than the exchanges"
+
+
+def test_built_overlap_returns_y_beside_the_own_down_tiles_at_its_own_programs():
+    """overlap_return_sms C_y: the y return (serial without it) beside the down GEMM's own tiles,
+    1/P of it, at C_y programs. At P = 2 and C_y = 16 it fits (0.40 ms under 0.44 ms of tiles),
+    which then slow by S/(S − C_y); at C_y = 2 the return is slower than the tiles and costs more
+    than serial."""
+    model = _model()
+    preset = model.MODEL_PRESETS["qwen3-30b"]
+    sent = {"x": 68_000_000, "y": 67_000_000, "d_out": 67_000_000, "dx": 67_000_000}
+    without = model.built_ms(8.0, sent, 341.0, preset, 8, 2)
+    y_ms = sent["y"] / 341e6 + model.EXCHANGE_LATENCY_MS
+    own_down_ms = 8.0 / 3 * 1 / 3 / 2  # P = 2: half of the down GEMM, a third of the forward
+    programs = 16
+    assert sent["y"] / (341e6 * programs / model.LINK_PROGRAMS) + model.EXCHANGE_LATENCY_MS < own_down_ms
+    expected = without - y_ms + own_down_ms * (model.SMS / (model.SMS - programs) - 1)
+    assert abs(model.built_ms(8.0, sent, 341.0, preset, 8, 2, programs) - expected) < 1e-9
+    assert model.built_ms(8.0, sent, 341.0, preset, 8, 2, 2) > without, "two programs return y slower than serial"

@@ -38,12 +38,12 @@ def weight_grads(fresh_op, accumulate_op, operands, main_grads, routing: Routing
 @dataclass(frozen=True, eq=False)
 class ArrivingRows:
     """The routed experts' token rows while they arrive from the other ranks (expert parallelism,
-    `transport.common.arrival_split`): the tiles of `first` read only rows already here, in
-    `rows_now`; those of `rest` need `land()`, the exchange's finish, which gives every row. The
+    `transport.common.own_tiles_split`): the tiles of `own` read only rows already here, in
+    `rows_now`; those of `others` need `land()`, the exchange's finish, which gives every row. The
     exchange runs from `comm_sms` SMs meanwhile."""
 
-    first: RoutingSchedule
-    rest: RoutingSchedule
+    own: RoutingSchedule
+    others: RoutingSchedule
     rows_now: Any  # [P·C, H] bf16, or the (e4m3 rows, scales) pair the recipe's `sends_fp8_rows` says
     land: Callable[[], Any]
     comm_sms: int
@@ -54,6 +54,33 @@ class ArrivingRows:
         rows = self.rows_now[0] if isinstance(self.rows_now, tuple) else self.rows_now
         with sms_left_free(rows.device, self.comm_sms):
             yield
+
+
+@dataclass(frozen=True, eq=False)
+class ReturningRows:
+    """The routed experts' outputs while they go back to the other ranks (expert parallelism,
+    `transport.common.own_tiles_split`): the down GEMM runs `others`' tiles (each holds a route of
+    another rank's token), `send(y)` starts those tokens' rows back, then `own`'s tiles run into
+    the same y while they travel, from all SMs but `comm_sms`."""
+
+    others: RoutingSchedule
+    own: RoutingSchedule
+    send: Callable[[torch.Tensor], None]
+    comm_sms: int
+
+
+def down_gemm(launch: Callable[[RoutingSchedule], torch.Tensor],
+              launch_into: Callable[[RoutingSchedule, torch.Tensor], None], routing: RoutingSchedule,
+              returning: ReturningRows | None) -> torch.Tensor:
+    """y of a recipe's down GEMM: `launch(routing)`, or with `returning` its two launches,
+    `launch(others)`, then `launch_into(own, y)` while the first's rows travel."""
+    if returning is None:
+        return launch(routing)
+    y = launch(returning.others)
+    returning.send(y)
+    with sms_left_free(y.device, returning.comm_sms):
+        launch_into(returning.own, y)
+    return y
 
 
 class Recipe(ABC):
@@ -99,12 +126,14 @@ class Recipe(ABC):
 
     @abstractmethod
     def forward(self, x, weights, routing, topk, num_slots, swiglu_limit, needs_backward, *,
-                sorted_rows=False, arriving: ArrivingRows | None = None) -> tuple[torch.Tensor, Any]:
+                sorted_rows=False, arriving: ArrivingRows | None = None,
+                returning: ReturningRows | None = None) -> tuple[torch.Tensor, Any]:
         """(y [num_slots, H] bf16, each route's unweighted expert output, and what `backward_data`
         reads: this recipe's saved dataclass, None without `needs_backward`). With `arriving`
         (only where `gate_up_while_arriving`), x is None and the gate/up GEMM runs as the rows
-        land: `arriving.first`'s tiles, then `land()`, then `arriving.rest`'s; `routing` is the
-        schedule of both."""
+        land: `arriving.own`'s tiles, then `land()`, then `arriving.others`'; with `returning` the
+        down GEMM runs in its two launches (`down_gemm`). `routing` is the schedule of both
+        launches."""
 
     @abstractmethod
     def backward_data(self, d_out, x, topk_weights, weights, saved, routing, topk, num_slots,

@@ -10,7 +10,7 @@ import torch
 from mok import ops
 from mok.kernels.gemm.dgrad import down_wgrad_reads_weighted_h
 from mok.kernels.routing.schedule import RoutingSchedule
-from mok.precision.base import Recipe, take, weight_grads
+from mok.precision.base import Recipe, down_gemm, take, weight_grads
 
 
 @dataclass(eq=False)
@@ -49,7 +49,7 @@ class Bf16Recipe(Recipe):
         return True
 
     def forward(self, x, weights, routing, topk, num_slots, swiglu_limit, needs_backward, *,
-                sorted_rows=False, token_order=False, arriving=None):
+                sorted_rows=False, token_order=False, arriving=None, returning=None):
         w_gate, w_up, w_down = weights
         w_gate, w_up = self._forward_weight(w_gate), self._forward_weight(w_up)
         if arriving is None:
@@ -57,10 +57,12 @@ class Bf16Recipe(Recipe):
                                             needs_backward)
         else:
             with arriving.before_landing():
-                h, gate_up = ops.gate_up_swiglu(arriving.rows_now, w_gate, w_up, arriving.first, topk, swiglu_limit,
+                h, gate_up = ops.gate_up_swiglu(arriving.rows_now, w_gate, w_up, arriving.own, topk, swiglu_limit,
                                                 needs_backward)
-            ops.gate_up_swiglu_into(arriving.land(), w_gate, w_up, arriving.rest, topk, swiglu_limit, h, gate_up)
-        y = ops.down_scatter(self._down_operand(h, routing), self._forward_weight(w_down), routing, num_slots)
+            ops.gate_up_swiglu_into(arriving.land(), w_gate, w_up, arriving.others, topk, swiglu_limit, h, gate_up)
+        h_rows, w_down_rows = self._down_operand(h, routing), self._forward_weight(w_down)
+        y = down_gemm(lambda tiles: ops.down_scatter(h_rows, w_down_rows, tiles, num_slots),
+                      lambda tiles, y: ops.down_scatter_into(h_rows, w_down_rows, tiles, y), routing, returning)
         if not needs_backward:
             return y, None
         return y, Bf16Saved(gate_up, None if self._reads_weighted_h(w_down, token_order) else h)

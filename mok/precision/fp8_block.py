@@ -16,7 +16,7 @@ from mok.fp8_block import FP8_BLOCK, fp8_block_round
 from mok.kernels.gemm.dgrad import fp8_block_down_dgrad_gathers
 from mok.kernels.plan import kernel_plan
 from mok.kernels.routing.schedule import RoutingSchedule
-from mok.precision.base import QuantizedRecipe, take, weight_grads
+from mok.precision.base import QuantizedRecipe, down_gemm, take, weight_grads
 
 
 class Fp8BlockWeight(NamedTuple):
@@ -85,7 +85,7 @@ class Fp8BlockRecipe(QuantizedRecipe):
         return self.sends_fp8_rows()  # else x is quantized in one pass over all its rows first
 
     def forward(self, x, weights, routing, topk, num_slots, swiglu_limit, needs_backward, *,
-                sorted_rows=False, arriving=None):
+                sorted_rows=False, arriving=None, returning=None):
         """The backward gets g, u (in e4m3 with their scales where the plan's `fp8_block_gate_up_e4m3`
         applies) and, with the plan's `fp8_block_wgrads_requantize`, the e4m3 copies of x and h."""
         w_gate, w_up, w_down = weights
@@ -103,13 +103,18 @@ class Fp8BlockRecipe(QuantizedRecipe):
         else:
             with arriving.before_landing():
                 h_q, h_scale, gate_up, gate_up_scale = ops.gate_up_swiglu_fp8_block(
-                    *arriving.rows_now, *gate_up_weights, arriving.first, topk, swiglu_limit, needs_backward,
+                    *arriving.rows_now, *gate_up_weights, arriving.own, topk, swiglu_limit, needs_backward,
                     gate_up_e4m3,
                 )
             x_q, x_scale = arriving.land()
-            ops.gate_up_swiglu_fp8_block_into(x_q, x_scale, *gate_up_weights, arriving.rest, topk, swiglu_limit,
+            ops.gate_up_swiglu_fp8_block_into(x_q, x_scale, *gate_up_weights, arriving.others, topk, swiglu_limit,
                                               h_q, h_scale, gate_up, gate_up_scale)
-        y = ops.down_scatter_fp8_block(h_q, h_scale, w_down.q, w_down.scale, routing, num_slots, sorted_rows)
+        y = down_gemm(
+            lambda tiles: ops.down_scatter_fp8_block(h_q, h_scale, w_down.q, w_down.scale, tiles, num_slots, sorted_rows),
+            lambda tiles, y: ops.down_scatter_fp8_block_into(h_q, h_scale, w_down.q, w_down.scale, tiles, sorted_rows,
+                                                             y),
+            routing, returning,
+        )
         if not needs_backward:
             return y, None
         copies = (x_q, x_scale, h_q, h_scale) if plan.fp8_block_wgrads_requantize else (None,) * 4

@@ -24,7 +24,7 @@ built over the received rows rotated to start at this rank's own (p = my rank, t
 wrapping), so that inside each expert the routes of this rank's own tokens come first, then
 mapped back to the rows where the exchange put them.
 
-Arrival split (`arrival_split`): the schedule's M tiles in two sets, those whose routes all
+Arrival split (`own_tiles_split`): the schedule's M tiles in two sets, those whose routes all
 came from this rank's own tokens, which the gate/up GEMM can compute before any peer's row
 has arrived, and the rest. The own routes leading each expert make all but at most one of an
 expert's tiles with own routes own-only.
@@ -101,6 +101,16 @@ class TokenPairs:
         """(bytes of one x row, of one dOut row) on the wire: H bf16, or H e4m3 and H/128 fp32 scales."""
         fp8_row, bf16_row = hidden_size + hidden_size // 128 * 4, hidden_size * 2
         return (fp8_row if self.fp8_wire else bf16_row), (fp8_row if self.d_out_on_fp8_wire(hidden_size) else bf16_row)
+
+    def own_rows(self) -> slice:
+        """The rows of every [P·C, …] buffer that this rank exchanges with itself: block p = rank."""
+        return slice(self.rank * self.send_capacity, (self.rank + 1) * self.send_capacity)
+
+    def peer_blocks(self) -> tuple[slice, slice]:
+        """The rows of every [P·C, …] buffer exchanged with the other ranks: the blocks before and
+        after `own_rows` (either may be empty)."""
+        own = self.own_rows()
+        return slice(0, own.start), slice(own.stop, self.num_expert_rows)
 
     def dispatch(self, x: torch.Tensor, topk_weights: torch.Tensor):
         """`start_dispatch`, landed: the received rows and their routes' weights."""
@@ -196,21 +206,21 @@ def token_receiver_schedule(
     return dataclasses.replace(ordered, row_source=row_source, route_row=route_row), received_routes
 
 
-def arrival_split(schedule: RoutingSchedule, rank: int, routes_per_source: int
-                  ) -> tuple[RoutingSchedule, RoutingSchedule]:
-    """(first, rest): `schedule` (a `token_receiver_schedule`'s) with the other set's M tiles
-    taken out (tile_expert −1): first's tiles hold only routes of this rank's own tokens
-    (received routes [rank·C·k_l, (rank + 1)·C·k_l), `routes_per_source` = C·k_l), rest's
-    every other tile. first's row_source also leaves out rest's rows, so that nothing it runs
+def own_tiles_split(schedule: RoutingSchedule, rank: int, routes_per_source: int
+                    ) -> tuple[RoutingSchedule, RoutingSchedule]:
+    """(own, others): `schedule` (a `token_receiver_schedule`'s) with the other set's M tiles
+    taken out (tile_expert −1): own's tiles hold only routes of this rank's own tokens
+    (received routes [rank·C·k_l, (rank + 1)·C·k_l), `routes_per_source` = C·k_l), others'
+    every other tile. own's row_source also leaves out others' rows, so that nothing it runs
     reads a row that has not arrived. Every row below num_rows is in exactly one of them."""
     rows = schedule.row_source
     from_peer = (rows >= 0) & (rows // routes_per_source != rank)
     peer_tile = from_peer.view(-1, schedule.block_m).any(1)  # [max_tiles]
     peer_row = peer_tile[:, None].expand(-1, schedule.block_m).reshape(-1)  # [capacity_rows]
-    first = dataclasses.replace(schedule, tile_expert=torch.where(peer_tile, -1, schedule.tile_expert),
-                                row_source=torch.where(peer_row, -1, rows))
-    rest = dataclasses.replace(schedule, tile_expert=torch.where(peer_tile, schedule.tile_expert, -1))
-    return first, rest
+    own = dataclasses.replace(schedule, tile_expert=torch.where(peer_tile, -1, schedule.tile_expert),
+                              row_source=torch.where(peer_row, -1, rows))
+    others = dataclasses.replace(schedule, tile_expert=torch.where(peer_tile, schedule.tile_expert, -1))
+    return own, others
 
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}

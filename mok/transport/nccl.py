@@ -149,6 +149,23 @@ class NcclDispatch(TokenPairs):
         token_slot[t·P + p]."""
         return _start_exchange(part_rows, self.group)
 
+    def start_combine_split(self, part_rows: torch.Tensor, num_programs: int | None = None
+                            ) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
+        """`start_combine` while this rank's own rows are still being written: part_rows' other
+        blocks (written) go now; (where the own rows go, [C, H], a tensor apart, which the
+        exchange, reading part_rows meanwhile, does not touch; the finish, which puts them into
+        the exchange's result and gives `start_combine`'s rows)."""
+        own_rows = self.own_rows()
+        own = part_rows.new_empty(own_rows.stop - own_rows.start, part_rows.shape[1])  # [C, H]
+        received = _start_exchange(part_rows, self.group)
+
+        def finish() -> torch.Tensor:
+            rows = received()
+            rows[own_rows] = own
+            return rows
+
+        return own, finish
+
     def start_dispatch_grad(self, d_out: torch.Tensor, num_programs: int | None = None) -> Callable[[], Any]:
         """dOut rows on their way; the finish gives those [P·C, H] of the received rows (where
         `d_out_on_fp8_wire`: the pair of e4m3 rows and scales, quantized before they travel)."""

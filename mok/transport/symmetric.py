@@ -28,8 +28,10 @@ nothing is unpacked. One layer call on each rank:
                schedule (`common.py`)
     forward    push x rows and the routes' router weights → wait → (caller: gate/up +
                SwiGLU, down, the sum of each row's routes) → push the partial rows → wait;
-               with overlap, the rows to this rank itself first, on the caller's stream,
-               then the caller's gate/up tiles of them beside the peers' pushes
+               with overlap, the x rows to this rank itself first, on the caller's stream,
+               then the caller's gate/up tiles of them beside the peers' pushes; and the
+               partial rows to the peers first, beside the caller's down tiles of its own
+               rows, whose partial rows then go to itself
     backward   push dOut rows → wait → (caller: dgrad, wgrad, the sum of each row's dx) →
                push the dx rows and the router-weight gradients → wait
 
@@ -61,6 +63,7 @@ one rank at a fixed place; the counters are the only atomics.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import socket
 from collections.abc import Callable
@@ -121,7 +124,8 @@ class SymmetricTransport(RouteCapacity):
         # the receivers count the senders' programs: every rank must launch alike
         check_same_across_ranks(group, {"config.fwd_num_comm_sms": config.fwd_num_comm_sms,
                                         "config.bwd_num_comm_sms": config.bwd_num_comm_sms,
-                                        "config.overlap_comm_sms": config.overlap_comm_sms}, device)
+                                        "config.overlap_comm_sms": config.overlap_comm_sms,
+                                        "config.overlap_return_sms": config.overlap_return_sms}, device)
         num_ranks, capacity = self.world_size, self.token_capacity()
         rows, routes = num_ranks * capacity, num_ranks * capacity * topk  # k_l <= topk: the most routes
         self.regions = {  # name -> (shape, dtype)
@@ -379,11 +383,27 @@ class SymmetricDispatch(TokenPairs):
         token_slot[t·P + p] (a view of y_parts)."""
         return self._start_return_rows("y", part_rows, "y_parts", num_programs)
 
-    def _start_return_rows(self, kind: str, rows: torch.Tensor, region: str, num_programs: int | None
-                           ) -> Callable[[], torch.Tensor]:
-        with sending(rows.device):
+    def start_combine_split(self, part_rows: torch.Tensor, num_programs: int | None = None
+                            ) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
+        """`start_combine` while this rank's own rows are still being written: part_rows' other
+        blocks (written) go now, from the side stream; (where the own rows go, [C, H], a view of
+        part_rows; the finish, which pushes them to this rank itself on the current stream, then
+        gives `start_combine`'s rows)."""
+        self._start_return_rows("y", part_rows, "y_parts", num_programs, destinations="peers")
+
+        def finish() -> torch.Tensor:
+            return self._start_return_rows("y", part_rows, "y_parts", num_programs, destinations="self",
+                                           beside=False)()
+
+        return part_rows[self.own_rows()], finish
+
+    def _start_return_rows(self, kind: str, rows: torch.Tensor, region: str, num_programs: int | None,
+                           destinations: str = "all", beside: bool = True) -> Callable[[], torch.Tensor]:
+        """`rows` [P·C, W] pushed back to their sources (`destinations`, `push_rows`), from the side
+        stream (`beside`) or the current one; the finish waits for every rank's and gives `region`'s rows."""
+        with sending(rows.device) if beside else contextlib.nullcontext():
             self.transport.push(kind, rows, self.return_row, region, num_programs, by_slot=False,
-                                capacity=self.send_capacity)
+                                capacity=self.send_capacity, destinations=destinations)
         return functools.partial(self._returned_rows, kind, rows, region, num_programs)
 
     def _returned_rows(self, kind: str, sent: torch.Tensor, region: str, num_programs: int | None) -> torch.Tensor:

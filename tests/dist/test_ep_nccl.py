@@ -32,7 +32,7 @@ from mok.reference import ep_moe_backward, ep_moe_forward
 from mok.testing import assert_close_to_reference, make_inputs, make_topk_ids
 from mok.testing.distributed import run_distributed
 from mok.transport import nccl
-from mok.transport.common import arrival_split
+from mok.transport.common import own_tiles_split
 
 WORLD_SIZE = int(os.environ.get("MOK_EP_CPU_WORLD", "3"))
 GROUP_RANKS = {WORLD_SIZE: None, (WORLD_SIZE + 1) // 2: list(range(0, WORLD_SIZE, 2))}  # P -> its global ranks (None = WORLD)
@@ -72,7 +72,8 @@ CASES = (
     # topk > E_l: a row carries up to E_l routes to one rank, which sums them
     Case("skewed + topk over E_l", experts_per_rank=2, topk=3, shared_size=0, routing="skewed", min_tokens=8),
     # Enough own routes per expert for whole M tiles of them: with overlap_comm_sms the gate/up GEMM
-    # runs those before the peers' rows land (`arrival_split`), bitwise the GEMM over all at once.
+    # runs those before the peers' rows land and the down GEMM after the peers' partial rows have
+    # left (`own_tiles_split`), bitwise each GEMM over all at once.
     Case("own tiles first + shared", experts_per_rank=2, topk=2, min_tokens=120),
     Case("own tiles first + fp8_block", experts_per_rank=2, topk=2, shared_size=0, precision="fp8_block",
          hidden_size=128, intermediate_size=128, min_tokens=120),
@@ -142,10 +143,11 @@ def _check_case(case: Case, num_ranks: int, rank: int, group, seed: int, run_twi
     # run twice, then on a larger capacity: all bitwise equal
     runs = [_run_triton(config, group, x, ids, topk_weights, routed, shared, d_out, case.swiglu_limit, spare)
             for spare in ((0, 0, 7) if run_twice else (0,))]
-    # the exchanges beside the shared expert and the weight gradients, the gate/up GEMM's own tiles
-    # before the peers' rows (on CPU in order): bitwise the same
-    overlap = _run_triton(dataclasses.replace(config, overlap_comm_sms=4), group, x, ids, topk_weights, routed, shared,
-                          d_out, case.swiglu_limit) if overlap else None
+    # the exchanges beside the shared expert and the weight gradients, the GEMMs' own tiles beside
+    # the peers' x rows and partial rows (on CPU in order): bitwise the same
+    overlapped = dataclasses.replace(config, overlap_comm_sms=4, overlap_return_sms=5)
+    overlap = _run_triton(overlapped, group, x, ids, topk_weights, routed, shared, d_out,
+                          case.swiglu_limit) if overlap else None
     if case.precision == "fp8_block":  # quantized after the exchange instead of before: bitwise the same
         with override(fp8_block_on_the_wire=False):
             bf16_wire = _run_triton(config, group, x, ids, topk_weights, routed, shared, d_out, case.swiglu_limit)
@@ -185,11 +187,11 @@ def _check_case(case: Case, num_ranks: int, rank: int, group, seed: int, run_twi
             assert (a is None and b is None) or torch.equal(a, b), f"{name} differs with fp8 off the wire {ctx}"
     again = [(how, run) for how, run in zip(("run to run", "with a larger capacity"), runs[1:])]
     if overlap is not None:
-        assert overlap[3] == peer_bytes, f"overlap_comm_sms=4 moved {overlap[3]} bytes, not {peer_bytes} {ctx}"
-        again.append(("with overlap_comm_sms=4", overlap))
-    if case.name.startswith("own tiles first"):  # both launches of the split gate/up GEMM have tiles
+        assert overlap[3] == peer_bytes, f"the overlap moved {overlap[3]} bytes, not {peer_bytes} {ctx}"
+        again.append(("with overlap_comm_sms=4, overlap_return_sms=5", overlap))
+    if case.name.startswith("own tiles first"):  # both launches of the split GEMMs have tiles
         dispatch, routing = schedule.dispatch, schedule.routing
-        first, rest = arrival_split(routing, dispatch.rank, dispatch.send_capacity * dispatch.routes_per_row)
+        first, rest = own_tiles_split(routing, dispatch.rank, dispatch.send_capacity * dispatch.routes_per_row)
         tiles = int(routing.num_rows) // routing.block_m
         counts = [int((part.tile_expert[:tiles] >= 0).sum()) for part in (first, rest)]
         assert min(counts) > 0, f"own-only and other tiles: {counts} {ctx}"
@@ -240,7 +242,8 @@ def _ep_worker(rank: int, world_size: int) -> dict[int, list[str]]:
         group_rank = dist.get_rank(groups[P])
         checks = [lambda c=c, i=i: _check_case(c, P, group_rank, groups[P], seed=100 * P + 10 * i + group_rank,
                                                run_twice=i == 0 and P == WORLD_SIZE,
-                                               overlap=i == 0 and P == WORLD_SIZE or c.name.startswith("own tiles"))
+                                               overlap=(i == 0 or c.precision == "mxfp8") and P == WORLD_SIZE
+                                               or c.name.startswith("own tiles"))
                   for i, c in enumerate(CASES)]
         checks.append(lambda: _check_capacity_overflow(P, group_rank, groups[P]))
         for check in checks:

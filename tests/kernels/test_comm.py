@@ -51,7 +51,8 @@ def test_push_rows_once_per_token_and_rank_out_and_back(kernel_device, P, E_l, t
     routes' router weights beside it; each received row's partial row and each received
     route's value come back to the source's row / route (BY_RETURN), nothing else is written.
     `own_first`: the token rows go as a push to "self" (checked alone: only each rank's own rows
-    landed), then one to "peers", with the same programs: received as one push."""
+    landed), then one to "peers", with the same programs: received as one push; the partial rows
+    back the other way round, "peers" first."""
     ctx = f"{P=} {E_l=} {topk=} {C=} {H=} {num_programs=} {own_first=}"
     gen = torch.Generator().manual_seed(P * C + H)
     tokens = [9 + 3 * r for r in range(P)]  # T differs per rank
@@ -126,8 +127,13 @@ def test_push_rows_once_per_token_and_rank_out_and_back(kernel_device, P, E_l, t
     y_rows = [torch.randn(P * C, H, generator=gen).bfloat16().to(dev) for _ in range(P)]
     route_values = [torch.randn(P * C * k_l, 1, generator=gen).to(dev) for _ in range(P)]
     for rank, d in enumerate(dispatches):
-        push(rank, y_rows[rank], d.return_row, parts, 1, False, C)
+        push(rank, y_rows[rank], d.return_row, parts, 1, False, C, destinations="peers" if own_first else "all")
         push(rank, route_values[rank], d.return_route, d_w, 1, False, C * k_l)
+    if own_first:  # the partial rows to the peers first (checked alone), then each rank's own to itself
+        for p in range(P):
+            assert parts[p][p * C: (p + 1) * C].isnan().all(), f"{ctx} {p=}: an own partial row came from a peer push"
+        for rank, d in enumerate(dispatches):
+            push(rank, y_rows[rank], d.return_row, parts, 1, False, C, destinations="self")
     wait_all(1)
     for src, d in enumerate(dispatches):
         token_slot = d.token_slot.cpu().long()

@@ -9,7 +9,7 @@ from mok.kernels.common import ERROR_BAD_EXPERT_ID, ERROR_CAPACITY_OVERFLOW
 from mok.kernels.comm.dispatch import pack_rows, unpack_rows
 from mok.kernels.gemm.common import routing_block_m
 from mok.testing import make_topk_ids
-from mok.transport.common import arrival_split, token_plan, token_receiver_schedule
+from mok.transport.common import own_tiles_split, token_plan, token_receiver_schedule
 
 
 def token_plan_in_torch(topk_ids: torch.Tensor, num_local_experts: int, world_size: int, capacity: int):
@@ -127,10 +127,10 @@ def test_receiver_schedule_places_every_received_route(kernel_device, rank):
 
 
 @pytest.mark.parametrize("rank, P, C_per_tile, E_l, k_l", [(0, 2, 3.2, 3, 2), (1, 2, 3.2, 2, 2), (2, 4, 2.5, 2, 2)])
-def test_receiver_schedule_puts_own_routes_first_and_arrival_split_parts_its_tiles(kernel_device, rank, P, C_per_tile,
+def test_receiver_schedule_puts_own_routes_first_and_own_tiles_split_parts_its_tiles(kernel_device, rank, P, C_per_tile,
                                                                                   E_l, k_l):
     """Inside each expert the routes of the receiver's own tokens come first, then the sources
-    from rank + 1 on, each in ascending route order; `arrival_split` gives every tile below
+    from rank + 1 on, each in ascending route order; `own_tiles_split` gives every tile below
     num_rows to exactly one of its schedules, first's only with own routes and its rows, and
     rest's with every tile holding a peer's route."""
     block_m = routing_block_m()
@@ -141,7 +141,7 @@ def test_receiver_schedule_puts_own_routes_first_and_arrival_split_parts_its_til
     recv_ids = torch.cat([ids.view(P, C * k_l), torch.zeros(P, 1, dtype=torch.int32)], dim=1).to(kernel_device)
     flag = torch.zeros(1, dtype=torch.int32, device=kernel_device)
     schedule, _ = token_receiver_schedule(recv_ids, flag, E_l, k_l, block_m, rank)
-    first, rest = arrival_split(schedule, rank, C * k_l)
+    first, rest = own_tiles_split(schedule, rank, C * k_l)
     num_rows = int(schedule.num_rows)
     row_source = schedule.row_source[:num_rows].cpu().long()
     tile_expert = schedule.tile_expert.cpu()

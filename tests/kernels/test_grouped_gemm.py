@@ -221,6 +221,28 @@ def test_combine_is_the_fixed_order_sum(kernel_device, shared):
         combine(y_rows, w, y_shared, route_row.long())
 
 
+def test_combine_into_blocks_of_a_buffer_is_bitwise_combine(kernel_device):
+    """`combine_into` over blocks of the tokens, each into its rows of one buffer (as the expert's
+    rank sums the rows that go back to each rank): bitwise one `combine` over all, the rest of the
+    buffer untouched; the mutated output as the op declares it; a wrong output rejected by name."""
+    T, H, topk = 23, 40, 3
+    gen = torch.Generator().manual_seed(6)
+    route_row = torch.randperm(T * topk + 5, generator=gen)[: T * topk].int().to(kernel_device)
+    route_row[4] = -1
+    y = torch.randn(T * topk + 5, H, generator=gen).bfloat16().to(kernel_device)
+    w = torch.randn(T, topk, generator=gen).to(kernel_device)
+    whole = combine(y, w, None, route_row)
+    out = torch.full((T + 2, H), float("nan"), dtype=torch.bfloat16, device=kernel_device)
+    for rows in (slice(0, 9), slice(9, 10), slice(10, T)):
+        ops.combine_into(y, w[rows], route_row[rows.start * topk: rows.stop * topk], out[rows])
+    assert torch.equal(out[:T], whole), f"{T=} {H=} {topk=}"
+    assert out[T:].isnan().all(), "rows past the blocks were written"
+    args = (y, w[:9], route_row[: 9 * topk], out[:9])
+    torch.library.opcheck(ops.combine_into.op, ops.combine_into.op_args(*args), test_utils=("test_faketensor",))
+    with pytest.raises(ValueError, match=r"^out: expected a bf16 \[9, 40\] tensor"):
+        ops.combine_into(y, w[:9], route_row[: 9 * topk], out[:8])
+
+
 # --------------------------------------------------------------------------- fp8_block
 
 # Slack for fp32 accumulation order, relative to a tensor's (or an h block's) largest value:
@@ -429,7 +451,7 @@ def test_fp8_block_launchers_reject_mismatches(kernel_device):
 
 def _two_launch_schedules(sched):
     """The schedule's M tiles split in two (even tiles, odd tiles), each with the other's tile_expert −1:
-    the two launches of a gate/up GEMM over one layout (as `transport.common.arrival_split` makes them)."""
+    the two launches of a GEMM over one layout (as `transport.common.own_tiles_split` makes them)."""
     odd = torch.arange(sched.max_tiles, device=sched.tile_expert.device) % 2 == 1
     return (dataclasses.replace(sched, tile_expert=torch.where(odd, -1, sched.tile_expert)),
             dataclasses.replace(sched, tile_expert=torch.where(odd, sched.tile_expert, -1)))
@@ -467,3 +489,42 @@ def test_gate_up_in_two_launches_over_one_layout_is_bitwise_one(kernel_device, p
     bad = (*into_args[:-len(parts)], parts[0][:-1], *parts[1:])
     with pytest.raises(ValueError, match=r"^outputs\[0\] \(h(_q)?\): expected a contiguous"):
         into(*bad)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8_block"])
+def test_down_in_two_launches_over_one_layout_is_bitwise_one(kernel_device, precision):
+    """The down GEMM's first launch over one set of tiles, the second (`*_into`) over the rest into
+    its y: every slot a row writes bitwise what one launch writes, and the first launch alone
+    writes only its tiles' slots; the fake impls and the mutated y as the ops declare them; a y
+    of the wrong shape rejected by name."""
+    T, H, I, E, topk = 70, 128, 128, 3, 2
+    inp = make_inputs(T, H, I, E, topk, seed=12, device=kernel_device)
+    flag = torch.zeros(1, dtype=torch.int32, device=kernel_device)
+    sched = ops.routing_schedule(inp.topk_ids, flag, E, routing_block_m())
+    first, rest = _two_launch_schedules(sched)
+    rows = int(sched.num_rows)
+    assert rows // sched.block_m >= 2, "the case needs tiles for both launches"
+    h = torch.randn(sched.capacity_rows, I, generator=torch.Generator().manual_seed(3)).bfloat16().to(kernel_device)
+    num_slots = T * topk
+    if precision == "bf16":
+        operands = (h, inp.w_down)
+        whole = ops.down_scatter(*operands, sched, num_slots)
+        y = ops.down_scatter(*operands, first, num_slots)
+        into, into_args = ops.down_scatter_into, (*operands, rest, y)
+    else:
+        w_down = fp8_block_quantize(inp.w_down)[:2]
+        operands = (*quantize_fp8_block_activations(h), *w_down)
+        whole = ops.down_scatter_fp8_block(*operands, sched, num_slots)
+        y = ops.down_scatter_fp8_block(*operands, first, num_slots)
+        into, into_args = ops.down_scatter_fp8_block_into, (*operands, rest, False, y)
+    source = sched.row_source[:rows]
+    first_rows = (first.tile_expert[:rows // sched.block_m] >= 0).repeat_interleave(sched.block_m)
+    first_slots, rest_slots = (source[(source >= 0) & part].long() for part in (first_rows, ~first_rows))
+    assert torch.equal(y[first_slots], whole[first_slots]), f"first launch {precision=} {T=} {H=} {I=} {E=} {topk=}"
+    y[rest_slots] = float("nan")  # the second launch must write every one
+    into(*into_args)
+    slots = source[source >= 0].long()
+    assert torch.equal(y[slots], whole[slots]), f"{precision=} {T=} {H=} {I=} {E=} {topk=}"
+    torch.library.opcheck(into.op, into.op_args(*into_args), test_utils=("test_faketensor",))
+    with pytest.raises(ValueError, match=r"^out: expected a contiguous bfloat16 tensor of shape \[140, 128\]"):
+        into(*into_args[:-1], y[:, :64].contiguous())

@@ -7,7 +7,10 @@ e = tile_expert[r // BLOCK_M], H hidden, I intermediate size, E_l local experts.
 
 The down kernel scatters each row's y straight into its combine slot src(r), so no
 un-permute pass exists (or, `sorted_rows`, leaves y in the sorted layout for the combine to gather).
-Padding rows compute zeros and store nothing.
+Padding rows compute zeros and store nothing. A tile whose tile_expert is −1 is skipped: under
+expert parallelism the down GEMM runs in two launches over one layout (`transport.common.own_tiles_split`),
+the tiles holding other ranks' routes first, so that their rows start back while the rest run
+into the same y (`out=`).
 The down GEMM (and `dgrad.py`'s gate/up dgrad) may run persistent (tile-config flag
 `PERSISTENT`): one program per SM walks the real tiles, so no program exits idle and a
 tile's epilogue overlaps the next tile's loads; each tile's sum is unchanged. Launched one
@@ -38,6 +41,7 @@ from mok.kernels.gemm import hopper_scatter
 from mok.kernels.gemm.common import (
     _check_weights,
     _tile_config,
+    check_contiguous,
     check_fp8_block_pair,
     fp8_block_weight_shape,
     last_wave_config,
@@ -58,16 +62,17 @@ def _down_tile(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile of the down GEMM, scattered to its rows' slots (SORTED: stored
-    at its rows)."""
+    at its rows); nothing for a tile of expert −1 (another launch's)."""
     expert = tl.load(tile_expert_ptr + m_tile)
-    rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    n_offs = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    y = sorted_rows_tile(
-        h_desc, h_scale_ptr, w_down_desc, w_down_scale_ptr, m_tile * BLOCK_M, expert, n_tile * BLOCK_N, inter, hidden,
-        inter // _SCALE_BLOCK, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
-        INTERPRETER,
-    )
-    scatter_rows_to_slots(y_ptr, y, row_source_ptr, rows, n_offs, hidden, stride_y_s, SORTED, INTERPRETER)
+    if expert >= 0:
+        rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        n_offs = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        y = sorted_rows_tile(
+            h_desc, h_scale_ptr, w_down_desc, w_down_scale_ptr, m_tile * BLOCK_M, expert, n_tile * BLOCK_N, inter,
+            hidden, inter // _SCALE_BLOCK, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), PRECISION, BLOCK_M,
+            BLOCK_N, BLOCK_K, INTERPRETER,
+        )
+        scatter_rows_to_slots(y_ptr, y, row_source_ptr, rows, n_offs, hidden, stride_y_s, SORTED, INTERPRETER)
 
 
 @triton.jit
@@ -151,17 +156,27 @@ def down_scatter(
     schedule: RoutingSchedule,
     num_slots: int,
     tile_config: dict | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y [num_slots, H] bf16: each sorted row's unweighted output stored at its slot
-    row_source[r]. Slots no route points to are left unwritten."""
+    row_source[r]. Slots no route points to, and those of tiles the schedule takes out, are left
+    unwritten. `out`: an earlier call's y to write into instead of a new tensor."""
     num_experts, hidden, inter = w_down.shape
     if h.dim() != 2 or h.shape != (schedule.capacity_rows, inter) or h.dtype != torch.bfloat16:
         raise ValueError(f"h: expected a bf16 [{schedule.capacity_rows}, {inter}] tensor, got {h.dtype} {list(h.shape)}")
     _check_weights("w_down", w_down, (schedule.num_local_experts, hidden, inter), h.device)
     cfg = _tile_config("down", hidden, inter, "bf16", tile_config, schedule)
-    y = torch.empty(num_slots, hidden, dtype=torch.bfloat16, device=h.device)  # [T·topk, H]
+    y = _down_output(out, num_slots, hidden, h.device)  # [T·topk, H]
     _launch_down_scatter("bf16", h, None, w_down, None, y, schedule, cfg)
     return y
+
+
+def _down_output(out: torch.Tensor | None, rows: int, hidden: int, device: torch.device) -> torch.Tensor:
+    """[rows, H] bf16: `out` once checked, or a new tensor."""
+    if out is None:
+        return torch.empty(rows, hidden, dtype=torch.bfloat16, device=device)
+    check_contiguous("out", out, (torch.bfloat16,), (rows, hidden), device)
+    return out
 
 
 def down_scatter_fp8_block(
@@ -173,13 +188,15 @@ def down_scatter_fp8_block(
     num_slots: int,
     tile_config: dict | None = None,
     sorted_rows: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The fp8_block down GEMM: y [num_slots, H] bf16, each sorted row's unweighted output
     at its slot row_source[r], from `gate_up_swiglu_fp8_block`'s h_q, h_scale and
-    `mok.fp8_block_quantize(w_down)`'s q, scale. Slots no route points to are left unwritten.
+    `mok.fp8_block_quantize(w_down)`'s q, scale. Slots no route points to, and those of tiles the
+    schedule takes out, are left unwritten.
     `sorted_rows`: y [capacity_rows, H] in the sorted layout instead, row r's output at row r
     (padding rows too; rows at or past num_rows unwritten), for `combine` with
-    the schedule's `route_row`."""
+    the schedule's `route_row`. `out`: an earlier call's y to write into (as `down_scatter`'s)."""
     _, hidden, inter = fp8_block_weight_shape("w_down_q", w_down_q, "[E_l, H, I]", schedule.num_local_experts)
     device = w_down_q.device
     check_fp8_block_pair("h_q", h_q, "h_scale", h_scale, (schedule.capacity_rows, inter), (1, FP8_BLOCK), device)
@@ -188,6 +205,6 @@ def down_scatter_fp8_block(
     )
     cfg = _tile_config("down", hidden, inter, "fp8_block", tile_config, schedule)
     rows = schedule.capacity_rows if sorted_rows else num_slots
-    y = torch.empty(rows, hidden, dtype=torch.bfloat16, device=device)  # [T·topk or capacity_rows, H]
+    y = _down_output(out, rows, hidden, device)  # [T·topk or capacity_rows, H]
     _launch_down_scatter("fp8_block", h_q, h_scale, w_down_q, w_down_scale, y, schedule, cfg, sorted_rows=sorted_rows)
     return y

@@ -17,7 +17,7 @@ pre-activations g and u ([rows, 2, I] bf16), so the backward recomputes h from t
 instead of redoing the gate/up GEMM.
 
 A tile whose tile_expert is −1 is skipped: under expert parallelism the gate/up GEMM runs in two
-launches over one layout (`transport.common.arrival_split`), each with the other's tiles taken
+launches over one layout (`transport.common.own_tiles_split`), each with the other's tiles taken
 out, the second into the first's outputs (`outputs=`), once the peers' rows have arrived.
 
 fp8_block (the constexpr PRECISION, `gate_up_swiglu_fp8_block`): E4M3 operands with fp32 block

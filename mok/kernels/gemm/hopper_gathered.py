@@ -103,7 +103,7 @@ def _gathered_producer(x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, emp
     for tile in range(gl.program_id(0), num_m_tiles * num_n_tiles, gl.num_programs(0)):
         m_tile, n_tile = tile_coordinates(tile, num_m_tiles, num_n_tiles, GROUP_M)
         expert = gl.load(tile_expert_ptr + m_tile)
-        if expert >= 0:  # −1: another launch's tile (`transport.common.arrival_split`)
+        if expert >= 0:  # −1: another launch's tile (`transport.common.own_tiles_split`)
             m0 = m_tile * BLOCK_M
             w_row = expert * inter + n_tile * TILE_N  # weights read as [E_l·I, H]
             # PRODUCT: past I (the last tile of an odd I / 128) the second half reads the next expert's
@@ -146,7 +146,7 @@ def _gathered_consumer(x_ptr, w_gate_desc, w_up_desc, a_bufs, b_bufs, ready, emp
     for tile in range(gl.program_id(0), num_m_tiles * num_n_tiles, gl.num_programs(0)):
         m_tile, n_tile = tile_coordinates(tile, num_m_tiles, num_n_tiles, GROUP_M)
         expert = gl.load(tile_expert_ptr + m_tile)
-        if expert >= 0:  # −1: another launch's tile (`transport.common.arrival_split`)
+        if expert >= 0:  # −1: another launch's tile (`transport.common.own_tiles_split`)
             first_row = m_tile * BLOCK_M + CONSUMER * ROWS
             # the weights' scales [E_l, I/128, H/128]: the block row of columns [n0, n0 + 128), n0 the
             # first column of the accumulator; PRODUCT: acc_hi's the next one, if I has it

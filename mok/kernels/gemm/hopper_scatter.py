@@ -10,7 +10,8 @@ consumer warp groups (the pipeline, its two schedules and the ring protocol: `ho
                    row's product stored at its sorted row (`hopper_gathered.launch_down_dgrad_product_fp8_block`)
 
 Legend: r a row of the expert-sorted layout of `routing/schedule.py`, src(r) = row_source[r]
-(−1: padding), e = tile_expert[r // BLOCK_M], H hidden, I intermediate size, E_l local experts.
+(−1: padding), e = tile_expert[r // BLOCK_M], H hidden, I intermediate size, E_l local experts. A
+down GEMM's tile whose e is −1 is skipped by every partition alike (another launch's, as in `down.py`).
 
 Each tile's K loop is the Triton kernel's, so the result is bitwise the Triton kernel's; fixed order,
 no atomics: deterministic. Caller contract: as for `down.down_scatter`, `dgrad.gate_up_dgrad_scatter`
@@ -65,6 +66,17 @@ def _load_segment(step, a_desc, b_desc, m0, expert, n0, n_dim, reduce_dim, a_buf
 
 
 @gluon.jit
+def _tile_runs(tile_expert_ptr, m_tile, TWO_SEGMENTS: gl.constexpr):
+    """Whether every partition runs M tile `m_tile`: not a down GEMM's tile of expert −1, another
+    launch's (`transport.common.own_tiles_split`). The gate/up dgrad runs every tile untested: the
+    test costs its wide fp8_block tile 4 more bytes of spills under Triton 3.6."""
+    if TWO_SEGMENTS:
+        return True
+    else:
+        return gl.load(tile_expert_ptr + m_tile) >= 0
+
+
+@gluon.jit
 def _scatter_producer(a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, empty, turn, y_ptr, a_scale_ptr,
                       a2_scale_ptr, b_scale_ptr, b2_scale_ptr, row_source_ptr, tile_expert_ptr, num_rows_ptr, m_dim,
                       n_dim, reduce_dim, stride_y, stride_a_scale, y_desc, out_bufs, CONSUMER: gl.constexpr,
@@ -78,12 +90,13 @@ def _scatter_producer(a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, e
     for tile in range(gl.program_id(0), num_m_tiles * num_n_tiles, gl.num_programs(0)):
         m_tile, n_tile = tile_coordinates(tile, num_m_tiles, num_n_tiles, GROUP_M)
         m0, n0 = m_tile * BLOCK_M, n_tile * BLOCK_N
-        expert = gl.load(tile_expert_ptr + m_tile)
-        step = _load_segment(step, a_desc, b_desc, m0, expert, n0, n_dim, reduce_dim, a_bufs, b_bufs, ready, empty,
-                             B_K_MAJOR, COOPERATIVE, BLOCK_M, BLOCK_K, STAGES)
-        if TWO_SEGMENTS:
-            step = _load_segment(step, a2_desc, b2_desc, m0, expert, n0, n_dim, reduce_dim, a_bufs, b_bufs, ready,
+        if _tile_runs(tile_expert_ptr, m_tile, TWO_SEGMENTS):
+            expert = gl.load(tile_expert_ptr + m_tile)
+            step = _load_segment(step, a_desc, b_desc, m0, expert, n0, n_dim, reduce_dim, a_bufs, b_bufs, ready,
                                  empty, B_K_MAJOR, COOPERATIVE, BLOCK_M, BLOCK_K, STAGES)
+            if TWO_SEGMENTS:
+                step = _load_segment(step, a2_desc, b2_desc, m0, expert, n0, n_dim, reduce_dim, a_bufs, b_bufs, ready,
+                                     empty, B_K_MAJOR, COOPERATIVE, BLOCK_M, BLOCK_K, STAGES)
 
 
 @gluon.jit
@@ -102,46 +115,48 @@ def _scatter_consumer(a_desc, a2_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, e
     num_n_tiles = gl.cdiv(n_dim, BLOCK_N)
     k_blocks = gl.cdiv(reduce_dim, BLOCK_K)
     k_steps = k_blocks * (2 if TWO_SEGMENTS else 1)
-    tile_count = 0
+    tile_count = 0  # tiles of this program that run (both consumers', for the turns)
     for tile in range(gl.program_id(0), num_m_tiles * num_n_tiles, gl.num_programs(0)):
-        if tile_count % TURNS == CONSUMER % TURNS:
-            m_tile, n_tile = tile_coordinates(tile, num_m_tiles, num_n_tiles, GROUP_M)
-            first_row = m_tile * BLOCK_M + (CONSUMER * ROWS if COOPERATIVE else 0)
-            n0 = n_tile * BLOCK_N
-            acc = gl.zeros((ROWS, MMA_N), gl.float32, mma_layout)
-            acc_hi = acc  # fp8_block at BLOCK_N = 2 · MMA_N: columns [n0 + MMA_N, n0 + BLOCK_N)
-            if FP8:  # each segment: rows' 1×128 scales [rows, K/128], the weight's [E_l, n_dim/128, K/128]
-                # the weight block of columns [n0, n0 + 128) and of the next 128, if any
-                weight_scales = (gl.load(tile_expert_ptr + m_tile).to(gl.int64) * gl.cdiv(n_dim, BLOCK_K)
-                                 + n0 // BLOCK_K) * k_blocks
-                hi_valid = n0 + MMA_N < n_dim
-                strides = (1, stride_a_scale, 1)
-                rows, rows_valid = _accumulator_rows(first_row, m_dim, ROWS, mma_layout)
-                acc, acc_hi = _scaled_mma_steps(acc, acc_hi, tile_count * k_steps, k_blocks, 0, a_bufs, b_bufs, ready,
-                                                empty, a_scale_ptr, b_scale_ptr + weight_scales,
-                                                b_scale_ptr + weight_scales + k_blocks, hi_valid, strides, rows,
-                                                rows_valid, CONSUMER, False, False, STAGES)
-                if TWO_SEGMENTS:
-                    acc, acc_hi = _scaled_mma_steps(acc, acc_hi, tile_count * k_steps + k_blocks, k_blocks, 0, a_bufs,
-                                                    b_bufs, ready, empty, a2_scale_ptr, b2_scale_ptr + weight_scales,
-                                                    b2_scale_ptr + weight_scales + k_blocks, hi_valid, strides, rows,
+        m_tile, n_tile = tile_coordinates(tile, num_m_tiles, num_n_tiles, GROUP_M)
+        if _tile_runs(tile_expert_ptr, m_tile, TWO_SEGMENTS):
+            if tile_count % TURNS == CONSUMER % TURNS:
+                first_row = m_tile * BLOCK_M + (CONSUMER * ROWS if COOPERATIVE else 0)
+                n0 = n_tile * BLOCK_N
+                acc = gl.zeros((ROWS, MMA_N), gl.float32, mma_layout)
+                acc_hi = acc  # fp8_block at BLOCK_N = 2 · MMA_N: columns [n0 + MMA_N, n0 + BLOCK_N)
+                if FP8:  # each segment: rows' 1×128 scales [rows, K/128], the weight's [E_l, n_dim/128, K/128]
+                    # the weight block of columns [n0, n0 + 128) and of the next 128, if any
+                    weight_scales = (gl.load(tile_expert_ptr + m_tile).to(gl.int64) * gl.cdiv(n_dim, BLOCK_K)
+                                     + n0 // BLOCK_K) * k_blocks
+                    hi_valid = n0 + MMA_N < n_dim
+                    strides = (1, stride_a_scale, 1)
+                    rows, rows_valid = _accumulator_rows(first_row, m_dim, ROWS, mma_layout)
+                    acc, acc_hi = _scaled_mma_steps(acc, acc_hi, tile_count * k_steps, k_blocks, 0, a_bufs, b_bufs,
+                                                    ready, empty, a_scale_ptr, b_scale_ptr + weight_scales,
+                                                    b_scale_ptr + weight_scales + k_blocks, hi_valid, strides, rows,
                                                     rows_valid, CONSUMER, False, False, STAGES)
-            else:
-                acc = _mma_steps(acc, tile_count * k_steps, k_steps, tile_count, a_bufs, b_bufs, ready, empty, turn,
-                                 CONSUMER, True, B_K_MAJOR, COOPERATIVE, STAGES)
-            if TMA_STORE:  # columns past n_dim clipped by TMA
-                tma.store_wait(0)  # the last tile's stores have read this consumer's buffers
-                _store_tile_async(acc.to(y_desc.dtype), out_bufs.index(2 * CONSUMER), y_desc, first_row, n0)
-                if MMA_N < BLOCK_N:
-                    _store_tile_async(acc_hi.to(y_desc.dtype), out_bufs.index(2 * CONSUMER + 1), y_desc, first_row,
-                                      n0 + MMA_N)
-            else:
-                _scatter_store(acc, y_ptr, row_source_ptr, first_row, n0, m_dim, n_dim, stride_y, SCATTER,
-                               STORE_VECTOR)
-                if MMA_N < BLOCK_N:
-                    _scatter_store(acc_hi, y_ptr, row_source_ptr, first_row, n0 + MMA_N, m_dim, n_dim, stride_y,
-                                   SCATTER, STORE_VECTOR)
-        tile_count += 1
+                    if TWO_SEGMENTS:
+                        acc, acc_hi = _scaled_mma_steps(acc, acc_hi, tile_count * k_steps + k_blocks, k_blocks, 0,
+                                                        a_bufs, b_bufs, ready, empty, a2_scale_ptr,
+                                                        b2_scale_ptr + weight_scales,
+                                                        b2_scale_ptr + weight_scales + k_blocks, hi_valid, strides,
+                                                        rows, rows_valid, CONSUMER, False, False, STAGES)
+                else:
+                    acc = _mma_steps(acc, tile_count * k_steps, k_steps, tile_count, a_bufs, b_bufs, ready, empty,
+                                     turn, CONSUMER, True, B_K_MAJOR, COOPERATIVE, STAGES)
+                if TMA_STORE:  # columns past n_dim clipped by TMA
+                    tma.store_wait(0)  # the last tile's stores have read this consumer's buffers
+                    _store_tile_async(acc.to(y_desc.dtype), out_bufs.index(2 * CONSUMER), y_desc, first_row, n0)
+                    if MMA_N < BLOCK_N:
+                        _store_tile_async(acc_hi.to(y_desc.dtype), out_bufs.index(2 * CONSUMER + 1), y_desc,
+                                          first_row, n0 + MMA_N)
+                else:
+                    _scatter_store(acc, y_ptr, row_source_ptr, first_row, n0, m_dim, n_dim, stride_y, SCATTER,
+                                   STORE_VECTOR)
+                    if MMA_N < BLOCK_N:
+                        _scatter_store(acc_hi, y_ptr, row_source_ptr, first_row, n0 + MMA_N, m_dim, n_dim, stride_y,
+                                       SCATTER, STORE_VECTOR)
+            tile_count += 1
     if TMA_STORE:
         tma.store_wait(0)
 

@@ -66,8 +66,10 @@ def combine(
     topk_weights: torch.Tensor,  # [T, topk] fp32
     y_shared: torch.Tensor | None = None,  # [T, H] bf16
     route_row: torch.Tensor | None = None,  # [T·topk] int32: y's row of each route, −1 for none
+    out: torch.Tensor | None = None,  # [T, H] bf16
 ) -> torch.Tensor:
-    """out [T, H] bf16."""
+    """out [T, H] bf16: a new tensor, or `out`'s rows written (a view into a larger buffer, e.g.
+    one rank's block of the rows that travel back under expert parallelism)."""
     num_tokens, topk = topk_weights.shape
     hidden = y.shape[1]
     if route_row is None and (y.shape != (num_tokens * topk, hidden) or y.stride(1) != 1):
@@ -83,7 +85,11 @@ def combine(
         raise ValueError(f"topk_weights: expected a contiguous fp32 tensor, got {topk_weights.dtype}")
     if y_shared is not None and (y_shared.shape != (num_tokens, hidden) or y_shared.stride(1) != 1):
         raise ValueError(f"y_shared: expected a [{num_tokens}, {hidden}] tensor, got {list(y_shared.shape)}")
-    out = torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=y.device)  # [T, H]
+    if out is None:
+        out = torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=y.device)  # [T, H]
+    elif out.shape != (num_tokens, hidden) or out.dtype != torch.bfloat16 or out.stride(1) != 1 or out.device != y.device:
+        raise ValueError(f"out: expected a bf16 [{num_tokens}, {hidden}] tensor with unit column stride on {y.device}, "
+                         f"got {out.dtype} {list(out.shape)} on {out.device}")
     plan = kernel_plan(y.device)
     block_t, block_h = plan.combine_block_t, min(plan.combine_block_h, triton.next_power_of_2(hidden))
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(hidden, block_h))
