@@ -27,10 +27,13 @@ and the predicted step time at each EP size P:
              `--overlap-return-sms` C_y the y return beside the down GEMM's tiles of the own
              tokens. Each such exchange, pushed from C (C_y) programs, costs max(W·S/(S − C), its
              time at C programs) − W over the work W beside it (the persistent GEMMs leave C of
-             the S SMs free); without a shared expert the dOut dispatch stays serial. W from
-             the compute time by FLOPs: the shared expert's forward 6·T·H·I_s and backward twice
-             that, the own tiles 1/P of the gate/up GEMM's 4·T·k·H·I and of the down GEMM's
-             2·T·k·H·I, the routed wgrads 6·T·k·H·I, of a step of 3 × the forward's FLOPs.
+             the S SMs free). W from the compute time by FLOPs: the shared expert's forward
+             6·T·H·I_s and backward twice that, the own tiles 1/P of the gate/up GEMM's
+             4·T·k·H·I and of the down GEMM's 2·T·k·H·I, the routed wgrads 6·T·k·H·I, of a step
+             of 3 × the forward's FLOPs; and beside the dOut dispatch the recipe's backward
+             work that reads no dOut (bf16: x's sorted copy; fp8_block: hᵀ requantized), its
+             HBM bytes at the measured copy rate. Without a shared expert only those copies are
+             beside the dOut dispatch: it keeps 32 programs and holds no SMs.
     exchange = bytes / rate + 10 µs, rate = link · min(1, programs / 32): the link's rate was
              measured from 32 programs and is taken as proportional below that.
 
@@ -75,6 +78,7 @@ FP8_RECORDS = (RESULTS / "h200-20261204-fp8-block-v39-qwen3-30b.json",
                RESULTS / "h200-20261204-fp8-block-v39-deepseek-v3-slice.json")
 EP2_RECORD = RESULTS / "h200-20261130-qwen3-30b-ep2-fused.json"
 EXCHANGE_LATENCY_MS = 0.010
+HBM_GBPS = 4241  # H200, a device-to-device copy's bytes read + written (measured)
 LINK_PROGRAMS = 32  # the programs the link rate was measured from
 SMS = 132  # H100 SXM and H200
 CHECK_TOLERANCE = 0.15
@@ -132,9 +136,9 @@ def step_ms(compute_ms: float, sent: dict[str, int], link_gbps: float, chunk_byt
 
 
 def built_ms(compute_ms: float, sent: dict[str, int], link_gbps: float, preset: Preset, overlap_sms: int,
-             world_size: int, return_sms: int = 0) -> float:
+             world_size: int, return_sms: int = 0, wire: str = "bf16") -> float:
     """The step with the overlap as built (module docstring), `overlap_sms` = C and `return_sms` =
-    C_y, at P = `world_size`."""
+    C_y, at P = `world_size`, with `wire`'s recipe (bf16 or fp8_block)."""
     def exchange(kind: str, programs: int) -> float:
         rate = link_gbps * min(1.0, programs / LINK_PROGRAMS)
         return sent[kind] / (rate * 1e6) + EXCHANGE_LATENCY_MS
@@ -144,17 +148,31 @@ def built_ms(compute_ms: float, sent: dict[str, int], link_gbps: float, preset: 
     ms_per_unit = compute_ms / (3 * (routed + shared))
     # the gate/up GEMM is 4 of the forward's 6·T·k·H·I, the down GEMM 2
     own_gate_up, own_down = 2 / 3 * routed / world_size, 1 / 3 * routed / world_size
-    beside = {"x": (shared + own_gate_up) * ms_per_unit, "y": own_down * ms_per_unit,
-              "d_out": 2 * shared * ms_per_unit, "dx": routed * ms_per_unit}
+    prepare_ms = prepare_backward_bytes(preset, sent, world_size, wire) / (HBM_GBPS * 1e6)
+    # (persistent GEMMs, copies) beside each exchange; only the GEMMs leave SMs free
+    beside = {"x": ((shared + own_gate_up) * ms_per_unit, 0.0), "y": (own_down * ms_per_unit, 0.0),
+              "d_out": (2 * shared * ms_per_unit, prepare_ms), "dx": (routed * ms_per_unit, 0.0)}
     step = compute_ms
     for kind in EXCHANGES:
         programs = return_sms if kind == "y" else overlap_sms
-        work = beside[kind] if programs else 0.0
-        if work == 0.0:
-            step += exchange(kind, LINK_PROGRAMS)
+        gemms, copies = beside[kind] if programs else (0.0, 0.0)
+        if gemms == 0.0:  # nothing, or copies alone: the config's programs, no SM held
+            step += max(copies, exchange(kind, LINK_PROGRAMS)) - copies
         else:
-            step += max(work * SMS / (SMS - programs), exchange(kind, programs)) - work
+            step += max(gemms * SMS / (SMS - programs) + copies, exchange(kind, programs)) - gemms - copies
     return step
+
+
+def prepare_backward_bytes(preset: Preset, sent: dict[str, int], world_size: int, wire: str) -> int:
+    """HBM bytes (read + written) of the recipe's backward work that reads no dOut, per rank: bf16,
+    x's sorted copy (each received row read once, T·k rows of H bf16 written; received rows: the
+    pairs with peers, `sent["y"]` / 2H, and as many of the rank's own per peer, P / (P − 1) of
+    them); fp8_block, hᵀ requantized down the rows (T·k rows of I e4m3 read and written)."""
+    routes = preset.num_tokens * preset.topk
+    if wire == "fp8":
+        return 2 * routes * preset.intermediate_size
+    received = sent["y"] // (2 * preset.hidden_size) * world_size // max(1, world_size - 1)
+    return (routes + received) * preset.hidden_size * 2
 
 
 def record_ms(paths, preset: str, precision: str) -> float | None:
@@ -212,7 +230,7 @@ def model_rows(preset: Preset, world_sizes, compute: dict, link_gbps: float, chu
                 chunk = chunk_rows * row_bytes(preset.hidden_size, wire)
                 plain, overlapped = (None, None) if compute_ms is None else step_ms(compute_ms, sent, link_gbps, chunk)
                 built = None if compute_ms is None else built_ms(compute_ms, sent, link_gbps, preset, overlap_sms,
-                                                                 world_size, return_sms)
+                                                                 world_size, return_sms, wire)
                 rows.append({"preset": preset.name, "ep": world_size, "design": design, "wire": wire,
                              "bytes": sent, "rows": traffic.remote_routes if design == "per-route"
                              else traffic.remote_pairs, "compute_ms": compute_ms, "step_ms": plain,

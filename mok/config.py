@@ -24,12 +24,14 @@ class MoKConfig:
     overlap_comm_sms: 0, or the SMs an exchange gets while the layer's independent work runs
         beside it on another stream: under expert parallelism the x rows' dispatch beside the
         shared expert's forward and the gate/up GEMM's tiles of the rank's own tokens, the dOut
-        rows' dispatch beside the shared expert's backward, and the dx rows' return beside the
-        routed experts' weight gradients. Those pushes (symmetric transport) then run on that
-        many programs, and persistent GEMMs leave that many SMs free meanwhile (a persistent
-        grid holds every SM to its end). The GEMMs slow by about overlap_comm_sms / SMs while
-        the exchange hides; `benchmarks/ep_model.py --overlap-sms` predicts the balance. 0 (the
-        default, until measured on two GPUs): each exchange finishes before the next work starts.
+        rows' dispatch beside the shared expert's backward and the backward's copies that need
+        no dOut, and the dx rows' return beside the routed experts' weight gradients. Those
+        pushes (symmetric transport) then run on that many programs, and persistent GEMMs leave
+        that many SMs free meanwhile (a persistent grid holds every SM to its end); beside the
+        copies alone (no shared expert) the dOut dispatch keeps bwd_num_comm_sms programs. The
+        GEMMs slow by about overlap_comm_sms / SMs while the exchange hides;
+        `benchmarks/ep_model.py --overlap-sms` predicts the balance. 0 (the default, until
+        measured on two GPUs): each exchange finishes before the next work starts.
     overlap_return_sms: the same for the forward's return of the partial y rows, beside the down
         GEMM's tiles of the rank's own tokens (the others' tiles run first). Apart from
         overlap_comm_sms because that work is short, 1/P of the down GEMM: the model

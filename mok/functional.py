@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -657,20 +658,35 @@ def _per_rank_backward(routed_recipe, schedule, saved, d_out, x, routed, swiglu_
     expert's rank runs the backward of each received row's k_l routes (their router weights
     kept from the forward), sums the row's dx over them (ascending q, fp32, one bf16 row) and
     returns it with the routes' router-weight gradients. (dx [P·C, H] partial rows, route_row
-    token_slot [T·P], d_topk_weights [T, topk], grads, what `beside()` returned). `beside` runs
-    while the dOut rows travel, the weight gradients while the dx rows travel back."""
+    token_slot [T·P], d_topk_weights [T, topk], grads, what `beside()` returned). With
+    `overlap_sms`, `beside` and the part of the recipe's backward that reads no dOut
+    (`prepare_backward`) run while the dOut rows travel, the weight gradients while the dx rows
+    travel back."""
     dispatch = schedule.dispatch
     expert_x = dispatch.received_x(take(saved, "expert_x"), x)  # [P·C, H] (or e4m3 rows and scales)
     expert_weights = take(saved, "expert_weights")  # [P·C, k_l]
-    # [P·C, H] (or e4m3 rows and scales: the recipe's `sends_fp8_rows`)
-    expert_d_out, beside_result = exchange_beside(
-        lambda programs: dispatch.start_dispatch_grad(d_out, programs), lambda: _run(beside), d_out.device,
-        overlap_sms if beside is not None else 0,
-    )
     k_l = dispatch.routes_per_row
+
+    def work():
+        return _run(beside), routed_recipe.prepare_backward(expert_x, saved.routed, schedule.routing, k_l,
+                                                            swiglu_limit)
+
+    # [P·C, H] (or e4m3 rows and scales: the recipe's `sends_fp8_rows`)
+    start = functools.partial(dispatch.start_dispatch_grad, d_out)
+    prepared = None  # without overlap backward_data makes x's copy beside dOut's, in one pass
+    if overlap_sms == 0:
+        expert_d_out, beside_result = exchange_beside(start, lambda: _run(beside), d_out.device, 0)
+    elif beside is None:
+        # nothing persistent beside the exchange (the preparation's copies launch one program per
+        # block of rows): it keeps the config's programs and every SM
+        finish = start(None)
+        beside_result, prepared = work()
+        expert_d_out = finish_now(finish, d_out.device)
+    else:
+        expert_d_out, (beside_result, prepared) = exchange_beside(start, work, d_out.device, overlap_sms)
     dx_routes, d_weights, state = routed_recipe.backward_data(
         expert_d_out, expert_x, expert_weights, routed, saved.routed, schedule.routing, k_l,
-        dispatch.num_expert_rows * k_l, swiglu_limit,
+        dispatch.num_expert_rows * k_l, swiglu_limit, prepared=prepared,
     )
     received = dispatch.received_routes.view(-1, k_l) >= 0  # [P·C, k_l]
     dx_parts = ops.combine(dx_routes, received.float(), None, dispatch.received_routes)  # [P·C, H]

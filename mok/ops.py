@@ -374,24 +374,28 @@ from mok.kernels.routing import gather  # noqa: E402
 
 @_custom_op("gather_sorted_rows", ())
 def gather_sorted_rows(
-    x: torch.Tensor,
-    d_out: torch.Tensor,
+    x: torch.Tensor | None,
+    d_out: torch.Tensor | None,
     topk_weights: torch.Tensor | None,
     routing: RoutingSchedule,
     topk: int,
     mxfp8: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x_sorted, d_out_sorted, dy_sorted = w·dOut [rows, H] bf16 in the sorted layout
-    (zeros at padding; dy_sorted an empty [0, H] without topk_weights); with `mxfp8`, each
-    rounded to the MXFP8 grid of the GEMM that reads it."""
-    x_sorted, d_out_sorted, dy_sorted = gather.gather_sorted_rows(x, d_out, topk_weights, routing, topk, mxfp8)
-    return x_sorted, d_out_sorted, x.new_empty(0, x.shape[1]) if dy_sorted is None else dy_sorted
+    (zeros at padding), each an empty [0, H] where its inputs are absent (x None: no x_sorted;
+    d_out None: no d_out_sorted; topk_weights None: no dy_sorted); with `mxfp8`, each rounded to
+    the MXFP8 grid of the GEMM that reads it."""
+    copies = gather.gather_sorted_rows(x, d_out, topk_weights, routing, topk, mxfp8)
+    rows = x if x is not None else d_out
+    return tuple(rows.new_empty(0, rows.shape[1]) if t is None else t for t in copies)
 
 
 @gather_sorted_rows.register_fake
 def _(x, d_out, topk_weights, routing, topk, mxfp8=False):
-    rows, hidden = routing.capacity_rows, x.shape[1]
-    return x.new_empty(rows, hidden), x.new_empty(rows, hidden), x.new_empty(0 if topk_weights is None else rows, hidden)
+    rows = x if x is not None else d_out
+    num_rows, hidden = routing.capacity_rows, rows.shape[1]
+    present = (x is not None, d_out is not None, topk_weights is not None)
+    return tuple(rows.new_empty(num_rows if p else 0, hidden) for p in present)
 
 
 # --------------------------------------------------------------------------- backward: dgrad

@@ -48,7 +48,8 @@ def test_built_overlap_hides_the_x_dispatch_and_dx_return_and_costs_the_gemms_th
     """The built column: with no overlap SMs it is the serial step; at a C where the x dispatch
     fits under the gate/up GEMM's own tiles (1/P of it) and the dx return under the routed wgrads,
     both at C programs, it hides most of them; holding many SMs slows the GEMMs beside them by
-    W·C/(S − C)."""
+    W·C/(S − C). Without a shared expert the dOut dispatch has x's sorted copy beside it (its HBM
+    bytes at the copy rate), at 32 programs and no SM held."""
     model = _model()
     preset = model.MODEL_PRESETS["qwen3-30b"]
     sent = {"x": 68_000_000, "y": 67_000_000, "d_out": 67_000_000, "dx": 67_000_000}
@@ -59,7 +60,11 @@ def test_built_overlap_hides_the_x_dispatch_and_dx_return_and_costs_the_gemms_th
     own_gate_up_ms = 8.0 / 3 * 2 / 3 / 2  # P = 2: half of the gate/up GEMM, two thirds of the forward
     held = 8  # x at 8 programs (0.81 ms) fits under the own tiles (0.89 ms), dx under the wgrads
     slowed = model.SMS / (model.SMS - held)
-    expected = serial - dx_ms - x_ms + (wgrad_ms + own_gate_up_ms) * (slowed - 1)
+    d_out_ms = sent["d_out"] / 341e6 + model.EXCHANGE_LATENCY_MS
+    routes, received = preset.num_tokens * preset.topk, 67_000_000 // (2 * preset.hidden_size) * 2
+    copy_ms = (routes + received) * preset.hidden_size * 2 / (model.HBM_GBPS * 1e6)
+    assert 0 < copy_ms < d_out_ms, "the copy hides part of the dOut dispatch"
+    expected = serial - dx_ms - x_ms + (wgrad_ms + own_gate_up_ms) * (slowed - 1) - copy_ms
     assert abs(model.built_ms(8.0, sent, 341.0, preset, held, 2) - expected) < 1e-9
     assert model.built_ms(8.0, sent, 341.0, preset, 66, 2) > serial, "half the SMs held costs more than the exchanges"
 

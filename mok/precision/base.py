@@ -136,11 +136,18 @@ class Recipe(ABC):
         launches."""
 
     @abstractmethod
+    def prepare_backward(self, x, saved, routing, topk, swiglu_limit) -> Any:
+        """The part of `backward_data` that reads no dOut, apart: under expert parallelism it runs
+        while dOut's rows travel, and `backward_data` takes its result as `prepared`. Takes what it
+        reads out of `saved`, as `backward_data` would have."""
+
+    @abstractmethod
     def backward_data(self, d_out, x, topk_weights, weights, saved, routing, topk, num_slots,
-                      swiglu_limit, *, sorted_rows=False) -> tuple[torch.Tensor, torch.Tensor, Any]:
+                      swiglu_limit, *, sorted_rows=False, prepared=None) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """(dx [num_slots, H] bf16, d_topk_weights [T, topk] fp32, state): the down dgrad with the
         SwiGLU backward and the router-weight gradient, then the gate/up dgrad. Takes what it
-        reads out of `saved` (`take`); `state` holds what `backward_weights` reads."""
+        reads out of `saved` (`take`); `state` holds what `backward_weights` reads. `prepared`:
+        what `prepare_backward` returned for these arguments (None: it does that part itself)."""
 
     @abstractmethod
     def backward_weights(self, state: Any, main_grads: tuple) -> tuple:

@@ -67,8 +67,12 @@ class Bf16Recipe(Recipe):
             return y, None
         return y, Bf16Saved(gate_up, None if self._reads_weighted_h(w_down, token_order) else h)
 
+    def prepare_backward(self, x, saved, routing, topk, swiglu_limit):
+        """x's sorted copy, the gate/up wgrad's operand."""
+        return ops.gather_sorted_rows(x, None, None, routing, topk, self.rounds_sorted_rows)[0]
+
     def backward_data(self, d_out, x, topk_weights, weights, saved, routing, topk, num_slots, swiglu_limit,
-                      *, sorted_rows=False, token_order=False):
+                      *, sorted_rows=False, token_order=False, prepared=None):
         """The GEMMs read x and dOut in the sorted layout. The down wgrad reduces (w·dOut)ᵀ·h over
         the rows; where w·h is the smaller operand it reads dOutᵀ·(w·h) instead, w·h written by the
         down dgrad (no w·dOut copy, no saved h). g, u are freed after the down dgrad, and each
@@ -79,8 +83,11 @@ class Bf16Recipe(Recipe):
             x_sorted, d_out_sorted, dy_sorted = x, d_out, d_out
         else:
             x_sorted, d_out_sorted, dy_sorted = ops.gather_sorted_rows(
-                x, d_out, None if weighted_h else topk_weights, routing, topk, self.rounds_sorted_rows
+                x if prepared is None else None, d_out, None if weighted_h else topk_weights, routing, topk,
+                self.rounds_sorted_rows,
             )
+            if prepared is not None:
+                x_sorted = prepared
         d_gate_up, d_topk_weights, h = ops.down_dgrad_swiglu(
             d_out_sorted, topk_weights, take(saved, "gate_up"), self._dgrad_weight(w_down), routing,
             swiglu_limit, weighted_h,

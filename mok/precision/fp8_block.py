@@ -120,8 +120,20 @@ class Fp8BlockRecipe(QuantizedRecipe):
         copies = (x_q, x_scale, h_q, h_scale) if plan.fp8_block_wgrads_requantize else (None,) * 4
         return y, Fp8BlockSaved(gate_up, gate_up_scale if gate_up_e4m3 else None, *copies)
 
+    def prepare_backward(self, x, saved, routing, topk, swiglu_limit):
+        """hᵀ quantized down the rows, the down wgrad's operand (`_h_t`)."""
+        return self._h_t(saved, saved.gate_up, routing, swiglu_limit)
+
+    @staticmethod
+    def _h_t(saved, gate_up, routing, swiglu_limit):
+        """hᵀ quantized down the rows: [I, rows] e4m3, [rows / S, I] fp32, from the forward's e4m3 h
+        (taken out of `saved`) where it kept one, else from the bf16 g, u."""
+        if saved.h_q is not None:
+            return ops.quantize_fp8_block_sorted_t(take(saved, "h_q"), routing, take(saved, "h_scale"))
+        return ops.quantize_fp8_block_swiglu_sorted_t(gate_up, routing, swiglu_limit)
+
     def backward_data(self, d_out, x, topk_weights, weights, saved, routing, topk, num_slots, swiglu_limit,
-                      *, sorted_rows=False):
+                      *, sorted_rows=False, prepared=None):
         """dOut is quantized in 1×128 blocks along H for the down dgrad (its sorted rows, or, where the
         down dgrad gathers them itself, per token); with the plan's `fp8_block_d_gate_up_quantized`
         the down dgrad's epilogue quantizes d_g, d_u along I for the gate/up dgrad. Where the forward
@@ -152,10 +164,7 @@ class Fp8BlockRecipe(QuantizedRecipe):
         dy_pair = d_out_pair if requantize and per_token_d_out else (d_out, None)
         del d_out_pair
         # h's goes first, so that g, u are freed before the gate/up GEMMs
-        if requantize:
-            h_t = ops.quantize_fp8_block_sorted_t(take(saved, "h_q"), routing, take(saved, "h_scale"))
-        else:
-            h_t = ops.quantize_fp8_block_swiglu_sorted_t(gate_up, routing, swiglu_limit)
+        h_t = self._h_t(saved, gate_up, routing, swiglu_limit) if prepared is None else prepared
         del gate_up, gate_up_scale
         if quantized:
             d_gate_pair, d_up_pair = ((d_gate_up[:, j], d_gate_up_scale[:, j]) for j in (0, 1))

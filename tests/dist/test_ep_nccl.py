@@ -242,8 +242,8 @@ def _ep_worker(rank: int, world_size: int) -> dict[int, list[str]]:
         group_rank = dist.get_rank(groups[P])
         checks = [lambda c=c, i=i: _check_case(c, P, group_rank, groups[P], seed=100 * P + 10 * i + group_rank,
                                                run_twice=i == 0 and P == WORLD_SIZE,
-                                               overlap=(i == 0 or c.precision == "mxfp8") and P == WORLD_SIZE
-                                               or c.name.startswith("own tiles"))
+                                               overlap=(i == 0 or c.precision == "mxfp8" or c.shared_size == 0)
+                                               and P == WORLD_SIZE or c.name.startswith("own tiles"))
                   for i, c in enumerate(CASES)]
         checks.append(lambda: _check_capacity_overflow(P, group_rank, groups[P]))
         for check in checks:

@@ -4,6 +4,7 @@ router-weighted row, rounded once to bf16), padding rows are exact zeros."""
 import pytest
 import torch
 
+from mok import ops
 from mok.kernels.routing.gather import gather_sorted_rows
 from mok.kernels.gemm.common import routing_block_m
 from mok.kernels.quant.mxfp8 import mxfp8_round
@@ -40,6 +41,22 @@ def test_gather_sorted_rows(kernel_device, set_plan, T, H, E, topk, token_major)
         got = got.cpu()[:num_rows]
         assert torch.equal(got[real], want), f"{name} {ctx}"
         assert torch.equal(got[pad], torch.zeros(pad.numel(), H, dtype=torch.bfloat16)), f"{name} {ctx}"
+    _check_apart_is_together(inp.x, d_out, inp.topk_weights, sched, topk, False, ctx)
+
+
+def _check_apart_is_together(x, d_out, topk_weights, sched, topk: int, mxfp8: bool, ctx: str) -> None:
+    """x's copy alone, then dOut's alone (under expert parallelism x's runs while dOut travels):
+    bitwise the copies made together; the absent ones None."""
+    together = gather_sorted_rows(x, d_out, topk_weights, sched, topk, mxfp8)
+    x_alone = gather_sorted_rows(x, None, None, sched, topk, mxfp8)
+    d_out_alone = gather_sorted_rows(None, d_out, topk_weights, sched, topk, mxfp8)
+    assert x_alone[1:] == (None, None) and d_out_alone[0] is None, ctx
+    for args in ((x, None, None, sched, topk, mxfp8), (None, d_out, topk_weights, sched, topk, mxfp8)):
+        torch.library.opcheck(ops.gather_sorted_rows.op, ops.gather_sorted_rows.op_args(*args),
+                              test_utils=("test_faketensor",))
+    num_rows = int(sched.num_rows)
+    for name, a, b in zip(("x_sorted", "d_out_sorted", "dy_sorted"), together, (x_alone[0], *d_out_alone[1:])):
+        assert torch.equal(a[:num_rows], b[:num_rows]), f"{name} apart differs {mxfp8=} {ctx}"
 
 
 def test_gather_rejects_bad_inputs(kernel_device):
@@ -51,6 +68,10 @@ def test_gather_rejects_bad_inputs(kernel_device):
         gather_sorted_rows(inp.x, inp.x[:4], None, sched, 2)
     with pytest.raises(ValueError, match=r"^topk_weights: expected a float32 \[8, 2\] tensor"):
         gather_sorted_rows(inp.x, inp.x, inp.topk_weights[:, :1], sched, 2)
+    with pytest.raises(ValueError, match=r"^x, d_out: expected at least one of them"):
+        gather_sorted_rows(None, None, None, sched, 2)
+    with pytest.raises(ValueError, match=r"^d_out: expected a bf16 \[T, H\] tensor"):
+        gather_sorted_rows(None, inp.x.float(), None, sched, 2)
 
 
 @pytest.mark.parametrize("T, H, E, topk", [(37, 64, 5, 2), (50, 608, 4, 1)])
@@ -76,3 +97,4 @@ def test_gather_mxfp8_rounds_each_copy_for_its_gemm(kernel_device, T, H, E, topk
     for name, (got, want) in expected.items():
         assert torch.equal(got[:num_rows], want), f"{name} {ctx}"
     assert not torch.equal(x_mx[:num_rows], x_plain[:num_rows]), f"x_sorted must be rounded {ctx}"
+    _check_apart_is_together(inp.x, d_out, inp.topk_weights, sched, topk, True, ctx)

@@ -86,8 +86,8 @@ def _gather_sorted_rows_kernel(
     # strides
     stride_x_t, stride_dout_t, stride_sorted_r,
     # meta
-    HAS_D_OUT: tl.constexpr, HAS_WEIGHTS: tl.constexpr, MXFP8: tl.constexpr, INTERPRETER: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+    HAS_X: tl.constexpr, HAS_D_OUT: tl.constexpr, HAS_WEIGHTS: tl.constexpr, MXFP8: tl.constexpr,
+    INTERPRETER: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     num_rows = tl.load(num_rows_ptr)
@@ -105,10 +105,11 @@ def _gather_sorted_rows_kernel(
         load_mask = valid[:, None] & in_row
         store_mask = in_schedule[:, None] & in_row
         offs = h0 + cols[None, :]
-        x = tl.load(x_ptr + token * stride_x_t + offs, mask=load_mask, other=0.0)
-        if MXFP8:  # each operand on the grid of the GEMM that reads it
-            x = round_to_bf16(mxfp8_round_tile(x.to(tl.float32), ROWS, BLOCK_H, True), INTERPRETER)
-        tl.store(x_sorted_ptr + sorted_offs + offs, x, mask=store_mask)
+        if HAS_X:
+            x = tl.load(x_ptr + token * stride_x_t + offs, mask=load_mask, other=0.0)
+            if MXFP8:  # each operand on the grid of the GEMM that reads it
+                x = round_to_bf16(mxfp8_round_tile(x.to(tl.float32), ROWS, BLOCK_H, True), INTERPRETER)
+            tl.store(x_sorted_ptr + sorted_offs + offs, x, mask=store_mask)
         if HAS_D_OUT:
             d_out = tl.load(d_out_ptr + token * stride_dout_t + offs, mask=load_mask, other=0.0)
             if HAS_WEIGHTS:
@@ -133,7 +134,7 @@ def _scatter_token_rows_kernel(
     # strides
     stride_x_t, stride_dout_t, stride_sorted_r,
     # meta
-    HAS_D_OUT: tl.constexpr, HAS_WEIGHTS: tl.constexpr, INTERPRETER: tl.constexpr,
+    HAS_X: tl.constexpr, HAS_D_OUT: tl.constexpr, HAS_WEIGHTS: tl.constexpr, INTERPRETER: tl.constexpr,
     TOKENS: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -145,7 +146,8 @@ def _scatter_token_rows_kernel(
         for h0 in range(0, hidden, BLOCK_H):
             offs = h0 + cols[None, :]
             load_mask = is_token[:, None] & (offs < hidden)
-            x = tl.load(x_ptr + tokens64 * stride_x_t + offs, mask=load_mask)
+            if HAS_X:
+                x = tl.load(x_ptr + tokens64 * stride_x_t + offs, mask=load_mask)
             if HAS_D_OUT:
                 d_out = tl.load(d_out_ptr + tokens64 * stride_dout_t + offs, mask=load_mask)
             for j in range(topk):
@@ -153,7 +155,8 @@ def _scatter_token_rows_kernel(
                 row = tl.load(route_row_ptr + slot, mask=is_token, other=-1)
                 store_mask = (row >= 0)[:, None] & (offs < hidden)
                 sorted_offs = row.to(tl.int64)[:, None] * stride_sorted_r + offs
-                tl.store(x_sorted_ptr + sorted_offs, x, mask=store_mask)
+                if HAS_X:
+                    tl.store(x_sorted_ptr + sorted_offs, x, mask=store_mask)
                 if HAS_D_OUT:
                     tl.store(d_out_sorted_ptr + sorted_offs, d_out, mask=store_mask)
                 if HAS_WEIGHTS:  # the launcher passes weights only with dOut
@@ -171,7 +174,8 @@ def _scatter_token_rows_kernel(
                 offs = h0 + cols[None, :]
                 mask = (rows < end)[:, None] & (offs < hidden)
                 sorted_offs = rows.to(tl.int64)[:, None] * stride_sorted_r + offs
-                tl.store(x_sorted_ptr + sorted_offs, zeros, mask=mask)
+                if HAS_X:
+                    tl.store(x_sorted_ptr + sorted_offs, zeros, mask=mask)
                 if HAS_D_OUT:
                     tl.store(d_out_sorted_ptr + sorted_offs, zeros, mask=mask)
                 if HAS_WEIGHTS:
@@ -196,20 +200,26 @@ def _check_rows(name: str, t: torch.Tensor, shape: tuple[int, int], dtype: torch
 
 
 def gather_sorted_rows(
-    x: torch.Tensor,  # [T, H] bf16
+    x: torch.Tensor | None,  # [T, H] bf16; None: dOut's copies alone (x's made earlier)
     d_out: torch.Tensor | None,  # [T, H] bf16; None: x alone (the forward's gate/up operand)
     topk_weights: torch.Tensor | None,  # [T, topk] fp32; None: no dy_sorted
     schedule: RoutingSchedule,
     topk: int,
     mxfp8: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(x_sorted, d_out_sorted, dy_sorted) [capacity_rows, H] bf16 in the schedule's sorted
-    layout; d_out_sorted only with d_out and dy_sorted = w·dOut only with both d_out and
-    topk_weights (else None); with `mxfp8`, each rounded to its GEMM's MXFP8 grid."""
-    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.stride(1) != 1:
-        raise ValueError(f"x: expected a bf16 [T, H] tensor with unit column stride, got {x.dtype} {list(x.shape)}")
-    num_tokens, hidden = x.shape
-    device = x.device
+    layout; x_sorted only with x, d_out_sorted only with d_out and dy_sorted = w·dOut only with
+    both d_out and topk_weights (else None); with `mxfp8`, each rounded to its GEMM's MXFP8 grid.
+    Each copy is the same whether it is made alone or beside the others."""
+    if x is None and d_out is None:
+        raise ValueError("x, d_out: expected at least one of them, got None for both")
+    rows = x if x is not None else d_out  # [T, H]: the token rows that size the copies
+    name = "x" if x is not None else "d_out"
+    if rows.dim() != 2 or rows.dtype != torch.bfloat16 or rows.stride(1) != 1:
+        raise ValueError(f"{name}: expected a bf16 [T, H] tensor with unit column stride, got {rows.dtype} "
+                         f"{list(rows.shape)}")
+    num_tokens, hidden = rows.shape
+    device = rows.device
     if d_out is not None:
         _check_rows("d_out", d_out, (num_tokens, hidden), torch.bfloat16, device)
     elif topk_weights is not None:
@@ -221,19 +231,25 @@ def gather_sorted_rows(
     if schedule.row_source.device != device:
         raise ValueError(f"schedule: expected tensors on {device}, got {schedule.row_source.device}")
     if schedule.route_row.shape != (num_tokens * topk,):
-        raise ValueError(f"schedule: expected the schedule of x's {num_tokens} tokens × topk {topk} routes, got one of "
-                         f"{schedule.route_row.shape[0]} routes")
+        raise ValueError(f"schedule: expected the schedule of {name}'s {num_tokens} tokens × topk {topk} routes, got "
+                         f"one of {schedule.route_row.shape[0]} routes")
     if mxfp8 and (hidden % MX_BLOCK or schedule.block_m % MX_BLOCK):
-        raise ValueError(f"x: mxfp8 needs H and the schedule's BLOCK_M multiples of {MX_BLOCK}, got H = {hidden}, "
+        raise ValueError(f"{name}: mxfp8 needs H and the schedule's BLOCK_M multiples of {MX_BLOCK}, got H = {hidden}, "
                          f"BLOCK_M = {schedule.block_m}")
-    x_sorted = torch.empty(schedule.capacity_rows, hidden, dtype=x.dtype, device=device)  # [capacity_rows, H]
-    d_out_sorted = None if d_out is None else torch.empty_like(x_sorted)  # [capacity_rows, H]
-    dy_sorted = None if topk_weights is None else torch.empty_like(x_sorted)  # [capacity_rows, H]
-    sources = (x, x if d_out is None else d_out, x if topk_weights is None else topk_weights)  # x: an unread stand-in
-    copies = (x_sorted, x_sorted if d_out_sorted is None else d_out_sorted, x_sorted if dy_sorted is None else dy_sorted)
-    strides = (x.stride(0), x.stride(0) if d_out is None else d_out.stride(0), x_sorted.stride(0))
-    meta = dict(HAS_D_OUT=d_out is not None, HAS_WEIGHTS=topk_weights is not None, INTERPRETER=interpreting(),
-                num_warps=4)
+
+    def copy() -> torch.Tensor:
+        return torch.empty(schedule.capacity_rows, hidden, dtype=torch.bfloat16, device=device)  # [capacity_rows, H]
+
+    x_sorted, d_out_sorted = (None if t is None else copy() for t in (x, d_out))
+    dy_sorted = None if topk_weights is None else copy()
+    stand_in = rows  # passed for what is absent: unread, unwritten
+    sources = (stand_in if x is None else x, stand_in if d_out is None else d_out,
+               stand_in if topk_weights is None else topk_weights)
+    first = x_sorted if x_sorted is not None else d_out_sorted
+    copies = tuple(first if t is None else t for t in (x_sorted, d_out_sorted, dy_sorted))
+    strides = (sources[0].stride(0), sources[1].stride(0), first.stride(0))
+    meta = dict(HAS_X=x is not None, HAS_D_OUT=d_out is not None, HAS_WEIGHTS=topk_weights is not None,
+                INTERPRETER=interpreting(), num_warps=4)
     plan = kernel_plan(device)
     if topk >= plan.token_major_min_topk and not mxfp8:
         token_programs = triton.cdiv(num_tokens, plan.gather_tokens_per_program)
