@@ -323,6 +323,33 @@ def test_bad_variants_are_argparse_errors(argv, message, capsys):
     assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "argv, world_size, message",
+    [
+        (["--overlap", "4,8"], 1, "--overlap: expert parallelism only"),
+        (["--overlap", "4"], 2, "expected C,C_Y, two ints >= 0, got '4'"),
+        (["--overlap", "4,-1"], 2, "expected C,C_Y, two ints >= 0"),
+        (["--impl", "mok,mok-overlap"], 2, "give its SMs with --overlap C,C_Y"),
+    ],
+)
+def test_bad_overlaps_are_argparse_errors(argv, world_size, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.parse_settings(["--device", "cpu", *argv], world_size=world_size)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_overlap_adds_mok_overlap_with_its_sms():
+    """--overlap C,C_Y under expert parallelism: mok-overlap joins the default implementations,
+    its cases carry (C, C_Y); without it the default leaves mok-overlap out."""
+    settings, _ = cli.parse_settings(["--device", "cpu", "--preset", "tiny", "--overlap", "7,13"], world_size=2)
+    assert settings.overlap == (7, 13) and settings.impls[-1] == "mok-overlap", settings.impls
+    cases = runner.plan(settings.presets, settings.impls, settings.precisions, settings.passes, expert_parallel=True,
+                        overlap=settings.overlap)
+    assert {c.impl: c.overlap for c in cases} == {"torch-ep-nccl": (), "mok": (), "mok-nccl": (), "mok-overlap": (7, 13)}
+    plain, _ = cli.parse_settings(["--device", "cpu", "--preset", "tiny"], world_size=2)
+    assert "mok-overlap" not in plain.impls and plain.overlap == ()
+
+
 def test_timing_helpers_on_cpu():
     stats = time_ms(lambda: sum(range(1000)), warmup=1, reps=5, device="cpu")
     assert set(stats) >= {"median", "min", "p20", "p80"} and 0 <= stats["min"] <= stats["median"] <= stats["max"]

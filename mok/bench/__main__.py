@@ -7,6 +7,8 @@ Examples:
     python -m mok.bench --preset qwen3-30b --variant persistent_down_wgrad_max_inter=0
                                                           # mok and mok-variant in turns: an A/B in one run
     torchrun --nproc-per-node 2 -m mok.bench --preset qwen3-30b   # expert parallelism over 2 GPUs
+    torchrun --nproc-per-node 2 -m mok.bench --preset qwen3-30b --overlap 7,13
+                                                          # and mok-overlap in turns with mok
     python -m mok.bench --preset qwen3-30b --out benchmarks/results   # a record for the repository
 
 Records go to `bench-results/` (untracked) unless --out names another folder.
@@ -97,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="also time mok as mok-variant, with the kernel plan's field (mok.kernels.plan.KernelPlan) "
                            "set to the Python literal VALUE during its calls (repeatable), e.g. "
                            "persistent_down_wgrad_max_inter=0; one GPU only")
+    what.add_argument("--overlap", metavar="C,C_Y",
+                      help="under expert parallelism, also time mok as mok-overlap with "
+                           "MoKConfig(overlap_comm_sms=C, overlap_return_sms=C_Y), in turns with mok")
     what.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                       help="auto: CUDA when available (default: auto)")
     shape = p.add_argument_group("custom shape (any of these implies --preset custom; the rest default to tiny's, "
@@ -140,6 +145,7 @@ class Settings:
     seed: int
     ep: int = 1  # expert-parallel ranks (P); 1: one device
     variant: tuple[tuple[str, object], ...] = ()  # mok-variant's kernel-plan (field, value)
+    overlap: tuple[int, ...] = ()  # mok-overlap's (overlap_comm_sms, overlap_return_sms)
 
 
 def _world_size() -> int:
@@ -210,7 +216,7 @@ def parse_settings(
     registry = runner.EP_IMPLS if ep > 1 else runner.IMPLS
     impls = _split(args.impl)
     if not impls and ep > 1:
-        impls = list(runner.EP_IMPLS)
+        impls = [name for name in runner.EP_IMPLS if name != "mok-overlap"]
     elif not impls:
         impls = ["mok", "torch-eager"]
         if device == "cuda":
@@ -224,6 +230,11 @@ def parse_settings(
         impls.append("mok-variant")
     if "mok-variant" in impls and not variant:
         parser.error("--impl mok-variant: give its settings with --variant FIELD=VALUE")
+    overlap = _parse_overlap(args.overlap, ep, parser) if args.overlap is not None else ()
+    if overlap and "mok-overlap" not in impls:
+        impls.append("mok-overlap")
+    if "mok-overlap" in impls and not overlap:
+        parser.error("--impl mok-overlap: give its SMs with --overlap C,C_Y")
     bad = [i for i in impls if i not in registry]
     if bad:
         where = f" (under {ep} expert-parallel ranks)" if ep > 1 else ""
@@ -242,8 +253,19 @@ def parse_settings(
         seed=args.seed,
         ep=ep,
         variant=variant,
+        overlap=overlap,
     )
     return settings, args
+
+
+def _parse_overlap(text: str, ep: int, parser: argparse.ArgumentParser) -> tuple[int, int]:
+    """(C, C_y) of --overlap C,C_Y."""
+    if ep == 1:
+        parser.error("--overlap: expert parallelism only (run under torchrun with several ranks)")
+    parts = text.split(",")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        parser.error(f"--overlap: expected C,C_Y, two ints >= 0, got {text!r}")
+    return int(parts[0]), int(parts[1])
 
 
 @contextlib.contextmanager
@@ -284,7 +306,7 @@ def _run(settings: Settings, group, show_progress: bool) -> tuple[list[runner.Re
     stderr is not a terminal (a log file, a pipe), a line per step and per result there."""
     info = report.machine_info(settings.device, num_gpus=settings.ep)
     cases = runner.plan(settings.presets, settings.impls, settings.precisions, settings.passes,
-                        expert_parallel=settings.ep > 1, variant=settings.variant)
+                        expert_parallel=settings.ep > 1, variant=settings.variant, overlap=settings.overlap)
     ranks = f" · EP {settings.ep} (max over ranks, TFLOPS per rank)" if settings.ep > 1 else ""
     title = (f"mok.bench on {info['gpu']}{ranks} · torch {info['torch']} · triton {info['triton']} · "
              f"warmup {settings.warmup}, median of {settings.reps}"
@@ -340,6 +362,7 @@ def _report(results, info: dict, title: str, settings: Settings, args: argparse.
         "rounds": settings.rounds,
         "seed": settings.seed,
         "variant": [f"{name}={value!r}" for name, value in settings.variant],
+        "overlap": list(settings.overlap),
         "presets": [dataclasses.asdict(p) for p in settings.presets],
         "timing": "CUDA events per run (perf_counter on CPU), the implementations of a preset taking turns in "
                   "`rounds` rounds; fwd = training forward with autograd on; "

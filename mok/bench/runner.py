@@ -15,7 +15,8 @@ Under expert parallelism (`run(..., group=)` on every rank of a group of P ranks
 rank draws its own T tokens and routing from seed + rank and holds its E/P local experts;
 the reference is `mok.reference.ep_moe_forward/backward`, the implementations are
 `EP_IMPLS` (the baseline `torch-ep-nccl`, `mok` with `group=` on the transport "auto"
-picks, and `mok-nccl` on the NCCL transport), and the ranks agree
+picks, `mok-nccl` on the NCCL transport, and `mok-overlap` with the exchanges beside other
+work), and the ranks agree
 on every check before anything is timed (a case fails or is skipped on all of them if on
 one). A run's time is, per iteration, the slowest rank's; the median of that is reported,
 with TFLOPS per rank.
@@ -168,9 +169,11 @@ def _make_torch_ep(inp: MoEInputs, precision: str, group: dist.ProcessGroup) -> 
 EP_CAPACITY_MULTIPLIER = 1.25
 
 
-def _make_mok_ep(inp: MoEInputs, precision: str, group: dist.ProcessGroup, transport: str = "auto") -> Impl:
+def _make_mok_ep(inp: MoEInputs, precision: str, group: dist.ProcessGroup, transport: str = "auto",
+                 overlap: tuple[int, ...] = (0, 0)) -> Impl:
+    """mok over `group`; `overlap`: (MoKConfig.overlap_comm_sms, overlap_return_sms)."""
     config = mok.MoKConfig(precision=precision, schedule_capacity_multiplier=EP_CAPACITY_MULTIPLIER,
-                           transport=transport)
+                           transport=transport, overlap_comm_sms=overlap[0], overlap_return_sms=overlap[1])
     (num_tokens, hidden), topk = inp.x.shape, inp.topk_ids.shape[1]
     workspace = mok.get_workspace(config, group, device=inp.x.device, num_local_tokens=num_tokens,
                                   hidden_size=hidden, topk=topk)
@@ -222,6 +225,8 @@ EP_IMPLS: dict[str, ImplSpec] = {
     "torch-ep-nccl": ImplSpec(_make_torch_ep, "bf16"),
     "mok": ImplSpec(_make_mok_ep, None),
     "mok-nccl": ImplSpec(functools.partial(_make_mok_ep, transport="nccl"), None),
+    # mok with the exchanges beside other work (`Case.overlap`), timed in turns with mok
+    "mok-overlap": ImplSpec(_make_mok_ep, None),
 }
 # What speedups are measured against: on one device, and under expert parallelism.
 BASELINE, EP_BASELINE = "torch-eager", "torch-ep-nccl"
@@ -230,13 +235,15 @@ BASELINE, EP_BASELINE = "torch-eager", "torch-ep-nccl"
 @dataclass(frozen=True)
 class Case:
     """One implementation in one precision on one preset, for the given passes (and for
-    `mok-variant`, the kernel-plan (field, value) settings it runs under)."""
+    `mok-variant`, the kernel-plan (field, value) settings it runs under; for `mok-overlap`,
+    its (MoKConfig.overlap_comm_sms, overlap_return_sms))."""
 
     preset: Preset
     impl: str
     precision: str
     passes: tuple[str, ...]
     variant: tuple[tuple[str, object], ...] = ()
+    overlap: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -290,9 +297,10 @@ def plan(
     *,
     expert_parallel: bool = False,
     variant: Sequence[tuple[str, object]] = (),
+    overlap: tuple[int, ...] = (),
 ) -> list[Case]:
     """Cases in run order: per preset, impls in registry order (baseline first); `variant`
-    goes with the `mok-variant` cases."""
+    goes with the `mok-variant` cases, `overlap` with the `mok-overlap` ones."""
     registry = EP_IMPLS if expert_parallel else IMPLS
     cases = []
     ordered = [name for name in registry if name in impls] + [name for name in impls if name not in registry]
@@ -301,7 +309,8 @@ def plan(
             spec = registry[name]
             for precision in ([spec.precision] if spec.precision else precisions):
                 cases.append(Case(preset, name, precision, tuple(passes),
-                                  tuple(variant) if name == "mok-variant" else ()))
+                                  tuple(variant) if name == "mok-variant" else (),
+                                  tuple(overlap) if name == "mok-overlap" else ()))
     return cases
 
 
@@ -417,7 +426,10 @@ class _Verdict:
 def _check_case(case: Case, inp: MoEInputs, ref: _Reference, group) -> tuple[Impl | None, _Verdict]:
     spec = (IMPLS if group is None else EP_IMPLS)[case.impl]
     try:
-        impl = spec.make(inp, case.precision) if group is None else spec.make(inp, case.precision, group)
+        if group is None:
+            impl = spec.make(inp, case.precision)
+        else:
+            impl = spec.make(inp, case.precision, group, **({"overlap": case.overlap} if case.overlap else {}))
         if case.variant:
             settings = [f"{name}={value!r}" for name, value in case.variant]
             impl = dataclasses.replace(impl, plan_fields=case.variant, extra=impl.extra | {"variant": settings})
