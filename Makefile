@@ -38,6 +38,7 @@ test-suite: $(VENV)/.installed
 # The sm_90a compile checks (register and spill counts, the Gluon probe) under Triton 3.6.
 test-oldest-triton: $(OLDEST_VENV)/.installed
 	TRITON_INTERPRET=1 $(OLDEST_PY) -m pytest -q tests/kernels/test_warp_specialized.py tests/kernels/test_gluon_api.py \
+		tests/kernels/test_grouped_gemm.py \
 		-k "compile or probe"
 
 clean:

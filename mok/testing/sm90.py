@@ -1,5 +1,6 @@
-"""Gluon kernels compiled for Hopper (sm_90a) on any machine, GPU or not: ptxas's register and
-spill counts, for tests that guard a kernel's resource use where no Hopper GPU runs them."""
+"""Gluon and Triton kernels compiled for Hopper (sm_90a) on any machine, GPU or not: ptxas's
+register and spill counts, for tests that guard a kernel's resource use where no Hopper GPU runs
+them."""
 
 from __future__ import annotations
 
@@ -10,21 +11,23 @@ import subprocess
 import sys
 import tempfile
 
-__all__ = ["gluon_ptxas_report"]
+__all__ = ["gluon_ptxas_report", "triton_ptxas_report"]
 
-# Compiles one Gluon kernel for sm_90a and writes its PTX. It runs in a fresh process: kernels
-# run under the interpreter earlier in a test session leave Triton's language module patched
-# in ways that break a later Gluon compile in the same process.
+# Compiles one kernel for sm_90a and writes its PTX. It runs in a fresh process: kernels run
+# under the interpreter earlier in a test session leave Triton's language module patched in ways
+# that break a later compile in the same process.
 _COMPILE_FOR_SM90A = """
 import importlib, json, sys
 from triton import compile
 from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
-module, name, signature, constants, aligned, num_warps, ptx_path = json.loads(sys.argv[1])
+module, name, signature, constants, aligned, options, gluon, ptx_path = json.loads(sys.argv[1])
 attrs = {(list(signature).index(arg),): [["tt.divisibility", 16]] for arg in aligned}
-source = GluonASTSource(getattr(importlib.import_module(module), name), signature, constants, attrs)
+source = (GluonASTSource if gluon else ASTSource)(getattr(importlib.import_module(module), name), signature,
+                                                  constants, attrs)
 with open(ptx_path, "w") as f:
-    f.write(compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"])
+    f.write(compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"])
 """
 
 
@@ -35,12 +38,26 @@ def gluon_ptxas_report(
     for sm_90a, without a GPU, whose wgmma (if any) ptxas did not serialize; `signature` maps
     each argument to its Triton type ("constexpr" for those in `constants`), `aligned` names
     the arguments compiled as multiples of 16 (as a launch specializes them when they are)."""
+    return _ptxas_report(module, kernel_name, signature, constants, aligned, {"num_warps": num_warps}, True)
+
+
+def triton_ptxas_report(
+    module: str, kernel_name: str, signature: dict, constants: dict, aligned: tuple[str, ...] = (),
+    num_warps: int = 4, num_stages: int = 3,
+) -> tuple[int, int]:
+    """`gluon_ptxas_report` for a Triton (`@triton.jit`) kernel, compiled with `num_stages`."""
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    return _ptxas_report(module, kernel_name, signature, constants, aligned, options, False)
+
+
+def _ptxas_report(module: str, kernel_name: str, signature: dict, constants: dict, aligned: tuple[str, ...],
+                  options: dict, gluon: bool) -> tuple[int, int]:
     from triton.backends.nvidia.compiler import get_ptxas
 
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     with tempfile.TemporaryDirectory() as tmp:
         ptx = os.path.join(tmp, "kernel.ptx")
-        argument = json.dumps([module, kernel_name, signature, constants, list(aligned), num_warps, ptx])
+        argument = json.dumps([module, kernel_name, signature, constants, list(aligned), options, gluon, ptx])
         compiled = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90A, argument], capture_output=True, text=True,
                                   env=env)
         assert compiled.returncode == 0, f"compiling {kernel_name} failed:\n{compiled.stderr[-3000:]}"

@@ -528,3 +528,38 @@ def test_down_in_two_launches_over_one_layout_is_bitwise_one(kernel_device, prec
     torch.library.opcheck(into.op, into.op_args(*into_args), test_utils=("test_faketensor",))
     with pytest.raises(ValueError, match=r"^out: expected a contiguous bfloat16 tensor of shape \[140, 128\]"):
         into(*into_args[:-1], y[:, :64].contiguous())
+
+
+@pytest.mark.parametrize("precision, H, I", [("bf16", 7168, 2048), ("bf16", 4096, 14336), ("fp8_block", 2048, 768)])
+def test_triton_down_kernel_compiles_for_sm90a_without_spills(monkeypatch, precision, H, I):
+    """The Triton down GEMM as Hopper runs it where the warp-specialized one does not (bf16: from
+    the plan's `ping_pong_down_max_inter` on, persistent at deepseek-v3-slice's I, per tile with
+    the split last wave at mixtral-8x7b's; fp8_block: its Triton tile), with the test that skips
+    another launch's tiles: nothing spilled at launch alignment (sm_90a, this Triton's ptxas)."""
+    import mok.kernels.gemm.common as gemm_common
+    from mok.kernels.plan import HOPPER
+    from mok.testing.sm90 import triton_ptxas_report
+
+    monkeypatch.setattr(gemm_common, "interpreting", lambda: False)
+    monkeypatch.setattr(gemm_common, "kernel_plan", lambda *args: HOPPER)
+    cfg = gemm_config("down", H, I, precision, allow_warp_specialized=False)
+    assert precision == "fp8_block" or cfg["PERSISTENT"] == (I <= HOPPER.persistent_down_max_inter), cfg
+    meta = {"PERSISTENT": False, "SPLIT_LAST_WAVE": False, **cfg}
+    num_warps, num_stages = meta.pop("num_warps"), meta.pop("num_stages")
+    element = "bf16" if precision == "bf16" else "fp8e4nv"
+    block_m, block_n, block_k = meta["BLOCK_M"], meta["BLOCK_N"], meta["BLOCK_K"]
+    signature = {
+        "h_desc": f"tensordesc<{element}[{block_m},{block_k}]>",
+        "w_down_desc": f"tensordesc<{element}[{block_n},{block_k}]>",
+        "w_down_half_desc": f"tensordesc<{element}[{block_n // 2},{block_k}]>", "y_ptr": "*bf16",
+        "h_scale_ptr": "*fp32", "w_down_scale_ptr": "*fp32", "row_source_ptr": "*i32", "tile_expert_ptr": "*i32",
+        "num_rows_ptr": "*i32", "hidden": "i32", "inter": "i32", "num_sms": "i32", "num_programs": "i32",
+        "stride_y_s": "i32",
+        **{name: "constexpr" for name in ("PRECISION", "INTERPRETER", "SORTED", *meta)},
+    }
+    constants = dict(meta, PRECISION=precision, INTERPRETER=False, SORTED=False)
+    aligned = ("y_ptr", "h_scale_ptr", "w_down_scale_ptr", "row_source_ptr", "tile_expert_ptr", "num_rows_ptr",
+               "hidden", "inter", "stride_y_s")
+    registers, spilled = triton_ptxas_report("mok.kernels.gemm.down", "_down_scatter_kernel", signature, constants,
+                                             aligned, num_warps, num_stages)
+    assert spilled == 0, f"{precision=} {H=} {I=} {cfg=}: {registers} registers, {spilled} bytes spilled"
