@@ -457,18 +457,28 @@ def _two_launch_schedules(sched):
             dataclasses.replace(sched, tile_expert=torch.where(odd, sched.tile_expert, -1)))
 
 
+_TWO_LAUNCH_SHAPE = dict(T=70, H=128, I=128, E=3, topk=2)
+
+
+def _two_launch_case(device, seed: int):
+    """(inputs, schedule, its two launches' schedules, rows in use) at `_TWO_LAUNCH_SHAPE`, with
+    tiles for both launches."""
+    T, H, I, E, topk = _TWO_LAUNCH_SHAPE.values()
+    inp = make_inputs(T, H, I, E, topk, seed=seed, device=device)
+    flag = torch.zeros(1, dtype=torch.int32, device=device)
+    sched = ops.routing_schedule(inp.topk_ids, flag, E, routing_block_m())
+    rows = int(sched.num_rows)
+    assert rows // sched.block_m >= 2, "the case needs tiles for both launches"
+    return inp, sched, *_two_launch_schedules(sched), rows
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp8_block", "fp8_block e4m3 g,u"])
 def test_gate_up_in_two_launches_over_one_layout_is_bitwise_one(kernel_device, precision):
     """The first launch over one set of tiles, the second (`*_into`) over the rest into its outputs:
     every row below num_rows bitwise what one launch writes; the fake impls and the mutated
     outputs as the ops declare them; outputs of the wrong shape rejected by name."""
-    T, H, I, E, topk = 70, 128, 128, 3, 2
-    inp = make_inputs(T, H, I, E, topk, seed=11, device=kernel_device)
-    flag = torch.zeros(1, dtype=torch.int32, device=kernel_device)
-    sched = ops.routing_schedule(inp.topk_ids, flag, E, routing_block_m())
-    first, rest = _two_launch_schedules(sched)
-    rows = int(sched.num_rows)
-    assert rows // sched.block_m >= 2, "the case needs tiles for both launches"
+    topk = _TWO_LAUNCH_SHAPE["topk"]
+    inp, sched, first, rest, rows = _two_launch_case(kernel_device, seed=11)
     if precision == "bf16":
         operands = (inp.x, inp.w_gate, inp.w_up)
         whole = ops.gate_up_swiglu(*operands, sched, topk, 0.5, True)
@@ -497,13 +507,8 @@ def test_down_in_two_launches_over_one_layout_is_bitwise_one(kernel_device, prec
     its y: every slot a row writes bitwise what one launch writes, and the first launch alone
     writes only its tiles' slots; the fake impls and the mutated y as the ops declare them; a y
     of the wrong shape rejected by name."""
-    T, H, I, E, topk = 70, 128, 128, 3, 2
-    inp = make_inputs(T, H, I, E, topk, seed=12, device=kernel_device)
-    flag = torch.zeros(1, dtype=torch.int32, device=kernel_device)
-    sched = ops.routing_schedule(inp.topk_ids, flag, E, routing_block_m())
-    first, rest = _two_launch_schedules(sched)
-    rows = int(sched.num_rows)
-    assert rows // sched.block_m >= 2, "the case needs tiles for both launches"
+    T, H, I, E, topk = _TWO_LAUNCH_SHAPE.values()
+    inp, sched, first, rest, rows = _two_launch_case(kernel_device, seed=12)
     h = torch.randn(sched.capacity_rows, I, generator=torch.Generator().manual_seed(3)).bfloat16().to(kernel_device)
     num_slots = T * topk
     if precision == "bf16":
