@@ -13,6 +13,9 @@ chain of loads held them far below the rate they reach over sorted operands read
 TMA (benchmarks/LOG.md, "The backward rewrite"). The copy runs at HBM speed, and the down dgrad
 reads d_out_sorted through TMA too.
 
+x's copy and dOut's can also be made apart (`d_out=None`, `x=None`), each bitwise what the joint
+launch writes: under expert parallelism x's copy runs while the dOut rows travel.
+
 The forward's gate/up GEMM reads x through TMA from the same copy (x alone, `d_out=None`)
 where its intermediate size makes that pay (`gemm.common.gemm_config`): per row copied, that
 GEMM does 4·I FLOPs per element of x, so at large I the copy is cheap against what TMA saves.
