@@ -345,7 +345,8 @@ def test_overlap_adds_mok_overlap_with_its_sms():
     assert settings.overlap == (7, 13) and settings.impls[-1] == "mok-overlap", settings.impls
     cases = runner.plan(settings.presets, settings.impls, settings.precisions, settings.passes, expert_parallel=True,
                         overlap=settings.overlap)
-    assert {c.impl: c.overlap for c in cases} == {"torch-ep-nccl": (), "mok": (), "mok-nccl": (), "mok-overlap": (7, 13)}
+    expected = {"torch-ep-nccl": (), "mok": (), "mok-nccl": (), "mok-overlap": (7, 13)}
+    assert {c.impl: c.overlap for c in cases} == expected
     plain, _ = cli.parse_settings(["--device", "cpu", "--preset", "tiny"], world_size=2)
     assert "mok-overlap" not in plain.impls and plain.overlap == ()
 

@@ -109,12 +109,10 @@ class Fp8BlockRecipe(QuantizedRecipe):
             x_q, x_scale = arriving.land()
             ops.gate_up_swiglu_fp8_block_into(x_q, x_scale, *gate_up_weights, arriving.others, topk, swiglu_limit,
                                               h_q, h_scale, gate_up, gate_up_scale)
-        y = down_gemm(
-            lambda tiles: ops.down_scatter_fp8_block(h_q, h_scale, w_down.q, w_down.scale, tiles, num_slots, sorted_rows),
-            lambda tiles, y: ops.down_scatter_fp8_block_into(h_q, h_scale, w_down.q, w_down.scale, tiles, sorted_rows,
-                                                             y),
-            routing, returning,
-        )
+        down_operands = (h_q, h_scale, w_down.q, w_down.scale)
+        y = down_gemm(lambda tiles: ops.down_scatter_fp8_block(*down_operands, tiles, num_slots, sorted_rows),
+                      lambda tiles, y: ops.down_scatter_fp8_block_into(*down_operands, tiles, sorted_rows, y),
+                      routing, returning)
         if not needs_backward:
             return y, None
         copies = (x_q, x_scale, h_q, h_scale) if plan.fp8_block_wgrads_requantize else (None,) * 4

@@ -24,10 +24,11 @@ built over the received rows rotated to start at this rank's own (p = my rank, t
 wrapping), so that inside each expert the routes of this rank's own tokens come first, then
 mapped back to the rows where the exchange put them.
 
-Arrival split (`own_tiles_split`): the schedule's M tiles in two sets, those whose routes all
-came from this rank's own tokens, which the gate/up GEMM can compute before any peer's row
-has arrived, and the rest. The own routes leading each expert make all but at most one of an
-expert's tiles with own routes own-only.
+Own tiles (`own_tiles_split`): the schedule's M tiles in two sets, those whose routes all came
+from this rank's own tokens and the rest. The gate/up GEMM computes the own tiles before any
+peer's row has arrived; the down GEMM computes them last, while the other ranks' partial rows
+travel back. The own routes leading each expert make all but at most one of an expert's tiles
+with own routes own-only.
 """
 
 from __future__ import annotations

@@ -87,7 +87,8 @@ def combine(
         raise ValueError(f"y_shared: expected a [{num_tokens}, {hidden}] tensor, got {list(y_shared.shape)}")
     if out is None:
         out = torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=y.device)  # [T, H]
-    elif out.shape != (num_tokens, hidden) or out.dtype != torch.bfloat16 or out.stride(1) != 1 or out.device != y.device:
+    elif (out.shape != (num_tokens, hidden) or out.dtype != torch.bfloat16 or out.stride(1) != 1
+          or out.device != y.device):
         raise ValueError(f"out: expected a bf16 [{num_tokens}, {hidden}] tensor with unit column stride on {y.device}, "
                          f"got {out.dtype} {list(out.shape)} on {out.device}")
     plan = kernel_plan(y.device)
