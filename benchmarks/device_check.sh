@@ -44,9 +44,12 @@ for step in $steps; do
     fp8) timeout $T python3 benchmarks/bench_fp8_gemm.py --out "$OUT/fp8-gemm.json" 2>&1 | tee "$OUT/fp8.log" ;;
     train) timeout $T python3 examples/train_moe_lm.py --out "$OUT" ${TRAIN_ARGS:-} 2>&1 | tee "$OUT/train_moe_lm.log" | grep -v "step .*[1-9]00/" ;;
     ep) timeout $T python3 -m pytest -q -rs -p no:cacheprovider tests/dist/test_ep_gpu.py 2>&1 | tee "$OUT/ep.log" ;;
-    epbench) timeout $T torchrun --nproc-per-node 2 -m mok.bench --out "$OUT" --no-plot ${EP_BENCH_ARGS:---preset qwen3-30b} 2>&1 \
+    epbench) timeout $T torchrun --nproc-per-node 2 -m mok.bench --out "$OUT" --no-plot \
+          ${EP_BENCH_ARGS:---preset qwen3-30b --overlap 7,13} 2>&1 \
           | grep -v "^W1130\|OMP_NUM\|\*\*\*" | tee "$OUT/epbench.log"
-        timeout $T torchrun --nproc-per-node 2 benchmarks/bench_dispatch.py --programs 16,32,64 --out "$OUT/dispatch.json" 2>&1 \
+        # the push rate at few programs: the overlap model takes it as proportional below 32
+        timeout $T torchrun --nproc-per-node 2 benchmarks/bench_dispatch.py --programs 4,8,13,16,32,64 \
+          --out "$OUT/dispatch.json" 2>&1 \
           | grep "programs\|Error" | tee -a "$OUT/epbench.log" ;;
     sonic) tar -xJf .bundle/sonicmoe-site.tar.xz -C /tmp && BENCH_ARGS="${BENCH_ARGS:-} --sonicmoe-site /tmp/site" ;;
     *) echo "unknown step $step"; exit 2 ;;
