@@ -45,7 +45,7 @@ case ${1:-} in
     python3 benchmarks/compare_runs.py "$OUT" --what ab-commits \
       --labels "$(cat .ab/base_commit)" "$(cat .ab/other_commit)" \
       --command "bash benchmarks/ab_commits.sh prepare $(cat .ab/base_commit) && ROUNDS=${ROUNDS:-2} \
-${WARMUP_ARGS:+WARMUP_ARGS=\"$WARMUP_ARGS\" }bash benchmarks/ab_commits.sh run"
+${WARMUP_ARGS:+WARMUP_ARGS=\"$WARMUP_ARGS\" }${BENCH_SETS:+BENCH_SETS=\"$BENCH_SETS\" }bash benchmarks/ab_commits.sh run"
     (cd "$OUT" && tar czf runs.tar.gz base-* other-* ./*.log && rm -rf base-* other-* ./*.log) ;;
   *) echo "usage: $0 prepare COMMIT | run" >&2; exit 2 ;;
 esac
