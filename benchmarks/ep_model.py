@@ -33,7 +33,9 @@ and the predicted step time at each EP size P:
              of 3 × the forward's FLOPs; and beside the dOut dispatch the recipe's backward
              work that reads no dOut (bf16: x's sorted copy; fp8_block: hᵀ requantized), its
              HBM bytes at the measured copy rate. Without a shared expert only those copies are
-             beside the dOut dispatch: it keeps 32 programs and holds no SMs.
+             beside the dOut dispatch: it keeps 32 programs and holds no SMs. The GEMMs that run
+             in two launches (gate/up with C, down with C_y) cost what `split_gemm_cost.py`
+             measured on one GPU (`--split-records`; the nearest P of the preset's records).
     exchange = bytes / rate + 10 µs, rate = link · min(1, programs / 32): the link's rate was
              measured from 32 programs and is taken as proportional below that.
 
@@ -77,6 +79,8 @@ BF16_RECORD = RESULTS / "h200-20261130-fwd-bwd-v12.json"
 FP8_RECORDS = (RESULTS / "h200-20261204-fp8-block-v39-qwen3-30b.json",
                RESULTS / "h200-20261204-fp8-block-v39-deepseek-v3-slice.json")
 EP2_RECORD = RESULTS / "h200-20261130-qwen3-30b-ep2-fused.json"
+# What running a GEMM in two launches over the own/others split costs (benchmarks/split_gemm_cost.py)
+SPLIT_RECORDS = tuple(sorted(RESULTS.glob("h200-*-split-gemm-cost-*.json")))
 EXCHANGE_LATENCY_MS = 0.010
 HBM_GBPS = 4241  # H200, a device-to-device copy's bytes read + written (measured)
 LINK_PROGRAMS = 32  # the programs the link rate was measured from
@@ -136,9 +140,10 @@ def step_ms(compute_ms: float, sent: dict[str, int], link_gbps: float, chunk_byt
 
 
 def built_ms(compute_ms: float, sent: dict[str, int], link_gbps: float, preset: Preset, overlap_sms: int,
-             world_size: int, return_sms: int = 0, wire: str = "bf16") -> float:
+             world_size: int, return_sms: int = 0, wire: str = "bf16", split_cost: dict | None = None) -> float:
     """The step with the overlap as built (module docstring), `overlap_sms` = C and `return_sms` =
-    C_y, at P = `world_size`, with `wire`'s recipe (bf16 or fp8_block)."""
+    C_y, at P = `world_size`, with `wire`'s recipe (bf16 or fp8_block); `split_cost`: the gate/up
+    and down GEMMs' extra time in two launches, as fractions ({"gate_up": f, "down": f}; none: 0)."""
     def exchange(kind: str, programs: int) -> float:
         rate = link_gbps * min(1.0, programs / LINK_PROGRAMS)
         return sent[kind] / (rate * 1e6) + EXCHANGE_LATENCY_MS
@@ -152,7 +157,12 @@ def built_ms(compute_ms: float, sent: dict[str, int], link_gbps: float, preset: 
     # (persistent GEMMs, copies) beside each exchange; only the GEMMs leave SMs free
     beside = {"x": ((shared + own_gate_up) * ms_per_unit, 0.0), "y": (own_down * ms_per_unit, 0.0),
               "d_out": (2 * shared * ms_per_unit, prepare_ms), "dx": (routed * ms_per_unit, 0.0)}
+    split_cost = split_cost or {}
     step = compute_ms
+    if overlap_sms:  # the gate/up GEMM in two launches
+        step += split_cost.get("gate_up", 0.0) * 2 / 3 * routed * ms_per_unit
+    if return_sms:  # the down GEMM in two launches
+        step += split_cost.get("down", 0.0) * 1 / 3 * routed * ms_per_unit
     for kind in EXCHANGES:
         programs = return_sms if kind == "y" else overlap_sms
         gemms, copies = beside[kind] if programs else (0.0, 0.0)
@@ -210,8 +220,31 @@ def compute_times(args) -> dict[tuple[str, str], float]:
     return times
 
 
+def split_costs(paths) -> dict[tuple[str, int, str], dict[str, float]]:
+    """(preset, P, wire) -> {"gate_up": f, "down": f} from split_gemm_cost.py's records."""
+    costs: dict = {}
+    for path in paths:
+        record = json.loads(pathlib.Path(path).read_text())
+        for r in record["results"]:
+            gemm, precision = r["gemm"].split()
+            wire = "bf16" if precision == "bf16" else "fp8"
+            costs.setdefault((record["preset"], record["ep"], wire), {})[gemm] = r["cost"]
+    return costs
+
+
+def split_cost_for(costs: dict, preset: str, world_size: int, wire: str) -> dict[str, float]:
+    """The measured split cost of `preset` (the preset whose compute time it takes) at the nearest
+    P measured, or an empty dict where none was."""
+    preset = COMPUTE_PRESET.get(preset, preset)
+    measured = [p for (name, p, w) in costs if name == preset and w == wire]
+    if not measured:
+        return {}
+    return costs[preset, min(measured, key=lambda p: abs(p - world_size)), wire]
+
+
 def model_rows(preset: Preset, world_sizes, compute: dict, link_gbps: float, chunk_rows: int, seed: int,
-               topk_ids: torch.Tensor | None = None, overlap_sms: int = 4, return_sms: int = 0) -> list[dict]:
+               topk_ids: torch.Tensor | None = None, overlap_sms: int = 4, return_sms: int = 0,
+               costs: dict | None = None) -> list[dict]:
     """One dict per (P, design, wire): bytes per exchange, compute and step times."""
     rows = []
     ids = topk_ids
@@ -229,8 +262,9 @@ def model_rows(preset: Preset, world_sizes, compute: dict, link_gbps: float, chu
                 compute_ms = compute[preset.name, wire]
                 chunk = chunk_rows * row_bytes(preset.hidden_size, wire)
                 plain, overlapped = (None, None) if compute_ms is None else step_ms(compute_ms, sent, link_gbps, chunk)
+                cost = split_cost_for(costs or {}, preset.name, world_size, wire)
                 built = None if compute_ms is None else built_ms(compute_ms, sent, link_gbps, preset, overlap_sms,
-                                                                 world_size, return_sms, wire)
+                                                                 world_size, return_sms, wire, cost)
                 rows.append({"preset": preset.name, "ep": world_size, "design": design, "wire": wire,
                              "bytes": sent, "rows": traffic.remote_routes if design == "per-route"
                              else traffic.remote_pairs, "compute_ms": compute_ms, "step_ms": plain,
@@ -279,6 +313,8 @@ def main(argv=None) -> int:
     parser.add_argument("--fp8-record", nargs="*", default=[str(p) for p in FP8_RECORDS],
                         help="single-GPU records of the fp8_block compute times")
     parser.add_argument("--compute-ms", nargs="*", default=[], help="PRESET[:WIRE]=MS overrides")
+    parser.add_argument("--split-records", nargs="*", default=[str(p) for p in SPLIT_RECORDS],
+                        help="split_gemm_cost.py records of the built column's two-launch GEMMs (none: free)")
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--check", action="store_true", help="compare with the measured EP = 2 step (exit 1 beyond 15%%)")
     args = parser.parse_args(argv)
@@ -294,7 +330,7 @@ def main(argv=None) -> int:
     compute = compute_times(args)
     rows = [r for name in names for r in model_rows(MODEL_PRESETS[name], world_sizes, compute, args.link_gbps,
                                                      args.chunk_rows, args.seed, topk_ids, args.overlap_sms,
-                                                     args.overlap_return_sms)]
+                                                     args.overlap_return_sms, split_costs(args.split_records))]
     print_table(rows, args.link_gbps, args.overlap_sms, args.overlap_return_sms)
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))

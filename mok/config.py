@@ -36,7 +36,9 @@ class MoKConfig:
         GEMM's tiles of the rank's own tokens (the others' tiles run first). Apart from
         overlap_comm_sms because that work is short, 1/P of the down GEMM: the model
         (`--overlap-return-sms`) hides the return best with more programs than the other
-        exchanges want. 0 (the default, until measured): the return follows the down GEMM.
+        exchanges want, though the down GEMM's split, as measured on one H200, costs about what
+        it hides (docs/expert-parallelism.md). 0 (the default, until measured on two GPUs): the
+        return follows the down GEMM.
     schedule_capacity_multiplier: worst-case share of all routes one rank may receive,
         relative to an even split; sizes buffers and grids without a host sync. None means
         the exact worst case (every route of every rank to one rank), which never overflows.

@@ -85,3 +85,24 @@ def test_built_overlap_returns_y_beside_the_own_down_tiles_at_its_own_programs()
     expected = without - y_ms + own_down_ms * (model.SMS / (model.SMS - programs) - 1)
     assert abs(model.built_ms(8.0, sent, 341.0, preset, 8, 2, programs) - expected) < 1e-9
     assert model.built_ms(8.0, sent, 341.0, preset, 8, 2, 2) > without, "two programs return y slower than serial"
+
+
+def test_built_overlap_charges_the_measured_split_of_each_gemm():
+    """A GEMM run in two launches costs the measured fraction of its time (its share of the step
+    by FLOPs: gate/up 2/3, down 1/3 of the routed forward, a third of the step): the gate/up
+    GEMM's with overlap_comm_sms, the down GEMM's with overlap_return_sms; the records load."""
+    model = _model()
+    preset = model.MODEL_PRESETS["qwen3-30b"]
+    sent = {"x": 68_000_000, "y": 67_000_000, "d_out": 67_000_000, "dx": 67_000_000}
+    cost = {"gate_up": 0.1, "down": 0.3}
+    third = 8.0 / 3  # no shared expert: the routed forward is a third of the step
+    for overlap, returning, extra in ((8, 0, 0.1 * third * 2 / 3), (0, 16, 0.3 * third / 3),
+                                      (8, 16, 0.1 * third * 2 / 3 + 0.3 * third / 3), (0, 0, 0.0)):
+        free = model.built_ms(8.0, sent, 341.0, preset, overlap, 2, returning)
+        paid = model.built_ms(8.0, sent, 341.0, preset, overlap, 2, returning, "bf16", cost)
+        assert abs(paid - free - extra) < 1e-9, (overlap, returning, paid - free, extra)
+    costs = model.split_costs(model.SPLIT_RECORDS)
+    measured = model.split_cost_for(costs, "qwen3-30b", 3, "fp8")
+    assert set(measured) == {"gate_up", "down"} and all(v > -0.5 for v in measured.values()), measured
+    assert model.split_cost_for(costs, "deepseek-v3", 2, "bf16") == costs["deepseek-v3-slice", 2, "bf16"]
+    assert model.split_cost_for(costs, "qwen3-30b", 2, "nope") == {}
