@@ -45,7 +45,7 @@ for step in $steps; do
     train) timeout $T python3 examples/train_moe_lm.py --out "$OUT" ${TRAIN_ARGS:-} 2>&1 | tee "$OUT/train_moe_lm.log" | grep -v "step .*[1-9]00/" ;;
     ep) timeout $T python3 -m pytest -q -rs -p no:cacheprovider tests/dist/test_ep_gpu.py 2>&1 | tee "$OUT/ep.log" ;;
     epbench) timeout $T torchrun --nproc-per-node 2 -m mok.bench --out "$OUT" --no-plot \
-          ${EP_BENCH_ARGS:---preset qwen3-30b --overlap 7,13} 2>&1 \
+          ${EP_BENCH_ARGS:---preset qwen3-30b --overlap 3,0,0} 2>&1 \
           | grep -v "^W1130\|OMP_NUM\|\*\*\*" | tee "$OUT/epbench.log"
         # the push rate at few programs: the overlap model takes it as proportional below 32
         timeout $T torchrun --nproc-per-node 2 benchmarks/bench_dispatch.py --programs 4,8,13,16,32,64 \

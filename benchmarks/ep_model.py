@@ -21,11 +21,11 @@ and the predicted step time at each EP size P:
              in chunks of `--chunk-rows` rows: one chunk in before the first tile, one back
              after the last, per pass)
     built:   mok's overlap with `MoKConfig.overlap_comm_sms` = `--overlap-sms` C: the x
-             dispatch beside the shared expert's forward and the gate/up GEMM's tiles of the
-             rank's own tokens, the dOut dispatch beside the shared expert's backward, the dx
-             return beside the routed weight gradients; with `MoKConfig.overlap_return_sms` =
-             `--overlap-return-sms` C_y the y return beside the down GEMM's tiles of the own
-             tokens. Each such exchange, pushed from C (C_y) programs, costs max(W·S/(S − C), its
+             dispatch beside the shared expert's forward, the dOut dispatch beside the shared
+             expert's backward, the dx return beside the routed weight gradients; with
+             `overlap_dispatch_sms` = `--overlap-dispatch-sms` C_x the x dispatch beside the
+             gate/up GEMM's tiles of the rank's own tokens too, and with `overlap_return_sms` =
+             `--overlap-return-sms` C_y the y return beside the down GEMM's own tiles. Each such exchange, pushed from C (C_y) programs, costs max(W·S/(S − C), its
              time at C programs) − W over the work W beside it (the persistent GEMMs leave C of
              the S SMs free). W from the compute time by FLOPs: the shared expert's forward
              6·T·H·I_s and backward twice that, the own tiles 1/P of the gate/up GEMM's
@@ -34,7 +34,7 @@ and the predicted step time at each EP size P:
              work that reads no dOut (bf16: x's sorted copy; fp8_block: hᵀ requantized), its
              HBM bytes at the measured copy rate. Without a shared expert only those copies are
              beside the dOut dispatch: it keeps 32 programs and holds no SMs. The GEMMs that run
-             in two launches (gate/up with C, down with C_y) cost what `split_gemm_cost.py`
+             in two launches (gate/up with C_x, down with C_y) cost what `split_gemm_cost.py`
              measured on one GPU (`--split-records`; the nearest P of the preset's records).
     exchange = bytes / rate + 10 µs, rate = link · min(1, programs / 32): the link's rate was
              measured from 32 programs and is taken as proportional below that.
@@ -140,10 +140,12 @@ def step_ms(compute_ms: float, sent: dict[str, int], link_gbps: float, chunk_byt
 
 
 def built_ms(compute_ms: float, sent: dict[str, int], link_gbps: float, preset: Preset, overlap_sms: int,
-             world_size: int, return_sms: int = 0, wire: str = "bf16", split_cost: dict | None = None) -> float:
-    """The step with the overlap as built (module docstring), `overlap_sms` = C and `return_sms` =
-    C_y, at P = `world_size`, with `wire`'s recipe (bf16 or fp8_block); `split_cost`: the gate/up
-    and down GEMMs' extra time in two launches, as fractions ({"gate_up": f, "down": f}; none: 0)."""
+             world_size: int, return_sms: int = 0, wire: str = "bf16", split_cost: dict | None = None,
+             dispatch_sms: int = 0) -> float:
+    """The step with the overlap as built (module docstring), `overlap_sms` = C, `dispatch_sms` = C_x
+    and `return_sms` = C_y, at P = `world_size`, with `wire`'s recipe (bf16 or fp8_block);
+    `split_cost`: the gate/up and down GEMMs' extra time in two launches, as fractions
+    ({"gate_up": f, "down": f}; none: 0)."""
     def exchange(kind: str, programs: int) -> float:
         rate = link_gbps * min(1.0, programs / LINK_PROGRAMS)
         return sent[kind] / (rate * 1e6) + EXCHANGE_LATENCY_MS
@@ -152,21 +154,25 @@ def built_ms(compute_ms: float, sent: dict[str, int], link_gbps: float, preset: 
     shared = preset.num_tokens * preset.hidden_size * preset.shared_intermediate_size
     ms_per_unit = compute_ms / (3 * (routed + shared))
     # the gate/up GEMM is 4 of the forward's 6·T·k·H·I, the down GEMM 2
-    own_gate_up, own_down = 2 / 3 * routed / world_size, 1 / 3 * routed / world_size
+    gate_up_ms, down_ms = 2 / 3 * routed * ms_per_unit, 1 / 3 * routed * ms_per_unit
     prepare_ms = prepare_backward_bytes(preset, sent, world_size, wire) / (HBM_GBPS * 1e6)
-    # (persistent GEMMs, copies) beside each exchange; only the GEMMs leave SMs free
-    beside = {"x": ((shared + own_gate_up) * ms_per_unit, 0.0), "y": (own_down * ms_per_unit, 0.0),
-              "d_out": (2 * shared * ms_per_unit, prepare_ms), "dx": (routed * ms_per_unit, 0.0)}
     split_cost = split_cost or {}
+    # each exchange: (its programs, the persistent GEMMs beside it, the copies beside it); 0 programs: serial
+    if dispatch_sms:
+        x_dispatch = (dispatch_sms, shared * ms_per_unit + gate_up_ms / world_size, 0.0)
+    else:
+        x_dispatch = (overlap_sms, shared * ms_per_unit, 0.0)
+    beside = {"x": x_dispatch, "y": (return_sms, down_ms / world_size, 0.0),
+              "d_out": (overlap_sms, 2 * shared * ms_per_unit, prepare_ms),
+              "dx": (overlap_sms, routed * ms_per_unit, 0.0)}
     step = compute_ms
-    if overlap_sms:  # the gate/up GEMM in two launches
-        step += split_cost.get("gate_up", 0.0) * 2 / 3 * routed * ms_per_unit
-    if return_sms:  # the down GEMM in two launches
-        step += split_cost.get("down", 0.0) * 1 / 3 * routed * ms_per_unit
+    step += split_cost.get("gate_up", 0.0) * gate_up_ms if dispatch_sms else 0.0  # the GEMMs in two launches
+    step += split_cost.get("down", 0.0) * down_ms if return_sms else 0.0
     for kind in EXCHANGES:
-        programs = return_sms if kind == "y" else overlap_sms
-        gemms, copies = beside[kind] if programs else (0.0, 0.0)
-        if gemms == 0.0:  # nothing, or copies alone: the config's programs, no SM held
+        programs, gemms, copies = beside[kind]
+        if programs == 0:
+            step += exchange(kind, LINK_PROGRAMS)
+        elif gemms == 0.0:  # copies alone, or nothing: the config's programs, no SM held
             step += max(copies, exchange(kind, LINK_PROGRAMS)) - copies
         else:
             step += max(gemms * SMS / (SMS - programs) + copies, exchange(kind, programs)) - gemms - copies
@@ -244,7 +250,7 @@ def split_cost_for(costs: dict, preset: str, world_size: int, wire: str) -> dict
 
 def model_rows(preset: Preset, world_sizes, compute: dict, link_gbps: float, chunk_rows: int, seed: int,
                topk_ids: torch.Tensor | None = None, overlap_sms: int = 4, return_sms: int = 0,
-               costs: dict | None = None) -> list[dict]:
+               costs: dict | None = None, dispatch_sms: int = 0) -> list[dict]:
     """One dict per (P, design, wire): bytes per exchange, compute and step times."""
     rows = []
     ids = topk_ids
@@ -264,7 +270,7 @@ def model_rows(preset: Preset, world_sizes, compute: dict, link_gbps: float, chu
                 plain, overlapped = (None, None) if compute_ms is None else step_ms(compute_ms, sent, link_gbps, chunk)
                 cost = split_cost_for(costs or {}, preset.name, world_size, wire)
                 built = None if compute_ms is None else built_ms(compute_ms, sent, link_gbps, preset, overlap_sms,
-                                                                 world_size, return_sms, wire, cost)
+                                                                 world_size, return_sms, wire, cost, dispatch_sms)
                 rows.append({"preset": preset.name, "ep": world_size, "design": design, "wire": wire,
                              "bytes": sent, "rows": traffic.remote_routes if design == "per-route"
                              else traffic.remote_pairs, "compute_ms": compute_ms, "step_ms": plain,
@@ -276,9 +282,10 @@ def _fmt_ms(value: float | None) -> str:
     return "     —" if value is None else f"{value:6.2f}"
 
 
-def print_table(rows: list[dict], link_gbps: float, overlap_sms: int, return_sms: int) -> None:
+def print_table(rows: list[dict], link_gbps: float, overlap_sms: int, return_sms: int, dispatch_sms: int) -> None:
     print(f"bytes a rank sends its peers per exchange (MB) and fwd+bwd step (ms) at {link_gbps:g} GB/s per direction; "
-          f"built: overlap_comm_sms = {overlap_sms}, overlap_return_sms = {return_sms}")
+          f"built: overlap_comm_sms = {overlap_sms}, overlap_dispatch_sms = {dispatch_sms}, "
+          f"overlap_return_sms = {return_sms}")
     print(f"{'preset':18} {'EP':>3} {'design':14} {'wire':4} {'rows':>8} {'x':>8} {'y':>8} {'dOut':>8} {'dx':>8} "
           f"{'total':>8} {'compute':>7} {'serial':>6} {'ideal':>6} {'built':>6}")
     for r in rows:
@@ -305,7 +312,9 @@ def main(argv=None) -> int:
     parser.add_argument("--link-gbps", type=float, default=341.0, help="GB/s per direction per rank")
     parser.add_argument("--chunk-rows", type=int, default=1024, help="rows of one overlap step")
     parser.add_argument("--overlap-sms", type=int, default=4, help="MoKConfig.overlap_comm_sms of the built column")
-    parser.add_argument("--overlap-return-sms", type=int, default=16,
+    parser.add_argument("--overlap-dispatch-sms", type=int, default=0,
+                        help="MoKConfig.overlap_dispatch_sms of the built column")
+    parser.add_argument("--overlap-return-sms", type=int, default=0,
                         help="MoKConfig.overlap_return_sms of the built column")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--topk-ids", help="a torch.save'd [T, topk] tensor of global ids, used for every preset")
@@ -318,7 +327,8 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--check", action="store_true", help="compare with the measured EP = 2 step (exit 1 beyond 15%%)")
     args = parser.parse_args(argv)
-    for name, value in (("--overlap-sms", args.overlap_sms), ("--overlap-return-sms", args.overlap_return_sms)):
+    for name, value in (("--overlap-sms", args.overlap_sms), ("--overlap-dispatch-sms", args.overlap_dispatch_sms),
+                        ("--overlap-return-sms", args.overlap_return_sms)):
         if not 0 <= value < SMS:
             raise ValueError(f"{name}: expected 0 <= C < {SMS}, got {value}")
     names = args.preset.split(",")
@@ -330,8 +340,9 @@ def main(argv=None) -> int:
     compute = compute_times(args)
     rows = [r for name in names for r in model_rows(MODEL_PRESETS[name], world_sizes, compute, args.link_gbps,
                                                      args.chunk_rows, args.seed, topk_ids, args.overlap_sms,
-                                                     args.overlap_return_sms, split_costs(args.split_records))]
-    print_table(rows, args.link_gbps, args.overlap_sms, args.overlap_return_sms)
+                                                     args.overlap_return_sms, split_costs(args.split_records),
+                                                     args.overlap_dispatch_sms)]
+    print_table(rows, args.link_gbps, args.overlap_sms, args.overlap_return_sms, args.overlap_dispatch_sms)
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
     if args.check:

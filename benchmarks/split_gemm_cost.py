@@ -1,6 +1,6 @@
 """What running a grouped GEMM in two launches over one layout costs, on one GPU: expert
 parallelism's own tiles and the others' (`transport.common.own_tiles_split`, with
-`MoKConfig.overlap_comm_sms` / `overlap_return_sms`) against one launch over all of them. The
+`MoKConfig.overlap_dispatch_sms` / `overlap_return_sms`) against one launch over all of them. The
 overlap model (`ep_model.py`) takes this cost as zero.
 
     python benchmarks/split_gemm_cost.py [--preset qwen3-30b] [--ep 2] [--out FILE]

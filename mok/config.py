@@ -23,22 +23,21 @@ class MoKConfig:
         in the forward / backward exchanges (32 reach ~90% of NVLink for peer stores on H200).
     overlap_comm_sms: 0, or the SMs an exchange gets while the layer's independent work runs
         beside it on another stream: under expert parallelism the x rows' dispatch beside the
-        shared expert's forward and the gate/up GEMM's tiles of the rank's own tokens, the dOut
-        rows' dispatch beside the shared expert's backward and the backward's copies that need
-        no dOut, and the dx rows' return beside the routed experts' weight gradients. Those
-        pushes (symmetric transport) then run on that many programs, and persistent GEMMs leave
-        that many SMs free meanwhile (a persistent grid holds every SM to its end); beside the
-        copies alone (no shared expert) the dOut dispatch keeps bwd_num_comm_sms programs. The
-        GEMMs slow by about overlap_comm_sms / SMs while the exchange hides;
-        `benchmarks/ep_model.py --overlap-sms` predicts the balance. 0 (the default, until
-        measured on two GPUs): each exchange finishes before the next work starts.
-    overlap_return_sms: the same for the forward's return of the partial y rows, beside the down
-        GEMM's tiles of the rank's own tokens (the others' tiles run first). Apart from
-        overlap_comm_sms because that work is short, 1/P of the down GEMM: the model
-        (`--overlap-return-sms`) hides the return best with more programs than the other
-        exchanges want, though the down GEMM's split, as measured on one H200, costs about what
-        it hides (docs/expert-parallelism.md). 0 (the default, until measured on two GPUs): the
-        return follows the down GEMM.
+        shared expert's forward, the dOut rows' dispatch beside the shared expert's backward and
+        the backward's copies that need no dOut, and the dx rows' return beside the routed
+        experts' weight gradients. Those pushes (symmetric transport) then run on that many
+        programs, and persistent GEMMs leave that many SMs free meanwhile (a persistent grid
+        holds every SM to its end); beside the copies alone (no shared expert) the dOut dispatch
+        keeps bwd_num_comm_sms programs. The GEMMs slow by about overlap_comm_sms / SMs while the
+        exchange hides; `benchmarks/ep_model.py --overlap-sms` predicts the balance. 0 (the
+        default, until measured on two GPUs): each exchange finishes before the next work starts.
+    overlap_dispatch_sms / overlap_return_sms: the same for the x rows' dispatch beside the
+        gate/up GEMM's tiles of the rank's own tokens too (with the shared expert's forward; where
+        the precision's gate/up GEMM reads the received rows as they came: bf16, fp8_block), and
+        for the partial y rows' return beside the down GEMM's own tiles (the others' run first).
+        Each runs its GEMM in two launches, which as measured on one H200 costs about what it
+        hides (docs/expert-parallelism.md); their own counts, because the work beside them is
+        short (1/P of a GEMM). 0 (the default, until measured on two GPUs): one launch.
     schedule_capacity_multiplier: worst-case share of all routes one rank may receive,
         relative to an even split; sizes buffers and grids without a host sync. None means
         the exact worst case (every route of every rank to one rank), which never overflows.
@@ -61,6 +60,7 @@ class MoKConfig:
     fwd_num_comm_sms: int = 32
     bwd_num_comm_sms: int = 32
     overlap_comm_sms: int = 0
+    overlap_dispatch_sms: int = 0
     overlap_return_sms: int = 0
     schedule_capacity_multiplier: float | None = None
     strict: bool = False
@@ -76,7 +76,7 @@ class MoKConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
-        for name in ("overlap_comm_sms", "overlap_return_sms"):
+        for name in ("overlap_comm_sms", "overlap_dispatch_sms", "overlap_return_sms"):
             overlap = getattr(self, name)
             if not isinstance(overlap, int) or isinstance(overlap, bool) or overlap < 0:
                 raise ValueError(f"{name}: expected an int >= 0, got {overlap!r}")

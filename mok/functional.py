@@ -28,7 +28,7 @@ import copy
 import dataclasses
 import functools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -442,16 +442,24 @@ def _reference_call(fn, config, workspace, schedule, x, topk_weights, ws_gate, w
         return fn(*args, swiglu_limit=swiglu_limit, routed_x=routed_x)
 
 
+class ForwardOverlap(NamedTuple):
+    """A forward's SMs for the exchanges that run beside other work (`MoKConfig`'s fields of the
+    same names; 0: the exchange finishes before the work)."""
+
+    comm_sms: int = 0  # the x dispatch beside the shared expert (overlap_comm_sms)
+    dispatch_sms: int = 0  # the x dispatch beside the gate/up GEMM's own tiles too (overlap_dispatch_sms)
+    return_sms: int = 0  # the y return beside the down GEMM's own tiles (overlap_return_sms)
+
+
 def _routed_forward(routed_recipe, schedule, x, topk_weights, routed, swiglu_limit, needs_backward, beside,
-                    overlap_sms, return_sms):
+                    overlap: ForwardOverlap):
     """(y, route_row, combine weights, what the backward reads, what `beside()` returned): y
     [T·topk, H] of the routed experts in route slots and route_row None, or where the recipe has
     `sorted_outputs` y [capacity_rows, H] in the sorted layout and route_row [T·topk] each route's
     row of it (also kept for the backward's dx); the weights are topk_weights. Under expert
     parallelism the token rows travel to the experts' ranks and y comes back (`_per_rank_forward`).
     `beside` (None: nothing) is work that does not need the routed experts: it runs beside the
-    dispatch where `overlap_sms` (`MoKConfig.overlap_comm_sms`) says so; `return_sms`
-    (`MoKConfig.overlap_return_sms`) likewise for y's return."""
+    dispatch where `overlap` says so."""
     dispatch = schedule.dispatch
     topk = topk_weights.shape[1]
     if dispatch is None:
@@ -462,7 +470,7 @@ def _routed_forward(routed_recipe, schedule, x, topk_weights, routed, swiglu_lim
         route_row = schedule.routing.route_row if sorted_rows else None
         return y, route_row, topk_weights, SavedActivations(routed_saved, route_row=route_row), _run(beside)
     return _per_rank_forward(routed_recipe, schedule, x, topk_weights, routed, swiglu_limit, needs_backward, beside,
-                             overlap_sms, return_sms)
+                             overlap)
 
 
 def _run(work):
@@ -471,38 +479,39 @@ def _run(work):
 
 
 def _per_rank_forward(routed_recipe, schedule, x, topk_weights, routed, swiglu_limit, needs_backward, beside,
-                      overlap_sms, return_sms):
+                      overlap: ForwardOverlap):
     """`_routed_forward` with each token row sent once per (token, rank) (`mok.transport`): each
     received row is a token with topk = k_l, whose routes the expert's rank sums (Σ_q w·y,
     ascending q, fp32, one bf16 row); y is [P·C, H] of those partial rows back at the source,
     route_row the pairs' rows (token_slot [T·P]) and the combine weights ones [T, P]. `beside`
-    runs while the x rows travel. The GEMMs' tiles of this rank's own tokens hide exchanges
-    (`own_tiles_split`): with `overlap_sms` the gate/up GEMM's run while the peers' x rows arrive,
-    where the recipe can (`gate_up_while_arriving`); with `return_sms` the down GEMM's run last,
-    while the peers' partial rows go back."""
+    runs while the x rows travel (`overlap.comm_sms`). The GEMMs' tiles of this rank's own tokens
+    hide exchanges (`own_tiles_split`): with `overlap.dispatch_sms` the gate/up GEMM's run (with
+    `beside`) while the peers' x rows arrive, where the recipe can (`gate_up_while_arriving`);
+    with `overlap.return_sms` the down GEMM's run last, while the peers' partial rows go back."""
     dispatch = schedule.dispatch
     k_l = dispatch.routes_per_row
     landed = {}  # the exchange's received rows ("x") and their routes' weights ("weights")
     arriving = returning = None
-    if overlap_sms or return_sms:
+    split_gate_up = overlap.dispatch_sms > 0 and routed_recipe.gate_up_while_arriving()
+    if split_gate_up or overlap.return_sms:
         own, others = own_tiles_split(schedule.routing, dispatch.rank, dispatch.send_capacity * k_l)
-    if return_sms:
-        returning, returned = _returning_rows(dispatch, own, others, landed, x.shape[1], return_sms)
-    if overlap_sms and routed_recipe.gate_up_while_arriving():
-        rows_now, finish = dispatch.start_dispatch_split(x, topk_weights, overlap_sms)
+    if overlap.return_sms:
+        returning, returned = _returning_rows(dispatch, own, others, landed, x.shape[1], overlap.return_sms)
+    if split_gate_up:
+        rows_now, finish = dispatch.start_dispatch_split(x, topk_weights, overlap.dispatch_sms)
 
         def land():
             landed["x"], landed["weights"] = finish_now(finish, x.device)
             return landed["x"]
 
-        arriving = ArrivingRows(own, others, rows_now, land, overlap_sms)
+        arriving = ArrivingRows(own, others, rows_now, land, overlap.dispatch_sms)
         with arriving.before_landing():
             beside_result = _run(beside)
     else:
         # [P·C, H] (or e4m3 rows and their scales: the recipe's `sends_fp8_rows`), [P·C, k_l]
         (landed["x"], landed["weights"]), beside_result = exchange_beside(
             lambda programs: dispatch.start_dispatch(x, topk_weights, programs), lambda: _run(beside), x.device,
-            overlap_sms if beside is not None else 0,
+            overlap.comm_sms if beside is not None else 0,
         )
     y_routes, routed_saved = routed_recipe.forward(
         None if arriving else landed["x"], routed, schedule.routing, k_l, dispatch.num_expert_rows * k_l,
@@ -546,7 +555,7 @@ def _sum_received_routes(y_routes, expert_weights, dispatch, rows: slice, out) -
 
 
 def _triton_forward(routed_recipe, schedule, x, topk_weights, shared, routed, swiglu_limit, needs_backward,
-                    overlap_sms=0, return_sms=0):
+                    overlap: ForwardOverlap = ForwardOverlap()):
     """out and what the backward reads (None without `needs_backward`): the recipes' saved
     pre-activations of every routed row and of the shared expert's. `routed` as the recipe's
     `prepare_weights` gives them."""
@@ -561,7 +570,7 @@ def _triton_forward(routed_recipe, schedule, x, topk_weights, shared, routed, sw
 
     y, route_row, weights, saved, shared_result = _routed_forward(
         routed_recipe, schedule, x, topk_weights, routed, swiglu_limit, needs_backward,
-        shared_forward if shared[0] is not None else None, overlap_sms, return_sms,
+        shared_forward if shared[0] is not None else None, overlap,
     )
     y_shared = None
     if shared_result is not None:
@@ -600,7 +609,9 @@ def _forward_checked(config, workspace, schedule, x, topk_weights, shared, route
         routed_recipe = recipe(config.precision)
         routed = routed_recipe.prepare_weights(*routed)
         out, saved = _triton_forward(routed_recipe, schedule, x, topk_weights, shared, routed, swiglu_limit,
-                                     needs_backward, config.overlap_comm_sms, config.overlap_return_sms)
+                                     needs_backward, ForwardOverlap(config.overlap_comm_sms,
+                                                                    config.overlap_dispatch_sms,
+                                                                    config.overlap_return_sms))
         if config.strict:
             check_errors(workspace)
         workspace.error_copy.take(workspace.error_flag)

@@ -326,10 +326,10 @@ def test_bad_variants_are_argparse_errors(argv, message, capsys):
 @pytest.mark.parametrize(
     "argv, world_size, message",
     [
-        (["--overlap", "4,8"], 1, "--overlap: expert parallelism only"),
-        (["--overlap", "4"], 2, "expected C,C_Y, two ints >= 0, got '4'"),
-        (["--overlap", "4,-1"], 2, "expected C,C_Y, two ints >= 0"),
-        (["--impl", "mok,mok-overlap"], 2, "give its SMs with --overlap C,C_Y"),
+        (["--overlap", "4,0,8"], 1, "--overlap: expert parallelism only"),
+        (["--overlap", "4,8"], 2, "expected C,C_X,C_Y, three ints >= 0, got '4,8'"),
+        (["--overlap", "4,0,-1"], 2, "expected C,C_X,C_Y, three ints >= 0"),
+        (["--impl", "mok,mok-overlap"], 2, "give its SMs with --overlap C,C_X,C_Y"),
     ],
 )
 def test_bad_overlaps_are_argparse_errors(argv, world_size, message, capsys):
@@ -339,13 +339,13 @@ def test_bad_overlaps_are_argparse_errors(argv, world_size, message, capsys):
 
 
 def test_overlap_adds_mok_overlap_with_its_sms():
-    """--overlap C,C_Y under expert parallelism: mok-overlap joins the default implementations,
-    its cases carry (C, C_Y); without it the default leaves mok-overlap out."""
-    settings, _ = cli.parse_settings(["--device", "cpu", "--preset", "tiny", "--overlap", "7,13"], world_size=2)
-    assert settings.overlap == (7, 13) and settings.impls[-1] == "mok-overlap", settings.impls
+    """--overlap C,C_X,C_Y under expert parallelism: mok-overlap joins the default implementations,
+    its cases carry (C, C_X, C_Y); without it the default leaves mok-overlap out."""
+    settings, _ = cli.parse_settings(["--device", "cpu", "--preset", "tiny", "--overlap", "7,0,13"], world_size=2)
+    assert settings.overlap == (7, 0, 13) and settings.impls[-1] == "mok-overlap", settings.impls
     cases = runner.plan(settings.presets, settings.impls, settings.precisions, settings.passes, expert_parallel=True,
                         overlap=settings.overlap)
-    expected = {"torch-ep-nccl": (), "mok": (), "mok-nccl": (), "mok-overlap": (7, 13)}
+    expected = {"torch-ep-nccl": (), "mok": (), "mok-nccl": (), "mok-overlap": (7, 0, 13)}
     assert {c.impl: c.overlap for c in cases} == expected
     plain, _ = cli.parse_settings(["--device", "cpu", "--preset", "tiny"], world_size=2)
     assert "mok-overlap" not in plain.impls and plain.overlap == ()

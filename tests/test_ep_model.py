@@ -46,8 +46,8 @@ def test_model_runs_and_matches_the_ep2_record(tmp_path, capsys):
 
 def test_built_overlap_hides_the_x_dispatch_and_dx_return_and_costs_the_gemms_the_held_sms():
     """The built column: with no overlap SMs it is the serial step; at a C where the x dispatch
-    fits under the gate/up GEMM's own tiles (1/P of it) and the dx return under the routed wgrads,
-    both at C programs, it hides most of them; holding many SMs slows the GEMMs beside them by
+    fits under the gate/up GEMM's own tiles (1/P of it, with overlap_dispatch_sms) and the dx return
+    under the routed wgrads, both at C programs, it hides most of them; holding many SMs slows the GEMMs beside them by
     W·C/(S − C). Without a shared expert the dOut dispatch has x's sorted copy beside it (its HBM
     bytes at the copy rate), at 32 programs and no SM held."""
     model = _model()
@@ -65,7 +65,10 @@ def test_built_overlap_hides_the_x_dispatch_and_dx_return_and_costs_the_gemms_th
     copy_ms = (routes + received) * preset.hidden_size * 2 / (model.HBM_GBPS * 1e6)
     assert 0 < copy_ms < d_out_ms, "the copy hides part of the dOut dispatch"
     expected = serial - dx_ms - x_ms + (wgrad_ms + own_gate_up_ms) * (slowed - 1) - copy_ms
-    assert abs(model.built_ms(8.0, sent, 341.0, preset, held, 2) - expected) < 1e-9
+    assert abs(model.built_ms(8.0, sent, 341.0, preset, held, 2, dispatch_sms=held) - expected) < 1e-9
+    # without overlap_dispatch_sms qwen3-30b has nothing beside the x dispatch: it stays serial
+    assert abs(model.built_ms(8.0, sent, 341.0, preset, held, 2) - (expected + x_ms - own_gate_up_ms * (slowed - 1))
+               ) < 1e-9
     assert model.built_ms(8.0, sent, 341.0, preset, 66, 2) > serial, "half the SMs held costs more than the exchanges"
 
 
@@ -90,17 +93,17 @@ def test_built_overlap_returns_y_beside_the_own_down_tiles_at_its_own_programs()
 def test_built_overlap_charges_the_measured_split_of_each_gemm():
     """A GEMM run in two launches costs the measured fraction of its time (its share of the step
     by FLOPs: gate/up 2/3, down 1/3 of the routed forward, a third of the step): the gate/up
-    GEMM's with overlap_comm_sms, the down GEMM's with overlap_return_sms; the records load."""
+    GEMM's with overlap_dispatch_sms, the down GEMM's with overlap_return_sms; the records load."""
     model = _model()
     preset = model.MODEL_PRESETS["qwen3-30b"]
     sent = {"x": 68_000_000, "y": 67_000_000, "d_out": 67_000_000, "dx": 67_000_000}
     cost = {"gate_up": 0.1, "down": 0.3}
     third = 8.0 / 3  # no shared expert: the routed forward is a third of the step
-    for overlap, returning, extra in ((8, 0, 0.1 * third * 2 / 3), (0, 16, 0.3 * third / 3),
-                                      (8, 16, 0.1 * third * 2 / 3 + 0.3 * third / 3), (0, 0, 0.0)):
-        free = model.built_ms(8.0, sent, 341.0, preset, overlap, 2, returning)
-        paid = model.built_ms(8.0, sent, 341.0, preset, overlap, 2, returning, "bf16", cost)
-        assert abs(paid - free - extra) < 1e-9, (overlap, returning, paid - free, extra)
+    for dispatch, returning, extra in ((8, 0, 0.1 * third * 2 / 3), (0, 16, 0.3 * third / 3),
+                                       (8, 16, 0.1 * third * 2 / 3 + 0.3 * third / 3), (0, 0, 0.0)):
+        free = model.built_ms(8.0, sent, 341.0, preset, 4, 2, returning, dispatch_sms=dispatch)
+        paid = model.built_ms(8.0, sent, 341.0, preset, 4, 2, returning, "bf16", cost, dispatch)
+        assert abs(paid - free - extra) < 1e-9, (dispatch, returning, paid - free, extra)
     costs = model.split_costs(model.SPLIT_RECORDS)
     measured = model.split_cost_for(costs, "qwen3-30b", 3, "fp8")
     assert set(measured) == {"gate_up", "down"} and all(v > -0.5 for v in measured.values()), measured

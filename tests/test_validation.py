@@ -83,6 +83,7 @@ def test_device_mismatch_is_named():
         (dict(fwd_num_comm_sms=2.5), r"^fwd_num_comm_sms: expected a positive int"),
         (dict(overlap_comm_sms=-1), r"^overlap_comm_sms: expected an int >= 0, got -1"),
         (dict(overlap_return_sms=True), r"^overlap_return_sms: expected an int >= 0, got True"),
+        (dict(overlap_dispatch_sms=1.5), r"^overlap_dispatch_sms: expected an int >= 0, got 1.5"),
         (dict(schedule_capacity_multiplier=0.5), r"^schedule_capacity_multiplier: expected None or a number >= 1"),
     ],
 )

@@ -7,7 +7,7 @@ Examples:
     python -m mok.bench --preset qwen3-30b --variant persistent_down_wgrad_max_inter=0
                                                           # mok and mok-variant in turns: an A/B in one run
     torchrun --nproc-per-node 2 -m mok.bench --preset qwen3-30b   # expert parallelism over 2 GPUs
-    torchrun --nproc-per-node 2 -m mok.bench --preset qwen3-30b --overlap 7,13
+    torchrun --nproc-per-node 2 -m mok.bench --preset qwen3-30b --overlap 3,0,0
                                                           # and mok-overlap in turns with mok
     python -m mok.bench --preset qwen3-30b --out benchmarks/results   # a record for the repository
 
@@ -99,9 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="also time mok as mok-variant, with the kernel plan's field (mok.kernels.plan.KernelPlan) "
                            "set to the Python literal VALUE during its calls (repeatable), e.g. "
                            "persistent_down_wgrad_max_inter=0; one GPU only")
-    what.add_argument("--overlap", metavar="C,C_Y",
-                      help="under expert parallelism, also time mok as mok-overlap with "
-                           "MoKConfig(overlap_comm_sms=C, overlap_return_sms=C_Y), in turns with mok")
+    what.add_argument("--overlap", metavar="C,C_X,C_Y",
+                      help="under expert parallelism, also time mok as mok-overlap with MoKConfig(overlap_comm_sms=C, "
+                           "overlap_dispatch_sms=C_X, overlap_return_sms=C_Y), in turns with mok")
     what.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                       help="auto: CUDA when available (default: auto)")
     shape = p.add_argument_group("custom shape (any of these implies --preset custom; the rest default to tiny's, "
@@ -145,7 +145,7 @@ class Settings:
     seed: int
     ep: int = 1  # expert-parallel ranks (P); 1: one device
     variant: tuple[tuple[str, object], ...] = ()  # mok-variant's kernel-plan (field, value)
-    overlap: tuple[int, ...] = ()  # mok-overlap's (overlap_comm_sms, overlap_return_sms)
+    overlap: tuple[int, ...] = ()  # mok-overlap's (overlap_comm_sms, overlap_dispatch_sms, overlap_return_sms)
 
 
 def _world_size() -> int:
@@ -234,7 +234,7 @@ def parse_settings(
     if overlap and "mok-overlap" not in impls:
         impls.append("mok-overlap")
     if "mok-overlap" in impls and not overlap:
-        parser.error("--impl mok-overlap: give its SMs with --overlap C,C_Y")
+        parser.error("--impl mok-overlap: give its SMs with --overlap C,C_X,C_Y")
     bad = [i for i in impls if i not in registry]
     if bad:
         where = f" (under {ep} expert-parallel ranks)" if ep > 1 else ""
@@ -258,14 +258,14 @@ def parse_settings(
     return settings, args
 
 
-def _parse_overlap(text: str, ep: int, parser: argparse.ArgumentParser) -> tuple[int, int]:
-    """(C, C_y) of --overlap C,C_Y."""
+def _parse_overlap(text: str, ep: int, parser: argparse.ArgumentParser) -> tuple[int, int, int]:
+    """(C, C_x, C_y) of --overlap C,C_X,C_Y."""
     if ep == 1:
         parser.error("--overlap: expert parallelism only (run under torchrun with several ranks)")
     parts = text.split(",")
-    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
-        parser.error(f"--overlap: expected C,C_Y, two ints >= 0, got {text!r}")
-    return int(parts[0]), int(parts[1])
+    if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
+        parser.error(f"--overlap: expected C,C_X,C_Y, three ints >= 0, got {text!r}")
+    return int(parts[0]), int(parts[1]), int(parts[2])
 
 
 @contextlib.contextmanager

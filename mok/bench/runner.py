@@ -170,10 +170,11 @@ EP_CAPACITY_MULTIPLIER = 1.25
 
 
 def _make_mok_ep(inp: MoEInputs, precision: str, group: dist.ProcessGroup, transport: str = "auto",
-                 overlap: tuple[int, ...] = (0, 0)) -> Impl:
-    """mok over `group`; `overlap`: (MoKConfig.overlap_comm_sms, overlap_return_sms)."""
+                 overlap: tuple[int, ...] = (0, 0, 0)) -> Impl:
+    """mok over `group`; `overlap`: MoKConfig's (overlap_comm_sms, overlap_dispatch_sms, overlap_return_sms)."""
     config = mok.MoKConfig(precision=precision, schedule_capacity_multiplier=EP_CAPACITY_MULTIPLIER,
-                           transport=transport, overlap_comm_sms=overlap[0], overlap_return_sms=overlap[1])
+                           transport=transport, overlap_comm_sms=overlap[0], overlap_dispatch_sms=overlap[1],
+                           overlap_return_sms=overlap[2])
     (num_tokens, hidden), topk = inp.x.shape, inp.topk_ids.shape[1]
     workspace = mok.get_workspace(config, group, device=inp.x.device, num_local_tokens=num_tokens,
                                   hidden_size=hidden, topk=topk)
@@ -236,7 +237,7 @@ BASELINE, EP_BASELINE = "torch-eager", "torch-ep-nccl"
 class Case:
     """One implementation in one precision on one preset, for the given passes (and for
     `mok-variant`, the kernel-plan (field, value) settings it runs under; for `mok-overlap`,
-    its (MoKConfig.overlap_comm_sms, overlap_return_sms))."""
+    MoKConfig's (overlap_comm_sms, overlap_dispatch_sms, overlap_return_sms))."""
 
     preset: Preset
     impl: str

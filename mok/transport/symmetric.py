@@ -125,6 +125,7 @@ class SymmetricTransport(RouteCapacity):
         check_same_across_ranks(group, {"config.fwd_num_comm_sms": config.fwd_num_comm_sms,
                                         "config.bwd_num_comm_sms": config.bwd_num_comm_sms,
                                         "config.overlap_comm_sms": config.overlap_comm_sms,
+                                        "config.overlap_dispatch_sms": config.overlap_dispatch_sms,
                                         "config.overlap_return_sms": config.overlap_return_sms}, device)
         num_ranks, capacity = self.world_size, self.token_capacity()
         rows, routes = num_ranks * capacity, num_ranks * capacity * topk  # k_l <= topk: the most routes

@@ -47,7 +47,7 @@ def _rank(rank: int, world_size: int, out_dir: str) -> tuple[int, dict]:
     with rank 1 slowed down, and the baseline's (got, want) pairs."""
     spec = runner.EP_IMPLS["torch-ep-nccl"]
     runner.EP_IMPLS["torch-ep-nccl"] = runner.ImplSpec(_slow_on_rank(1, spec.make), spec.precision)
-    return cli.main([*FAST, "--overlap", "4,8", "--out", out_dir]), _baseline_pairs(rank, world_size)
+    return cli.main([*FAST, "--overlap", "4,2,8", "--out", out_dir]), _baseline_pairs(rank, world_size)
 
 
 @pytest.fixture(scope="module")
@@ -69,9 +69,9 @@ def test_bench_under_expert_parallelism(ranks):
     rows = {(r["impl"], r["pass"]): r for r in rec["results"]}
     impls = ("torch-ep-nccl", "mok", "mok-nccl", "mok-overlap")
     assert set(rows) == {(i, p) for i in impls for p in ("fwd", "fwd+bwd")}, list(rows)
-    assert rec["settings"]["overlap"] == [4, 8]
+    assert rec["settings"]["overlap"] == [4, 2, 8]
     config = rows[("mok-overlap", "fwd")]["extra"]["config"]
-    assert (config["overlap_comm_sms"], config["overlap_return_sms"]) == (4, 8), config
+    assert (config["overlap_comm_sms"], config["overlap_dispatch_sms"], config["overlap_return_sms"]) == (4, 2, 8), config
     assert rows[("mok", "fwd")]["extra"]["config"]["overlap_comm_sms"] == 0
     max_err, min_cos = TOLERANCES["bf16"]
     for (impl, pass_), r in rows.items():

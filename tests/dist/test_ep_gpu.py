@@ -139,7 +139,7 @@ def _low_precision_worker(rank: int, world_size: int) -> list[str]:
     bf16 runs too (on two GPUs `_layer_worker` has it). Each also with the exchanges beside other
     work on a side stream (overlap_comm_sms = 4; bf16 and fp8_block: the gate/up GEMM's own tiles
     before the peers' rows, four a local expert) and the y return beside the down GEMM's own tiles
-    (overlap_return_sms = 8): bitwise the same. Collectives first, comparisons
+    (overlap_dispatch_sms = 4, overlap_return_sms = 8): bitwise the same. Collectives first, comparisons
     after."""
     one_gpu = dist.get_backend() == "gloo"
     torch.cuda.set_device(0 if one_gpu else rank)
@@ -153,7 +153,7 @@ def _low_precision_worker(rank: int, world_size: int) -> list[str]:
             for overlap in (0, 4):
                 config = mok.MoKConfig(backend="triton", precision=precision, schedule_capacity_multiplier=1.25,
                                        transport=transport, overlap_comm_sms=overlap,
-                                       overlap_return_sms=2 * overlap)
+                                       overlap_dispatch_sms=overlap, overlap_return_sms=2 * overlap)
                 results[precision, transport, overlap] = _two_steps(config, group, g, args, d_out, E_l,
                                                                     no_host_sync=not one_gpu)[:2]
     # the reference on the CPU (gloo's collectives take CPU tensors everywhere)
@@ -193,14 +193,14 @@ def _shared_gpu_symmetric_worker(rank: int, world_size: int) -> list[str]:
     """Both ranks on GPU 0 (gloo group) through the symmetric transport, if symmetric memory
     lets two processes share a device (else one message starting "unsupported"): bf16 with a
     shared expert against the EP reference; steps under set_sync_debug_mode("error"), without
-    and with the exchanges beside other work (overlap_comm_sms, overlap_return_sms), bitwise the first; and the
+    and with the exchanges beside other work (every overlap_*_sms), bitwise the first; and the
     latter captured in a CUDA graph, whose replay gives it again."""
     torch.cuda.set_device(0)
     group = dist.group.WORLD
     T, H, I, E_l, topk, I_s = 512 + 64 * rank, 512, 256, 4, 4, 256
     g, routed, shared, d_out, args = _rank_inputs(rank, world_size, T, H, I, E_l, topk, I_s, seed=20 + rank)
     config = mok.MoKConfig(backend="triton", transport="symmetric")
-    overlap = dataclasses.replace(config, overlap_comm_sms=4, overlap_return_sms=8)
+    overlap = dataclasses.replace(config, overlap_comm_sms=4, overlap_dispatch_sms=4, overlap_return_sms=8)
     try:
         ws = mok.create_workspace(config, group, device="cuda", num_local_tokens=T, hidden_size=H, topk=topk)
     except Exception as err:  # noqa: BLE001 - the answer to "does symmetric memory allow it"

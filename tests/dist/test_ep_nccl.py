@@ -145,7 +145,7 @@ def _check_case(case: Case, num_ranks: int, rank: int, group, seed: int, run_twi
             for spare in ((0, 0, 7) if run_twice else (0,))]
     # the exchanges beside the shared expert and the weight gradients, the GEMMs' own tiles beside
     # the peers' x rows and partial rows (on CPU in order): bitwise the same
-    overlapped = dataclasses.replace(config, overlap_comm_sms=4, overlap_return_sms=5)
+    overlapped = dataclasses.replace(config, overlap_comm_sms=4, overlap_dispatch_sms=3, overlap_return_sms=5)
     overlap = _run_triton(overlapped, group, x, ids, topk_weights, routed, shared, d_out,
                           case.swiglu_limit) if overlap else None
     if case.precision == "fp8_block":  # quantized after the exchange instead of before: bitwise the same
@@ -188,7 +188,7 @@ def _check_case(case: Case, num_ranks: int, rank: int, group, seed: int, run_twi
     again = [(how, run) for how, run in zip(("run to run", "with a larger capacity"), runs[1:])]
     if overlap is not None:
         assert overlap[3] == peer_bytes, f"the overlap moved {overlap[3]} bytes, not {peer_bytes} {ctx}"
-        again.append(("with overlap_comm_sms=4, overlap_return_sms=5", overlap))
+        again.append(("with the overlaps (4, 3, 5)", overlap))
     # both launches of the split GEMMs have tiles (an expert gets about T·topk / (E_l·P) = 120 / P own
     # routes: whole 32-row tiles of them up to P = 3)
     if case.name.startswith("own tiles first") and num_ranks <= 3:
