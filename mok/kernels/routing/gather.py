@@ -243,11 +243,9 @@ def gather_sorted_rows(
     def copy() -> torch.Tensor:
         return torch.empty(schedule.capacity_rows, hidden, dtype=torch.bfloat16, device=device)  # [capacity_rows, H]
 
-    x_sorted, d_out_sorted = (None if t is None else copy() for t in (x, d_out))
-    dy_sorted = None if topk_weights is None else copy()
-    stand_in = rows  # passed for what is absent: unread, unwritten
-    sources = (stand_in if x is None else x, stand_in if d_out is None else d_out,
-               stand_in if topk_weights is None else topk_weights)
+    x_sorted, d_out_sorted, dy_sorted = (None if t is None else copy() for t in (x, d_out, topk_weights))
+    # what is absent gets a stand-in, unread and unwritten: the token rows, the first copy
+    sources = tuple(rows if t is None else t for t in (x, d_out, topk_weights))
     first = x_sorted if x_sorted is not None else d_out_sorted
     copies = tuple(first if t is None else t for t in (x_sorted, d_out_sorted, dy_sorted))
     strides = (sources[0].stride(0), sources[1].stride(0), first.stride(0))
